@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Debian packages pdops's lab, tests and demo need on a fresh machine (run as root).
+# Installs only what is missing; never starts a service on the machine itself.
+set -euo pipefail
+need=()
+for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
+done
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+  echo "setup-system: missing Debian packages: ${need[*]}; run as root: apt-get install -y ${need[*]}" >&2
+  exit 1
+fi
+# Package scripts must not start sshd/haproxy on this machine's own addresses:
+# a policy-rc.d that denies every start, removed again afterwards (only if we made it).
+made_policy=0
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+  chmod 755 /usr/sbin/policy-rc.d
+  made_policy=1
+fi
+trap '[ $made_policy = 1 ] && rm -f /usr/sbin/policy-rc.d' EXIT
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends "${need[@]}"
