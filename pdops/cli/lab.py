@@ -1,0 +1,61 @@
+"""Lab: a cluster of real systemd + sshd test hosts on this machine (see LAB.md)."""
+
+from __future__ import annotations
+
+from invoke import task
+
+from pdops import lab as lab_api
+from pdops.cli import cli_errors
+
+
+@task(help={"hosts": f"how many lab hosts to boot (1..{lab_api.MAX_HOSTS}, default 4)"})
+@cli_errors
+def up(c, hosts=4):
+    """Boot lab hosts lab01..labNN on 127.0.10.1..N (only those not up) and write the inventory."""
+    n = lab_api.validate_host_count(hosts)
+    print(f"lab: bringing up {n} host(s) in {lab_api.resolve_lab_dir()} ...", flush=True)
+    result = lab_api.up(n)
+    for line in lab_api.format_status(result):
+        print("  " + line)
+    if result.changed:
+        action = f"booted {len(result.booted)}"
+        if result.cleaned:
+            action += f", cleaned up {len(result.cleaned)} killed abruptly"
+        if result.inventory_changed:
+            action += ", inventory written"
+    else:
+        action = "all already up, inventory current: nothing changed"
+    print(lab_api.summary_line(result, action))
+    print(f"inventory: {lab_api.inventory_path()}")
+    print(f"ssh key:   {lab_api.ssh_key_path()}   (ssh -i <key> root@127.0.10.1)")
+
+
+@task
+@cli_errors
+def down(c):
+    """Power every lab host off over SSH (kill its recorded PID if it hangs), remove its cgroups."""
+    result = lab_api.down()
+    if not result:
+        print("lab: no lab hosts recorded or running: nothing to do")
+        return
+    for line in lab_api.format_status(result):
+        print("  " + line)
+    left = lab_api.lab_processes()
+    dirs = lab_api.lab_cgroup_dirs()
+    print(
+        f"{len(result)} lab host(s) stopped; lab processes left: {len(left)}, "
+        f"pdops-lab cgroup dirs left: {len(dirs)}"
+    )
+
+
+@task
+@cli_errors
+def status(c):
+    """Show each lab host: up or down, PID, systemd state, sshd answering."""
+    result = lab_api.status()
+    if not result:
+        print(f"lab: no lab hosts in {lab_api.resolve_lab_dir()} (inv lab.up boots them)")
+        return
+    for line in lab_api.format_status(result):
+        print("  " + line)
+    print(lab_api.summary_line(result))

@@ -1,0 +1,461 @@
+"""Inventory: hosts, GPUs, NICs, gateway and port settings, model profile.
+
+An inventory is an Ansible YAML inventory (`ansible-inventory -i inventory/<name> --list`
+reads it) with pdops's variables. `load_inventory` reads it and validates everything
+before any host is touched; every error names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdops.errors import InvalidInput
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+ENGINES = ("sglang", "sim")
+LINK_LAYERS = ("RoCE", "IB")
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# Mooncake's RPC port range (SGLANG.md): instance ports must stay clear of it.
+MOONCAKE_RPC_PORTS = range(15000, 17001)
+
+
+@dataclass(frozen=True)
+class Nic:
+    device: str
+    netdev: str
+    link_layer: str
+    gid_index: int
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    ssh_addr: str
+    data_addr: str
+    gpu_count: int
+    gpu_model: str
+    gpu_memory_gib: float
+    nics: tuple[Nic, ...]
+
+    def nic_for_gpu(self, gpu: int) -> Nic:
+        for nic in self.nics:
+            if gpu in nic.gpus:
+                return nic
+        raise InvalidInput(f"hosts.{self.name}.pdops_nics", f"GPU {gpu} has no RDMA device mapped",
+                           fix=f"add GPU {gpu} to the `gpus` list of the NIC that serves it")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    model_path: str
+    served_model_name: str
+    tp: int
+    ep: int
+    pp: int
+    transfer_backend: str
+    decode_allocation_policy: str
+    bundle: dict
+    workload: dict
+    model_shape: dict
+    extra_args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Gateway:
+    host: str
+    addr: str
+    port: int
+    prometheus_port: int
+    api_key_file: str | None
+    max_concurrent_requests: int
+    queue_size: int
+    health_check_interval_secs: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Ports:
+    http_base: int
+    bootstrap_base: int
+    dist_init_base: int
+    # Each instance slot on a host gets base + stride * slot for each kind of port;
+    # SGLang derives further internal ports from the dist-init port, so keep a gap.
+    stride: int = 10
+
+
+@dataclass(frozen=True)
+class Inventory:
+    cluster: str
+    path: Path
+    engine: str
+    profile: Profile
+    hosts: tuple[Host, ...]
+    gateway: Gateway
+    ports: Ports
+    engine_python: str
+    virtual_hardware: bool
+    digest: str
+    drain_budget_s: int = 1800
+    stop_timeout_s: int = 1920
+    vars: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise InvalidInput("host", f"unknown host {name!r}", fix=f"use one of: {', '.join(h.name for h in self.hosts)}")
+
+    @property
+    def gateway_binary(self) -> str:
+        return str(Path(self.engine_python).parent / "smg")
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(h.gpu_count for h in self.hosts)
+
+
+# ---------------------------------------------------------------- reading
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidInput(str(path), f"cannot read: {exc.strerror}", fix="check the inventory path") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InvalidInput(str(path), f"YAML syntax error{where}: {problem}",
+                           fix="fix the YAML (indentation, quoting, colons) and retry") from None
+
+
+def _inventory_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".yml", ".yaml") and p.is_file())
+        if files:
+            return files
+        raise InvalidInput(str(path), "no .yml inventory file in this directory",
+                           fix="point -i at an inventory directory holding hosts.yml")
+    raise InvalidInput(str(path), "inventory not found", fix="pass -i inventory/<name> (see inventory/)")
+
+
+def _merge_inventory(docs: list[tuple[Path, Any]]) -> tuple[dict, dict]:
+    """Merge Ansible YAML inventory files into (all vars, {host: hostvars})."""
+    all_vars: dict = {}
+    hosts: dict[str, dict] = {}
+
+    def walk(group: dict, where: str, inherited: dict) -> None:
+        if not isinstance(group, dict):
+            raise InvalidInput(where, "must be a mapping", fix="see inventory/lab/hosts.yml for the shape")
+        gvars = dict(inherited)
+        gvars.update(group.get("vars") or {})
+        for name, hv in (group.get("hosts") or {}).items():
+            merged = dict(gvars)
+            merged.update(hv or {})
+            if name in hosts:
+                raise InvalidInput(f"{where}.hosts.{name}", "host listed twice",
+                                   fix="each host name must appear once in the inventory")
+            hosts[name] = merged
+        for cname, child in (group.get("children") or {}).items():
+            walk(child or {}, f"{where}.children.{cname}", gvars)
+
+    for path, doc in docs:
+        if doc is None:
+            continue
+        if not isinstance(doc, dict) or "all" not in doc:
+            raise InvalidInput(str(path), "not an Ansible YAML inventory (no top-level `all:`)",
+                               fix="start the file with `all:` (see inventory/lab/hosts.yml)")
+        all_vars.update(doc["all"].get("vars") or {})
+        walk(doc["all"], "all", doc["all"].get("vars") or {})
+    return all_vars, hosts
+
+
+# ---------------------------------------------------------------- validation helpers
+
+def _req(d: dict, key: str, where: str, kind: type | tuple, fix: str) -> Any:
+    if key not in d or d[key] is None:
+        raise InvalidInput(f"{where}.{key}", "missing", fix=fix)
+    val = d[key]
+    if kind is int and (isinstance(val, bool) or not isinstance(val, int)):
+        raise InvalidInput(f"{where}.{key}", f"must be an integer, got {val!r}", fix=fix)
+    if kind is not int and not isinstance(val, kind):
+        raise InvalidInput(f"{where}.{key}", f"must be {getattr(kind, '__name__', kind)}, got {val!r}", fix=fix)
+    return val
+
+
+def _addr(val: Any, where: str) -> str:
+    try:
+        return str(ipaddress.ip_address(str(val)))
+    except ValueError:
+        raise InvalidInput(where, f"{val!r} is not an IP address", fix="use the host's IP address") from None
+
+
+def _port(val: Any, where: str) -> int:
+    if isinstance(val, bool) or not isinstance(val, int) or not 1024 <= val <= 65535:
+        raise InvalidInput(where, f"{val!r} is not a port in 1024-65535", fix="pick an unprivileged port number")
+    return val
+
+
+def _parse_host(name: str, hv: dict) -> Host:
+    where = f"hosts.{name}"
+    if not HOST_NAME_RE.match(name):
+        raise InvalidInput(where, f"host name {name!r} has characters pdops does not accept",
+                           fix="use letters, digits, '-', '_' and '.'")
+    ssh = _addr(_req(hv, "ansible_host", where, (str,), "set ansible_host to the SSH address"), f"{where}.ansible_host")
+    data = _addr(_req(hv, "pdops_data_addr", where, (str,), "set pdops_data_addr to the data-network address SGLang binds"),
+                 f"{where}.pdops_data_addr")
+    if data in ("0.0.0.0", "::"):
+        raise InvalidInput(f"{where}.pdops_data_addr", "a wildcard address cannot be advertised to peers",
+                           fix="use the host's data-network address")
+    gpus = _req(hv, "pdops_gpus", where, (dict,), "set pdops_gpus: {count: 8, model: ..., memory_gib: 84}")
+    count = _req(gpus, "count", f"{where}.pdops_gpus", int, "set the number of GPUs")
+    if count < 1:
+        raise InvalidInput(f"{where}.pdops_gpus.count", f"must be at least 1, got {count}", fix="set the number of GPUs")
+    model = str(_req(gpus, "model", f"{where}.pdops_gpus", (str,), "set the GPU model name as nvidia-smi prints it"))
+    mem = gpus.get("memory_gib", 0)
+    nics_raw = _req(hv, "pdops_nics", where, (list,), "list the RDMA NICs with the GPUs each serves")
+    nics = []
+    seen: dict[int, str] = {}
+    for i, n in enumerate(nics_raw):
+        nw = f"{where}.pdops_nics[{i}]"
+        if not isinstance(n, dict):
+            raise InvalidInput(nw, "must be a mapping", fix="device, netdev, link_layer, gid_index, gpus")
+        dev = _req(n, "device", nw, (str,), "set the RDMA device name (e.g. mlx5_0)")
+        netdev = _req(n, "netdev", nw, (str,), "set the netdev name (e.g. ens1f0np0)")
+        ll = _req(n, "link_layer", nw, (str,), "set link_layer: RoCE or IB")
+        if ll not in LINK_LAYERS:
+            raise InvalidInput(f"{nw}.link_layer", f"{ll!r} is not one of {LINK_LAYERS}", fix="use RoCE or IB")
+        gid = _req(n, "gid_index", nw, int, "set the GID index (RoCE v2 entry of `show_gids`)")
+        ngpus = _req(n, "gpus", nw, (list,), "list the GPU indices this NIC serves")
+        for g in ngpus:
+            if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < count:
+                raise InvalidInput(f"{nw}.gpus", f"GPU index {g!r} is not in 0..{count - 1}", fix="use GPU indices of this host")
+            if g in seen:
+                raise InvalidInput(f"{nw}.gpus", f"GPU {g} is already served by {seen[g]}", fix="map each GPU to one NIC")
+            seen[g] = dev
+        for bad in (dev, netdev):
+            if not re.match(r"^[A-Za-z0-9_.:-]+$", bad):
+                raise InvalidInput(nw, f"{bad!r} is not a device name", fix="use the device name as the kernel shows it")
+        nics.append(Nic(dev, netdev, ll, gid, tuple(ngpus)))
+    missing = [g for g in range(count) if g not in seen]
+    if missing:
+        raise InvalidInput(f"{where}.pdops_nics", f"GPU(s) {missing} have no RDMA device mapped",
+                           fix="add each GPU index to the `gpus` list of the NIC that serves it")
+    return Host(name, ssh, data, count, model, float(mem), tuple(nics))
+
+
+def load_profile(name: str, base_dir: Path | None = None) -> Profile:
+    """Load a model profile: a name from pdops/profiles/, or a .yml path (relative to the inventory)."""
+    known = sorted(p.stem for p in PROFILES_DIR.glob("*.yml"))
+    if str(name).endswith((".yml", ".yaml")):
+        path = (base_dir or Path.cwd()) / name
+        if not path.is_file():
+            raise InvalidInput("pdops_profile", f"profile file {path} not found", fix=f"use a file that exists, or one of: {', '.join(known)}")
+    else:
+        path = PROFILES_DIR / f"{name}.yml"
+        if not re.match(r"^[A-Za-z0-9_-]+$", str(name)) or not path.is_file():
+            raise InvalidInput("pdops_profile", f"unknown profile {name!r}", fix=f"use one of: {', '.join(known)}")
+    d = _read_yaml(path)
+    where = f"profile {name}"
+    par = _req(d, "parallel", where, (dict,), "set parallel: {tp: 8, ep: 8, pp: 1}")
+    tp = _req(par, "tp", f"{where}.parallel", int, "set tp")
+    pp = _req(par, "pp", f"{where}.parallel", int, "set pp")
+    ep = par.get("ep", 1)
+    if tp < 1 or pp < 1:
+        raise InvalidInput(f"{where}.parallel", "tp and pp must be at least 1", fix="set positive tp and pp")
+    if not isinstance(d, dict):
+        raise InvalidInput(where, "must be a mapping", fix="see pdops/profiles/ for the shape")
+    roles = d.get("roles") or {}
+    if roles and not d.get("heterogeneous", False):
+        for role, rd in roles.items():
+            rp = (rd or {}).get("parallel")
+            if rp and (rp.get("tp", tp), rp.get("pp", pp)) != (tp, pp):
+                raise InvalidInput(f"{where}.roles.{role}.parallel",
+                                   f"heterogeneous P/D: {role} has tp={rp.get('tp', tp)} pp={rp.get('pp', pp)}, "
+                                   f"the profile has tp={tp} pp={pp}",
+                                   fix="P and D must share TP/PP, model and SGLang version; remove the override "
+                                       "(or set `heterogeneous: true` once that is supported)")
+    if d.get("heterogeneous", False):
+        raise InvalidInput(f"{where}.heterogeneous", "heterogeneous P/D is not supported by this pdops version",
+                           fix="use the same TP/PP for prefill and decode")
+    backend = d.get("transfer_backend", "mooncake")
+    if backend not in TRANSFER_BACKENDS:
+        raise InvalidInput(f"{where}.transfer_backend", f"{backend!r} is not one of {TRANSFER_BACKENDS}",
+                           fix="use mooncake (default) or nixl")
+    policy = d.get("decode_allocation_policy", "early")
+    if policy not in ("early", "prefill_complete"):
+        raise InvalidInput(f"{where}.decode_allocation_policy", f"{policy!r} is not early or prefill_complete",
+                           fix="use early or prefill_complete (same on both roles)")
+    return Profile(
+        name=d.get("name", name), description=d.get("description", ""),
+        model_path=_req(d, "model_path", where, (str,), "set model_path"),
+        served_model_name=d.get("served_model_name", name),
+        tp=tp, ep=ep, pp=pp, transfer_backend=backend, decode_allocation_policy=policy,
+        bundle=dict(d.get("bundle") or {}), workload=dict(d.get("workload") or {}),
+        model_shape=dict(d.get("model_shape") or {}),
+        extra_args=tuple(str(a) for a in d.get("extra_args") or ()),
+        env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
+    )
+
+
+def _resolve_engine_python(val: str) -> str:
+    if val == "auto":
+        # The project's own environment: in the lab every host sees this path.
+        return str(Path(sys.executable).absolute())
+    if not val.startswith("/"):
+        raise InvalidInput("pdops_engine_python", f"{val!r} is not an absolute path",
+                           fix="set the absolute path of the engine's python (or `auto` in the lab)")
+    return val
+
+
+def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory:
+    """Read and validate an inventory; nothing is contacted."""
+    path = Path(path)
+    files = _inventory_files(path)
+    docs = [(f, _read_yaml(f)) for f in files]
+    group_vars = path / "group_vars" / "all.yml" if path.is_dir() else None
+    all_vars, hostvars = _merge_inventory(docs)
+    if group_vars is not None and group_vars.is_file():
+        gv = _read_yaml(group_vars) or {}
+        for hv in hostvars.values():
+            for k, v in gv.items():
+                hv.setdefault(k, v)
+        for k, v in gv.items():
+            all_vars.setdefault(k, v)
+    if not hostvars:
+        raise InvalidInput(str(path), "the inventory lists no hosts", fix="add hosts under all.children.gpu_hosts.hosts")
+
+    cluster = str(all_vars.get("pdops_cluster") or path.stem)
+    if not re.match(r"^[A-Za-z0-9_.-]+$", cluster):
+        raise InvalidInput("pdops_cluster", f"{cluster!r} is not a valid cluster name", fix="letters, digits, '-', '_', '.'")
+    engine = all_vars.get("pdops_engine", "sglang")
+    if engine not in ENGINES:
+        raise InvalidInput("pdops_engine", f"{engine!r} is not one of {ENGINES}", fix="use sglang (production) or sim (lab)")
+    prof = load_profile(profile or _req(all_vars, "pdops_profile", "all.vars", (str,), "name a profile from pdops/profiles/"),
+                        path if path.is_dir() else path.parent)
+
+    hosts = tuple(_parse_host(n, hv) for n, hv in hostvars.items())
+    _check_unique(hosts)
+
+    pv = _req(all_vars, "pdops_ports", "all.vars", (dict,), "set pdops_ports: {http_base, bootstrap_base, dist_init_base}")
+    ports = Ports(
+        http_base=_port(pv.get("http_base"), "pdops_ports.http_base"),
+        bootstrap_base=_port(pv.get("bootstrap_base"), "pdops_ports.bootstrap_base"),
+        dist_init_base=_port(pv.get("dist_init_base"), "pdops_ports.dist_init_base"),
+        stride=int(pv.get("stride", 10)),
+    )
+    gv = _req(all_vars, "pdops_gateway", "all.vars", (dict,), "set pdops_gateway: {host, port, prometheus_port, ...}")
+    gw_host = _req(gv, "host", "pdops_gateway", (str,), "name the inventory host that runs the gateway")
+    names = {h.name: h for h in hosts}
+    if gw_host not in names:
+        raise InvalidInput("pdops_gateway.host", f"{gw_host!r} is not a host of this inventory",
+                           fix=f"use one of: {', '.join(names)}")
+    mcr = gv.get("max_concurrent_requests", -1)
+    qs = gv.get("queue_size", 0)
+    if not isinstance(mcr, int) or (mcr < 1 and mcr != -1):
+        raise InvalidInput("pdops_gateway.max_concurrent_requests", f"{mcr!r} must be -1 (off) or at least 1",
+                           fix="the real cap belongs to the admission layer; leave -1")
+    if not isinstance(qs, int) or qs < 0:
+        raise InvalidInput("pdops_gateway.queue_size", f"{qs!r} must be 0 or more", fix="set a non-negative queue size")
+    key_file = gv.get("api_key_file")
+    if key_file is not None and not str(key_file).startswith("/"):
+        raise InvalidInput("pdops_gateway.api_key_file", f"{key_file!r} is not an absolute path", fix="use an absolute path")
+    gateway = Gateway(
+        host=gw_host, addr=names[gw_host].data_addr,
+        port=_port(gv.get("port"), "pdops_gateway.port"),
+        prometheus_port=_port(gv.get("prometheus_port"), "pdops_gateway.prometheus_port"),
+        api_key_file=key_file, max_concurrent_requests=mcr, queue_size=qs,
+        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)),
+    )
+    _check_port_plan(hosts, ports, gateway, prof)
+
+    drain = all_vars.get("pdops_drain") or {}
+    budget = drain.get("budget_s", 1800)
+    margin = drain.get("stop_margin_s", 120)
+    for k, v in (("budget_s", budget), ("stop_margin_s", margin)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidInput(f"pdops_drain.{k}", f"{v!r} must be a positive number of seconds", fix="set whole seconds")
+    canonical = json.dumps({"vars": all_vars, "hosts": hostvars}, sort_keys=True, default=str)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    return Inventory(
+        cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
+        engine_python=_resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
+        virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
+        drain_budget_s=budget, stop_timeout_s=budget + margin, vars=all_vars,
+    )
+
+
+def _check_unique(hosts: tuple[Host, ...]) -> None:
+    for attr, label in (("ssh_addr", "ansible_host"), ("data_addr", "pdops_data_addr")):
+        seen: dict[str, str] = {}
+        for h in hosts:
+            val = getattr(h, attr)
+            if val in seen:
+                raise InvalidInput(f"hosts.{h.name}.{label}", f"{val} is also the {label} of {seen[val]}",
+                                   fix="every host needs its own address")
+            seen[val] = h.name
+
+
+def max_slots(hosts: tuple[Host, ...], profile: Profile) -> int:
+    g = profile.gpus_per_instance
+    return max((h.gpu_count // g if g <= h.gpu_count else 1) for h in hosts)
+
+
+def _check_port_plan(hosts: tuple[Host, ...], ports: Ports, gateway: Gateway, profile: Profile) -> None:
+    """Port ranges of instance slots must not overlap each other, the gateway or Mooncake's RPC range."""
+    slots = max_slots(hosts, profile)
+    span = ports.stride * max(slots - 1, 0) + 1
+    ranges = {
+        "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
+        "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span),
+        # SGLang takes a few ports above the dist-init port for its own sockets.
+        "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
+    }
+    singles = {"pdops_gateway.port": gateway.port, "pdops_gateway.prometheus_port": gateway.prometheus_port}
+    if gateway.port == gateway.prometheus_port:
+        raise InvalidInput("pdops_gateway.prometheus_port", f"port {gateway.port} is also pdops_gateway.port",
+                           fix="give Prometheus its own port")
+    names = list(ranges)
+    for i, a in enumerate(names):
+        ra = ranges[a]
+        if ra[-1] > 65535:
+            raise InvalidInput(a, f"ports up to {ra[-1]} exceed 65535", fix="lower the base port")
+        for b in names[i + 1:]:
+            rb = ranges[b]
+            if ra.start < rb.stop and rb.start < ra.stop:
+                raise InvalidInput(b, f"ports {rb.start}-{rb.stop - 1} collide with {a} ({ra.start}-{ra.stop - 1})",
+                                   fix="move one base so the ranges do not overlap")
+        if ra.start < MOONCAKE_RPC_PORTS.stop and MOONCAKE_RPC_PORTS.start < ra.stop:
+            raise InvalidInput(a, f"ports {ra.start}-{ra.stop - 1} collide with Mooncake's RPC range 15000-17000",
+                               fix="move the base outside 15000-17000")
+        for s, p in singles.items():
+            if p in ra:
+                raise InvalidInput(s, f"port {p} collides with {a} ({ra.start}-{ra.stop - 1})",
+                                   fix="pick a gateway port outside the instance port ranges")

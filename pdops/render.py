@@ -1,0 +1,244 @@
+"""Rendering: placement -> per-host files (units, launch scripts, env files) + manifest.
+
+Python computes every value (flags, ports, transport environment); the Jinja2 templates
+in templates/ only substitute. The same argument list runs real SGLang in production
+and `pdops.sim` in the lab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from pdops.errors import InvalidInput
+from pdops.inventory import Inventory
+from pdops.placement import Instance, Placement, Rank
+from pdops.versions import SGLANG_ROUTER_VERSION
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+# Host layout (same on every host).
+UNIT_DIR = "/etc/systemd/system"
+ENV_DIR = "/etc/pdops"
+BIN_DIR = "/opt/pdops/bin"
+GATEWAY_UNIT = "pdops-gateway.service"
+SLICE_UNIT = "pdops.slice"
+
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    host: str
+    path: str  # absolute path on the host
+    content: str
+    mode: int
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content.encode()).hexdigest()
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+
+
+def _quote_env_value(v: str) -> str:
+    """Quote a value for a systemd EnvironmentFile: bare when plainly safe, else double-quoted."""
+    if re.fullmatch(r"[A-Za-z0-9_.,:/=+@%-]*", v):
+        return v
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+# ---------------------------------------------------------------- engine
+
+def engine_module(inv: Inventory) -> str:
+    return "pdops.sim" if inv.engine == "sim" else "sglang.launch_server"
+
+
+def ib_device_map(inv: Inventory, rank: Rank) -> dict[str, str]:
+    """Per-GPU NIC map for --disaggregation-ib-device, keyed by the GPU index SGLang sees
+    (local, after CUDA_VISIBLE_DEVICES)."""
+    host = inv.host(rank.host)
+    return {str(local): host.nic_for_gpu(phys).device for local, phys in enumerate(rank.gpus)}
+
+
+def engine_args(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> list[str]:
+    """SGLang flags for one rank of one instance: full flag names, the host's data address."""
+    prof = inv.profile
+    b = prof.bundle
+    args = [
+        "--model-path", prof.model_path,
+        "--served-model-name", prof.served_model_name,
+        "--host", rank.data_addr,
+        "--port", str(inst.http_port),
+        "--tp-size", str(prof.tp),
+        "--pp-size", str(prof.pp),
+        "--ep-size", str(prof.ep),
+        "--disaggregation-mode", inst.role,
+        "--disaggregation-transfer-backend", prof.transfer_backend,
+        "--disaggregation-decode-allocation-policy", prof.decode_allocation_policy,
+    ]
+    if inst.role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(inst.bootstrap_port)]
+    if prof.transfer_backend == "mooncake":
+        args += ["--disaggregation-ib-device", json.dumps(ib_device_map(inv, rank), separators=(",", ":"))]
+    for key, flag in (("chunked_prefill_size", "--chunked-prefill-size"),
+                      ("max_prefill_tokens", "--max-prefill-tokens"),
+                      ("mem_fraction_static", "--mem-fraction-static"),
+                      ("context_length", "--context-length"),
+                      ("max_running_requests", "--max-running-requests"),
+                      ("page_size", "--page-size")):
+        if b.get(key) is not None:
+            args += [flag, str(b[key])]
+    if inst.nnodes > 1:
+        args += ["--nnodes", str(inst.nnodes), "--node-rank", str(rank.node_rank),
+                 "--dist-init-addr", f"{inst.head.data_addr}:{inst.dist_init_port}"]
+    args += ["--enable-metrics", "--log-requests", "--trust-remote-code"]
+    args += list(prof.extra_args)
+    return args
+
+
+def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
+    """Transport environment computed from the inventory: NCCL/Gloo, Mooncake, SGLang host IP."""
+    host = inv.host(rank.host)
+    nics = []
+    for g in rank.gpus:
+        nic = host.nic_for_gpu(g)
+        if nic not in nics:
+            nics.append(nic)
+    gid = {n.gid_index for n in nics}
+    if len(gid) > 1:
+        raise InvalidInput(f"hosts.{host.name}.pdops_nics", f"NICs used by {inst.id} have different GID indexes {sorted(gid)}",
+                           fix="NCCL and Mooncake take one GID index per process; align the NICs' gid_index")
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, rank.gpus)),
+        "SGLANG_HOST_IP": rank.data_addr,
+        "NCCL_IB_HCA": ",".join(n.device for n in nics),
+        "NCCL_SOCKET_IFNAME": ",".join(dict.fromkeys(n.netdev for n in nics)),
+        "GLOO_SOCKET_IFNAME": nics[0].netdev,
+        "NCCL_IB_GID_INDEX": str(nics[0].gid_index),
+        "MC_GID_INDEX": str(nics[0].gid_index),
+        "MOONCAKE_PROTOCOL": "rdma",
+        "PDOPS_CLUSTER": inv.cluster,
+        "PDOPS_INSTANCE": inst.id,
+        "PDOPS_ROLE": inst.role,
+        "PDOPS_NODE_RANK": str(rank.node_rank),
+    }
+    if inv.profile.transfer_backend == "nixl":
+        env["UCX_NET_DEVICES"] = ",".join(f"{n.device}:1" for n in nics)
+    env.update(inv.profile.env)
+    return env
+
+
+def engine_argv(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> list[str]:
+    return [inv.engine_python, "-m", engine_module(inv)] + engine_args(inv, pl, inst, rank)
+
+
+# ---------------------------------------------------------------- gateway
+
+def gateway_args(inv: Inventory) -> list[str]:
+    """`smg launch` flags: PD mode, no static workers (pdops registers them), retries off."""
+    gw = inv.gateway
+    return [
+        "launch", "--pd-disaggregation",
+        "--host", gw.addr, "--port", str(gw.port),
+        "--prometheus-host", gw.addr, "--prometheus-port", str(gw.prometheus_port),
+        # Rule 3: a failed generation request is never replayed.
+        "--disable-retries",
+        "--max-concurrent-requests", str(gw.max_concurrent_requests),
+        "--queue-size", str(gw.queue_size),
+        "--health-check-interval-secs", str(gw.health_check_interval_secs),
+    ]
+
+
+def gateway_argv(inv: Inventory) -> list[str]:
+    return [inv.gateway_binary] + gateway_args(inv)
+
+
+# ---------------------------------------------------------------- files
+
+def _launch_script(inv: Inventory, what: str, argv: list[str], secret_flag: str | None, key_file: str | None) -> str:
+    pre: list[str] = []
+    line = " ".join(shlex.quote(a) for a in argv)
+    if secret_flag and key_file:
+        # The key is read from its 0600 file at start; it is never in a rendered file or a log.
+        pre.append(f'key=$(cat {shlex.quote(key_file)}) || {{ echo "cannot read {key_file}" >&2; exit 78; }}')
+        line += f' {secret_flag} "$key"'
+    return _env().get_template("launch.sh.j2").render(cluster=inv.cluster, what=what, pre=pre, argv=line)
+
+
+def _env_file(inv: Inventory, what: str, env: dict[str, str]) -> str:
+    items = [(k, _quote_env_value(v)) for k, v in env.items()]
+    return _env().get_template("env.j2").render(cluster=inv.cluster, what=what, env=items)
+
+
+def _unit_common(inv: Inventory) -> dict:
+    return {"cluster": inv.cluster, "start_limit_interval": 600, "start_limit_burst": 3,
+            "limit_nofile": 1048576, "restart_sec": 5}
+
+
+def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
+    """Every file of a revision, per host. Pure: nothing is written."""
+    tpl = _env()
+    files: list[RenderedFile] = []
+    hosts_used = sorted({r.host for i in pl.instances for r in i.ranks} | {inv.gateway.host})
+    for h in hosts_used:
+        files.append(RenderedFile(h, f"{UNIT_DIR}/{SLICE_UNIT}", tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
+    for inst in pl.instances:
+        for rank in inst.ranks:
+            unit = inst.unit(rank.node_rank)
+            stem = unit.removesuffix(".service")
+            script = f"{BIN_DIR}/{stem}.sh"
+            env_file = f"{ENV_DIR}/{stem}.env"
+            what = f"{inst.role} {inst.id} node {rank.node_rank}/{inst.nnodes}"
+            files.append(RenderedFile(rank.host, f"{UNIT_DIR}/{unit}", tpl.get_template("engine.service.j2").render(
+                role=inst.role, instance=inst.id, nnodes=inst.nnodes, node_rank=rank.node_rank, engine=inv.engine,
+                launch_script=script, env_file=env_file, timeout_stop_sec=inv.stop_timeout_s,
+                **_unit_common(inv)), 0o644))
+            files.append(RenderedFile(rank.host, script, _launch_script(
+                inv, what, engine_argv(inv, pl, inst, rank), None, None), 0o755))
+            files.append(RenderedFile(rank.host, env_file, _env_file(inv, what, engine_env(inv, inst, rank)), 0o600))
+    gw = inv.gateway
+    files.append(RenderedFile(gw.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", tpl.get_template("gateway.service.j2").render(
+        router_version=SGLANG_ROUTER_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
+        env_file=f"{ENV_DIR}/gateway.env", **_unit_common(inv)), 0o644))
+    files.append(RenderedFile(gw.host, f"{BIN_DIR}/pdops-gateway.sh", _launch_script(
+        inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file), 0o755))
+    files.append(RenderedFile(gw.host, f"{ENV_DIR}/gateway.env", _env_file(
+        inv, "model gateway", {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}), 0o600))
+    return files
+
+
+def manifest(files: list[RenderedFile]) -> dict[str, dict[str, dict]]:
+    """{host: {path: {sha256, mode}}} for every rendered file."""
+    out: dict[str, dict[str, dict]] = {}
+    for f in files:
+        out.setdefault(f.host, {})[f.path] = {"sha256": f.sha256, "mode": oct(f.mode)}
+    return {h: dict(sorted(v.items())) for h, v in sorted(out.items())}
+
+
+def write_build(files: list[RenderedFile], out_dir: Path, meta: dict | None = None) -> Path:
+    """Write a build folder: <out>/<host>/<path on host>, plus manifest.json. Replaces out_dir."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    for f in files:
+        p = tmp / f.host / f.path.lstrip("/")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(f.content)
+        p.chmod(f.mode)
+    doc = {"meta": meta or {}, "files": manifest(files)}
+    (tmp / "manifest.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
