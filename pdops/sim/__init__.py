@@ -1,0 +1,7 @@
+"""pdops.sim: a stand-in SGLang 0.5.23 engine for machines without GPUs.
+
+Started exactly like ``python -m sglang.launch_server`` (same flags), it serves SGLang's
+HTTP surface and PD bootstrap protocol with a configurable timing model. See docs/sim.md.
+"""
+
+SIM_VERSION = "0.5.23"  # the SGLang version whose surface the sim reproduces

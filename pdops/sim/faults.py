@@ -1,0 +1,81 @@
+"""Fault injection, off by default: PDOPS_SIM_FAULTS and POST /_sim/faults.
+
+PDOPS_SIM_FAULTS is a comma list of ``name`` or ``name=value``:
+
+- ``fail_transfer``      the prefill reports every KV transfer failed (500 on both sides)
+- ``hang_room`` / ``hang_room=ROOM``  the prefill never sends the KV of every room / of
+  that room; the decode gives 500 at SGLANG_DISAGGREGATION_WAITING_TIMEOUT, then the
+  prefill too
+- ``ignore_sigterm``     SIGTERM is logged and ignored (only SIGKILL stops the process)
+- ``crash_child`` / ``crash_child=SECONDS``  the first scheduler child exits with status 1
+  (now / after SECONDS); the main process then kills its tree and exits 1, like SGLang
+- ``stray_grandchild``   a scheduler child double-forks a process (``sglang::stray``,
+  no parent-death signal) that is reparented but stays in the unit's cgroup; its pid is
+  in GET /_sim/state. It lives PDOPS_SIM_STRAY_SECONDS (default 3600).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KNOWN = ("fail_transfer", "hang_room", "ignore_sigterm", "crash_child", "stray_grandchild")
+
+
+@dataclass
+class Faults:
+    fail_transfer: bool = False
+    hang_room: bool | int = False  # True: every room; int: that room
+    ignore_sigterm: bool = False
+    crash_child: float | None = None  # seconds after start (or after the admin call)
+    stray_grandchild: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def hangs(self, room: int) -> bool:
+        if self.hang_room is True:
+            return True
+        return self.hang_room is not False and int(self.hang_room) == int(room)
+
+    def as_dict(self) -> dict:
+        return {
+            "fail_transfer": self.fail_transfer,
+            "hang_room": self.hang_room,
+            "ignore_sigterm": self.ignore_sigterm,
+            "crash_child": self.crash_child,
+            "stray_grandchild": self.stray_grandchild,
+        }
+
+    def update(self, values: dict) -> None:
+        """Apply a JSON object of fault settings (the admin endpoint's body)."""
+        for k, v in values.items():
+            if k not in KNOWN:
+                raise ValueError(f"unknown fault {k!r}; known: {', '.join(KNOWN)}")
+            if k == "hang_room":
+                self.hang_room = v if isinstance(v, bool) else int(v)
+            elif k == "crash_child":
+                self.crash_child = None if v is None or v is False else (0.0 if v is True else float(v))
+            else:
+                setattr(self, k, bool(v))
+
+
+def parse_faults(spec: str | None) -> Faults:
+    """Parse a PDOPS_SIM_FAULTS value; an unknown name is an error (exit at startup)."""
+    f = Faults()
+    values: dict = {}
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, raw = item.partition("=")
+        name = name.strip()
+        if name not in KNOWN:
+            raise ValueError(f"PDOPS_SIM_FAULTS: unknown fault {name!r}; known: {', '.join(KNOWN)}")
+        if raw == "":
+            values[name] = True
+        elif name == "hang_room":
+            values[name] = int(raw)
+        elif name == "crash_child":
+            values[name] = float(raw)
+        else:
+            values[name] = raw.lower() not in ("0", "false", "no", "off")
+    f.update(values)
+    return f
