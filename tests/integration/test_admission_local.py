@@ -1,0 +1,142 @@
+"""The admission layer live, as local processes on 127.0.0.1: real HAProxy (Debian's),
+the real gateway (`smg`) and sims. No lab: every process is started here and killed by
+its PID in a finally block. Streams are made long with PDOPS_SIM_DECODE_STEP_MS."""
+
+import asyncio
+import shutil
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from pdops.admission import AdmissionConfig, start_local, write_keys_map
+from pdops.audit import audit
+from pdops.sim.testing import free_port, http, start_gateway, start_sim, wait_until
+
+pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed: scripts/setup-system.sh")
+
+KEY_A = "pdops-test-key-AAAAAAAAAAAA"
+KEY_B = "pdops-test-key-BBBBBBBBBBBB"
+STEP_MS = "10"  # 10 ms per token: 300 tokens is a 3 s stream
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One prefill, one decode (metrics on), the real gateway with its default (no) admission."""
+    env = {"PDOPS_SIM_DECODE_STEP_MS": STEP_MS}
+    started = []
+    try:
+        p = start_sim(["--disaggregation-mode", "prefill", "--enable-metrics"], env)
+        started.append(p)
+        d = start_sim(["--disaggregation-mode", "decode", "--enable-metrics"], env)
+        started.append(d)
+        g = start_gateway([p], [d])
+        started.append(g)
+        yield p, d, g
+    finally:
+        for h in reversed(started):
+            h.stop()
+
+
+def _cfg(gw_port: int, *, cap: int, queue: int, queue_timeout_s: int = 30, overflow: int = 429,
+         keys=(KEY_A,)) -> AdmissionConfig:
+    return AdmissionConfig(host="local", listen_addr="127.0.0.1", port=free_port(), cap=cap, queue=queue,
+                           queue_timeout_s=queue_timeout_s, overflow_status=overflow, api_keys_file="(test)",
+                           gateway_addr="127.0.0.1", gateway_port=gw_port, keys=tuple(keys))
+
+
+def test_audit_passes_through_haproxy(cluster, tmp_path):
+    """Cap 2, queue 4: at most 2 in flight at the decode, the 2 queued served in order,
+    401 without a key (nothing reaches the decode), a cut stream aborts the decode."""
+    _, d, g = cluster
+    cfg = _cfg(g.port, cap=2, queue=4)
+    hx = start_local(cfg, tmp_path)
+    try:
+        rep = audit(cfg.url, [d.url], KEY_A, cap=2, queue=4, queue_timeout_s=30, overflow_status=429, tokens=300)
+    finally:
+        hx.kill_all()
+    print(rep.format())
+    assert rep.passed, rep.format()
+    claims = {c.name: c for c in rep.claims}
+    assert "peak in-flight at the decodes 2 " in claims["cap"].detail
+    assert "2 queued and served" in claims["queue"].detail
+    assert "running 2->1, aborted +1" in claims["cancel"].detail
+    # the access log carries the request id and the key's id, never the key
+    log = hx.log()
+    assert "rid=audit-" in log and "key=k-" in log and KEY_A not in log
+
+
+def test_queue_timeout_and_full_queue_give_the_configured_status(cluster, tmp_path):
+    """Cap 2, queue 1, queue timeout 1 s, overflow 429: of 4 streams of 3 s, the third waits
+    1 s and gets 429 (HAProxy's queue 503 mapped), the fourth finds the queue full: 429 at once."""
+    _, d, g = cluster
+    cfg = _cfg(g.port, cap=2, queue=1, queue_timeout_s=1, overflow=429)
+    hx = start_local(cfg, tmp_path)
+    try:
+        rep = audit(cfg.url, [d.url], KEY_A, cap=2, queue=1, queue_timeout_s=1, overflow_status=429, tokens=300)
+    finally:
+        hx.kill_all()
+    print(rep.format())
+    assert rep.passed, rep.format()
+    assert "0 queued and served, 2 refused with 429" in {c.name: c for c in rep.claims}["queue"].detail
+
+
+def test_against_gateway_its_flags_are_not_a_cap(cluster):
+    """SGLANG.md: `--max-concurrent-requests 2 --queue-size 0` with a token refill lets more
+    than 2 streams into the decode at once, and without --api-key anything gets in."""
+    p, d, _ = cluster
+    g2 = start_gateway([p], [d], ["--max-concurrent-requests", "2", "--queue-size", "0",
+                                  "--rate-limit-tokens-per-second", "1"])
+    try:
+        rep = audit(g2.url, [d.url], None, cap=2, queue=0, queue_timeout_s=1, overflow_status=429, tokens=400,
+                    mode="gateway", stagger_s=0.7)
+    finally:
+        g2.stop()
+    print(rep.format())
+    claims = {c.name: c for c in rep.claims}
+    assert not rep.passed
+    assert not claims["cap"].passed, claims["cap"].detail
+    assert not claims["auth"].passed  # no key needed at the gateway: requests reach the decode
+
+
+def test_key_reload_during_10_streams_drops_none(cluster, tmp_path):
+    """Revoke key A and add key B with a reload (USR2 to the master) while 10 streams are in
+    flight: all 10 complete with every token, and the new key list is in force after."""
+    _, d, g = cluster
+    cfg = _cfg(g.port, cap=16, queue=0)
+    hx = start_local(cfg, tmp_path)
+    tokens = 400
+
+    async def stream(session, i):
+        body = {"text": f"reload {i}", "stream": True, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}
+        async with session.post(cfg.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY_A}"}) as r:
+            assert r.status == 200
+            chunks = [ln async for ln in r.content if ln.startswith(b"data:")]
+        return chunks
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            tasks = [asyncio.create_task(stream(session, i)) for i in range(10)]
+            await asyncio.to_thread(wait_until, lambda: d.get("/v1/loads")[1]["loads"][0]["num_running_reqs"] == 10,
+                                    10, "10 streams running at the decode")
+            write_keys_map(tmp_path / "api-keys.map", (KEY_B,))
+            hx.remember_children()
+            hx.signal(signal.SIGUSR2)
+            auth = {"Authorization": f"Bearer {KEY_B}"}
+            await asyncio.to_thread(wait_until, lambda: http("GET", cfg.url + "/health", headers=auth)[0] == 200,
+                                    10, "key B accepted after the reload")
+            running_after_reload = d.get("/v1/loads")[1]["loads"][0]["num_running_reqs"]
+            return await asyncio.gather(*tasks), running_after_reload
+
+    try:
+        t0 = time.monotonic()
+        results, running = asyncio.run(run())
+        old_key = http("GET", cfg.url + "/health", headers={"Authorization": f"Bearer {KEY_A}"})[0]
+    finally:
+        hx.kill_all()
+    assert running == 10, "the reload must not cut a stream"
+    assert [len(c) for c in results] == [tokens + 1] * 10  # every token chunk + [DONE]
+    assert all(c[-1].strip() == b"data: [DONE]" for c in results)
+    assert old_key == 401
+    assert time.monotonic() - t0 < 30
