@@ -6,7 +6,9 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import core, lab
+from pdops.cli import bench, core, lab
 
 ns = Collection.from_module(core)
+for t in (bench.bench, bench.sweep, bench.capacity):
+    ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
