@@ -118,6 +118,9 @@ class Inventory:
     digest: str
     drain_budget_s: int = 1800
     stop_timeout_s: int = 1920
+    # The YAML files read: tools are given these, never the directory, because Ansible
+    # runs any executable file in an inventory directory as a dynamic inventory script.
+    files: tuple[Path, ...] = ()
     vars: dict = field(default_factory=dict, compare=False, repr=False)
 
     def host(self, name: str) -> Host:
@@ -408,7 +411,8 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
         cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
         engine_python=_resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
         virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
-        drain_budget_s=budget, stop_timeout_s=budget + margin, vars=all_vars,
+        drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
+        vars=all_vars,
     )
 
 

@@ -86,14 +86,14 @@ class Placement:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
-        from pdops.topology import parse_topology
-
         insts = []
         for i in d["instances"]:
             ranks = tuple(Rank(r["node_rank"], r["host"], r["data_addr"], tuple(r["gpus"])) for r in i["ranks"])
             insts.append(Instance(i["id"], i["role"], ranks, i["slot"], i["http_port"], i["bootstrap_port"],
                                   i["dist_init_port"]))
-        return cls(parse_topology(d["topology"]), tuple(insts))
+        # Counted, not parsed: a forced drain may leave a role at zero (e.g. 1p0d).
+        topo = Topology(sum(i.role == "prefill" for i in insts), sum(i.role == "decode" for i in insts))
+        return cls(topo, tuple(insts))
 
 
 def unit_name(instance_id: str, node_rank: int = 0, nnodes: int = 1) -> str:

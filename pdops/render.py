@@ -101,7 +101,9 @@ def engine_args(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> li
     if inst.nnodes > 1:
         args += ["--nnodes", str(inst.nnodes), "--node-rank", str(rank.node_rank),
                  "--dist-init-addr", f"{inst.head.data_addr}:{inst.dist_init_port}"]
-    args += ["--enable-metrics", "--log-requests", "--trust-remote-code"]
+    # Structured request log: the drain reads request.received / request.finished per rid.
+    args += ["--enable-metrics", "--log-requests", "--log-requests-level", "0", "--log-requests-format", "json",
+             "--trust-remote-code"]
     args += list(prof.extra_args)
     return args
 
@@ -214,7 +216,22 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
         inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file), 0o755))
     files.append(RenderedFile(gw.host, f"{ENV_DIR}/gateway.env", _env_file(
         inv, "model gateway", {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}), 0o600))
+    adm = admission_config(inv)
+    if adm is not None:
+        from pdops.admission import render_admission_files
+
+        if adm.host not in hosts_used:
+            files.append(RenderedFile(adm.host, f"{UNIT_DIR}/{SLICE_UNIT}",
+                                      tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
+        files += render_admission_files(inv, adm)
     return files
+
+
+def admission_config(inv: Inventory):
+    """The admission layer of this inventory (validated, keys read from the operator's 0600 file), or None."""
+    from pdops.admission import parse_admission
+
+    return parse_admission(inv.vars, inv)
 
 
 def manifest(files: list[RenderedFile]) -> dict[str, dict[str, dict]]:

@@ -8,6 +8,7 @@ from invoke import task
 
 from pdops import planning
 from pdops.cli import cli_errors
+from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -32,13 +33,105 @@ def render(c, topology, inventory=DEFAULT_INVENTORY, out=None):
     print(f"manifest: {path / 'manifest.json'}")
 
 
-@task
+@task(help={"hosts": "lab hosts to boot (default 4)"})
 @cli_errors
-def demo(c):
-    """What `make demo` runs: the reference fleet's placement, then the lab (as it lands)."""
-    inv, pl = planning.load_and_place("inventory/rtx6000d", "12p4d")
-    print(f"== reference fleet {inv.cluster}: {len(inv.hosts)} hosts x {inv.hosts[0].gpu_count} "
-          f"{inv.hosts[0].gpu_model}, profile {inv.profile.name} ({inv.profile.bundle.get('status')} bundle)")
-    print(planning.format_placement(inv, pl))
-    path, files = planning.render_build(inv, pl, None)
-    print(f"\nrendered {len(files)} files into {path}")
+def demo(c, hosts=4):
+    """What `make demo` runs: plan the reference fleet, boot a lab, deploy 2p1d, serve, drain p02, status."""
+    from pdops.demo import run_demo
+
+    run_demo(int(hosts))
+
+
+@task(help={"topology": "NpMd, e.g. 2p1d", "inventory": "inventory dir or file",
+            "dry_run": "print the plan only",
+            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)"},
+      iterable=["skip_check"])
+@cli_errors
+def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=None):
+    """Render, deliver (Ansible), start in order, health-gate, register, canary every P x D pair, record."""
+    from pdops import deploy as dep
+    from pdops.inventory import load_inventory
+    from pdops.topology import parse_topology
+
+    topo = parse_topology(topology)
+    inv = load_inventory(inventory)
+    plan = dep.plan_deploy(inv, topo, dep.state_for(inv), set(skip_check or ()))
+    print(plan.render())
+    if dry_run or plan.noop:
+        return
+    n = dep.execute_deploy(plan)
+    print(f"verdict: deployed {plan.placement.topology} as revision {n} and made it current. Verified: every unit "
+          f"active, every instance healthy, registered and healthy in the gateway, canary through all "
+          f"{len(plan.placement.role('prefill')) * len(plan.placement.role('decode'))} P x D pairs.")
+
+
+@task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})
+@cli_errors
+def status(c, inventory=DEFAULT_INVENTORY, json=False):
+    """One row per instance: unit state, MainPID, gateway worker and health, queues; plus the gateway."""
+    import json as _json
+
+    from pdops import deploy as dep
+    from pdops.inventory import load_inventory
+    from pdops.status import collect_status, format_status
+
+    inv = load_inventory(inventory)
+    doc = collect_status(inv, dep.state_for(inv))
+    print(_json.dumps(doc, indent=2, default=str) if json else format_status(doc))
+
+
+@task(help={"inventory": "inventory dir or file"})
+@cli_errors
+def verify(c, inventory=DEFAULT_INVENTORY):
+    """Run the testinfra suite of the current revision on every host (units, cgroups, 0600 env, ports)."""
+    from pdops import deploy as dep
+    from pdops.inventory import load_inventory
+    from pdops.verify import run_verify
+
+    inv = load_inventory(inventory)
+    print(f"verify {inv.cluster}: {run_verify(inv, dep.state_for(inv))}")
+
+
+def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_after, skip_gateway):
+    from pdops import deploy as dep
+    from pdops import drain as dr
+    from pdops.inventory import load_inventory
+
+    if not instance:
+        raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
+    inv = load_inventory(inventory)
+    state = dep.state_for(inv)
+    plan = dr.plan_drain(inv, state, instance, force=force, wait_s=wait, interval_s=interval,
+                         force_after=force_after, skip_gateway=skip_gateway)
+    print(plan.render())
+    if dry_run:
+        return
+    v = dr.execute_drain(plan, state)
+    print(f"verdict: {instance} {'drained and stopped' if not skip_gateway else 'stopped'}.")
+    for item in v["verified"]:
+        print(f"  verified: {item}")
+    for item in v["unverified"]:
+        print(f"  not verified: {item}")
+    for item in v["notes"]:
+        print(f"  note: {item}")
+
+
+@task(help={"instance": "instance to drain, e.g. p07", "inventory": "inventory dir or file",
+            "dry_run": "print the plan only", "force": "allow draining the last instance of a role",
+            "wait": "seconds to wait for in-flight work (default: the inventory's drain budget)",
+            "interval": "seconds between the two empty-state checks",
+            "force_after": "at the deadline, stop anyway (the loss is recorded in the journal)"})
+@cli_errors
+def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, wait=None, interval=None,
+          force_after=False):
+    """Take an instance out of the gateway, wait out its in-flight work, stop it by identity, prove it."""
+    _drain_or_stop(instance, inventory, dry_run, force, float(wait) if wait else None,
+                   float(interval) if interval is not None else None, force_after, False)
+
+
+@task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",
+            "dry_run": "print the plan only"})
+@cli_errors
+def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False):
+    """The drain's verified stop without the gateway step, for a broken instance."""
+    _drain_or_stop(instance, inventory, dry_run, True, None, None, False, True)

@@ -306,10 +306,11 @@ class Engine:
     def _log_request(self, event: str, req: Req) -> None:
         """SGLang's --log-requests output (srt/utils/request_logger.py): one line per event;
         in json format `{"timestamp", "event", "rid", "obj"[, "out"]}` as log_json writes it."""
-        if not getattr(self.args, "log_requests", False):
+        flags = getattr(self.args, "all", {}) or {}
+        if not flags.get("log_requests"):
             return
         obj = {"rid": req.rid, "stream": req.stream, "bootstrap_room": req.room}
-        if getattr(self.args, "log_requests_format", "text") == "json":
+        if flags.get("log_requests_format", "text") == "json":
             doc = {"timestamp": datetime.datetime.now().isoformat(), "event": event, "rid": req.rid, "obj": obj}
             if event == "request.finished":
                 doc["out"] = {"meta_info": req.meta()}

@@ -291,9 +291,16 @@ def test_memlock_override_and_probe(lab_inv):
     assert r.status == pf.FAIL and "pdops-p01.service has LimitMEMLOCK=8388608" in r.reason
     [r] = pf.eval_memlock(lab_inv, lab_inv.host("lab01"), pl, {"units": {}, "memlock": ok_probe})
     assert r.status == pf.PASS and "unlimited" in r.reason
-    [r] = pf.eval_memlock(lab_inv, lab_inv.host("lab01"), pl,
+    real = dataclasses.replace(lab_inv, virtual_hardware=False)
+    [r] = pf.eval_memlock(real, real.host("lab01"), pl,
                           {"units": {}, "memlock": pf.parse_memlock(read("memlock_8192.txt"))})
     assert r.status == pf.FAIL and "ulimit -l under systemd: 8192" in r.reason
+    capped = pf.parse_memlock(read("memlock_lab_capped.txt"))
+    [r] = pf.eval_memlock(real, real.host("lab01"), pl, {"units": {}, "memlock": capped})
+    assert r.status == pf.FAIL and "8388608" in r.reason
+    # on virtual hardware the measured cap is reported as skipped with its reason, never as a pass
+    [r] = pf.eval_memlock(lab_inv, lab_inv.host("lab01"), pl, {"units": {}, "memlock": capped})
+    assert r.status == pf.SKIPPED and "8388608" in r.reason and "CAP_SYS_RESOURCE" in r.reason
 
 
 def test_disk_threshold(lab_inv):

@@ -1,0 +1,96 @@
+"""`make demo`: what a new user sees first. Renders the reference fleet, boots a lab, deploys
+2p1d with the real gateway and sim engines, serves traffic, drains a prefill while traffic
+runs (zero failed requests), and shows status. Each run gets a fresh cluster state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from pdops import deploy as dep
+from pdops import drain as dr
+from pdops import lab as lab_api
+from pdops.bench import compute_figures, format_table
+from pdops.inventory import load_inventory
+from pdops.load import send
+from pdops.planning import REPO, format_placement, load_and_place
+from pdops.status import collect_status, format_status
+from pdops.topology import parse_topology
+
+Say = Callable[[str], None]
+
+
+def _section(say: Say, title: str) -> None:
+    say(f"\n=== {title} " + "=" * max(0, 70 - len(title)))
+
+
+def run_demo(hosts: int = 4, say: Say = print) -> None:
+    _section(say, "1. plan: the reference fleet at 12p4d (16 hosts x 8 RTX 6000D), nothing contacted")
+    inv_ref, pl_ref = load_and_place(REPO / "inventory" / "rtx6000d", "12p4d")
+    say(format_placement(inv_ref, pl_ref))
+
+    _section(say, f"2. lab: {hosts} real systemd + sshd hosts on 127.0.10.1..{hosts}")
+    result = lab_api.up(hosts)
+    for line in lab_api.format_status(result):
+        say("  " + line)
+    say(lab_api.summary_line(result, "ready"))
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    where = lab_api.resolve_lab_dir() / "demo" / stamp
+    where.mkdir(parents=True)
+    doc = yaml.safe_load(lab_api.inventory_path().read_text())
+    doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+    (where / "hosts.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    inv = load_inventory(where)
+    _stop_previous(inv, say)
+
+    _section(say, "3. deploy 2p1d: Ansible delivers, Fabric starts in order, gateway registers, canary")
+    plan = dep.plan_deploy(inv, parse_topology("2p1d"), dep.state_for(inv))
+    say(plan.render())
+    rev = dep.execute_deploy(plan, say)
+    say(f"verdict: 2p1d live as revision {rev}")
+
+    _section(say, "4. traffic: 40 requests through the real gateway (half streaming), one ledger row each")
+    rows = send(inv.gateway.url, requests=40, concurrency=8, max_new_tokens=32, stream_every=2, rid_prefix="demo")
+    say(format_table([("demo 2p1d C8", compute_figures(rows, gpus=3 * inv.profile.gpus_per_instance))]))
+
+    _section(say, "5. drain p02 while traffic runs: leave the gateway, wait per request ID, stop, prove it")
+    background: list = []
+    t = threading.Thread(target=lambda: background.extend(send(
+        inv.gateway.url, requests=30, concurrency=6, max_new_tokens=64, stream_every=2, rid_prefix="demo-bg")))
+    t.start()
+    state = dep.state_for(inv)
+    dplan = dr.plan_drain(inv, state, "p02", interval_s=1)
+    say(dplan.render())
+    verdict = dr.execute_drain(dplan, state, say)
+    t.join()
+    for item in verdict["verified"]:
+        say(f"  verified: {item}")
+    for item in verdict["unverified"]:
+        say(f"  not verified: {item}")
+    ok = sum(r.ok for r in background)
+    say(f"traffic during the drain: {ok}/{len(background)} requests succeeded")
+
+    _section(say, "6. status")
+    say(format_status(collect_status(inv, state)))
+    say(f"\nstate and journal: {state.path}\ninventory: {where / 'hosts.yml'}\n"
+        f"try: inv status -i {where}   |   inv verify -i {where}   |   inv lab.down (removes the lab)")
+
+
+def _stop_previous(inv, say: Say) -> None:
+    """A fresh demo: stop the units an earlier demo left on the lab hosts (by unit name)."""
+    from pdops.facts import q
+    from pdops.hosts import HostPool
+
+    with HostPool(inv) as pool:
+        for h in inv.hosts:
+            out = pool.run(h.name, "systemctl list-units --all --plain --no-legend 'pdops-*' | awk '{print $1}'").stdout
+            units = " ".join(q(u) for u in out.split())
+            if units:
+                pool.run(h.name, f"systemctl stop {units}; systemctl reset-failed {units} 2>/dev/null; true",
+                         timeout=120)
+                say(f"  {h.name}: stopped {len(out.split())} unit(s) left by an earlier demo")

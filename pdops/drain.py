@@ -1,0 +1,431 @@
+"""`inv drain --instance p07` and `inv stop --instance p07` (rule 4 of ARCHITECTURE.md).
+
+Drain, in order: leave the gateway (remove by worker id, verify gone); wait until the
+instance's in-flight work is finished, per request ID and per queue on every rank; two
+independent empty-state checks separated in time; stop by identity (unit -> MainPID ->
+cgroup, process tree with start times recorded first) and prove it stopped; record a
+new revision without the instance, with the way back. Plan first, `--dry-run` prints it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
+from pdops.facts import cgroup as cg_facts
+from pdops.facts import engine as engine_facts
+from pdops.facts import nvidia as nv_facts
+from pdops.facts import ports as port_facts
+from pdops.facts import procs as proc_facts
+from pdops.facts import Skipped, q, requestlog, skipped_in
+from pdops.gateway import GatewayClient, deadline_in
+from pdops.hosts import HostPool, http_json
+from pdops.inventory import Inventory
+from pdops.placement import Instance, Placement
+from pdops.runner import Step
+from pdops.state import Revision, StateDir, new_op_id
+
+Say = Callable[[str], None]
+
+
+class DrainFailed(PdopsError):
+    exit_code = 8
+    kind = "drain stopped"
+
+
+@dataclass
+class DrainPlan:
+    inv: Inventory
+    rev: Revision
+    placement: Placement
+    instance: Instance
+    steps: list[Step]
+    wait_s: float
+    interval_s: float
+    force_after: bool = False
+    skip_gateway: bool = False
+    persist: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        i = self.instance
+        verb = "drain" if not self.skip_gateway else "stop"
+        lines = [f"plan: {verb} {i.id} ({i.role}, {', '.join(f'{h}:{u}' for h, u in i.units)}) from revision "
+                 f"{self.rev.number} ({self.rev.topology})"]
+        lines += [f"  {n:2d}. {s}" for n, s in enumerate(self.steps, 1)]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool = False,
+               wait_s: float | None = None, interval_s: float | None = None, force_after: bool = False,
+               skip_gateway: bool = False) -> DrainPlan:
+    """What a drain of `instance_id` will do, or why it is refused. Reads only the state dir."""
+    rev = state.current_revision()
+    if rev is None:
+        raise Refused(f"{inv.cluster} has no current revision: nothing to drain", fix="deploy first (inv deploy)")
+    if rev.inventory_hash != inv.digest:
+        raise Refused(f"the inventory changed since revision {rev.number} was deployed",
+                      fix="use the inventory of the running revision")
+    pl = Placement.from_dict(rev.placement)
+    inst = pl.get(instance_id)
+    same_role = pl.role(inst.role)
+    if len(same_role) == 1 and not force and not skip_gateway:
+        raise Refused(f"{inst.id} is the last {inst.role} instance of {inv.cluster}: draining it leaves no {inst.role}",
+                      fix=f"scale up first, or pass --force if serving must stop")
+    wait_s = float(wait_s if wait_s is not None else inv.drain_budget_s)
+    interval_s = float(interval_s if interval_s is not None else inv.vars.get("pdops_empty_check_interval_s", 5))
+    if wait_s <= 0 or interval_s < 0:
+        raise InvalidInput("--wait/--interval", "must be positive seconds", fix="e.g. --wait 600 --interval 5")
+    worker = (rev.instances.get(inst.id) or {}).get("worker_id")
+    steps = [Step("lock", None, f"take the {inv.cluster} cluster lock for the whole operation")]
+    if not skip_gateway:
+        steps += [
+            Step("leave-gateway", inv.gateway.host, f"DELETE /workers/{worker}; verify it is gone from /workers; "
+                 "requests already routed to it keep running", 30),
+            Step("wait-empty", inst.head.host, "until no request ID is open in its request log and every queue "
+                 "(running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
+                 f"/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
+                 + (" (--force-after: stop anyway, loss recorded)" if force_after else ""), wait_s),
+            Step("empty-check-1", None, "read every source again: request log, /v1/loads, /metrics"),
+            Step("empty-check-2", None, f"after {interval_s:g}s, read every source again"),
+        ]
+    steps += [
+        Step("record-identity", None, "MainPID, ControlGroup, the cgroup's processes and the process tree "
+             "with start times, on every rank"),
+        Step("stop", None, "systemctl stop, rank 0 first, then verify the other ranks exit and stop their units", 
+             inv.stop_timeout_s),
+        Step("verify-stop", None, "cgroup empty (or removed), every recorded PID gone or reused, ports closed, "
+             "no GPU compute process of it (skipped where nvidia-smi is absent)"),
+    ]
+    notes = []
+    if not skip_gateway:
+        steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept"))
+        if inst.role == "prefill":
+            notes.append("a drained prefill's prefix cache is lost: cold inputs will be slower for a while")
+    else:
+        notes.append("stop only: the instance stays in the current revision (shown as stopped by `inv status`)")
+    return DrainPlan(inv, rev, pl, inst, steps, wait_s, interval_s, force_after, skip_gateway,
+                     persist=not skip_gateway, notes=notes)
+
+
+# ---------------------------------------------------------------- reading the instance
+
+@dataclass
+class EmptyReading:
+    open_rids: list[str]
+    loads_busy: dict
+    metrics_busy: dict
+    metrics_missing: list[str]
+    errors: list[str]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.open_rids or self.loads_busy or self.metrics_busy or self.metrics_missing or self.errors)
+
+    def describe(self) -> str:
+        parts = []
+        if self.open_rids:
+            shown = ", ".join(self.open_rids[:5]) + (" ..." if len(self.open_rids) > 5 else "")
+            parts.append(f"{len(self.open_rids)} open request(s) [{shown}]")
+        if self.loads_busy:
+            parts.append(f"/v1/loads busy {self.loads_busy}")
+        if self.metrics_busy:
+            parts.append(f"/metrics busy {self.metrics_busy}")
+        if self.metrics_missing:
+            parts.append(f"/metrics lacks {self.metrics_missing}")
+        parts += self.errors
+        return "; ".join(parts) or "empty"
+
+
+def _invocation(pool: HostPool, host: str, unit: str) -> str:
+    return pool.run(host, f"systemctl show -p InvocationID --value {q(unit)}").stdout.strip()
+
+
+def read_emptiness(pool: HostPool, inst: Instance) -> EmptyReading:
+    """Every source, read afresh: the request log of rank 0, /v1/loads, /metrics."""
+    errors: list[str] = []
+    host, unit = inst.units[0]
+    try:
+        inv_id = _invocation(pool, host, unit)
+        log = requestlog.parse(pool.run(host, requestlog.command(unit, inv_id or None), timeout=60).stdout)
+        open_rids = log.open
+    except PdopsError as exc:
+        open_rids, errors = [], errors + [f"request log unreadable: {exc.message}"]
+    loads_busy: dict = {}
+    try:
+        status, doc = http_json("GET", f"{inst.url}{engine_facts.LOADS_PATH}", timeout=5)
+        if status != 200:
+            errors.append(f"/v1/loads answered {status}")
+        else:
+            loads = engine_facts.parse_loads(doc)
+            loads_busy = loads.busy()
+    except PdopsError as exc:
+        errors.append(f"/v1/loads: {exc.message}")
+    metrics_busy, missing = {}, []
+    try:
+        status, text = http_json("GET", f"{inst.url}/metrics", timeout=5)
+        if status != 200 or not isinstance(text, str):
+            errors.append(f"/metrics answered {status}")
+        else:
+            queues = engine_facts.EngineQueues.from_metrics(engine_facts.parse_metrics(text))
+            metrics_busy, missing = queues.busy(), queues.missing
+    except PdopsError as exc:
+        errors.append(f"/metrics: {exc.message}")
+    return EmptyReading(open_rids, loads_busy, metrics_busy, missing, errors)
+
+
+@dataclass
+class RankIdentity:
+    host: str
+    unit: str
+    main_pid: int | None
+    control_group: str | None
+    layout: object
+    cgroup_pids: list[int]
+    tree: dict  # pid -> Proc (the cgroup's processes and MainPID's descendants)
+
+    @property
+    def strays(self) -> list[str]:
+        """Processes in the unit's cgroup that are not MainPID or its descendants (e.g. a
+        double-forked grandchild): stopped with the cgroup, reported by PID and command line."""
+        family = {self.main_pid} if self.main_pid else set()
+        if self.main_pid:
+            family |= {p.pid for p in proc_facts.descendants(self.tree, self.main_pid)}
+        return [f"PID {pid} ({' '.join(self.tree[pid].cmdline)[:120] if pid in self.tree else '?'})"
+                for pid in self.cgroup_pids if pid not in family]
+
+
+def record_identity(pool: HostPool, host: str, unit: str) -> RankIdentity:
+    st = pool.unit_states(host, [unit])[unit]
+    layout = cg_facts.detect_layout(cg_facts.parse_mountinfo(pool.run(host, cg_facts.MOUNTINFO_COMMAND).stdout))
+    pids: list[int] = []
+    if st.control_group:
+        pids = sorted(cg_facts.parse_procs(pool.run(host, cg_facts.procs_command(layout, st.control_group)).stdout).pids)
+    tree = proc_facts.parse(pool.run(host, proc_facts.command()).stdout)
+    keep = set(pids)
+    if st.main_pid:
+        keep.add(st.main_pid)
+        keep |= {p.pid for p in proc_facts.descendants(tree, st.main_pid)}
+    return RankIdentity(host, unit, st.main_pid, st.control_group, layout, pids,
+                        {pid: tree[pid] for pid in keep if pid in tree})
+
+
+@dataclass
+class StopEvidence:
+    unit: str
+    host: str
+    result: str
+    sigkill: bool
+    cgroup_empty: bool
+    survivors: list[str]
+    ports_open: list[int]
+    gpu: str
+
+    @property
+    def verified(self) -> bool:
+        return self.cgroup_empty and not self.survivors and not self.ports_open
+
+
+def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: str) -> StopEvidence:
+    st = pool.unit_states(ident.host, [ident.unit])[ident.unit]
+    empty = True
+    if ident.control_group:
+        procs = cg_facts.parse_procs(pool.run(ident.host, cg_facts.procs_command(ident.layout, ident.control_group)).stdout)
+        empty = procs.empty
+    now = proc_facts.parse(pool.run(ident.host, proc_facts.command(sorted(ident.tree))).stdout) if ident.tree else {}
+    survivors = []
+    for pid, rec in sorted(ident.tree.items()):
+        if proc_facts.identity_status(rec, now) == proc_facts.ALIVE:
+            survivors.append(f"PID {pid} ({' '.join(rec.cmdline)[:120] or rec.comm})")
+    listeners = port_facts.parse(pool.run(ident.host, port_facts.command()).stdout)
+    open_ports = [p for p in ports if port_facts.is_listening(listeners, addr, p)]
+    gpu_out = pool.run(ident.host, nv_facts.apps_command()).stdout
+    sk = skipped_in(gpu_out)
+    if sk is not None:  # Skipped is falsy by design
+        gpu = f"skipped: {sk.reason}"
+    else:
+        apps = nv_facts.parse_apps(gpu_out)
+        mine = [] if isinstance(apps, Skipped) else [a for a in apps if a.pid in ident.tree]
+        gpu = "no compute process of it" if not mine else f"still on GPU: {[a.pid for a in mine]}"
+        if mine:
+            survivors += [f"GPU process PID {a.pid}" for a in mine]
+    return StopEvidence(ident.unit, ident.host, st.result, st.result in ("timeout", "signal") or
+                        "SIGKILL" in pool.journal_tail(ident.host, ident.unit, 15),
+                        empty, survivors, open_ports, gpu)
+
+
+# ---------------------------------------------------------------- doing
+
+def _last_op_reached(state: StateDir, instance: str, step: str) -> bool:
+    """Did an earlier, interrupted drain of `instance` pass `step`? (for resuming)"""
+    j = state.journal()
+    for op in reversed(j.operations()):
+        recs = j.read(op)
+        if not recs or recs[0].get("step") != "plan" or (recs[0].get("evidence") or {}).get("instance") != instance:
+            continue
+        return any(r["step"] == step and r["status"] == "ok" for r in recs)
+    return False
+
+
+def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print) -> dict:
+    inv, inst = plan.inv, plan.instance
+    op = new_op_id("drain" if not plan.skip_gateway else "stop")
+    j = state.journal()
+    verified: list[str] = []
+    unverified: list[str] = []
+    with state.lock("drain" if not plan.skip_gateway else "stop", op_id=op):
+        j.step(op, "plan", "ok", {"instance": inst.id, "steps": [str(s) for s in plan.steps]})
+        with HostPool(inv) as pool:
+            states = {u: pool.unit_states(h, [u])[u] for h, u in inst.units}
+            already_stopped = all(not s.is_active for s in states.values())
+            if not plan.skip_gateway:
+                client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+                wid = (plan.rev.instances.get(inst.id) or {}).get("worker_id")
+                listed = [w for w in client.list_workers() if w.id == wid or w.url == inst.url]
+                if listed:
+                    for w in listed:
+                        client.remove_worker(w.id)
+                        client.wait_worker_gone(w.id, deadline_in(30))
+                    say(f"  left the gateway: worker {', '.join(w.id for w in listed)} removed, gone from /workers")
+                    j.step(op, "leave-gateway", "ok", {"removed": [w.id for w in listed]})
+                else:
+                    say(f"  {inst.id} is not in the gateway's /workers (already removed): nothing to do")
+                    j.step(op, "leave-gateway", "ok", {"already_removed": wid})
+                verified.append("removed from the gateway and gone from /workers")
+
+                if already_stopped:
+                    if not _last_op_reached(state, inst.id, "empty-check-2"):
+                        raise DrainFailed(f"{inst.id}'s units are already stopped but no drain of it passed the "
+                                          "empty checks: its in-flight work cannot be accounted for",
+                                          fix="read the journal; use `inv stop` to verify the stop and record it")
+                    say(f"  {inst.id} already stopped by an earlier drain that passed both empty checks: verifying")
+                else:
+                    _wait_empty(plan, pool, j, op, say)
+                    verified.append(f"no open request ID and all queues 0, twice, {plan.interval_s:g}s apart")
+
+            idents = {} if already_stopped else {
+                u: record_identity(pool, h, u) for h, u in inst.units}
+            j.step(op, "record-identity", "ok", {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
+                                                     "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
+                                                              for p, r in i.tree.items()}}
+                                                 for u, i in idents.items()})
+            evidence = []
+            if not already_stopped:
+                t0 = time.monotonic()
+                head_host, head_unit = inst.units[0]
+                say(f"  stopping {head_unit} on {head_host} (SIGTERM to the main process; SIGKILL to the cgroup "
+                    f"after {inv.stop_timeout_s}s)")
+                pool.run(head_host, f"systemctl stop {q(head_unit)}", timeout=inv.stop_timeout_s + 60)
+                for h, u in inst.units[1:]:
+                    pool.run(h, f"systemctl stop {q(u)}", timeout=inv.stop_timeout_s + 60)
+                for h, u in inst.units:
+                    pool.run(h, f"systemctl disable {q(u)}")
+                j.step(op, "stop", "ok", {"seconds": round(time.monotonic() - t0, 2)})
+                strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
+                if strays:
+                    say(f"  found in the cgroup but outside MainPID's tree (stopped with the cgroup): {'; '.join(strays)}")
+                    j.step(op, "strays", "noted", {"strays": strays})
+                ports = [p for p in (inst.http_port, inst.bootstrap_port) if p]
+                for h, u in inst.units:
+                    ev = verify_stopped(pool, idents[u], ports if u == inst.units[0][1] else [], inst.head.data_addr)
+                    evidence.append(ev)
+                j.step(op, "verify-stop", "ok" if all(e.verified for e in evidence) else "failed",
+                       {e.unit: vars(e) for e in evidence})
+                for e in evidence:
+                    say(f"  {e.host}:{e.unit}: result {e.result}; cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'};"
+                        f" {'no survivor' if not e.survivors else 'SURVIVORS ' + ', '.join(e.survivors)}; "
+                        f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}")
+                    if e.sigkill:
+                        say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
+                            "emptied the cgroup")
+                bad = [e for e in evidence if not e.verified]
+                if bad:
+                    raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
+                        f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} "
+                        f"ports_open={e.ports_open}" for e in bad),
+                        fix="nothing was killed by name; inspect the listed processes before acting")
+                verified.append("cgroup empty, every recorded PID gone or reused, ports closed")
+                if strays:
+                    verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(strays)}")
+                if any(e.sigkill for e in evidence):
+                    verified.append("needed systemd's SIGKILL after TimeoutStopSec")
+                unverified += sorted({f"GPU processes: {e.gpu}" for e in evidence if e.gpu.startswith("skipped")})
+            else:
+                # resumed: the stop happened in an earlier run; verify what can still be read
+                for h, u in inst.units:
+                    st = pool.unit_states(h, [u])[u]
+                    if st.is_active:
+                        raise Unverified(f"{u} on {h} is active again")
+                listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
+                open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
+                              if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+                if open_ports:
+                    raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening")
+                verified.append("units inactive and ports closed (PIDs were recorded by the earlier run)")
+
+        if plan.persist:
+            new_pl = Placement(plan.placement.topology.__class__(
+                len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
+                len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
+                tuple(i for i in plan.placement.instances if i.id != inst.id))
+            instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
+            hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
+                           for h, files in plan.rev.manifest.items()}
+            removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
+                             for h, files in plan.rev.manifest.items()}
+            rollback = {"restore": inst.id, "from_revision": plan.rev.number,
+                        "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
+                        "holds_while": "its hosts and rendered files are unchanged",
+                        "files": {h: f for h, f in removed_files.items() if f},
+                        "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
+            rev = state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
+                                       placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
+                                       outcome="deployed", op_id=op, extra={"drained": inst.id, "rollback": rollback,
+                                                                            "gateway": plan.rev.extra.get("gateway")})
+            state.set_current(rev.number)
+            j.step(op, "record", "ok", {"revision": rev.number, "rollback": rollback})
+            verified.append(f"revision {rev.number} ({new_pl.topology}) is current")
+        verdict = {"instance": inst.id, "verified": verified, "unverified": unverified, "notes": plan.notes}
+        j.step(op, "verdict", "ok", verdict)
+        return verdict
+
+
+def _wait_empty(plan: DrainPlan, pool: HostPool, j, op: str, say: Say) -> None:
+    inst = plan.instance
+    deadline = time.monotonic() + plan.wait_s
+    last = ""
+    t0 = time.monotonic()
+    while True:
+        r = read_emptiness(pool, inst)
+        if r.empty:
+            break
+        desc = r.describe()
+        if desc != last:
+            say(f"  waiting ({time.monotonic() - t0:.0f}s): {desc}")
+            last = desc
+        if time.monotonic() > deadline:
+            j.step(op, "wait-empty", "deadline", {"open_rids": r.open_rids, "reading": desc})
+            if plan.force_after:
+                say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
+                    "(recorded in the journal as accepted loss)")
+                j.step(op, "force-after", "accepted-loss", {"open_rids": r.open_rids})
+                return
+            raise DrainFailed(f"{inst.id} still has work after {plan.wait_s:g}s; the instance was NOT stopped "
+                              f"(it is out of the gateway; re-add it with `inv rollback` or retry the drain)",
+                              evidence="open request IDs: " + (", ".join(r.open_rids) or "none") + f"\n{desc}",
+                              fix="wait and run the drain again, or --force-after to accept the loss")
+        time.sleep(0.5)
+    j.step(op, "wait-empty", "ok", {"seconds": round(time.monotonic() - t0, 2)})
+    say(f"  empty after {time.monotonic() - t0:.1f}s; empty-check 1 passed")
+    j.step(op, "empty-check-1", "ok", {"reading": "empty"})
+    time.sleep(plan.interval_s)
+    r2 = read_emptiness(pool, inst)
+    if not r2.empty:
+        j.step(op, "empty-check-2", "failed", {"reading": r2.describe()})
+        raise DrainFailed(f"{inst.id}: the second empty check ({plan.interval_s:g}s later) found work: {r2.describe()}",
+                          fix="something still sends it requests; find it before draining again")
+    j.step(op, "empty-check-2", "ok", {"reading": "empty", "interval_s": plan.interval_s})
+    say(f"  empty-check 2 passed ({plan.interval_s:g}s later)")

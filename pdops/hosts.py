@@ -1,0 +1,89 @@
+"""Connections to inventory hosts (Fabric over SSH, one per host, reused) and small HTTP helpers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+from fabric import Config, Connection
+
+from pdops.errors import Unreachable
+from pdops.facts import systemd as systemd_facts
+from pdops.inventory import Inventory
+from pdops.runner import run_remote
+
+
+class HostPool:
+    """One Fabric connection per host for the whole operation; pass it to the DO functions."""
+
+    def __init__(self, inv: Inventory):
+        self.inv = inv
+        self._conns: dict[str, Connection] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, host: str) -> Connection:
+        with self._lock:
+            if host not in self._conns:
+                h = self.inv.host(host)
+                key = self.inv.vars.get("ansible_ssh_private_key_file")
+                kwargs: dict = {"key_filename": str(key), "look_for_keys": False, "allow_agent": False} if key else {}
+                self._conns[host] = Connection(h.ssh_addr, user=str(self.inv.vars.get("ansible_user", "root")),
+                                               config=Config(overrides={"load_ssh_configs": not key}),
+                                               connect_kwargs=kwargs, connect_timeout=10)
+            return self._conns[host]
+
+    def run(self, host: str, command: str, timeout: float | None = 60):
+        return run_remote(self[host], command, timeout=timeout)
+
+    def unit_states(self, host: str, units: list[str]) -> dict[str, systemd_facts.UnitState]:
+        if not units:
+            return {}
+        out = self.run(host, systemd_facts.command(*units)).stdout
+        return systemd_facts.parse_by_id(out)
+
+    def journal_tail(self, host: str, unit: str, lines: int = 30) -> str:
+        from pdops.facts import q
+
+        try:
+            return self.run(host, f"journalctl -u {q(unit)} -n {int(lines)} --no-pager -o short-iso").stdout
+        except Exception as exc:  # noqa: BLE001 - evidence is best effort
+            return f"(journal unavailable: {exc})"
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._conns.values():
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            self._conns.clear()
+
+    def __enter__(self) -> "HostPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 10.0,
+              headers: dict | None = None) -> tuple[int, object]:
+    """(status, parsed JSON or text) for one HTTP request; Unreachable when nothing answers."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as e:
+        raise Unreachable(f"{method} {url}: {getattr(e, 'reason', e)}") from None
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text

@@ -1,0 +1,44 @@
+"""`inv verify`: the testinfra suite of the deployed state, run against any inventory over SSH."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pdops.errors import Refused, Unverified
+from pdops.inventory import Inventory
+from pdops.state import StateDir
+
+SUITE = Path(__file__).resolve().parent / "test_deployed.py"
+
+
+def run_verify(inv: Inventory, state: StateDir, *, quiet: bool = True) -> str:
+    """Run the suite on every host of the current revision; Unverified with the failures if any fails."""
+    if len(inv.files) != 1:
+        raise Refused(f"testinfra takes one inventory file; {inv.path} has {len(inv.files)}",
+                      fix="keep the inventory in one hosts.yml")
+    rev_n = state.current()
+    if rev_n is None:
+        raise Refused(f"{inv.cluster} has no current revision to verify", fix="deploy first (inv deploy)")
+    bindir = Path(sys.executable).parent
+    env = dict(os.environ, PDOPS_VERIFY_REVISION=str(state.revision_file(rev_n)),
+               PATH=f"{bindir}:{os.environ.get('PATH', '')}", ANSIBLE_CONFIG=str(
+                   Path(__file__).resolve().parents[2] / "playbooks" / "ansible.cfg"))
+    if inv.virtual_hardware:
+        env["ANSIBLE_HOST_KEY_CHECKING"] = "False"
+        env["PDOPS_VERIFY_VIRTUAL"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-p", "no:cacheprovider", "-q", "--no-header",
+        "--rootdir", str(SUITE.parent), "-c", os.devnull,
+        "--hosts=ansible://gpu_hosts", f"--ansible-inventory={inv.files[0]}"]
+    with tempfile.TemporaryFile("w+") as f:  # a file: ssh masters may outlive pytest
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, timeout=600,
+                            stdin=subprocess.DEVNULL).returncode
+        f.seek(0)
+        out = f.read()
+    proc = subprocess.CompletedProcess(cmd, rc, out, "")
+    if proc.returncode != 0:
+        raise Unverified(f"verify of revision {rev_n} failed", evidence="\n".join(out.splitlines()[-40:]))
+    return out.strip().splitlines()[-1] if out.strip() else "ok"

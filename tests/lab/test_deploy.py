@@ -1,0 +1,162 @@
+"""Deploy end to end on the lab: real systemd + sshd hosts, real Ansible and Fabric, the real
+gateway binary, sim engines. Faults first (each on a fresh state dir), then the live cluster."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import yaml
+
+from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
+
+from pdops.gateway import GatewayClient
+from pdops.inventory import load_inventory
+from pdops.load import send
+from pdops.state import StateDir
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture(scope="module")
+def fresh(lab, tmp_path_factory):
+    lab.ensure_up()
+    root = tmp_path_factory.mktemp("deploy")
+    yield root
+    stop_all(lab)
+
+
+def test_unit_that_fails_to_start_stops_the_deploy_with_its_journal(lab, fresh):
+    inv = derived_inventory(lab, fresh / "bad-unit", profile={"extra_args": ["--no-such-sglang-flag"]})
+    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv))
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert "deploy failed" in proc.stderr and "did not start" in proc.stderr
+    assert "no-such-sglang-flag" in proc.stderr  # the journal tail is in the error
+    assert "current revision unchanged: none" in proc.stderr
+    state = StateDir("lab", inv / "state")
+    assert state.current() is None
+    # nothing that was not verified was registered
+    gw = load_inventory(inv).gateway
+    assert GatewayClient(gw.url).list_workers() == []
+    verdict = [r for r in state.journal().records() if r["step"] == "verdict"]
+    assert verdict and verdict[-1]["status"] == "failed"
+
+
+def test_unreachable_host_changes_nothing(lab, fresh):
+    def move_lab02(doc):
+        hv = doc["all"]["children"]["gpu_hosts"]["hosts"]["lab02"]
+        hv["ansible_host"] = hv["pdops_data_addr"] = "127.0.10.201"
+    inv = derived_inventory(lab, fresh / "unreachable", mutate=move_lab02)
+    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(inv))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "cannot reach lab02" in proc.stderr
+    assert StateDir("lab", inv / "state").current() is None
+    assert "[3/7]" not in proc.stdout  # stopped before delivering anything
+
+
+def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab, fresh):
+    gw = load_inventory(lab.inventory).gateway
+    stop_all(lab)
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind((gw.addr, gw.port))  # another process holds the gateway's port
+    blocker.listen(1)
+    try:
+        inv = derived_inventory(lab, fresh / "gateway")
+        refused = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv))
+        # an operator who skips the port check meets a gateway that never answers
+        forced = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv), "--skip-check", "ports")
+    finally:
+        blocker.close()
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    assert "port 30000 (gateway) on 127.0.10.1 is taken" in refused.stderr and "no host was changed" in refused.stderr
+    assert "[3/7]" not in refused.stdout
+    assert forced.returncode == 7, forced.stdout + forced.stderr
+    assert "gateway pdops-gateway.service on lab01 did not answer" in forced.stderr
+    state = StateDir("lab", inv / "state")
+    assert state.current() is None
+    skips = [r for r in state.journal().records() if r["step"] == "preflight.skip-check"]
+    assert skips and skips[-1]["evidence"]["checks"] == ["ports"]
+
+
+@pytest.fixture(scope="module")
+def live(lab, fresh):
+    stop_all(lab)
+    inv = derived_inventory(lab, fresh / "live")
+    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(inv))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return inv, proc
+
+
+def test_deploy_2p1d_serves_200_requests_through_the_gateway(live):
+    inv_dir, proc = live
+    assert "verdict: deployed 2p1d as revision 1" in proc.stdout
+    assert "canary ok through all 2 prefill x decode pairs" in proc.stdout
+    inv = load_inventory(inv_dir)
+    rows = send(inv.gateway.url, requests=200, concurrency=16, max_new_tokens=8, stream_every=2)
+    assert len(rows) == 200
+    bad = [r.to_dict() for r in rows if not r.ok]
+    assert not bad, bad[:3]
+    assert sum(r.stream for r in rows) == 100
+    assert all(r.completion_tokens == 8 for r in rows)
+
+
+def test_status_shows_three_healthy_registered_instances(live):
+    inv_dir, _ = live
+    proc = inv_cmd("status", "-i", str(inv_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["revision"] == 1 and doc["topology"] == "2p1d"
+    assert [r["instance"] for r in doc["instances"]] == ["p01", "p02", "d01"]
+    for r in doc["instances"]:
+        assert r["healthy"] and r["registered"] and r["worker_id"] == r["recorded_worker_id"]
+        assert r["units"][0]["state"] == "active/running" and r["units"][0]["main_pid"]
+    assert doc["gateway"]["state"] == "active/running" and doc["gateway"]["workers"] == 3
+    text = inv_cmd("status", "-i", str(inv_dir)).stdout
+    assert "3/3 instances registered and healthy" in text
+
+
+def test_testinfra_verify_suite_passes_on_every_host(live):
+    inv_dir, _ = live
+    proc = inv_cmd("verify", "-i", str(inv_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_redeploying_the_same_topology_is_a_noop(live):
+    inv_dir, _ = live
+    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(inv_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "no change: revision 1 (2p1d) is already live" in proc.stdout
+    assert StateDir("lab", inv_dir / "state").revision_numbers() == [1]
+
+
+def test_a_different_topology_is_refused_with_a_pointer_to_scale(live):
+    inv_dir, _ = live
+    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "inv scale --topology 1p1d" in proc.stderr
+
+
+def test_a_changed_inventory_is_refused(live, tmp_path):
+    inv_dir, _ = live
+    doc = yaml.safe_load((inv_dir / "hosts.yml").read_text())
+    doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 7
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "hosts.yml").write_text(yaml.safe_dump(doc))
+    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(changed))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "the inventory changed since revision 1" in proc.stderr
+
+
+def test_a_concurrent_operation_is_refused(lab, live, fresh):
+    other = derived_inventory(lab, fresh / "concurrent")
+    state = StateDir("lab", other / "state")
+    with state.lock("drain", operator="alice@laptop"):
+        proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(other))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "alice@laptop" in proc.stderr and "drain" in proc.stderr
+    assert "[1/7]" not in proc.stdout  # refused before touching any host
+    assert state.current() is None
