@@ -6,9 +6,10 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import bench, core, lab
+from pdops.cli import admission, bench, core, lab, preflight
 
 ns = Collection.from_module(core)
-for t in (bench.bench, bench.sweep, bench.capacity):
+for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight):
     ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
+ns.add_collection(Collection.from_module(admission), name="audit")
