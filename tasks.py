@@ -6,10 +6,11 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import admission, bench, core, lab, preflight
+from pdops.cli import admission, admission_ops, bench, core, lab, preflight
 
 ns = Collection.from_module(core)
 for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight):
     ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
 ns.add_collection(Collection.from_module(admission), name="audit")
+ns.add_collection(Collection.from_module(admission_ops), name="admission")

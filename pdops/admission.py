@@ -28,10 +28,12 @@ from pdops.inventory import MOONCAKE_RPC_PORTS, Inventory, max_slots
 from pdops.render import SLICE_UNIT, UNIT_DIR, RenderedFile, _env
 
 VAR = "pdops_admission"
-HAPROXY_DIR = "/etc/pdops/haproxy"
+# In /etc/pdops (root, 0700, made by prepare.yml): deploy.yml creates no directory. HAProxy's
+# master reads all three as root (at start and at every reload); workers need none of them.
+HAPROXY_DIR = "/etc/pdops"
 CONFIG_PATH = f"{HAPROXY_DIR}/pdops-admission.cfg"
-KEYS_MAP_PATH = f"{HAPROXY_DIR}/api-keys.map"
-ERRORFILE_PATH = f"{HAPROXY_DIR}/overflow.http"
+KEYS_MAP_PATH = f"{HAPROXY_DIR}/pdops-admission-keys.map"
+ERRORFILE_PATH = f"{HAPROXY_DIR}/pdops-admission-overflow.http"
 UNIT = "pdops-admission.service"
 HAPROXY_BIN = "/usr/sbin/haproxy"
 GATEWAY_KEY_ENV = "PDOPS_GATEWAY_KEY"
@@ -246,13 +248,6 @@ def render_admission_files(inv: Inventory, cfg: AdmissionConfig) -> list[Rendere
         RenderedFile(cfg.host, ERRORFILE_PATH, overflow_response(cfg.overflow_status), 0o644),
         RenderedFile(cfg.host, f"{UNIT_DIR}/{UNIT}", unit, 0o644),
     ]
-
-
-def gateway_listen_addr(inv: Inventory, cfg: AdmissionConfig | None) -> str:
-    """Where the gateway should listen: loopback when admission shares its host."""
-    if cfg is not None and cfg.host == inv.gateway.host:
-        return "127.0.0.1"
-    return inv.gateway.addr
 
 
 def check_config(path: str | Path) -> None:

@@ -140,8 +140,23 @@ def test_admission_layer_up(host, name):
         if _gateway_host(name):
             pytest.skip("this revision renders no admission unit (pdops-admission*.service / haproxy*) on the gateway host")
         return
+    manifest = REVISION["manifest"][name]
     for unit in units:
         svc = host.service(unit)
         assert svc.is_running and svc.is_enabled, f"admission layer {unit} not running/enabled"
         path = f"/etc/systemd/system/{unit}"
-        assert host.file(path).sha256sum == REVISION["manifest"][name][path]["sha256"], f"{path} differs"
+        assert host.file(path).sha256sum == manifest[path]["sha256"], f"{path} differs"
+    # The config as rendered; the key map 0600 root (its content changes with `inv admission.keys`).
+    for path, meta in manifest.items():
+        if path.endswith("/pdops-admission.cfg"):
+            f = host.file(path)
+            assert f.exists and f.sha256sum == meta["sha256"], f"{path} differs from the revision"
+            binds = [ln.split()[1] for ln in f.content_string.splitlines() if ln.strip().startswith("bind ")]
+            assert binds, f"{path} has no bind line"
+            for b in binds:
+                addr, port = b.rsplit(":", 1)
+                assert host.socket(f"tcp://{addr.strip('[]')}:{port}").is_listening, f"admission not listening on {b}"
+        if path.endswith("/pdops-admission-keys.map"):
+            f = host.file(path)
+            assert f.exists and f.mode == 0o600 and f.user == "root", \
+                f"{path}: mode {oct(f.mode) if f.exists else 'missing'}, owner {f.user if f.exists else '-'}"

@@ -159,8 +159,17 @@ def test_a_key_cannot_change_the_config(fleet, tmp_path):
             adm.read_keys(key_file(tmp_path, bad + "\n"))
 
 
-def test_gateway_listen_addr(fleet, tmp_path):
-    assert adm.gateway_listen_addr(fleet, None) == fleet.gateway.addr
-    assert adm.gateway_listen_addr(fleet, cfg_for(fleet, tmp_path)) == "127.0.0.1"
-    other = next(h.name for h in fleet.hosts if h.name != fleet.gateway.host)
-    assert adm.gateway_listen_addr(fleet, cfg_for(fleet, tmp_path, host=other)) == fleet.gateway.addr
+def test_gateway_stays_on_its_data_address_behind_the_admission_layer(fleet, tmp_path):
+    """docs/admission.md, "Where the gateway listens": pdops's own clients reach the gateway
+    from the operator machine, so it keeps its data address; HAProxy's one server is that
+    address, and the gateway keeps retries off and its token bucket as configured."""
+    from pdops.render import gateway_args
+
+    cfg = cfg_for(fleet, tmp_path)
+    gw = fleet.gateway
+    args = gateway_args(fleet)
+    assert args[args.index("--host") + 1] == gw.addr
+    assert "--disable-retries" in args
+    assert args[args.index("--max-concurrent-requests") + 1] == str(gw.max_concurrent_requests)
+    text = adm.haproxy_config(cfg)
+    assert f"server gw {gw.addr}:{gw.port} maxconn {cfg.cap} " in text

@@ -1,0 +1,150 @@
+"""`inv admission.keys`: rotate the admission layer's API keys on a live cluster.
+
+Re-reads the operator's key file (`pdops_admission.api_keys_file`, validated as at
+deploy: 0600, one key per line), delivers ONLY the key map (0600, root) to the admission
+host with the deploy playbook, runs `systemctl reload pdops-admission.service` (the unit's
+ExecReload checks the config, then USR2: new workers read the new map, old workers finish
+their streams), and verifies from the operator machine: every new key gets a non-401
+answer, every revoked key gets 401. Under the cluster lock, each step journalled.
+
+Keys are secrets: only key ids (`k-` + sha256 prefix) are printed or journalled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from pdops import ansible
+from pdops.admission import KEYS_MAP_PATH, UNIT, AdmissionConfig, key_id, keys_map, parse_admission
+from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
+from pdops.facts import q
+from pdops.hosts import HostPool, http_json
+from pdops.inventory import Inventory
+from pdops.state import new_op_id
+
+Say = Callable[[str], None]
+PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)
+
+
+def parse_map(text: str) -> tuple[str, ...]:
+    """The keys of a rendered key map (`<key> <key id>` per line)."""
+    return tuple(line.split(" ", 1)[0] for line in text.splitlines() if line.strip())
+
+
+def probe(cfg: AdmissionConfig, key: str, timeout: float) -> int:
+    """The HTTP status the admission layer answers to GET /health with this key."""
+    status, _ = http_json("GET", f"{cfg.url}/health", timeout=timeout, headers={"Authorization": f"Bearer {key}"})
+    return status
+
+
+def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple[str, ...],
+                      deadline_s: float = 30.0, interval_s: float = 0.2) -> dict:
+    """Poll until, in one pass, every new key gets a non-401 answer and every revoked key a 401
+    (a reload takes effect when the new workers take the listener). Unverified at the deadline."""
+    # A key's request goes through the cap: it may wait up to the queue timeout for a permit.
+    timeout = cfg.queue_timeout_s + 5
+    deadline = time.monotonic() + deadline_s
+    t0 = time.monotonic()
+    while True:
+        bad: list[str] = []
+        seen: dict[str, int] = {}
+        for k in new[:PROBE_MAX]:
+            try:
+                s = probe(cfg, k, timeout)
+            except Unreachable as exc:
+                bad.append(f"new key {key_id(k)}: {exc.message}")
+                continue
+            seen[key_id(k)] = s
+            if s == 401:
+                bad.append(f"new key {key_id(k)} got 401")
+        for k in revoked[:PROBE_MAX]:
+            try:
+                s = probe(cfg, k, 10)
+            except Unreachable as exc:
+                bad.append(f"revoked key {key_id(k)}: {exc.message}")
+                continue
+            seen[key_id(k)] = s
+            if s != 401:
+                bad.append(f"revoked key {key_id(k)} got {s}, not 401")
+        if not bad:
+            return {"answers": seen, "applied_after_s": round(time.monotonic() - t0, 2)}
+        if time.monotonic() > deadline:
+            raise Unverified(f"the new keys are not in effect on {cfg.url} after {deadline_s:.0f}s",
+                             fix=f"check `journalctl -u {UNIT}` on {cfg.host}; the reload may have been refused",
+                             evidence="\n".join(bad[:10]))
+        time.sleep(interval_s)
+
+
+def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0) -> dict:
+    """Deliver the operator's key file as the new key map, reload, verify. Returns the evidence."""
+    from pdops.deploy import state_for
+
+    cfg = parse_admission(inv.vars, inv)  # re-reads and validates the operator's key file
+    if cfg is None:
+        raise InvalidInput("pdops_admission", "this inventory has no admission layer",
+                           fix="set pdops_admission (docs/admission.md) and deploy first")
+    state = state_for(inv)
+    if state.current() is None:
+        raise Refused(f"{inv.cluster} has no deployed revision", fix="deploy the cluster first (`inv deploy`)")
+    op = new_op_id("admission-keys")
+    journal = state.journal()
+    new_map = keys_map(cfg.keys)
+    sha = hashlib.sha256(new_map.encode()).hexdigest()
+    with state.lock("admission-keys", op_id=op):
+        journal.step(op, "plan", "ok", {"host": cfg.host, "unit": UNIT, "map": KEYS_MAP_PATH,
+                                        "keys": len(cfg.keys), "key_ids": list(cfg.key_ids), "map_sha256": sha})
+        try:
+            with HostPool(inv) as pool:
+                st = pool.unit_states(cfg.host, [UNIT])[UNIT]
+                if st.active_state != "active":
+                    raise Refused(f"{UNIT} on {cfg.host} is {st.active_state}/{st.sub_state}: nothing to reload",
+                                  fix="deploy the cluster (or start the unit) first; a deploy delivers the keys too",
+                                  evidence=pool.journal_tail(cfg.host, UNIT))
+                old = parse_map(pool.run(cfg.host, f"cat {q(KEYS_MAP_PATH)}").stdout)
+                added = tuple(k for k in cfg.keys if k not in old)
+                revoked = tuple(k for k in old if k not in cfg.keys)
+                say(f"admission keys on {cfg.host}: {len(cfg.keys)} keys "
+                    f"(+{len(added)} added: {', '.join(map(key_id, added)) or '-'}; "
+                    f"-{len(revoked)} revoked: {', '.join(map(key_id, revoked)) or '-'})")
+
+                with tempfile.TemporaryDirectory(prefix="pdops-keys-") as tmp:
+                    src = Path(tmp) / "api-keys.map"
+                    src.touch(mode=0o600)
+                    src.write_text(new_map)
+                    t0 = time.monotonic()
+                    res = ansible.run_playbook(inv, "deploy.yml", {
+                        "pdops_files": {cfg.host: [{"src": str(src), "dest": KEYS_MAP_PATH, "mode": "0600"}]},
+                        "pdops_remove": {}, "pdops_units": {}}, [cfg.host])
+                remote = pool.run(cfg.host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
+                mode_owner, remote_sha = remote.stdout.splitlines()[0].strip(), remote.stdout.split()[-2]
+                if mode_owner != "600 root:root" or remote_sha != sha:
+                    raise Unverified(f"{KEYS_MAP_PATH} on {cfg.host} is {mode_owner} sha256 {remote_sha[:12]}, "
+                                     f"expected 600 root:root sha256 {sha[:12]}")
+                journal.step(op, "deliver", "ok", {"changed": res.changed, "mode": mode_owner, "sha256": sha,
+                                                   "seconds": round(time.monotonic() - t0, 1)})
+                say(f"  delivered {KEYS_MAP_PATH} (0600 root, sha256 {sha[:12]}, {res.changed} changed)")
+
+                pool.run(cfg.host, f"systemctl reload {q(UNIT)}")  # ExecReload: haproxy -c, then USR2
+                st2 = pool.unit_states(cfg.host, [UNIT])[UNIT]
+                if st2.active_state != "active" or st2.main_pid != st.main_pid:
+                    raise Unverified(f"{UNIT} is {st2.active_state}/{st2.sub_state} (MainPID {st.main_pid} -> "
+                                     f"{st2.main_pid}) after the reload: not a graceful reload",
+                                     evidence=pool.journal_tail(cfg.host, UNIT))
+                journal.step(op, "reload", "ok", {"unit": UNIT, "main_pid": st2.main_pid})
+                say(f"  reloaded {UNIT} (master MainPID {st2.main_pid} kept: in-flight streams continue)")
+
+                ev = wait_keys_applied(cfg, cfg.keys, revoked, deadline_s)
+                ev.update(added=[key_id(k) for k in added], revoked=[key_id(k) for k in revoked])
+                journal.step(op, "verify", "ok", ev)
+                say(f"  verified after {ev['applied_after_s']}s: {min(len(cfg.keys), PROBE_MAX)} keys accepted, "
+                    f"{min(len(revoked), PROBE_MAX)} revoked keys get 401")
+                journal.step(op, "verdict", "ok", {"keys": len(cfg.keys), "map_sha256": sha})
+                return {"op": op, "host": cfg.host, "keys": len(cfg.keys), "added": ev["added"],
+                        "revoked": ev["revoked"], "map_sha256": sha}
+        except PdopsError as exc:
+            journal.step(op, "verdict", "failed", {"error": exc.render()})
+            raise

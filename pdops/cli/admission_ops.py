@@ -1,0 +1,25 @@
+"""Operating the admission layer on a live cluster: `inv admission.keys` (key rotation)."""
+
+from __future__ import annotations
+
+from invoke import task
+
+from pdops.cli import cli_errors
+
+DEFAULT_INVENTORY = "inventory/lab"
+
+
+@task(help={"inventory": "inventory dir or file",
+            "deadline": "seconds to wait for the new keys to be in effect after the reload"})
+@cli_errors
+def keys(c, inventory=DEFAULT_INVENTORY, deadline=30):
+    """Rotate API keys: re-read pdops_admission.api_keys_file (0600), deliver only the key map
+    to the admission host, `systemctl reload pdops-admission.service` (in-flight streams
+    continue), verify the new keys are accepted and revoked ones get 401. Journalled, locked."""
+    from pdops.admission_ops import rotate_keys
+    from pdops.inventory import load_inventory
+
+    inv = load_inventory(inventory)
+    ev = rotate_keys(inv, deadline_s=float(deadline))
+    print(f"verdict: {ev['keys']} keys in effect on {ev['host']} (op {ev['op']}); "
+          f"added {len(ev['added'])}, revoked {len(ev['revoked'])}")

@@ -1,0 +1,50 @@
+"""`inv admission.keys` without hosts: the map round trip, and what it refuses before any host."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdops import admission as adm
+from pdops import admission_ops as ops
+from pdops.errors import InvalidInput, Refused
+from pdops.inventory import load_inventory
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("pdops-key-one-0123456789", "Zm9vYmFyYmF6cXV4Cg==", "a.b_c~d+e/f=g-h0123456")
+
+
+def test_parse_map_reads_back_the_rendered_map():
+    assert ops.parse_map(adm.keys_map(KEYS)) == KEYS
+    assert ops.parse_map("") == ()
+
+
+def _inv(tmp_path, admission: dict | None):
+    doc = yaml.safe_load((REPO / "inventory" / "lab" / "hosts.yml").read_text())
+    doc["all"]["vars"]["pdops_state_dir"] = str(tmp_path / "state")
+    if admission is not None:
+        doc["all"]["vars"]["pdops_admission"] = admission
+    (tmp_path / "inv").mkdir()
+    (tmp_path / "inv" / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return load_inventory(tmp_path / "inv")
+
+
+def test_refuses_an_inventory_without_admission(tmp_path):
+    with pytest.raises(InvalidInput, match="no admission layer"):
+        ops.rotate_keys(_inv(tmp_path, None), say=lambda s: None)
+
+
+def test_refuses_a_key_file_readable_by_others_before_touching_a_host(tmp_path):
+    kf = tmp_path / "k"
+    kf.write_text(KEYS[0] + "\n")
+    kf.chmod(0o644)
+    with pytest.raises(InvalidInput, match="mode 0644"):
+        ops.rotate_keys(_inv(tmp_path, {"api_keys_file": str(kf)}), say=lambda s: None)
+
+
+def test_refuses_a_cluster_never_deployed(tmp_path):
+    kf = tmp_path / "k"
+    kf.write_text(KEYS[0] + "\n")
+    kf.chmod(0o600)
+    with pytest.raises(Refused, match="no deployed revision"):
+        ops.rotate_keys(_inv(tmp_path, {"api_keys_file": str(kf)}), say=lambda s: None)
