@@ -6,10 +6,11 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import admission, admission_ops, bench, core, lab, preflight
+from pdops.cli import admission, admission_ops, bench, core, lab, preflight, scale
 
 ns = Collection.from_module(core)
-for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight):
+for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight, scale.scale, scale.rollback,
+          scale.history, scale.diff):
     ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
 ns.add_collection(Collection.from_module(admission), name="audit")

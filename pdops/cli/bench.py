@@ -114,19 +114,21 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
 
 
 def _live_scale_to(inv):
-    """The seam to `inv scale`: bring the cluster to a topology, verified, or raise."""
-    try:
-        from pdops import scale as scale_mod  # lands with `inv scale`
-    except ImportError:
-        raise Refused("a sweep changes the topology with `inv scale`, which this pdops build does not have yet",
-                      fix="run `inv sweep ... --dry-run` for the plan; bench each topology by hand meanwhile") from None
-    from pdops.deploy import state_for
+    """The seam to deploy/scale: bring the cluster to a topology, verified, or raise."""
+    from pdops import deploy as dep
+    from pdops import scale as scale_mod
 
     def scale_to(topo):
-        plan = scale_mod.plan_scale(inv, topo, state_for(inv))
+        state = dep.state_for(inv)
+        if state.current() is None:  # nothing live yet: the first cell deploys
+            plan = dep.plan_deploy(inv, topo, state)
+            print(plan.render())
+            dep.execute_deploy(plan)
+            return
+        plan = scale_mod.plan_scale(inv, topo, state)
         print(plan.render())
-        if not getattr(plan, "noop", None):
-            scale_mod.execute_scale(plan)
+        if not plan.noop:
+            scale_mod.execute_scale(plan, state)
 
     return scale_to
 

@@ -1,0 +1,96 @@
+"""Topology changes and revisions: scale, rollback, history, diff."""
+
+from __future__ import annotations
+
+from invoke import task
+
+from pdops.cli import cli_errors
+
+DEFAULT_INVENTORY = "inventory/lab"
+
+
+def _print_verdict(plan, n: int) -> None:
+    what = f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else "scaled"
+    print(f"verdict: {what}: {plan.current.topology} -> {plan.target.topology} as revision {n}, now current. "
+          f"Verified: added {', '.join(i.id for i in plan.added) or 'none'} (healthy, canary through every new "
+          f"P x D pair, registered and healthy in the gateway); drained {', '.join(i.id for i in plan.removed) or 'none'}"
+          f" (out of the gateway, no open request, two empty checks, stop verified); kept "
+          f"{', '.join(i.id for i in plan.kept) or 'none'} untouched.")
+
+
+@task(help={"inventory": "inventory dir or file", "topology": "target NpMd, e.g. 10p2d",
+            "dry_run": "print the plan only",
+            "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)",
+            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)"},
+      iterable=["skip_check"])
+@cli_errors
+def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None):
+    """Plan the change from the current revision to a topology, then add, verify, register, drain, record."""
+    from pdops import deploy as dep
+    from pdops import scale as sc
+    from pdops.inventory import load_inventory
+    from pdops.topology import parse_topology
+
+    topo = parse_topology(topology)
+    inv = load_inventory(inventory or DEFAULT_INVENTORY)
+    state = dep.state_for(inv)
+    plan = sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()))
+    print(plan.render())
+    if dry_run or plan.noop:
+        return
+    _print_verdict(plan, sc.execute_scale(plan, state))
+
+
+@task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",
+            "dry_run": "print the plan only",
+            "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)",
+            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)"},
+      iterable=["skip_check"])
+@cli_errors
+def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False, skip_check=None):
+    """Return to the previous revision (or --to N) as a planned, verified change."""
+    from pdops import deploy as dep
+    from pdops import scale as sc
+    from pdops.inventory import load_inventory
+
+    inv = load_inventory(inventory or DEFAULT_INVENTORY)
+    state = dep.state_for(inv)
+    plan = sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()))
+    print(plan.render())
+    if dry_run or plan.noop:
+        return
+    _print_verdict(plan, sc.execute_scale(plan, state))
+
+
+@task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})
+@cli_errors
+def history(c, inventory=None, json=False):
+    """Recorded revisions: topology, time, operator, outcome; the current one marked."""
+    import json as _json
+
+    from pdops import deploy as dep
+    from pdops.history import format_history, history_rows
+    from pdops.inventory import load_inventory
+
+    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY))
+    print(_json.dumps(history_rows(state), indent=2) if json else format_history(state))
+
+
+@task(help={"inventory": "inventory dir or file", "a": "revision number", "b": "revision number",
+            "json": "machine-readable output"},
+      positional=["a", "b"])
+@cli_errors
+def diff(c, a=None, b=None, inventory=None, json=False):
+    """What changed between revisions A and B: instances added/removed/moved, files per host."""
+    import json as _json
+
+    from pdops import deploy as dep
+    from pdops.errors import InvalidInput
+    from pdops.history import diff_revisions, format_diff
+    from pdops.inventory import load_inventory
+
+    if a is None or b is None:
+        raise InvalidInput("diff", "needs two revision numbers", fix="e.g. `inv diff 3 4` (see `inv history`)")
+    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY))
+    d = diff_revisions(state, a, b)
+    print(_json.dumps(d, indent=2) if json else format_diff(d))

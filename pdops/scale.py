@@ -1,0 +1,712 @@
+"""`inv scale --topology 10p2d` and `inv rollback`: topology changes as verified plans.
+
+A change adds or removes whole, homogeneous replicas; nothing is migrated and no role is
+flipped. Plan (pure apart from reading the state dir): from the current revision to the
+target placement, partition the instances into added, removed (drained) and kept (left
+untouched: their rendered files are identical), order the steps so that new instances
+are added and registered before old ones are drained, and give the serving capacity of
+each role after every step. Where an added instance needs GPUs that a removed one holds,
+the removal must come first: the plan names those GPUs and the temporary capacity and
+requires ``--allow-capacity-dip``.
+
+Do: under the cluster lock for the whole change; preflight; deliver the new revision's
+files with Ansible (kept instances' files are identical, so nothing of theirs changes);
+start and health-gate each added instance, canary its new P x D pairs directly, then
+register it; drain each removed instance with the drain machinery (leave the gateway,
+wait empty per request ID, two empty checks, stop by identity and verify); record ONE
+revision with the full placement and the way back. ``current`` moves only when every
+step succeeded. A failure before anything was drained undoes what this change added
+(drained if it was registered, stopped and verified) and leaves ``current`` unchanged;
+a failure after a drain records what is live as a ``partial`` revision, so ``inv status``
+and the journal agree with the hosts.
+
+Rollback is the same change towards a recorded revision's placement (same ids, same
+slots), refused when its conditions no longer hold (inventory or rendered files changed).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdops.deploy import DeployFailed, canary_pair, deliver, register, start_instance, state_for  # noqa: F401
+from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
+from pdops.facts import q
+from pdops.gateway import GatewayClient, deadline_in
+from pdops.hosts import HostPool
+from pdops.inventory import Inventory
+from pdops.placement import Instance, Placement, _make, _slots, place
+from pdops.render import RenderedFile, manifest, render_files, write_build
+from pdops.runner import failures, run_parallel
+from pdops.state import Revision, StateDir, new_op_id
+from pdops.topology import Topology
+
+Say = Callable[[str], None]
+ROLES = ("prefill", "decode")
+
+
+class ScaleFailed(PdopsError):
+    exit_code = 9
+    kind = "scale stopped"
+
+
+# ---------------------------------------------------------------- plan
+
+@dataclass(frozen=True)
+class ScaleStep:
+    """One step of a change: add (start, health-gate, canary, register) or drain an instance."""
+
+    kind: str  # "add" | "drain"
+    instance: Instance
+    capacity: tuple[int, int]  # (prefill, decode) serving after this step
+    why: str = ""
+
+    def describe(self) -> str:
+        i = self.instance
+        where = f"{'/'.join(i.hosts)} GPUs {_gpu_range(i.head.gpus)}"
+        if self.kind == "add":
+            return (f"add {i.id} ({i.role}) on {where}: start, wait {i.url}/health, canary its new P x D pairs, "
+                    "register with the gateway")
+        return f"drain {i.id} ({i.role}) on {where}: leave the gateway, wait empty, two empty checks, verified stop"
+
+
+@dataclass
+class ScalePlan:
+    inv: Inventory
+    current: Revision
+    current_placement: Placement
+    target: Placement
+    files: list[RenderedFile]
+    added: list[Instance]
+    removed: list[Instance]
+    kept: list[Instance]
+    steps: list[ScaleStep]
+    dip: list[str] = field(default_factory=list)  # why the capacity dips (GPUs to free first)
+    noop: str | None = None
+    rollback_of: int | None = None
+    skip_checks: set[str] = field(default_factory=set)
+    kept_files: int = 0
+
+    @property
+    def start_capacity(self) -> tuple[int, int]:
+        return (len(self.current_placement.role("prefill")), len(self.current_placement.role("decode")))
+
+    @property
+    def hosts(self) -> list[str]:
+        """Hosts the change touches: every host of the target (Ansible delivers there) and of removed instances."""
+        hs = {r.host for i in self.target.instances for r in i.ranks} | {self.inv.gateway.host}
+        hs |= {h for i in self.removed for h in i.hosts}
+        return sorted(hs)
+
+    def min_capacity(self) -> tuple[int, int]:
+        caps = [self.start_capacity] + [s.capacity for s in self.steps]
+        return (min(c[0] for c in caps), min(c[1] for c in caps))
+
+    def render(self) -> str:
+        cur = self.current
+        verb = f"rollback to revision {self.rollback_of}" if self.rollback_of else "scale"
+        head = (f"plan: {verb}: {self.inv.cluster} from revision {cur.number} ({cur.topology}) "
+                f"to {self.target.topology}")
+        if self.noop:
+            return head + f"\nno change: {self.noop}"
+        lines = [head]
+        lines.append("  added:   " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
+                                                f"{_gpu_range(i.head.gpus)}, {i.url}" for i in self.added) or "none"))
+        lines.append("  removed: " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
+                                                f"{_gpu_range(i.head.gpus)} (drained)" for i in self.removed) or "none"))
+        lines.append("  kept:    " + (", ".join(i.id for i in self.kept) or "none")
+                     + f" (untouched: {self.kept_files} rendered files identical to revision {cur.number})")
+        p0, d0 = self.start_capacity
+        lines.append("  steps (serving capacity of each role after the step):")
+        lines.append(f"     0. now: {p0} prefill, {d0} decode")
+        lines.append("     1. lock, connect, preflight"
+                     + (f" (skipping {', '.join(sorted(self.skip_checks))})" if self.skip_checks else "")
+                     + f", deliver the revision's files with Ansible (kept instances unchanged): {p0} prefill, {d0} decode")
+        for n, s in enumerate(self.steps, 2):
+            why = f" [{s.why}]" if s.why else ""
+            lines.append(f"    {n:2d}. {s.describe()}{why}: {s.capacity[0]} prefill, {s.capacity[1]} decode")
+        lines.append(f"    {len(self.steps) + 2:2d}. record revision ({self.target.topology}) with the rollback record; "
+                     "move `current` to it; release the lock")
+        mp, md = self.min_capacity()
+        tp, td = len(self.target.role("prefill")), len(self.target.role("decode"))
+        lines.append(f"  lowest capacity during the change: {mp} prefill (old {p0}, new {tp}), "
+                     f"{md} decode (old {d0}, new {td})")
+        for d in self.dip:
+            lines.append(f"  capacity dip (--allow-capacity-dip): {d}")
+        if any(i.role == "prefill" for i in self.removed):
+            lines.append("  note: a drained prefill's prefix cache is lost: cold inputs will be slower for a while")
+        return "\n".join(lines)
+
+
+def _gpu_range(gpus: tuple[int, ...]) -> str:
+    g = list(gpus)
+    if g and g == list(range(g[0], g[-1] + 1)) and len(g) > 1:
+        return f"{g[0]}-{g[-1]}"
+    return ",".join(map(str, g))
+
+
+def _slot_key(inst: Instance) -> tuple:
+    return (inst.hosts, inst.slot)
+
+
+def _gpu_set(inst: Instance) -> set[tuple[str, int]]:
+    return {(r.host, g) for r in inst.ranks for g in r.gpus}
+
+
+_OWN_FILE = "pdops-{id}(-r[0-9]+)?\\.(service|sh|env)$"
+
+
+def instance_files(mf: dict, inst_id: str) -> dict[tuple[str, str], dict]:
+    """{(host, path): {sha256, mode}} of one instance's files (unit, launch script, env) in a manifest."""
+    rx = re.compile(_OWN_FILE.format(id=re.escape(inst_id)))
+    return {(h, p): m for h, files in mf.items() for p, m in files.items() if rx.search(p.rsplit("/", 1)[-1])}
+
+
+def _shared_files(mf: dict, ids: set[str]) -> dict[tuple[str, str], dict]:
+    own = set()
+    for i in ids:
+        own |= set(instance_files(mf, i))
+    return {(h, p): m for h, files in mf.items() for p, m in files.items() if (h, p) not in own}
+
+
+def _file_changes(old: dict, new: dict) -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if k not in new:
+            out.append(f"{k[0]}:{k[1]} would be removed")
+        elif k not in old:
+            out.append(f"{k[0]}:{k[1]} would be added")
+        elif old[k].get("sha256") != new[k].get("sha256") or old[k].get("mode") != new[k].get("mode"):
+            out.append(f"{k[0]}:{k[1]} changed (sha256 {str(old[k].get('sha256'))[:12]} -> "
+                       f"{str(new[k].get('sha256'))[:12]})")
+    return out
+
+
+def place_for_scale(inv: Inventory, target: Topology, current: Placement) -> Placement:
+    """`place(inv, target, previous=current)`, except that added instances take slots that are free
+    now before slots that a removed instance still holds (so adds can come before drains)."""
+    base = place(inv, target, current)  # validates size; keeps surviving instances exactly
+    cur_ids = {i.id for i in current.instances}
+    occupied = {_slot_key(i) for i in current.instances}
+    kept_keys = {_slot_key(i) for i in base.instances if i.id in cur_ids}
+
+    def key(sl):
+        return (tuple(h.name for h in sl[0]), sl[1])
+
+    slots = _slots(inv)
+    free_now = [sl for sl in slots if key(sl) not in occupied]
+    freed = [sl for sl in slots if key(sl) in occupied and key(sl) not in kept_keys]
+    out = []
+    for inst in base.instances:
+        if inst.id in cur_ids:
+            out.append(inst)
+        else:
+            sl = free_now.pop(0) if free_now else freed.pop(0)
+            out.append(_make(inv, inst.role, int(inst.id[1:]), sl))
+    return Placement(target, tuple(out))
+
+
+def _refuse_changed_inventory(inv: Inventory, cur: Revision) -> None:
+    if cur.inventory_hash != inv.digest:
+        raise Refused(f"the inventory changed since revision {cur.number} was deployed "
+                      f"(digest {cur.inventory_hash[:12]} -> {inv.digest[:12]})",
+                      fix="restore the inventory of the running revision; a topology change keeps the inventory")
+
+
+def _current(inv: Inventory, state: StateDir, what: str) -> Revision:
+    cur = state.current_revision()
+    if cur is None:
+        raise Refused(f"{inv.cluster} has no current revision: nothing to {what}",
+                      fix="deploy first (`inv deploy --topology 1p1d`)")
+    return cur
+
+
+def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
+                skip_checks: set[str] | None = None, rollback_of: int | None = None) -> ScalePlan:
+    """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure)."""
+    from pdops.preflight import validate_skip
+
+    skip_checks = validate_skip(skip_checks)
+    cur_pl = Placement.from_dict(cur.placement)
+    cur_by_id = {i.id: i for i in cur_pl.instances}
+    tgt_ids = {i.id for i in target_pl.instances}
+    added = [i for i in target_pl.instances if i.id not in cur_by_id]
+    removed = [i for i in cur_pl.instances if i.id not in tgt_ids]
+    kept = [i for i in target_pl.instances if i.id in cur_by_id]
+    moved = [i.id for i in kept if cur_by_id[i.id] != i]
+    if moved:
+        raise Refused(f"{', '.join(moved)} would move to other hosts, GPUs or ports; a topology change adds and "
+                      "removes whole instances, it never moves a running one",
+                      fix="drain the instance first, then add it back")
+    files = render_files(inv, target_pl)
+    new_mf = manifest(files)
+    changes: list[str] = []
+    n_kept_files = 0
+    for i in kept:
+        old, new = instance_files(cur.manifest, i.id), instance_files(new_mf, i.id)
+        n_kept_files += len(new)
+        changes += _file_changes(old, new)
+    # files shared by the instances (gateway, slices) that exist in both and would change
+    old_sh = _shared_files(cur.manifest, set(cur_by_id))
+    new_sh = _shared_files(new_mf, tgt_ids)
+    changes += [c for c in _file_changes(old_sh, {k: v for k, v in new_sh.items() if k in old_sh})
+                if not c.endswith("would be removed")]
+    if changes:
+        raise Refused(f"the change would rewrite files of running parts of revision {cur.number}; a topology change "
+                      "leaves kept instances and the gateway untouched",
+                      evidence="\n".join(changes),
+                      fix="deploy those changes as their own revision first (same topology), then scale")
+    if not added and not removed:
+        return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
+                         noop=f"revision {cur.number} is already {cur.topology} with this placement: nothing to add "
+                              "or drain; `inv status` shows its health", rollback_of=rollback_of,
+                         skip_checks=skip_checks)
+    # Which removals must come before which adds (the add needs GPUs or ports a removed instance holds)
+    needs: dict[str, list[Instance]] = {}
+    for a in added:
+        held = [r for r in removed if _gpu_set(a) & _gpu_set(r) or
+                (_slot_key(a) == _slot_key(r))]
+        if held:
+            needs[a.id] = held
+    p, d = len(cur_pl.role("prefill")), len(cur_pl.role("decode"))
+    cap = {"prefill": p, "decode": d}
+    steps: list[ScaleStep] = []
+    drained: set[str] = set()
+
+    def step(kind: str, inst: Instance, why: str = "") -> None:
+        cap[inst.role] += 1 if kind == "add" else -1
+        steps.append(ScaleStep(kind, inst, (cap["prefill"], cap["decode"]), why))
+
+    for a in added:
+        if a.id not in needs:
+            step("add", a)
+    dip: list[str] = []
+    for a in added:
+        if a.id not in needs:
+            continue
+        for r in needs[a.id]:
+            if r.id in drained:
+                continue
+            gpus = sorted(_gpu_set(a) & _gpu_set(r))
+            hosts = sorted({h for h, _ in gpus})
+            where = "; ".join(f"{h} GPUs {_gpu_range(tuple(g for hh, g in gpus if hh == h))}" for h in hosts)
+            step("drain", r, f"frees {where} for {a.id}")
+            drained.add(r.id)
+            dip.append(f"{a.id} ({a.role}) needs {where}, held by {r.id} ({r.role}): {r.id} is drained first; "
+                       f"serving drops to {cap['prefill']} prefill + {cap['decode']} decode "
+                       f"({cap['prefill'] + cap['decode']} instances) until {a.id} is registered")
+        step("add", a, f"on the GPUs freed by {', '.join(r.id for r in needs[a.id])}")
+    for r in removed:
+        if r.id not in drained:
+            step("drain", r)
+            drained.add(r.id)
+    # a role below the smaller of its old and new counts is a dip too (cannot happen with this order;
+    # kept as the rule's check)
+    new_count = {"prefill": len(target_pl.role("prefill")), "decode": len(target_pl.role("decode"))}
+    old_count = {"prefill": p, "decode": d}
+    for role_i, role in enumerate(ROLES):
+        low = min(s.capacity[role_i] for s in steps)
+        if low < min(old_count[role], new_count[role]):
+            dip.append(f"{role} capacity drops to {low} (old {old_count[role]}, new {new_count[role]})")
+    plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
+                     rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files)
+    if dip and not allow_capacity_dip:
+        raise Refused(f"{cur.topology} -> {target_pl.topology} cannot add before it drains: "
+                      + "; ".join(dip),
+                      fix="pass --allow-capacity-dip to accept the temporary capacity, or add hosts so the new "
+                          "instances fit beside the old ones",
+                      evidence=plan.render())
+    return plan
+
+
+def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+               skip_checks: set[str] | None = None) -> ScalePlan:
+    """What `inv scale --topology target` will do, or why not. Reads only the state dir."""
+    cur = _current(inv, state, "scale")
+    _refuse_changed_inventory(inv, cur)
+    cur_pl = Placement.from_dict(cur.placement)
+    if str(target) == cur.topology:
+        return plan_change(inv, cur, cur_pl, skip_checks=skip_checks)
+    return plan_change(inv, cur, place_for_scale(inv, target, cur_pl), allow_capacity_dip=allow_capacity_dip,
+                       skip_checks=skip_checks)
+
+
+def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[str]:
+    """What changed since `tgt` that makes returning to it unsafe (empty: the conditions hold)."""
+    changed: list[str] = []
+    if tgt.inventory_hash != inv.digest:
+        changed.append(f"inventory digest {tgt.inventory_hash[:12]} at revision {tgt.number}, "
+                       f"{inv.digest[:12]} now")
+    tgt_pl = Placement.from_dict(tgt.placement)
+    names = {h.name: h for h in inv.hosts}
+    for i in tgt_pl.instances:
+        for r in i.ranks:
+            h = names.get(r.host)
+            if h is None:
+                changed.append(f"host {r.host} of {i.id} is no longer in the inventory")
+            elif h.data_addr != r.data_addr:
+                changed.append(f"host {r.host} of {i.id}: data address {r.data_addr} -> {h.data_addr}")
+    if not changed:
+        try:
+            again = place(inv, tgt_pl.topology, tgt_pl)
+            if again != tgt_pl:
+                changed.append(f"revision {tgt.number}'s placement no longer follows from the inventory")
+        except InvalidInput as exc:
+            changed.append(exc.message)
+    cur_pl = Placement.from_dict(cur.placement)
+    cur_by_id = {i.id: i for i in cur_pl.instances}
+    for i in tgt_pl.instances:
+        if i.id in cur_by_id and cur_by_id[i.id] != i:
+            changed.append(f"{i.id} runs on {'/'.join(cur_by_id[i.id].hosts)} slot {cur_by_id[i.id].slot} now, "
+                           f"on {'/'.join(i.hosts)} slot {i.slot} in revision {tgt.number}")
+    if not changed:
+        new_mf = manifest(render_files(inv, tgt_pl))
+        for i in tgt_pl.instances:
+            if i.id not in cur_by_id:
+                changed += [f"{i.id}: {c}" for c in
+                            _file_changes(instance_files(tgt.manifest, i.id), instance_files(new_mf, i.id))]
+    return changed
+
+
+def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
+                  skip_checks: set[str] | None = None) -> ScalePlan:
+    """A change back to the previous deployed revision (or revision `to`), or Refused naming what changed."""
+    cur = _current(inv, state, "roll back")
+    if to is None:
+        tgt = state.previous()
+        if tgt is None:
+            raise Refused(f"{inv.cluster} has no deployed revision before revision {cur.number}: nothing to roll "
+                          "back to", fix="`inv history` lists the recorded revisions")
+    else:
+        try:
+            n = int(to)
+        except (TypeError, ValueError):
+            raise InvalidInput("--to", f"{to!r} is not a revision number", fix="see `inv history`") from None
+        if n == cur.number:
+            raise Refused(f"revision {n} is already current: nothing to roll back",
+                          fix="name an earlier revision (`inv history`)")
+        tgt = state.read_revision(n)
+        if tgt.outcome != "deployed":
+            raise Refused(f"revision {n} ended '{tgt.outcome}': only a deployed revision can be returned to",
+                          fix="choose a revision whose outcome is deployed (`inv history`)")
+    _refuse_changed_inventory(inv, cur)
+    changed = rollback_conditions(inv, cur, tgt)
+    if changed:
+        raise Refused(f"cannot roll back to revision {tgt.number} ({tgt.topology}): its rollback conditions no "
+                      "longer hold", evidence="\n".join(changed),
+                      fix="restore what changed, or plan the change as a new scale (`inv scale --topology "
+                          f"{tgt.topology}`)")
+    return plan_change(inv, cur, Placement.from_dict(tgt.placement), allow_capacity_dip=allow_capacity_dip,
+                       skip_checks=skip_checks, rollback_of=tgt.number)
+
+
+# ---------------------------------------------------------------- doing
+
+def _drain_plan(plan: ScalePlan, inst: Instance, pl: Placement):
+    from pdops.drain import DrainPlan
+
+    inv = plan.inv
+    return DrainPlan(inv, plan.current, pl, inst, [], float(inv.drain_budget_s),
+                     float(inv.vars.get("pdops_empty_check_interval_s", 5)), notes=[])
+
+
+def stop_verified(pool: HostPool, inst: Instance, *, check_ports: bool, stop_timeout_s: float) -> list:
+    """Stop an instance by identity (rank 0 first), disable its units, and prove it stopped.
+    `check_ports=False` for an instance that never listened (its port may be held by something else)."""
+    from pdops import drain as dr
+
+    idents = {u: dr.record_identity(pool, h, u) for h, u in inst.units}
+    for h, u in inst.units:
+        pool.run(h, f"systemctl stop {q(u)}", timeout=stop_timeout_s + 60)
+    for h, u in inst.units:
+        pool.run(h, f"systemctl disable {q(u)}")
+        pool.run(h, f"systemctl reset-failed {q(u)} || true")
+    ports = [p for p in (inst.http_port, inst.bootstrap_port) if p] if check_ports else []
+    evidence = [dr.verify_stopped(pool, idents[u], ports if u == inst.units[0][1] else [], inst.head.data_addr)
+                for h, u in inst.units]
+    bad = [e for e in evidence if not e.verified]
+    if bad:
+        raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
+            f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} ports_open={e.ports_open}"
+            for e in bad), fix="nothing was killed by name; inspect the listed processes before acting")
+    return evidence
+
+
+def _leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None) -> list[str]:
+    listed = [w for w in client.list_workers() if (worker_id and w.id == worker_id) or w.url == inst.url]
+    for w in listed:
+        client.remove_worker(w.id)
+        client.wait_worker_gone(w.id, deadline_in(30))
+    return [w.id for w in listed]
+
+
+def drain_instance(plan: ScalePlan, pool: HostPool, client: GatewayClient, inst: Instance, worker_id: str | None,
+                   j, op: str, say: Say) -> dict:
+    """Rule 4 for one instance, inside a change (lock already held; no revision recorded here)."""
+    from pdops import drain as dr
+
+    dplan = _drain_plan(plan, inst, plan.current_placement)
+    j.step(op, f"drain {inst.id}", "started", {"worker_id": worker_id, "url": inst.url})
+    removed = _leave_gateway(client, inst, worker_id)
+    say(f"  {inst.id} left the gateway (worker {', '.join(removed) or 'already gone'}); waiting for its work")
+    j.step(op, f"drain {inst.id}: leave-gateway", "ok", {"removed": removed})
+    dr._wait_empty(dplan, pool, j, op, say)
+    ev = stop_verified(pool, inst, check_ports=True, stop_timeout_s=plan.inv.stop_timeout_s)
+    j.step(op, f"drain {inst.id}: verify-stop", "ok", {e.unit: vars(e) for e in ev})
+    gpu = sorted({e.gpu for e in ev})
+    say(f"  {inst.id} drained: stopped, cgroup empty, no survivor, ports closed; GPU: {', '.join(gpu)}")
+    return {"removed_worker": removed, "gpu": gpu}
+
+
+def _canary_new_pairs(inst: Instance, others: list[Instance], say: Say) -> dict:
+    pairs = [(inst, o) if inst.role == "prefill" else (o, inst) for o in others]
+    res = run_parallel(pairs, lambda pd: canary_pair(*pd), max_workers=16)
+    bad = failures(res)
+    retried = {}
+    if bad:
+        # A decode keeps the route to a prefill's bootstrap address (host:port -> KV endpoint) and drops
+        # it only when a connection through it fails. An instance re-added at the address it had before
+        # (rollback, re-scale) therefore fails its first canary with each decode that knew the old
+        # process; that failure resets the route. One retry per pair, before any user request can
+        # reach the pair (the instance is not registered yet); a second failure stops the change.
+        retried = {f"{p.id}x{d.id}": str(e) for (p, d), e in bad.items()}
+        say(f"  first canary failed for {', '.join(retried)} (a decode may hold a stale route to this address); "
+            "retrying each once")
+        again = run_parallel(list(bad), lambda pd: canary_pair(*pd), max_workers=16)
+        res.update(again)
+        bad = failures(again)
+    if bad:
+        names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
+        raise ScaleFailed(f"canary failed for {names}", evidence="\n".join(str(e) for e in bad.values()),
+                          fix="the named pair cannot serve; check its transfer settings with `inv preflight`")
+    say(f"  canary ok: {inst.id} with {', '.join(o.id for o in others)} ({len(pairs)} new pairs)")
+    out = {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
+    if retried:
+        out["first_attempt_failed"] = retried
+    return out
+
+
+def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print) -> int:
+    """Carry out a scale or rollback plan; returns the new current revision. Raises with a verdict on failure."""
+    if plan.noop:
+        raise Refused(f"nothing to do: {plan.noop}")
+    inv, cur, tgt = plan.inv, plan.current, plan.target
+    kind = "rollback" if plan.rollback_of else "scale"
+    op = new_op_id(kind)
+    j = state.journal()
+    started: dict[str, Instance] = {}     # added instances whose units were started
+    healthy: set[str] = set()             # added instances that answered /health
+    posted: set[str] = set()              # added instances POSTed to the gateway
+    workers: dict[str, str] = {}          # added instance -> worker id
+    drained: list[str] = []
+    failed_drain: str | None = None
+    with state.lock(kind, op_id=op):
+        if state.current() != cur.number:
+            raise Refused(f"`current` moved from revision {cur.number} to {state.current()} since this plan was "
+                          "made", fix="plan the change again")
+        j.step(op, "plan", "ok", {"from": cur.number, "to": str(tgt.topology), "rollback_of": plan.rollback_of,
+                                  "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
+                                  "kept": [i.id for i in plan.kept], "dip": plan.dip,
+                                  "steps": [s.describe() for s in plan.steps]})
+        client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+        try:
+            with HostPool(inv) as pool:
+                n_phases = 4 + len(plan.steps)
+                say(f"[1/{n_phases}] connecting to {len(plan.hosts)} hosts")
+                res = run_parallel(plan.hosts, lambda h: pool.run(h, "systemctl is-system-running || true",
+                                                                  timeout=20).stdout.strip())
+                bad = failures(res)
+                if bad:
+                    raise Unreachable("cannot reach " + ", ".join(f"{h} ({e})" for h, e in bad.items()),
+                                      fix="check the hosts and SSH; nothing was changed")
+                j.step(op, "connect", "ok", dict(res))
+
+                say(f"[2/{n_phases}] preflight checks")
+                from pdops.preflight import preflight_gate
+
+                # instances that take GPUs a removed one holds are checked after that one is drained (its
+                # ports and GPUs are busy now, by design)
+                later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why}
+                pre = tuple(i for i in tgt.instances if i.id not in later)
+                pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)),
+                                   pre)
+                preflight_gate(inv, pre_pl, pool, plan.skip_checks, j, op, say, previous=plan.current_placement)
+
+                build = state.path / "builds" / op
+                write_build(plan.files, build, {"topology": str(tgt.topology), "op": op, "from": cur.number})
+                say(f"[3/{n_phases}] delivering the revision's files with Ansible (kept instances: identical files)")
+                j.step(op, "deliver", "ok", deliver(inv, tgt, plan.files, build, None, say))
+
+                deadline_s = float(inv.vars.get("pdops_start_timeout_s", 900))
+                live = {i.id: i for i in plan.current_placement.instances}  # serving now
+                n = 3
+                i = 0
+                while i < len(plan.steps):
+                    # consecutive adds start in parallel; each is canaried and registered in order
+                    batch = []
+                    while i < len(plan.steps) and plan.steps[i].kind == "add":
+                        batch.append(plan.steps[i])
+                        i += 1
+                    if batch:
+                        insts = [s.instance for s in batch]
+                        n += 1
+                        say(f"[{n}/{n_phases}] starting {', '.join(x.id for x in insts)}")
+                        for x in insts:
+                            started[x.id] = x
+                        res = run_parallel(insts, lambda x: start_instance(inv, pool, x, deadline_s, say, False))
+                        for x, r in res.items():
+                            j.step(op, f"start {x.id}", "failed" if isinstance(r, Exception) else "ok",
+                                   {"error": r.render() if isinstance(r, PdopsError) else str(r)}
+                                   if isinstance(r, Exception) else r)
+                            if not isinstance(r, Exception):
+                                healthy.add(x.id)
+                        bad = failures(res)
+                        if bad:
+                            first = next(iter(bad.values()))
+                            raise ScaleFailed(f"{', '.join(x.id for x in bad)} did not start",
+                                              evidence=first.render() if isinstance(first, PdopsError) else str(first))
+                        for x in insts:
+                            other = "decode" if x.role == "prefill" else "prefill"
+                            peers = [o for o in tgt.role(other) if o.id in live]
+                            j.step(op, f"canary {x.id}", "ok", _canary_new_pairs(x, peers, say))
+                            posted.add(x.id)
+                            workers[x.id] = register(client, x, say)
+                            j.step(op, f"register {x.id}", "ok", {"worker_id": workers[x.id]})
+                            live[x.id] = x
+                        for s in batch[1:]:
+                            n += 1
+                        continue
+                    s = plan.steps[i]
+                    i += 1
+                    n += 1
+                    say(f"[{n}/{n_phases}] draining {s.instance.id}" + (f" ({s.why})" if s.why else ""))
+                    failed_drain = s.instance.id
+                    wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
+                    ev = drain_instance(plan, pool, client, s.instance, wid, j, op, say)
+                    drained.append(s.instance.id)
+                    failed_drain = None
+                    live.pop(s.instance.id, None)
+                    j.step(op, f"drain {s.instance.id}", "ok", ev)
+
+                say(f"[{n_phases}/{n_phases}] recording the revision")
+                rev = _record(plan, state, op, workers, build)
+                state.set_current(rev.number)
+                j.step(op, "record", "ok", {"revision": rev.number})
+                j.step(op, "verdict", "ok", {"revision": rev.number, "topology": str(tgt.topology)})
+                return rev.number
+        except PdopsError as exc:
+            verdict = _fail(plan, state, op, exc, started, healthy, posted, workers, drained, failed_drain, client, say)
+            exc.message += "\n" + verdict
+            raise
+
+
+def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None]) -> dict:
+    out = {}
+    for i in pl.instances:
+        if i.id in plan.current.instances:
+            out[i.id] = dict(plan.current.instances[i.id])
+            if i.id in workers:
+                out[i.id]["worker_id"] = workers[i.id]
+        else:
+            out[i.id] = {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
+                         "worker_id": workers.get(i.id), "url": i.url}
+    return out
+
+
+def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build) -> Revision:
+    cur, tgt = plan.current, plan.target
+    new_mf = manifest(plan.files)
+    rollback = {
+        "to_revision": cur.number, "to_topology": cur.topology,
+        "restore": [i.id for i in plan.removed], "drain": [i.id for i in plan.added],
+        "how": "`inv rollback`: add back what was removed (start, health-gate, canary, register), then drain what "
+               "was added",
+        "holds_while": f"the inventory digest is {cur.inventory_hash[:12]} and the rendered files of the restored "
+                       f"instances match revision {cur.number}'s manifest",
+        "inventory_hash": cur.inventory_hash,
+        "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
+    }
+    extra = {"gateway": plan.inv.gateway.url, "build": str(build), "rollback": rollback,
+             "scale": {"from_revision": cur.number, "from_topology": cur.topology,
+                       "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
+                       "kept": [i.id for i in plan.kept], "capacity_dip": plan.dip}}
+    if plan.rollback_of:
+        extra["rollback_of"] = plan.rollback_of
+    return state.write_revision(topology=str(tgt.topology), inventory_hash=plan.inv.digest,
+                                placement=tgt.to_dict(), manifest=new_mf,
+                                instances=_instances_doc(plan, tgt, workers), outcome="deployed", op_id=op,
+                                extra=extra)
+
+
+def _fail(plan: ScalePlan, state: StateDir, op: str, exc: PdopsError, started: dict, healthy: set, posted: set,
+          workers: dict, drained: list[str], failed_drain: str | None, client: GatewayClient, say: Say) -> str:
+    """Undo what this change added but could not finish, record what is live, journal and return the verdict."""
+    j = state.journal()
+    cur = plan.current
+    undone: list[str] = []
+    left: list[str] = []
+    kept_added: dict[str, Instance] = {}
+    registered_ok = {x for x in workers}
+    try:
+        with HostPool(plan.inv) as pool:
+            for iid, inst in reversed(list(started.items())):
+                # an added instance that is registered and verified stays only if a drain already happened
+                # (then undoing it would drop capacity further); otherwise everything added is undone
+                if drained and iid in registered_ok:
+                    kept_added[iid] = inst
+                    continue
+                try:
+                    if iid in posted:
+                        drain_instance(plan, pool, client, inst, workers.get(iid), j, op, say)
+                        undone.append(f"{iid} (drained and stopped, verified)")
+                    else:
+                        ev = stop_verified(pool, inst, check_ports=iid in healthy,
+                                           stop_timeout_s=plan.inv.stop_timeout_s)
+                        j.step(op, f"undo {iid}: verify-stop", "ok", {e.unit: vars(e) for e in ev})
+                        undone.append(f"{iid} (never registered; stopped, verified)")
+                except PdopsError as e2:
+                    left.append(f"{iid}: undo failed: {e2.message}")
+    except PdopsError as e3:
+        left.append(f"undo could not run: {e3.message}")
+    if not drained:
+        live = [i.id for i in plan.current_placement.instances]
+        verdict = (f"verdict: the change stopped; current revision unchanged: {cur.number} ({cur.topology}); "
+                   f"live now: {', '.join(live)}; undone: {', '.join(undone) or 'nothing was started'}")
+        if left:
+            verdict += "; NOT undone: " + "; ".join(left)
+        j.step(op, "verdict", "failed", {"error": exc.render(), "current": cur.number, "live": live,
+                                         "undone": undone, "left": left})
+        return verdict
+    # Something was drained: the old revision no longer describes the hosts. Record what is live.
+    live_insts = [i for i in plan.current_placement.instances if i.id not in drained]
+    live_insts += [i for i in plan.target.instances if i.id in kept_added]
+    order = {i.id: n for n, i in enumerate(plan.target.instances)}
+    live_insts.sort(key=lambda i: (i.role != "prefill", order.get(i.id, 999), i.id))
+    pl = Placement(Topology(sum(i.role == "prefill" for i in live_insts), sum(i.role == "decode" for i in live_insts)),
+                   tuple(live_insts))
+    all_mf = manifest(render_files(plan.inv, pl))
+    wk: dict[str, str | None] = dict(workers)
+    if failed_drain:
+        try:
+            ws = [w for w in client.list_workers() if w.url == plan.current_placement.get(failed_drain).url]
+            wk[failed_drain] = ws[0].id if ws else None
+        except PdopsError:
+            wk[failed_drain] = None
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+                               manifest=all_mf, instances=_instances_doc(plan, pl, wk), outcome="partial", op_id=op,
+                               extra={"scale_failed": exc.message, "from_revision": cur.number,
+                                      "target": str(plan.target.topology), "drained": drained,
+                                      "gateway": plan.inv.gateway.url,
+                                      "rollback": {"to_revision": cur.number}})
+    state.set_current(rev.number)
+    verdict = (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
+               f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}"
+               + (f" ({failed_drain} is out of the gateway but was not stopped)" if failed_drain else "")
+               + f"; undone: {', '.join(undone) or 'nothing'}; `inv rollback` returns to revision {cur.number}")
+    if left:
+        verdict += "; NOT undone: " + "; ".join(left)
+    j.step(op, "verdict", "failed", {"error": exc.render(), "current": rev.number, "partial": True,
+                                     "live": [i.id for i in live_insts], "undone": undone, "left": left})
+    return verdict

@@ -1,0 +1,270 @@
+"""Planning of topology changes and rollbacks: no host at all, only a state dir with revisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdops import scale as sc
+from pdops.errors import InvalidInput, Refused
+from pdops.inventory import load_inventory
+from pdops.placement import Placement, place
+from pdops.render import manifest, render_files
+from pdops.state import StateDir
+from pdops.topology import parse_topology
+
+
+def deployed(inv, state: StateDir, topo: str, pl: Placement | None = None, outcome="deployed", make_current=True):
+    """Record a revision as `inv deploy` (or a scale) would, without any host."""
+    pl = pl or place(inv, parse_topology(topo))
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(render_files(inv, pl)),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
+                               outcome=outcome)
+    if make_current:
+        state.set_current(rev.number)
+    return rev
+
+
+@pytest.fixture
+def state(tmp_path):
+    return StateDir("test", tmp_path / "state")
+
+
+def ids(insts):
+    return [i.id for i in insts]
+
+
+def caps(plan):
+    return [plan.start_capacity] + [s.capacity for s in plan.steps]
+
+
+def assert_capacity_floor(plan):
+    old = plan.start_capacity
+    new = (len(plan.target.role("prefill")), len(plan.target.role("decode")))
+    for p, d in caps(plan):
+        assert p >= min(old[0], new[0]) and d >= min(old[1], new[1]), caps(plan)
+
+
+def test_8p4d_to_10p4d_adds_p09_p10_and_keeps_the_rest_identical(fleet, state):
+    rev = deployed(fleet, state, "8p4d")
+    plan = sc.plan_scale(fleet, parse_topology("10p4d"), state)
+    assert ids(plan.added) == ["p09", "p10"] and plan.removed == []
+    assert ids(plan.kept) == [f"p{n:02d}" for n in range(1, 9)] + ["d01", "d02", "d03", "d04"]
+    new_mf = manifest(plan.files)
+    old = Placement.from_dict(rev.placement)
+    for inst in plan.kept:
+        files = sc.instance_files(new_mf, inst.id)
+        assert files and files == sc.instance_files(rev.manifest, inst.id)  # identical hashes
+        assert plan.target.get(inst.id) == old.get(inst.id)  # same hosts, GPUs, ports
+    # the added ones land on hosts nobody uses
+    used = {h for i in old.instances for h in i.hosts}
+    assert not {h for i in plan.added for h in i.hosts} & used
+    assert [s.kind for s in plan.steps] == ["add", "add"]
+    assert caps(plan) == [(8, 4), (9, 4), (10, 4)]
+    text = plan.render()
+    assert "added:   p09 (prefill) on gpu13 GPUs 0-7" in text and "p10 (prefill) on gpu14" in text
+    assert "removed: none" in text and "36 rendered files identical to revision 1" in text
+
+
+def test_8p4d_to_10p2d_adds_before_it_drains(fleet, state):
+    deployed(fleet, state, "8p4d")
+    plan = sc.plan_scale(fleet, parse_topology("10p2d"), state)
+    assert ids(plan.added) == ["p09", "p10"] and ids(plan.removed) == ["d03", "d04"]
+    assert [(s.kind, s.instance.id) for s in plan.steps] == [("add", "p09"), ("add", "p10"),
+                                                             ("drain", "d03"), ("drain", "d04")]
+    assert caps(plan) == [(8, 4), (9, 4), (10, 4), (10, 3), (10, 2)]
+    assert_capacity_floor(plan)
+    assert not plan.dip
+    # the added prefills do not take the decodes' GPUs (free hosts exist)
+    removed_hosts = {h for i in plan.removed for h in i.hosts}
+    assert not {h for i in plan.added for h in i.hosts} & removed_hosts
+    assert "prefix cache" not in plan.render()  # no prefill drained
+
+
+def test_8p4d_to_12p4d_fills_the_fleet(fleet, state):
+    deployed(fleet, state, "8p4d")
+    plan = sc.plan_scale(fleet, parse_topology("12p4d"), state)
+    assert ids(plan.added) == ["p09", "p10", "p11", "p12"] and not plan.removed
+    assert len({h for i in plan.target.instances for h in i.hosts}) == 16
+    assert_capacity_floor(plan)
+
+
+def test_shrink_drains_the_highest_numbered_and_keeps_the_rest(fleet, state):
+    deployed(fleet, state, "8p4d")
+    plan = sc.plan_scale(fleet, parse_topology("4p2d"), state)
+    assert not plan.added and ids(plan.removed) == ["p05", "p06", "p07", "p08", "d03", "d04"]
+    assert ids(plan.kept) == ["p01", "p02", "p03", "p04", "d01", "d02"]
+    assert all(s.kind == "drain" for s in plan.steps)
+    assert caps(plan)[-1] == (4, 2)
+    assert_capacity_floor(plan)
+    assert "a drained prefill's prefix cache is lost" in plan.render()
+
+
+@pytest.mark.parametrize("a,b,dip", [("1p1d", "2p1d", False), ("2p1d", "3p1d", False), ("3p1d", "2p1d", False),
+                                     ("1p1d", "2p2d", False), ("2p2d", "3p1d", True), ("1p3d", "3p1d", True)])
+def test_lab_changes_never_drop_a_role_below_min_old_new(lab_inv, state, a, b, dip):
+    deployed(lab_inv, state, a)
+    if dip:  # the 4 lab hosts are full: the new prefill needs a removed decode's host
+        with pytest.raises(Refused, match="cannot add before it drains"):
+            sc.plan_scale(lab_inv, parse_topology(b), state)
+    plan = sc.plan_scale(lab_inv, parse_topology(b), state, allow_capacity_dip=dip)
+    assert_capacity_floor(plan)
+    assert bool(plan.dip) == dip
+    assert str(plan.target.topology) == b
+    assert [s.kind for s in plan.steps][0] == ("drain" if dip else plan.steps[0].kind)
+
+
+def test_a_change_that_needs_gpus_of_removed_instances_requires_the_dip_flag(fleet, state):
+    deployed(fleet, state, "12p4d")  # every GPU of the fleet in use
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(fleet, parse_topology("10p6d"), state)
+    msg = e.value.render()
+    assert "--allow-capacity-dip" in msg
+    assert "d05 (decode) needs gpu11 GPUs 0-7, held by p11" in msg and "gpu12 GPUs 0-7, held by p12" in msg
+    plan = sc.plan_scale(fleet, parse_topology("10p6d"), state, allow_capacity_dip=True)
+    assert [(s.kind, s.instance.id) for s in plan.steps] == [("drain", "p11"), ("add", "d05"),
+                                                             ("drain", "p12"), ("add", "d06")]
+    assert caps(plan) == [(12, 4), (11, 4), (11, 5), (10, 5), (10, 6)]
+    assert len(plan.dip) == 2 and "15 instances" in plan.dip[0]
+    assert "capacity dip (--allow-capacity-dip): d05 (decode) needs gpu11 GPUs 0-7" in plan.render()
+    assert plan.target.get("d05").hosts == ("gpu11",)
+
+
+def test_same_topology_is_a_noop_that_says_so(lab_inv, state):
+    deployed(lab_inv, state, "2p1d")
+    plan = sc.plan_scale(lab_inv, parse_topology("2p1d"), state)
+    assert plan.noop and not plan.steps
+    assert "no change: revision 1 is already 2p1d" in plan.render()
+    with pytest.raises(Refused):
+        sc.execute_scale(plan, state)
+    assert state.revision_numbers() == [1]
+
+
+def test_target_too_big_for_the_inventory(lab_inv, state):
+    deployed(lab_inv, state, "2p1d")
+    with pytest.raises(InvalidInput) as e:
+        sc.plan_scale(lab_inv, parse_topology("4p2d"), state)
+    assert "room for 4" in e.value.message
+
+
+def test_nothing_deployed_is_refused(lab_inv, state):
+    with pytest.raises(Refused, match="no current revision"):
+        sc.plan_scale(lab_inv, parse_topology("2p1d"), state)
+    with pytest.raises(Refused, match="no current revision"):
+        sc.plan_rollback(lab_inv, state)
+
+
+def test_changed_inventory_is_refused(lab_inv, state, tmp_path, repo):
+    import yaml
+
+    deployed(lab_inv, state, "2p1d")
+    doc = yaml.safe_load((repo / "inventory" / "lab" / "hosts.yml").read_text())
+    doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 7
+    (tmp_path / "inv").mkdir()
+    (tmp_path / "inv" / "hosts.yml").write_text(yaml.safe_dump(doc))
+    changed = load_inventory(tmp_path / "inv")
+    with pytest.raises(Refused, match="inventory changed since revision 1"):
+        sc.plan_scale(changed, parse_topology("3p1d"), state)
+
+
+def test_kept_instance_whose_files_would_change_is_refused(lab_inv, state):
+    rev = deployed(lab_inv, state, "2p1d")
+    # a revision recorded with other file contents for p01 (e.g. by another pdops version)
+    mf = {h: dict(f) for h, f in rev.manifest.items()}
+    path = next(p for p in mf["lab01"] if p.endswith("pdops-p01.env"))
+    mf["lab01"][path] = {"sha256": "0" * 64, "mode": "0o600"}
+    r2 = state.write_revision(topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement,
+                              manifest=mf, instances=rev.instances, outcome="deployed")
+    state.set_current(r2.number)
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
+    assert "pdops-p01.env changed" in e.value.render()
+
+
+# ---------------------------------------------------------------- rollback
+
+def test_rollback_without_previous_revision_is_refused(lab_inv, state):
+    deployed(lab_inv, state, "2p1d")
+    with pytest.raises(Refused) as e:
+        sc.plan_rollback(lab_inv, state)
+    assert "no deployed revision before revision 1" in e.value.message
+
+
+def test_rollback_plans_the_way_back_to_the_recorded_placement(lab_inv, state):
+    deployed(lab_inv, state, "3p1d")
+    deployed(lab_inv, state, "2p1d", pl=place(lab_inv, parse_topology("2p1d"),
+                                              Placement.from_dict(state.read_revision(1).placement)))
+    plan = sc.plan_rollback(lab_inv, state)
+    assert plan.rollback_of == 1 and ids(plan.added) == ["p03"] and not plan.removed
+    assert plan.target == Placement.from_dict(state.read_revision(1).placement)
+    assert "rollback to revision 1" in plan.render()
+    # --to names a revision; the current one or an undeployed one is refused
+    with pytest.raises(Refused, match="already current"):
+        sc.plan_rollback(lab_inv, state, to=2)
+    bad = deployed(lab_inv, state, "1p1d", outcome="failed", make_current=False)
+    with pytest.raises(Refused, match="ended 'failed'"):
+        sc.plan_rollback(lab_inv, state, to=bad.number)
+    with pytest.raises(InvalidInput, match="no revision 9"):
+        sc.plan_rollback(lab_inv, state, to=9)
+
+
+def test_rollback_keeps_recorded_slots_even_where_placement_would_choose_others(fleet, state):
+    # 8p4d -> 10p2d: p09/p10 take free hosts, d03/d04 are drained; rolling back restores d03/d04 exactly
+    r1 = deployed(fleet, state, "8p4d")
+    plan = sc.plan_scale(fleet, parse_topology("10p2d"), state)
+    deployed(fleet, state, "10p2d", pl=plan.target)
+    back = sc.plan_rollback(fleet, state)
+    assert ids(back.added) == ["d03", "d04"] and ids(back.removed) == ["p09", "p10"]
+    assert back.target == Placement.from_dict(r1.placement)
+    assert [s.kind for s in back.steps] == ["add", "add", "drain", "drain"]
+
+
+def test_rollback_refused_when_hosts_changed_naming_what(lab_inv, state, tmp_path, repo):
+    import yaml
+
+    r1 = deployed(lab_inv, state, "3p1d")
+    # the previous revision was recorded with p03 on a host address that the inventory no longer has
+    pl = r1.placement
+    for i in pl["instances"]:
+        if i["id"] == "p03":
+            i["ranks"][0]["data_addr"] = "127.0.10.99"
+    old = state.write_revision(topology="3p1d", inventory_hash=r1.inventory_hash, placement=pl, manifest=r1.manifest,
+                               instances=r1.instances, outcome="deployed")
+    cur = deployed(lab_inv, state, "2p1d", pl=place(lab_inv, parse_topology("2p1d"), Placement.from_dict(r1.placement)))
+    assert cur.number == 3 and old.number == 2
+    with pytest.raises(Refused) as e:
+        sc.plan_rollback(lab_inv, state)
+    msg = e.value.render()
+    assert "rollback conditions no longer hold" in msg and "host lab03 of p03: data address 127.0.10.99 -> 127.0.10.3" in msg
+
+
+def test_rollback_refused_when_rendered_files_changed_naming_them(lab_inv, state):
+    r1 = deployed(lab_inv, state, "3p1d")
+    mf = {h: dict(f) for h, f in r1.manifest.items()}
+    unit = next(p for h in mf for p in mf[h] if p.endswith("pdops-p03.service"))
+    mf["lab03"][unit] = {"sha256": "f" * 64, "mode": "0o644"}
+    old = state.write_revision(topology="3p1d", inventory_hash=r1.inventory_hash, placement=r1.placement,
+                               manifest=mf, instances=r1.instances, outcome="deployed")
+    deployed(lab_inv, state, "2p1d", pl=place(lab_inv, parse_topology("2p1d"), Placement.from_dict(r1.placement)))
+    with pytest.raises(Refused) as e:
+        sc.plan_rollback(lab_inv, state, to=old.number)
+    assert "p03: lab03:/etc/systemd/system/pdops-p03.service changed" in e.value.render()
+
+
+def test_rollback_refused_when_the_inventory_differs_from_the_target(lab_inv, state):
+    r1 = deployed(lab_inv, state, "3p1d")
+    state.write_revision(topology="3p1d", inventory_hash="0" * 64, placement=r1.placement, manifest=r1.manifest,
+                         instances=r1.instances, outcome="deployed")
+    deployed(lab_inv, state, "2p1d", pl=place(lab_inv, parse_topology("2p1d"), Placement.from_dict(r1.placement)))
+    with pytest.raises(Refused) as e:
+        sc.plan_rollback(lab_inv, state)
+    assert "inventory digest 000000000000 at revision 2, " in e.value.render()
+
+
+def test_concurrent_operation_is_refused_before_any_host(lab_inv, state):
+    deployed(lab_inv, state, "2p1d")
+    plan = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
+    with state.lock("drain", operator="alice@laptop"):
+        with pytest.raises(Refused, match="alice@laptop"):
+            sc.execute_scale(plan, state, say=lambda s: None)
+    assert state.current() == 1 and state.revision_numbers() == [1]
