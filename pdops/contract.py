@@ -5,14 +5,16 @@ gateway package's own `parse_router_args`. Used by the contract tests and `inv r
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 
 from pdops.errors import InvalidInput
 
 
 def sglang_parser_available() -> bool:
+    """True where SGLang's server_args module can be imported (needs torch)."""
     try:
-        import sglang.srt.server_args  # noqa: F401
+        importlib.import_module("sglang.srt.server_args")
     except Exception:  # pragma: no cover - depends on the environment
         return False
     return True

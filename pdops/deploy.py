@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdops import ansible
-from pdops.errors import PdopsError, Refused, RemoteCommandFailed, Unreachable, Unverified
+from pdops.errors import PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool, http_json
@@ -290,13 +290,7 @@ def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
         try:
             with HostPool(inv) as pool:
                 say(f"[1/7] connecting to {len(plan.hosts)} hosts")
-                res = run_parallel(plan.hosts, lambda h: pool.run(h, "systemctl is-system-running || true",
-                                                                   timeout=20).stdout.strip())
-                bad = failures(res)
-                if bad:
-                    raise Unreachable("cannot reach " + ", ".join(f"{h} ({e})" for h, e in bad.items()),
-                                      fix="check the hosts and SSH; nothing was changed")
-                journal.step(op, "connect", "ok", {h: r for h, r in res.items()})
+                journal.step(op, "connect", "ok", pool.connect_all(plan.hosts))
                 say("[2/7] preflight checks")
                 from pdops.preflight import preflight_gate
 

@@ -74,7 +74,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     same_role = pl.role(inst.role)
     if len(same_role) == 1 and not force and not skip_gateway:
         raise Refused(f"{inst.id} is the last {inst.role} instance of {inv.cluster}: draining it leaves no {inst.role}",
-                      fix=f"scale up first, or pass --force if serving must stop")
+                      fix="scale up first, or pass --force if serving must stop")
     wait_s = float(wait_s if wait_s is not None else inv.drain_budget_s)
     interval_s = float(interval_s if interval_s is not None else inv.vars.get("pdops_empty_check_interval_s", 5))
     if wait_s <= 0 or interval_s < 0:
@@ -87,7 +87,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
                  "requests already routed to it keep running", 30),
             Step("wait-empty", inst.head.host, "until no request ID is open in its request log and every queue "
                  "(running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
-                 f"/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
+                 "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
                  + (" (--force-after: stop anyway, loss recorded)" if force_after else ""), wait_s),
             Step("empty-check-1", None, "read every source again: request log, /v1/loads, /metrics"),
             Step("empty-check-2", None, f"after {interval_s:g}s, read every source again"),
@@ -152,6 +152,8 @@ def read_emptiness(pool: HostPool, inst: Instance) -> EmptyReading:
         inv_id = _invocation(pool, host, unit)
         log = requestlog.parse(pool.run(host, requestlog.command(unit, inv_id or None), timeout=60).stdout)
         open_rids = log.open
+    except Unreachable:
+        raise  # the host itself is gone: not a reading, an interruption
     except PdopsError as exc:
         open_rids, errors = [], errors + [f"request log unreadable: {exc.message}"]
     loads_busy: dict = {}
@@ -271,126 +273,146 @@ def _last_op_reached(state: StateDir, instance: str, step: str) -> bool:
 
 
 def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print) -> dict:
-    inv, inst = plan.inv, plan.instance
+    """Carry out a drain (or stop) plan. An interruption (SSH lost, engine unreachable, a
+    check failing) ends with a journalled verdict naming the last completed step; the
+    instance is never recorded as stopped unless the stop was verified. Re-running the
+    same drain resumes: a worker already removed is noted, an instance already stopped is
+    only accepted when an earlier drain passed both empty checks."""
     op = new_op_id("drain" if not plan.skip_gateway else "stop")
     j = state.journal()
+    with state.lock("drain" if not plan.skip_gateway else "stop", op_id=op):
+        j.step(op, "plan", "ok", {"instance": plan.instance.id, "steps": [str(s) for s in plan.steps]})
+        try:
+            return _execute_drain(plan, state, op, j, say)
+        except PdopsError as exc:
+            done = [r["step"] for r in j.read(op) if r["status"] in ("ok", "noted")]
+            last = done[-1] if done else "none"
+            current = state.current()
+            j.step(op, "verdict", "interrupted", {"error": exc.render(), "last_completed_step": last,
+                                                 "current": current})
+            exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
+                            f"current revision: {current}. Re-run the same command to resume "
+                            "(each step re-checks what is already done).")
+            raise
+
+
+def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> dict:
+    inv, inst = plan.inv, plan.instance
     verified: list[str] = []
     unverified: list[str] = []
-    with state.lock("drain" if not plan.skip_gateway else "stop", op_id=op):
-        j.step(op, "plan", "ok", {"instance": inst.id, "steps": [str(s) for s in plan.steps]})
-        with HostPool(inv) as pool:
-            states = {u: pool.unit_states(h, [u])[u] for h, u in inst.units}
-            already_stopped = all(not s.is_active for s in states.values())
-            if not plan.skip_gateway:
-                client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-                wid = (plan.rev.instances.get(inst.id) or {}).get("worker_id")
-                listed = [w for w in client.list_workers() if w.id == wid or w.url == inst.url]
-                if listed:
-                    for w in listed:
-                        client.remove_worker(w.id)
-                        client.wait_worker_gone(w.id, deadline_in(30))
-                    say(f"  left the gateway: worker {', '.join(w.id for w in listed)} removed, gone from /workers")
-                    j.step(op, "leave-gateway", "ok", {"removed": [w.id for w in listed]})
-                else:
-                    say(f"  {inst.id} is not in the gateway's /workers (already removed): nothing to do")
-                    j.step(op, "leave-gateway", "ok", {"already_removed": wid})
-                verified.append("removed from the gateway and gone from /workers")
-
-                if already_stopped:
-                    if not _last_op_reached(state, inst.id, "empty-check-2"):
-                        raise DrainFailed(f"{inst.id}'s units are already stopped but no drain of it passed the "
-                                          "empty checks: its in-flight work cannot be accounted for",
-                                          fix="read the journal; use `inv stop` to verify the stop and record it")
-                    say(f"  {inst.id} already stopped by an earlier drain that passed both empty checks: verifying")
-                else:
-                    _wait_empty(plan, pool, j, op, say)
-                    verified.append(f"no open request ID and all queues 0, twice, {plan.interval_s:g}s apart")
-
-            idents = {} if already_stopped else {
-                u: record_identity(pool, h, u) for h, u in inst.units}
-            j.step(op, "record-identity", "ok", {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
-                                                     "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
-                                                              for p, r in i.tree.items()}}
-                                                 for u, i in idents.items()})
-            evidence = []
-            if not already_stopped:
-                t0 = time.monotonic()
-                head_host, head_unit = inst.units[0]
-                say(f"  stopping {head_unit} on {head_host} (SIGTERM to the main process; SIGKILL to the cgroup "
-                    f"after {inv.stop_timeout_s}s)")
-                pool.run(head_host, f"systemctl stop {q(head_unit)}", timeout=inv.stop_timeout_s + 60)
-                for h, u in inst.units[1:]:
-                    pool.run(h, f"systemctl stop {q(u)}", timeout=inv.stop_timeout_s + 60)
-                for h, u in inst.units:
-                    pool.run(h, f"systemctl disable {q(u)}")
-                j.step(op, "stop", "ok", {"seconds": round(time.monotonic() - t0, 2)})
-                strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
-                if strays:
-                    say(f"  found in the cgroup but outside MainPID's tree (stopped with the cgroup): {'; '.join(strays)}")
-                    j.step(op, "strays", "noted", {"strays": strays})
-                ports = [p for p in (inst.http_port, inst.bootstrap_port) if p]
-                for h, u in inst.units:
-                    ev = verify_stopped(pool, idents[u], ports if u == inst.units[0][1] else [], inst.head.data_addr)
-                    evidence.append(ev)
-                j.step(op, "verify-stop", "ok" if all(e.verified for e in evidence) else "failed",
-                       {e.unit: vars(e) for e in evidence})
-                for e in evidence:
-                    say(f"  {e.host}:{e.unit}: result {e.result}; cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'};"
-                        f" {'no survivor' if not e.survivors else 'SURVIVORS ' + ', '.join(e.survivors)}; "
-                        f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}")
-                    if e.sigkill:
-                        say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
-                            "emptied the cgroup")
-                bad = [e for e in evidence if not e.verified]
-                if bad:
-                    raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
-                        f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} "
-                        f"ports_open={e.ports_open}" for e in bad),
-                        fix="nothing was killed by name; inspect the listed processes before acting")
-                verified.append("cgroup empty, every recorded PID gone or reused, ports closed")
-                if strays:
-                    verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(strays)}")
-                if any(e.sigkill for e in evidence):
-                    verified.append("needed systemd's SIGKILL after TimeoutStopSec")
-                unverified += sorted({f"GPU processes: {e.gpu}" for e in evidence if e.gpu.startswith("skipped")})
+    with HostPool(inv) as pool:
+        states = {u: pool.unit_states(h, [u])[u] for h, u in inst.units}
+        already_stopped = all(not s.is_active for s in states.values())
+        if not plan.skip_gateway:
+            client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+            wid = (plan.rev.instances.get(inst.id) or {}).get("worker_id")
+            listed = [w for w in client.list_workers() if w.id == wid or w.url == inst.url]
+            if listed:
+                for w in listed:
+                    client.remove_worker(w.id)
+                    client.wait_worker_gone(w.id, deadline_in(30))
+                say(f"  left the gateway: worker {', '.join(w.id for w in listed)} removed, gone from /workers")
+                j.step(op, "leave-gateway", "ok", {"removed": [w.id for w in listed]})
             else:
-                # resumed: the stop happened in an earlier run; verify what can still be read
-                for h, u in inst.units:
-                    st = pool.unit_states(h, [u])[u]
-                    if st.is_active:
-                        raise Unverified(f"{u} on {h} is active again")
-                listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
-                open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
-                              if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
-                if open_ports:
-                    raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening")
-                verified.append("units inactive and ports closed (PIDs were recorded by the earlier run)")
+                say(f"  {inst.id} is not in the gateway's /workers (already removed): nothing to do")
+                j.step(op, "leave-gateway", "ok", {"already_removed": wid})
+            verified.append("removed from the gateway and gone from /workers")
 
-        if plan.persist:
-            new_pl = Placement(plan.placement.topology.__class__(
-                len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
-                len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
-                tuple(i for i in plan.placement.instances if i.id != inst.id))
-            instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
-            hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
-                           for h, files in plan.rev.manifest.items()}
-            removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
-                             for h, files in plan.rev.manifest.items()}
-            rollback = {"restore": inst.id, "from_revision": plan.rev.number,
-                        "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
-                        "holds_while": "its hosts and rendered files are unchanged",
-                        "files": {h: f for h, f in removed_files.items() if f},
-                        "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
-            rev = state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
-                                       placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
-                                       outcome="deployed", op_id=op, extra={"drained": inst.id, "rollback": rollback,
-                                                                            "gateway": plan.rev.extra.get("gateway")})
-            state.set_current(rev.number)
-            j.step(op, "record", "ok", {"revision": rev.number, "rollback": rollback})
-            verified.append(f"revision {rev.number} ({new_pl.topology}) is current")
-        verdict = {"instance": inst.id, "verified": verified, "unverified": unverified, "notes": plan.notes}
-        j.step(op, "verdict", "ok", verdict)
-        return verdict
+            if already_stopped:
+                if not _last_op_reached(state, inst.id, "empty-check-2"):
+                    raise DrainFailed(f"{inst.id}'s units are already stopped but no drain of it passed the "
+                                      "empty checks: its in-flight work cannot be accounted for",
+                                      fix="read the journal; use `inv stop` to verify the stop and record it")
+                say(f"  {inst.id} already stopped by an earlier drain that passed both empty checks: verifying")
+            else:
+                _wait_empty(plan, pool, j, op, say)
+                verified.append(f"no open request ID and all queues 0, twice, {plan.interval_s:g}s apart")
+
+        idents = {} if already_stopped else {
+            u: record_identity(pool, h, u) for h, u in inst.units}
+        j.step(op, "record-identity", "ok", {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
+                                                 "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
+                                                          for p, r in i.tree.items()}}
+                                             for u, i in idents.items()})
+        evidence = []
+        if not already_stopped:
+            t0 = time.monotonic()
+            head_host, head_unit = inst.units[0]
+            say(f"  stopping {head_unit} on {head_host} (SIGTERM to the main process; SIGKILL to the cgroup "
+                f"after {inv.stop_timeout_s}s)")
+            pool.run(head_host, f"systemctl stop {q(head_unit)}", timeout=inv.stop_timeout_s + 60)
+            for h, u in inst.units[1:]:
+                pool.run(h, f"systemctl stop {q(u)}", timeout=inv.stop_timeout_s + 60)
+            for h, u in inst.units:
+                pool.run(h, f"systemctl disable {q(u)}")
+            j.step(op, "stop", "ok", {"seconds": round(time.monotonic() - t0, 2)})
+            strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
+            if strays:
+                say(f"  found in the cgroup but outside MainPID's tree (stopped with the cgroup): {'; '.join(strays)}")
+                j.step(op, "strays", "noted", {"strays": strays})
+            ports = [p for p in (inst.http_port, inst.bootstrap_port) if p]
+            for h, u in inst.units:
+                ev = verify_stopped(pool, idents[u], ports if u == inst.units[0][1] else [], inst.head.data_addr)
+                evidence.append(ev)
+            j.step(op, "verify-stop", "ok" if all(e.verified for e in evidence) else "failed",
+                   {e.unit: vars(e) for e in evidence})
+            for e in evidence:
+                say(f"  {e.host}:{e.unit}: result {e.result}; cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'};"
+                    f" {'no survivor' if not e.survivors else 'SURVIVORS ' + ', '.join(e.survivors)}; "
+                    f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}")
+                if e.sigkill:
+                    say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
+                        "emptied the cgroup")
+            bad = [e for e in evidence if not e.verified]
+            if bad:
+                raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
+                    f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} "
+                    f"ports_open={e.ports_open}" for e in bad),
+                    fix="nothing was killed by name; inspect the listed processes before acting")
+            verified.append("cgroup empty, every recorded PID gone or reused, ports closed")
+            if strays:
+                verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(strays)}")
+            if any(e.sigkill for e in evidence):
+                verified.append("needed systemd's SIGKILL after TimeoutStopSec")
+            unverified += sorted({f"GPU processes: {e.gpu}" for e in evidence if e.gpu.startswith("skipped")})
+        else:
+            # resumed: the stop happened in an earlier run; verify what can still be read
+            for h, u in inst.units:
+                st = pool.unit_states(h, [u])[u]
+                if st.is_active:
+                    raise Unverified(f"{u} on {h} is active again")
+            listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
+            open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
+                          if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+            if open_ports:
+                raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening")
+            verified.append("units inactive and ports closed (PIDs were recorded by the earlier run)")
+
+    if plan.persist:
+        new_pl = Placement(plan.placement.topology.__class__(
+            len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
+            len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
+            tuple(i for i in plan.placement.instances if i.id != inst.id))
+        instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
+        hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
+                       for h, files in plan.rev.manifest.items()}
+        removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
+                         for h, files in plan.rev.manifest.items()}
+        rollback = {"restore": inst.id, "from_revision": plan.rev.number,
+                    "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
+                    "holds_while": "its hosts and rendered files are unchanged",
+                    "files": {h: f for h, f in removed_files.items() if f},
+                    "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
+        rev = state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
+                                   placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
+                                   outcome="deployed", op_id=op, extra={"drained": inst.id, "rollback": rollback,
+                                                                        "gateway": plan.rev.extra.get("gateway")})
+        state.set_current(rev.number)
+        j.step(op, "record", "ok", {"revision": rev.number, "rollback": rollback})
+        verified.append(f"revision {rev.number} ({new_pl.topology}) is current")
+    verdict = {"instance": inst.id, "verified": verified, "unverified": unverified, "notes": plan.notes}
+    j.step(op, "verdict", "ok", verdict)
+    return verdict
 
 
 def _wait_empty(plan: DrainPlan, pool: HostPool, j, op: str, say: Say) -> None:

@@ -51,6 +51,18 @@ class HostPool:
         except Exception as exc:  # noqa: BLE001 - evidence is best effort
             return f"(journal unavailable: {exc})"
 
+    def connect_all(self, hosts: list[str]) -> dict[str, str]:
+        """Reach every host in parallel (one SSH round trip each); Unreachable naming every
+        host that failed, before anything is changed. Returns each host's systemd state."""
+        from pdops.runner import failures, run_parallel
+
+        res = run_parallel(hosts, lambda h: self.run(h, "systemctl is-system-running || true", timeout=20).stdout.strip())
+        bad = failures(res)
+        if bad:
+            raise Unreachable("cannot reach " + ", ".join(f"{h} ({e})" for h, e in bad.items()),
+                              fix="check the hosts and SSH; nothing was changed")
+        return dict(res)
+
     def close(self) -> None:
         with self._lock:
             for c in self._conns.values():

@@ -27,12 +27,11 @@ slots), refused when its conditions no longer hold (inventory or rendered files 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdops.deploy import DeployFailed, canary_pair, deliver, register, start_instance, state_for  # noqa: F401
-from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
+from pdops.deploy import canary_pair, deliver, register, start_instance
+from pdops.errors import InvalidInput, PdopsError, Refused, Unverified
 from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool
@@ -515,13 +514,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print) -> int:
             with HostPool(inv) as pool:
                 n_phases = 4 + len(plan.steps)
                 say(f"[1/{n_phases}] connecting to {len(plan.hosts)} hosts")
-                res = run_parallel(plan.hosts, lambda h: pool.run(h, "systemctl is-system-running || true",
-                                                                  timeout=20).stdout.strip())
-                bad = failures(res)
-                if bad:
-                    raise Unreachable("cannot reach " + ", ".join(f"{h} ({e})" for h, e in bad.items()),
-                                      fix="check the hosts and SSH; nothing was changed")
-                j.step(op, "connect", "ok", dict(res))
+                j.step(op, "connect", "ok", pool.connect_all(plan.hosts))
 
                 say(f"[2/{n_phases}] preflight checks")
                 from pdops.preflight import preflight_gate
