@@ -163,3 +163,57 @@ def test_draining_the_last_decode_is_refused(cluster):
     proc = inv_cmd("drain", "-i", str(cluster), "--instance", "d01")
     assert proc.returncode == 4 and "last decode instance" in proc.stderr and "--force" in proc.stderr
     assert StateDir("lab", cluster / "state").current() == before
+
+
+def _sshd(lab, host: str, verb: str) -> None:
+    """Stop or start a lab host's sshd from outside it (nsenter into the host's systemd).
+    Stopping also ends the live sessions (children of that sshd, by PID): the drain's SSH
+    connection drops as it would when a host's network goes away."""
+    import psutil
+
+    from pdops import lab as lab_api
+
+    outer = psutil.Process({s.name: s.pid for s in lab_api.status()}[host])
+    init = next(p for p in [outer, *outer.children(recursive=True)]
+                if p.name() == "systemd" and "--system" in p.cmdline())
+    sessions = []
+    if verb == "stop":
+        listener = next(p for p in init.children(recursive=True)
+                        if p.name() == "sshd" and "listener" in " ".join(p.cmdline()))
+        sessions = listener.children(recursive=True)
+    subprocess.run(["nsenter", "-t", str(init.pid), "-m", "-p", "-r", "-w", "--", "systemctl", verb,
+                    lab_api.SSHD_UNIT], check=True, capture_output=True, timeout=30)
+    for p in sessions:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_ssh_lost_mid_drain_gives_a_clear_verdict_and_the_drain_resumes(lab, cluster):
+    d01 = _placement(cluster).get("d01")
+    host = d01.units[0][0]
+    state = StateDir("lab", cluster / "state")
+    before = state.current()
+    drain = _drain(cluster, "--instance", "d01", "--force", "--interval", "8")
+    lines = []
+    try:
+        for line in drain.stdout:
+            lines.append(line)
+            if "empty-check 1 passed" in line:
+                _sshd(lab, host, "stop")  # the SSH session of the drain dies with it
+                break
+        out = "".join(lines) + drain.stdout.read()
+        rc = drain.wait(timeout=120)
+    finally:
+        _sshd(lab, host, "start")
+    assert rc == 3, out
+    assert "d01 is NOT recorded as stopped" in out and "Re-run the same command to resume" in out
+    assert state.current() == before
+    verdicts = [r for r in state.journal().records() if r["step"] == "verdict"]
+    assert verdicts[-1]["status"] == "interrupted" and verdicts[-1]["evidence"]["last_completed_step"] == "empty-check-1"
+    # resumed: the worker is already out of the gateway, the rest runs and is verified
+    again = inv_cmd("drain", "-i", str(cluster), "--instance", "d01", "--force", "--interval", "1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already removed" in again.stdout and "verified: cgroup empty" in again.stdout
+    assert "d01" not in state.current_revision().instances
