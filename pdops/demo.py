@@ -87,7 +87,7 @@ def _stop_previous(inv, say: Say) -> None:
 
     with HostPool(inv) as pool:
         for h in inv.hosts:
-            out = pool.run(h.name, "systemctl list-units --all --plain --no-legend 'pdops-*' | awk '{print $1}'").stdout
+            out = pool.run(h.name, "systemctl list-units --plain --no-legend --state=active,activating,deactivating,failed 'pdops-*' | awk '{print $1}'").stdout
             units = " ".join(q(u) for u in out.split())
             if units:
                 pool.run(h.name, f"systemctl stop {units}; systemctl reset-failed {units} 2>/dev/null; true",
