@@ -102,6 +102,17 @@ def parse_concurrencies(spec: object, field_name: str = "--concurrency") -> list
     return sorted(vals)
 
 
+def parse_min_gain(value: object, field_name: str = "--min-gain") -> float:
+    """The knee threshold: a fraction in (0, 1), e.g. 0.02 for 2% total TPM per step."""
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidInput(field_name, f"{value!r} is not a number", fix="e.g. --min-gain 0.02 (2%)") from None
+    if not 0 < v < 1:
+        raise InvalidInput(field_name, f"{value!r} must be a fraction between 0 and 1", fix="e.g. --min-gain 0.02 (2%)")
+    return v
+
+
 # ---------------------------------------------------------------- planning
 
 @dataclass
@@ -508,7 +519,7 @@ def _error_text(exc: BaseException) -> str:
 def execute_sweep(plan: SweepPlan, *, scale_to: Callable[[Topology], None],
                   run_cell: Callable[[Topology, int, int, Path], object], out_dir: str | os.PathLike,
                   verify: Callable[[Topology], None] | None = None, say: Callable[[str], None] = print,
-                  plots: bool = True) -> Matrix:
+                  plots: bool = True, min_gain: float = DEFAULT_MIN_GAIN) -> Matrix:
     """Carry out a sweep plan. `scale_to(topology)` brings the cluster to a topology (and
     raises if it cannot); `verify(topology)` proves it; `run_cell(topology, concurrency,
     repeat, run_dir)` returns Figures or a BenchResult. matrix.json is rewritten after
@@ -517,6 +528,7 @@ def execute_sweep(plan: SweepPlan, *, scale_to: Callable[[Topology], None],
 
     out = Path(out_dir)
     m = Matrix.from_plan(plan)
+    m.min_gain = parse_min_gain(min_gain)
     write_matrix(m, out, plots=False)
     for ratio in m.ratios:
         topo_s = m.topologies.get(ratio)
@@ -560,12 +572,14 @@ def execute_sweep(plan: SweepPlan, *, scale_to: Callable[[Topology], None],
                 c.state = FAILED
                 c.reason = "; ".join(dict.fromkeys(r["error"] for r in c.runs if r.get("error")))
             write_matrix(m, out, plots=False)
-    write_matrix(m, out, plots=plots)
+    res = write_matrix(m, out, plots=plots)
+    if res["plots_skipped"]:
+        say(f"plots: {res['plots_skipped']}")
     return m
 
 
 __all__ = [
-    "Ratio", "parse_ratios", "parse_concurrencies", "Cell", "SweepPlan", "topology_for_ratio", "plan_sweep",
+    "Ratio", "parse_ratios", "parse_concurrencies", "parse_min_gain", "Cell", "SweepPlan", "topology_for_ratio", "plan_sweep",
     "Knee", "find_knee", "Matrix", "cell_text", "render_matrix", "matrix_csv_rows", "write_matrix", "load_matrix",
     "plot_matrix", "execute_sweep", "MEASURED", "FAILED", "NOT_TRIED", "PLANNED",
 ]

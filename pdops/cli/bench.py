@@ -10,7 +10,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops.cli import cli_errors
-from pdops.errors import InvalidInput, Refused
+from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -72,10 +72,14 @@ def bench(c, concurrency, inventory=DEFAULT_INVENTORY, workload=None, requests=N
             "ignore_eos": "generate exactly the output length", "allow_partial": "run ratios that cannot use the "
             "whole budget (compare them by TPM per GPU)", "inventory": "inventory dir or file",
             "out": "sweep folder (default <state>/sweeps/<id>)", "dry_run": "print the plan only",
-            "render": "re-render the tables and plots of an existing sweep folder"})
+            "render": "re-render the tables and plots of an existing sweep folder",
+            "timeout": "per-request timeout, seconds (a timed-out request is recorded, never retried)",
+            "min_gain": "knee threshold: the first concurrency whose next step adds less than this fraction of "
+            "total TPM (default 0.02)"})
 @cli_errors
 def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVENTORY, workload=None, repeats=1,
-          requests=None, duration=None, ignore_eos=False, allow_partial=False, out=None, dry_run=False, render=None):
+          requests=None, duration=None, ignore_eos=False, allow_partial=False, out=None, dry_run=False, render=None,
+          timeout=3600, min_gain=None):
     """Plan and run every (ratio, concurrency) cell that fits a fixed GPU budget; write the matrix and plots."""
     from pdops import sweep as sw
 
@@ -94,6 +98,8 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
     for name, val in (("--budget", budget), ("--ratios", ratios), ("--concurrency", concurrency)):
         if val is None:
             raise InvalidInput(name, "missing", fix="e.g. inv sweep --budget 96 --ratios 2:1,3:1,5:1 --concurrency 8,16,32")
+    if min_gain is not None:
+        sw.parse_min_gain(min_gain)  # refused before anything runs
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
     plan = sw.plan_sweep(budget, ratios, concurrency, wl, gpus_per_instance=inv.profile.gpus_per_instance, inv=inv,
@@ -101,14 +107,17 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
     print(plan.render())
     if dry_run:
         return
+    per_request_timeout = _num(timeout, "--timeout")
     state = state_for(inv)
     folder = Path(out) if out else state.path / "sweeps" / new_op_id("sweep")
 
     def run_cell(topo, conc, rep, run_dir):
         n = None if duration is not None else (int(requests) if requests is not None else 4 * conc)
-        return run_bench(inv, state, wl, conc, n, duration, ignore_eos, run_dir, say=lambda s: None)
+        return run_bench(inv, state, wl, conc, n, duration, ignore_eos, run_dir,
+                         timeout=per_request_timeout, say=lambda s: None)
 
-    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv), run_cell=run_cell, out_dir=folder)
+    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv), run_cell=run_cell, out_dir=folder,
+                         min_gain=sw.DEFAULT_MIN_GAIN if min_gain is None else min_gain)
     print(sw.render_matrix(m))
     print(f"sweep folder: {folder} (matrix.txt, matrix.csv, matrix.json, runs/<cell>/ledger.*, plots)")
 
@@ -125,7 +134,9 @@ def _live_scale_to(inv):
             print(plan.render())
             dep.execute_deploy(plan)
             return
-        plan = scale_mod.plan_scale(inv, topo, state)
+        # the sweep owns the cluster between cells (no traffic to protect): a topology that must
+        # free a host before placing its new instance (3p1d -> 2p2d on four hosts) is allowed to dip
+        plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
         print(plan.render())
         if not plan.noop:
             scale_mod.execute_scale(plan, state)

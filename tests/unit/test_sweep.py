@@ -211,7 +211,7 @@ def test_an_invalid_run_makes_the_cell_failed(tmp_path):
 
 
 def test_plots_are_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  -- pinned in pyproject: the plots are required, not optional here
     m, _, _ = _run_report_sweep(tmp_path, cell_fail=("5:1", 64))
     for name in ("tpm_vs_concurrency.png", "ttft_p99_vs_concurrency.png"):
         data = (tmp_path / name).read_bytes()
@@ -225,3 +225,59 @@ def test_without_matplotlib_plots_are_skipped_with_a_reason(tmp_path, monkeypatc
     assert paths == [] and "matplotlib is not installed" in why
     res = sw.write_matrix(m, tmp_path)
     assert res["plots_skipped"] == why and (tmp_path / "matrix.txt").exists()
+
+
+def test_the_knee_threshold_is_a_parameter_kept_in_the_matrix(tmp_path):
+    plan = sw.plan_sweep(96, "2:1", "8,16,32", "160k/1300", gpus_per_instance=8)
+    tpm = {8: 1.0e6, 16: 1.05e6, 32: 1.06e6}
+    run = lambda t, c, r, d: figs(tpm[c], c / 4)  # noqa: E731
+    m = sw.execute_sweep(plan, scale_to=lambda t: None, run_cell=run, out_dir=tmp_path / "a", say=lambda s: None,
+                         plots=False)
+    assert [k.concurrency for k in m.knees()] == [16]  # +5% then +0.95%
+    m = sw.execute_sweep(plan, scale_to=lambda t: None, run_cell=run, out_dir=tmp_path / "b", say=lambda s: None,
+                         plots=False, min_gain=0.08)
+    assert [k.concurrency for k in m.knees()] == [8]
+    assert sw.load_matrix(tmp_path / "b").min_gain == 0.08
+    assert json.loads((tmp_path / "b" / "matrix.json").read_text())["knees"][0]["concurrency"] == 8
+
+
+@pytest.mark.parametrize("bad", ["0", "1", "-0.1", "x", None, "nan"])
+def test_bad_knee_thresholds_are_refused(bad):
+    with pytest.raises(InvalidInput):
+        sw.parse_min_gain(bad)
+
+
+def test_live_scale_to_deploys_first_then_scales_allowing_the_capacity_dip(monkeypatch):
+    from pdops import deploy as dep
+    from pdops import scale as scale_mod
+    from pdops.cli import bench as cli_bench
+    from pdops.topology import parse_topology
+
+    calls = []
+
+    class FakeState:
+        current_value = None
+
+        def current(self):
+            return self.current_value
+
+    state = FakeState()
+
+    class Plan:
+        noop = None
+
+        def render(self):
+            return "plan"
+
+    monkeypatch.setattr(dep, "state_for", lambda inv: state)
+    monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo))) or Plan())
+    monkeypatch.setattr(dep, "execute_deploy", lambda plan: calls.append(("deploy",)) or 1)
+    monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))
+                        or Plan())
+    monkeypatch.setattr(scale_mod, "execute_scale", lambda plan, st: calls.append(("scale",)) or 2)
+    scale_to = cli_bench._live_scale_to(object())
+    scale_to(parse_topology("3p1d"))
+    state.current_value = 1
+    scale_to(parse_topology("2p2d"))
+    assert calls == [("plan_deploy", "3p1d"), ("deploy",), ("plan_scale", "2p2d", {"allow_capacity_dip": True}),
+                     ("scale",)]
