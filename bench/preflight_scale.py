@@ -1,16 +1,22 @@
 """Preflight fan-out benchmark: `inv preflight` work on 1 lab host vs 16 (target: 16 < 2x 1).
 
-Prints figures; it is not a timed test. Needs a lab of at least 16 hosts
-(`inv lab.up --hosts 16`, or pass --boot to bring one up here and leave it up); it never
-takes a lab down. Each host is read with one batched SSH command and all hosts in
-parallel, one connection per host, so 16 hosts should cost about one host's time.
-Also times the P x D pairing matrix: 1p1d on 2 hosts vs 8p8d on 16.
-Usage: python bench/preflight_scale.py [--runs N] [--boot]
+Prints figures; it is not a timed test. Boots a 16-host lab, measures, and always takes the
+lab down again (in a finally). Run it under the lab lock, as every lab command:
+
+    flock /srv/pdops-lab.lock .venv/bin/python bench/preflight_scale.py [--runs N]
+
+(it refuses to start when the lock is held by anyone but a parent of this process, and takes
+it itself when nobody holds it). Each host is read with one batched SSH command and all hosts
+in parallel, one connection per host, so 16 hosts should cost about one host's time. Also
+times the P x D pairing matrix: 1p1d on 2 hosts vs 8p8d on 16. Each configuration gets one
+untimed warm-up run (first SSH handshake and python start-up on fresh hosts).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import os
 import statistics
 import sys
 import time
@@ -50,30 +56,71 @@ def time_preflight(inv_dir: Path, topology: str | None, runs: int) -> tuple[list
     return times, report
 
 
+LOCK = Path("/srv/pdops-lab.lock")
+
+
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getpid()
+    while pid > 1:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def hold_lab_lock():
+    """The lab lock: held by a parent (`flock /srv/pdops-lab.lock ...`), else taken here; else refuse."""
+    fh = LOCK.open("a")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fh  # nobody held it: held by this process until it exits
+    except BlockingIOError:
+        fh.close()
+    ino = os.stat(LOCK).st_ino
+    holders = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        f = line.split()
+        if len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == str(ino):
+            holders.add(int(f[4]))
+    if holders & _ancestors():
+        return None
+    raise SystemExit(f"the lab lock {LOCK} is held by pid(s) {sorted(holders)}, not by a parent of this "
+                     "process: another lab run is going on; run this as `flock /srv/pdops-lab.lock ...`")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--boot", action="store_true", help="bring up 16 lab hosts first (left up)")
     args = ap.parse_args()
-    if args.boot:
+    _lock = hold_lab_lock()  # noqa: F841 (kept open for the whole run)
+    try:
+        t0 = time.monotonic()
         lab.up(16)
-    src = lab.inventory_path()
-    if not src.is_file() or len(load_inventory(src.parent).hosts) < 16:
-        print("needs a lab of 16 hosts: inv lab.up --hosts 16 (or --boot)", file=sys.stderr)
-        return 2
-    work = lab.resolve_lab_dir() / "bench-preflight"
-    rows = []
-    for label, n, topo in (("host checks", 1, None), ("host checks", 16, None),
-                           ("with pairing", 2, "1p1d"), ("with pairing", 16, "8p8d")):
-        times, rep = time_preflight(sub_inventory(src, n, work / f"{n}-{topo}"), topo, args.runs)
-        rows.append((label, n, topo, times, rep))
-        print(f"{label:13s} {n:2d} host(s) {topo or '-':5s} median {statistics.median(times):6.2f}s "
-              f"(runs {', '.join(f'{t:.2f}' for t in times)}) -> {rep.verdict()}")
-    one, sixteen = statistics.median(rows[0][3]), statistics.median(rows[1][3])
-    two_p, sixteen_p = statistics.median(rows[2][3]), statistics.median(rows[3][3])
-    print(f"16 / 1 hosts (host checks): {sixteen / one:.2f}x (target < 2x)")
-    print(f"16 / 2 hosts (with pairing 8p8d vs 1p1d): {sixteen_p / two_p:.2f}x")
-    return 0 if sixteen < 2 * one else 1
+        print(f"lab of 16 hosts up in {time.monotonic() - t0:.1f}s")
+        src = lab.inventory_path()
+        work = lab.resolve_lab_dir() / "bench-preflight"
+        rows = []
+        for label, n, topo in (("host checks", 1, None), ("host checks", 16, None),
+                               ("with pairing", 2, "1p1d"), ("with pairing", 16, "8p8d")):
+            inv_dir = sub_inventory(src, n, work / f"{n}-{topo}")
+            time_preflight(inv_dir, topo, 1)  # warm-up, untimed
+            times, rep = time_preflight(inv_dir, topo, args.runs)
+            rows.append((label, n, topo, times, rep))
+            print(f"{label:13s} {n:2d} host(s) {topo or '-':5s} median {statistics.median(times):6.2f}s "
+                  f"(runs {', '.join(f'{t:.2f}' for t in times)}) -> {rep.verdict()}")
+        one, sixteen = statistics.median(rows[0][3]), statistics.median(rows[1][3])
+        two_p, sixteen_p = statistics.median(rows[2][3]), statistics.median(rows[3][3])
+        print(f"16 / 1 hosts (host checks): {sixteen / one:.2f}x (target < 2x)")
+        print(f"16 / 2 hosts (with pairing 8p8d vs 1p1d): {sixteen_p / two_p:.2f}x")
+        ok = sixteen < 2 * one and all(r[4].ok for r in rows)
+        return 0 if ok else 1
+    finally:
+        t0 = time.monotonic()
+        lab.down()
+        print(f"lab down in {time.monotonic() - t0:.1f}s")
 
 
 if __name__ == "__main__":

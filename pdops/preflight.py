@@ -193,7 +193,8 @@ def parse_memlock(output: str) -> MemlockProbe:
         last = body[-1]
         if last.startswith("Max locked memory"):
             soft = last.split()[3] if len(last.split()) > 3 else "?"
-            return MemlockProbe(soft == "unlimited", f"Max locked memory of a service under systemd: {soft}")
+            shown = f"{soft} bytes ({int(soft) / 2**20:g} MiB)" if soft.isdigit() else soft
+            return MemlockProbe(soft == "unlimited", f"Max locked memory of a service under systemd: {shown}")
         return MemlockProbe(last == "unlimited", f"ulimit -l under systemd: {last}")
     return MemlockProbe(False, f"systemd-run exited {rc}: {' '.join(body)[:300]}")
 
@@ -1064,8 +1065,11 @@ _LISTENER = (
     "for p in sys.argv[2:]:\n"
     "    s = socket.socket(socket.AF_INET6 if ':' in addr else socket.AF_INET)\n"
     "    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "    s.bind((addr, int(p)))\n"
-    "    s.listen(128)\n"
+    "    try:\n"
+    "        s.bind((addr, int(p)))\n"
+    "        s.listen(128)\n"
+    "    except OSError as e:\n"
+    "        sys.exit(f'cannot listen on {addr}:{p}: {e}')\n"
     "    sel.register(s, selectors.EVENT_READ)\n"
     "while True:\n"
     "    for key, _ in sel.select():\n"
@@ -1074,8 +1078,31 @@ _LISTENER = (
 )
 
 _WAITER = (
-    "import json, socket, sys, time\n"
-    "addr, ports, end, res = sys.argv[1], [int(p) for p in sys.argv[2:]], time.time() + 5, {}\n"
+    # Waits until each port accepts. Given unit=NAME, it stops waiting as soon as that listener
+    # unit is no longer running and says why: it binds the port itself, which fails with the
+    # listener's own error (e.g. [Errno 99] Cannot assign requested address).
+    "import json, socket, subprocess, sys, time\n"
+    "unit = next((a[5:] for a in sys.argv[1:] if a.startswith('unit=')), None)\n"
+    "args = [a for a in sys.argv[1:] if not a.startswith('unit=')]\n"
+    "addr, ports, end, res = args[0], [int(p) for p in args[1:]], time.time() + 5, {}\n"
+    "def alive():\n"
+    "    if not unit:\n"
+    "        return True\n"
+    "    try:\n"
+    "        r = subprocess.run(['systemctl', 'is-active', unit], capture_output=True, text=True, timeout=5)\n"
+    "    except (OSError, subprocess.SubprocessError):\n"
+    "        return True\n"
+    "    return r.stdout.strip() in ('active', 'activating', 'reloading')\n"
+    "def why(p):\n"
+    "    s = socket.socket(socket.AF_INET6 if ':' in addr else socket.AF_INET)\n"
+    "    try:\n"
+    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "        s.bind((addr, p))\n"
+    "        return 'the listener exited (the port itself can be bound: see its journal)'\n"
+    "    except OSError as e:\n"
+    "        return str(e)\n"
+    "    finally:\n"
+    "        s.close()\n"
     "for p in ports:\n"
     "    while True:\n"
     "        try:\n"
@@ -1083,6 +1110,9 @@ _WAITER = (
     "            res[p] = 'ok'\n"
     "            break\n"
     "        except OSError as e:\n"
+    "            if not alive():\n"
+    "                res[p] = why(p)\n"
+    "                break\n"
     "            if time.time() > end:\n"
     "                res[p] = str(e) or type(e).__name__\n"
     "                break\n"
@@ -1117,7 +1147,8 @@ def listener_start_command(python: str, unit: str, addr: str, ports: list[int], 
     """Start a transient listener unit on addr:ports, then wait until each port accepts (JSON {port: ok|error})."""
     args = " ".join(str(int(p)) for p in ports)
     return (f"systemd-run --quiet --unit={q(unit)} --collect -p RuntimeMaxSec={int(max_s)} "
-            f"{q(python)} -c {q(_LISTENER)} {q(addr)} {args} && {q(python)} -c {q(_WAITER)} {q(addr)} {args}; "
+            f"{q(python)} -c {q(_LISTENER)} {q(addr)} {args} && "
+            f"{q(python)} -c {q(_WAITER)} {q('unit=' + unit)} {q(addr)} {args}; "
             f"journalctl -u {q(unit)} -o cat -n 3 --no-pager 2>/dev/null | sed 's/^/journal: /'; true")
 
 
@@ -1199,17 +1230,19 @@ def pairing_results(inv: Inventory, m: Matrix) -> list[CheckResult]:
         down = any("unreachable over SSH" in e for _, _, e in bad)
         held = any(t.mode == "held" for _, t, _ in bad)
         reason = "unreachable from " + "; ".join(f"{d}: {_where(t)} {e}" for d, t, e in bad)
+        fixes = []
         if down:
-            fix = "bring the unreachable host back (SSH), then run preflight again"
-        elif listen_fail:
-            fix = (f"pdops_data_addr {inv.host(p).data_addr} must be an address of {p} on the data network: "
-                   "fix the inventory or configure the address on the host")
-        elif held:
-            fix = "free the port on the prefill host (see the ports check), then run preflight again"
-        else:
-            fix = (f"open TCP {', '.join(sorted({str(t.port) for _, t, _ in bad}))} and 15000-17000 on {p} for the decode "
-                   "hosts' data addresses (firewall, security group) and check routing between the data addresses")
-        out.append(_fail(p, PAIRING, reason, fix))
+            fixes.append("bring the unreachable host back (SSH), then run preflight again")
+        if held:
+            fixes.append("free the port on the prefill host (see the ports check), then run preflight again")
+        if listen_fail:
+            fixes.append(f"pdops_data_addr {inv.host(p).data_addr} must be an address of {p} on the data network: "
+                         "fix the inventory or configure the address on the host")
+        if not fixes:
+            fixes.append(f"open TCP {', '.join(sorted({str(t.port) for _, t, _ in bad}))} and 15000-17000 on {p} for "
+                         "the decode hosts' data addresses (firewall, security group) and check routing between the "
+                         "data addresses")
+        out.append(_fail(p, PAIRING, reason, "; ".join(fixes)))
     for d in m.decode_hosts:
         bad = [(p, t, e) for p, dd, t, e in fails if dd == d]
         if d in m.prefill_hosts and any(r.host == d for r in out):
@@ -1250,7 +1283,9 @@ def run_pairing(inv: Inventory, pl: Placement, pool, facts_by_host: dict[str, Fa
         if not res:
             last = (journal or out).strip().splitlines()[-1:] or ["no output"]
             raise Unverified(f"the test listener did not start on {h}: {last[0]}", evidence=journal or out[-500:])
-        return {p: (v if v == "ok" or not journal else f"{v}; {journal.splitlines()[-1]}") for p, v in res.items()}
+        # the waiter names the listener's own error; a bare timeout gets the journal's last line
+        return {p: (v if v == "ok" or not journal or "timed out" not in v else f"{v}; {journal.splitlines()[-1]}")
+                for p, v in res.items()}
 
     started: dict[str, Any] = {}
     try:
@@ -1306,11 +1341,16 @@ class PreflightReport:
 
     def verdict(self) -> str:
         n = len(self.hosts)
+        counts = {st: sum(r.status == st for r in self.results) for st in (PASS, FAIL, SKIPPED)}
+        tally = f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIPPED]} skipped"
+        if self.matrix is not None and not self.matrix.skipped:
+            bad = sum(not self.matrix.cell_ok(p, d) for p in self.matrix.prefill_hosts for d in self.matrix.decode_hosts)
+            tally += (f"; pairing {len(self.matrix.prefill_hosts)} P x {len(self.matrix.decode_hosts)} D: "
+                      + ("every cell ok" if not bad else f"{bad} cell(s) FAIL"))
         if self.ok:
-            skipped = sum(r.status == SKIPPED for r in self.results)
-            return f"preflight ok: {n} host(s), every check passed or was skipped with its reason ({skipped} skipped)"
+            return f"preflight ok: {n} host(s), every check passed or was skipped with its reason ({tally})"
         parts = [f"{h} ({', '.join(r.check for r in self.failures if r.host == h)})" for h in self.failed_hosts]
-        return f"preflight FAILED on {len(self.failed_hosts)} of {n} host(s): " + "; ".join(parts)
+        return f"preflight FAILED on {len(self.failed_hosts)} of {n} host(s): " + "; ".join(parts) + f" ({tally})"
 
     def format_table(self) -> str:
         checks = self.checks()
@@ -1370,7 +1410,7 @@ class PreflightReport:
 
 def _host_list(hosts: list[str], all_hosts: list[str]) -> str:
     if len(hosts) > 1 and hosts == all_hosts:
-        return f"all {len(hosts)} hosts"
+        return "both hosts" if len(hosts) == 2 else f"all {len(hosts)} hosts"
     return ", ".join(hosts)
 
 

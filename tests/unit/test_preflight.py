@@ -3,6 +3,7 @@ tests/data/preflight/preflight.source). No host is contacted."""
 
 import dataclasses
 import json
+import shutil
 import types
 from pathlib import Path
 
@@ -301,6 +302,7 @@ def test_memlock_override_and_probe(lab_inv):
     # on virtual hardware the measured cap is reported as skipped with its reason, never as a pass
     [r] = pf.eval_memlock(lab_inv, lab_inv.host("lab01"), pl, {"units": {}, "memlock": capped})
     assert r.status == pf.SKIPPED and "8388608" in r.reason and "CAP_SYS_RESOURCE" in r.reason
+    assert "Max locked memory of a service under systemd: 8388608 bytes (8 MiB)" in r.reason
 
 
 def test_disk_threshold(lab_inv):
@@ -436,6 +438,32 @@ def test_listener_and_probe_scripts_for_real(tmp_path):
         lst.wait()
 
 
+@pytest.mark.skipif(shutil.which("systemctl") is None, reason="needs systemctl to ask for the (absent) unit")
+def test_waiter_names_the_listeners_error_as_soon_as_its_unit_is_gone():
+    """A listener that could not bind has exited: the waiter stops at once with the bind error
+    (not a 5 s timeout), which the matrix then reports as 'could not listen'."""
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    w = subprocess.run([sys.executable, "-c", pf._WAITER, "unit=pdops-preflight-listen-gone0000.service",
+                        "192.0.2.10", "8998"], capture_output=True, text=True, timeout=30)
+    res, _ = pf.parse_listener_start(w.stdout)
+    assert "Cannot assign requested address" in res[8998], w
+    assert time.monotonic() - t0 < 4
+
+
+def test_listener_exits_with_a_clean_error_when_it_cannot_bind():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", pf._LISTENER, "192.0.2.10", "8998"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 1
+    assert r.stderr.strip() == "cannot listen on 192.0.2.10:8998: [Errno 99] Cannot assign requested address"
+
+
 def test_listener_commands_name_and_stop_only_their_unit():
     start = pf.listener_start_command("/usr/bin/python3", "pdops-preflight-listen-ab12.service", "10.0.0.1", [8998, 15000])
     assert start.startswith("systemd-run --quiet --unit=pdops-preflight-listen-ab12.service --collect -p RuntimeMaxSec=60 ")
@@ -462,7 +490,7 @@ class RecordedPool:
         if pf._BEGIN in command:
             return types.SimpleNamespace(stdout=batch(self.sections_by_host[host]))
         if command.startswith("systemd-run"):
-            ports = command.split(" && ")[0].split()[-2:]
+            ports = [t for t in command.split(" && ")[0].split()[-3:] if t.isdigit()]
             return types.SimpleNamespace(stdout=json.dumps({p: "ok" for p in ports}) + "\n")
         if "socket.create_connection" in command and "ThreadPoolExecutor" in command:
             targets = json.loads(__import__("shlex").split(command)[3])
@@ -528,3 +556,17 @@ def test_unreachable_host_is_reported_and_others_still_checked(lab_inv):
     assert rep.result("lab02", "ssh").status == pf.FAIL and "NoValidConnectionsError" in rep.result("lab02", "ssh").reason
     assert rep.result("lab01", "ports").status == pf.PASS
     assert "lab02 unreachable over SSH" in rep.result("lab01", "pairing").reason
+
+
+def test_pairing_fix_names_every_cause_and_verdict_counts(lab_inv):
+    held = pf.Target("lab01", "127.0.10.1", 8998, "p01 bootstrap", "held", "held by a foreign process: x")
+    lst = pf.Target("lab01", "127.0.10.1", 15000, "Mooncake RPC", "listener")
+    m = pf.evaluate_pairing(["lab01"], ["lab02"], [held, lst],
+                            {"lab02": [pf.Probe("127.0.10.1", 15000, False, "timed out")]},
+                            {"lab01": {15000: "[Errno 99] Cannot assign requested address"}})
+    res = {r.host: r for r in pf.pairing_results(lab_inv, m)}
+    assert "free the port on the prefill host" in res["lab01"].fix
+    assert "pdops_data_addr 127.0.10.1 must be an address of lab01" in res["lab01"].fix
+    rep = pf.PreflightReport("lab", "1p1d", ["lab01", "lab02"], list(res.values()), m)
+    assert rep.verdict() == ("preflight FAILED on 2 of 2 host(s): lab01 (pairing); lab02 (pairing) "
+                             "(0 passed, 2 failed, 0 skipped; pairing 1 P x 1 D: 1 cell(s) FAIL)")
