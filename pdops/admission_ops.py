@@ -129,7 +129,12 @@ def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0) -> d
                 say(f"  delivered {KEYS_MAP_PATH} (0600 root, sha256 {sha[:12]}, {res.changed} changed)")
 
                 pool.run(cfg.host, f"systemctl reload {q(UNIT)}")  # ExecReload: haproxy -c, then USR2
+                # Type=notify: the unit stays "reloading" until the new workers report READY.
+                deadline = time.monotonic() + 30
                 st2 = pool.unit_states(cfg.host, [UNIT])[UNIT]
+                while st2.active_state == "reloading" and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    st2 = pool.unit_states(cfg.host, [UNIT])[UNIT]
                 if st2.active_state != "active" or st2.main_pid != st.main_pid:
                     raise Unverified(f"{UNIT} is {st2.active_state}/{st2.sub_state} (MainPID {st.main_pid} -> "
                                      f"{st2.main_pid}) after the reload: not a graceful reload",

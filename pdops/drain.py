@@ -259,6 +259,77 @@ def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: 
                         empty, survivors, open_ports, gpu)
 
 
+def leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None) -> list[str]:
+    """Remove the instance's worker(s) from the gateway by id (or, failing that, by URL) and
+    wait until /workers no longer lists them. Returns the ids removed ([] when already gone)."""
+    listed = [w for w in client.list_workers() if (worker_id and w.id == worker_id) or w.url == inst.url]
+    for w in listed:
+        client.remove_worker(w.id)
+        client.wait_worker_gone(w.id, deadline_in(30))
+    return [w.id for w in listed]
+
+
+@dataclass
+class StopResult:
+    idents: dict  # unit -> RankIdentity recorded before the stop
+    evidence: list  # StopEvidence per rank
+    strays: list[str]
+    seconds: float
+
+    @property
+    def sigkill(self) -> bool:
+        return any(e.sigkill for e in self.evidence)
+
+    def journal(self) -> dict:
+        return {"seconds": self.seconds, "strays": self.strays,
+                "identity": {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
+                                 "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
+                                          for p, r in i.tree.items()}} for u, i in self.idents.items()},
+                "evidence": {e.unit: vars(e) for e in self.evidence}}
+
+
+def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, check_ports: bool = True,
+                    say: Say | None = None) -> StopResult:
+    """Stop an instance by identity and prove it: record every rank's MainPID, cgroup and process
+    tree (start times) first; stop rank 0, then the other ranks; disable the units; then verify
+    the cgroups are empty, every recorded PID is gone or reused and the ports are closed.
+    Raises Unverified, naming what survived; nothing is ever killed by name.
+    `check_ports=False` for an instance that never listened (its port may be someone else's)."""
+    idents = {u: record_identity(pool, h, u) for h, u in inst.units}
+    t0 = time.monotonic()
+    head_host, head_unit = inst.units[0]
+    if say:
+        say(f"  stopping {head_unit} on {head_host} (SIGTERM to the main process; SIGKILL to the cgroup "
+            f"after {stop_timeout_s:g}s)")
+    for h, u in inst.units:  # rank 0 first: ranks >= 1 exit with it
+        pool.run(h, f"systemctl stop {q(u)}", timeout=stop_timeout_s + 60)
+    for h, u in inst.units:
+        pool.run(h, f"systemctl disable {q(u)}; systemctl reset-failed {q(u)} 2>/dev/null || true")
+    seconds = round(time.monotonic() - t0, 2)
+    strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
+    ports = [p for p in (inst.http_port, inst.bootstrap_port) if p] if check_ports else []
+    evidence = [verify_stopped(pool, idents[u], ports if u == head_unit else [], inst.head.data_addr)
+                for h, u in inst.units]
+    result = StopResult(idents, evidence, strays, seconds)
+    if say:
+        if strays:
+            say(f"  found in the cgroup but outside MainPID's tree (stopped with the cgroup): {'; '.join(strays)}")
+        for e in evidence:
+            say(f"  {e.host}:{e.unit}: result {e.result}; cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'};"
+                f" {'no survivor' if not e.survivors else 'SURVIVORS ' + ', '.join(e.survivors)}; "
+                f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}")
+            if e.sigkill:
+                say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
+                    "emptied the cgroup")
+    bad = [e for e in evidence if not e.verified]
+    if bad:
+        raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
+            f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} "
+            f"ports_open={e.ports_open}" for e in bad),
+            fix="nothing was killed by name; inspect the listed processes before acting")
+    return result
+
+
 # ---------------------------------------------------------------- doing
 
 def _last_op_reached(state: StateDir, instance: str, step: str) -> bool:
@@ -306,13 +377,10 @@ def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> di
         if not plan.skip_gateway:
             client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
             wid = (plan.rev.instances.get(inst.id) or {}).get("worker_id")
-            listed = [w for w in client.list_workers() if w.id == wid or w.url == inst.url]
-            if listed:
-                for w in listed:
-                    client.remove_worker(w.id)
-                    client.wait_worker_gone(w.id, deadline_in(30))
-                say(f"  left the gateway: worker {', '.join(w.id for w in listed)} removed, gone from /workers")
-                j.step(op, "leave-gateway", "ok", {"removed": [w.id for w in listed]})
+            removed = leave_gateway(client, inst, wid)
+            if removed:
+                say(f"  left the gateway: worker {', '.join(removed)} removed, gone from /workers")
+                j.step(op, "leave-gateway", "ok", {"removed": removed})
             else:
                 say(f"  {inst.id} is not in the gateway's /workers (already removed): nothing to do")
                 j.step(op, "leave-gateway", "ok", {"already_removed": wid})
@@ -328,53 +396,19 @@ def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> di
                 _wait_empty(plan, pool, j, op, say)
                 verified.append(f"no open request ID and all queues 0, twice, {plan.interval_s:g}s apart")
 
-        idents = {} if already_stopped else {
-            u: record_identity(pool, h, u) for h, u in inst.units}
-        j.step(op, "record-identity", "ok", {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
-                                                 "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
-                                                          for p, r in i.tree.items()}}
-                                             for u, i in idents.items()})
-        evidence = []
         if not already_stopped:
-            t0 = time.monotonic()
-            head_host, head_unit = inst.units[0]
-            say(f"  stopping {head_unit} on {head_host} (SIGTERM to the main process; SIGKILL to the cgroup "
-                f"after {inv.stop_timeout_s}s)")
-            pool.run(head_host, f"systemctl stop {q(head_unit)}", timeout=inv.stop_timeout_s + 60)
-            for h, u in inst.units[1:]:
-                pool.run(h, f"systemctl stop {q(u)}", timeout=inv.stop_timeout_s + 60)
-            for h, u in inst.units:
-                pool.run(h, f"systemctl disable {q(u)}")
-            j.step(op, "stop", "ok", {"seconds": round(time.monotonic() - t0, 2)})
-            strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
-            if strays:
-                say(f"  found in the cgroup but outside MainPID's tree (stopped with the cgroup): {'; '.join(strays)}")
-                j.step(op, "strays", "noted", {"strays": strays})
-            ports = [p for p in (inst.http_port, inst.bootstrap_port) if p]
-            for h, u in inst.units:
-                ev = verify_stopped(pool, idents[u], ports if u == inst.units[0][1] else [], inst.head.data_addr)
-                evidence.append(ev)
-            j.step(op, "verify-stop", "ok" if all(e.verified for e in evidence) else "failed",
-                   {e.unit: vars(e) for e in evidence})
-            for e in evidence:
-                say(f"  {e.host}:{e.unit}: result {e.result}; cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'};"
-                    f" {'no survivor' if not e.survivors else 'SURVIVORS ' + ', '.join(e.survivors)}; "
-                    f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}")
-                if e.sigkill:
-                    say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
-                        "emptied the cgroup")
-            bad = [e for e in evidence if not e.verified]
-            if bad:
-                raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
-                    f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} "
-                    f"ports_open={e.ports_open}" for e in bad),
-                    fix="nothing was killed by name; inspect the listed processes before acting")
+            try:
+                res = stop_and_verify(pool, inst, stop_timeout_s=inv.stop_timeout_s, say=say)
+            except Unverified as exc:
+                j.step(op, "verify-stop", "failed", {"error": exc.render()})
+                raise
+            j.step(op, "stop", "ok", res.journal())
             verified.append("cgroup empty, every recorded PID gone or reused, ports closed")
-            if strays:
-                verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(strays)}")
-            if any(e.sigkill for e in evidence):
+            if res.strays:
+                verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
+            if res.sigkill:
                 verified.append("needed systemd's SIGKILL after TimeoutStopSec")
-            unverified += sorted({f"GPU processes: {e.gpu}" for e in evidence if e.gpu.startswith("skipped")})
+            unverified += sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")})
         else:
             # resumed: the stop happened in an earlier run; verify what can still be read
             for h, u in inst.units:

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pdops.deploy import canary_pair, deliver, register, start_instance
-from pdops.errors import InvalidInput, PdopsError, Refused, Unverified
-from pdops.facts import q
-from pdops.gateway import GatewayClient, deadline_in
+from pdops.errors import InvalidInput, PdopsError, Refused
+from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, _make, _slots, place
@@ -412,33 +411,10 @@ def _drain_plan(plan: ScalePlan, inst: Instance, pl: Placement):
 
 
 def stop_verified(pool: HostPool, inst: Instance, *, check_ports: bool, stop_timeout_s: float) -> list:
-    """Stop an instance by identity (rank 0 first), disable its units, and prove it stopped.
-    `check_ports=False` for an instance that never listened (its port may be held by something else)."""
+    """The drain's verified stop (pdops.drain.stop_and_verify); returns the per-rank evidence."""
     from pdops import drain as dr
 
-    idents = {u: dr.record_identity(pool, h, u) for h, u in inst.units}
-    for h, u in inst.units:
-        pool.run(h, f"systemctl stop {q(u)}", timeout=stop_timeout_s + 60)
-    for h, u in inst.units:
-        pool.run(h, f"systemctl disable {q(u)}")
-        pool.run(h, f"systemctl reset-failed {q(u)} || true")
-    ports = [p for p in (inst.http_port, inst.bootstrap_port) if p] if check_ports else []
-    evidence = [dr.verify_stopped(pool, idents[u], ports if u == inst.units[0][1] else [], inst.head.data_addr)
-                for h, u in inst.units]
-    bad = [e for e in evidence if not e.verified]
-    if bad:
-        raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
-            f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} ports_open={e.ports_open}"
-            for e in bad), fix="nothing was killed by name; inspect the listed processes before acting")
-    return evidence
-
-
-def _leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None) -> list[str]:
-    listed = [w for w in client.list_workers() if (worker_id and w.id == worker_id) or w.url == inst.url]
-    for w in listed:
-        client.remove_worker(w.id)
-        client.wait_worker_gone(w.id, deadline_in(30))
-    return [w.id for w in listed]
+    return dr.stop_and_verify(pool, inst, stop_timeout_s=stop_timeout_s, check_ports=check_ports).evidence
 
 
 def drain_instance(plan: ScalePlan, pool: HostPool, client: GatewayClient, inst: Instance, worker_id: str | None,
@@ -448,7 +424,7 @@ def drain_instance(plan: ScalePlan, pool: HostPool, client: GatewayClient, inst:
 
     dplan = _drain_plan(plan, inst, plan.current_placement)
     j.step(op, f"drain {inst.id}", "started", {"worker_id": worker_id, "url": inst.url})
-    removed = _leave_gateway(client, inst, worker_id)
+    removed = dr.leave_gateway(client, inst, worker_id)
     say(f"  {inst.id} left the gateway (worker {', '.join(removed) or 'already gone'}); waiting for its work")
     j.step(op, f"drain {inst.id}: leave-gateway", "ok", {"removed": removed})
     dr._wait_empty(dplan, pool, j, op, say)

@@ -88,9 +88,14 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
     inv = load_inventory(cluster)
     d02 = _placement(cluster).get("d02")
     results: list = []
+    plain: list = []
     t = threading.Thread(target=lambda: results.extend(send(
         inv.gateway.url, requests=20, concurrency=20, max_new_tokens=150, stream_every=1, rid_prefix="drain-d")))
+    # and non-streaming ones (stream_every=0): both kinds must survive the removal
+    t2 = threading.Thread(target=lambda: plain.extend(send(
+        inv.gateway.url, requests=10, concurrency=10, max_new_tokens=150, stream_every=0, rid_prefix="drain-n")))
     t.start()
+    t2.start()
     _wait_for(lambda: _running(d02.url) > 0, what="streams on d02")
     in_flight_on_d02 = _running(d02.url)
     drain = _drain(cluster, "--instance", "d02", "--interval", "1")
@@ -104,8 +109,15 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
     out = "".join(lines) + drain.stdout.read()
     assert drain.wait(timeout=300) == 0, out
     t.join(timeout=120)
+    t2.join(timeout=120)
     assert len(results) == 20 and all(r.ok and r.completion_tokens == 150 for r in results), \
         [r.to_dict() for r in results if not r.ok]
+    assert len(plain) == 10 and all(r.ok and not r.stream and r.completion_tokens == 150 for r in plain), \
+        [r.to_dict() for r in plain if not r.ok]
+    drained_rids = _received_on(lab, d02)
+    # both kinds were really on d02 (10 plain requests over 2 decodes: all on d01 is 1 in 1024)
+    assert any(r.rid in drained_rids for r in results), "no stream was on d02"
+    assert any(r.rid in drained_rids for r in plain), "no non-streaming request was on d02"
     assert all(r.ok for r in late)
     assert not {r.rid for r in late} & _received_on(lab, d02), "a request reached d02 after its removal"
     assert in_flight_on_d02 > 0
