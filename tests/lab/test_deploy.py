@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 import yaml
@@ -160,3 +161,21 @@ def test_a_concurrent_operation_is_refused(lab, live, fresh):
     assert "alice@laptop" in proc.stderr and "drain" in proc.stderr
     assert "[1/7]" not in proc.stdout  # refused before touching any host
     assert state.current() is None
+
+
+def test_ansible_playbooks_are_idempotent(live):
+    """prepare.yml and deploy.yml run again on the live cluster report no change."""
+    from pdops import deploy as dep
+    from pdops.placement import Placement
+    from pdops.render import render_files
+
+    inv_dir, _ = live
+    inv = load_inventory(inv_dir)
+    state = StateDir("lab", inv_dir / "state")
+    rev = state.current_revision()
+    pl = Placement.from_dict(rev.placement)
+    files = render_files(inv, pl)
+    said: list[str] = []
+    ev = dep.deliver(inv, pl, files, Path(rev.extra["build"]), None, said.append)
+    assert ev["prepare_changed"] == 0 and ev["deploy_changed"] == 0, (ev, said)
+    assert set(ev["hosts"]) == {"lab01", "lab02", "lab03"}
