@@ -11,7 +11,20 @@ import sys
 
 from invoke.exceptions import Exit
 
-from pdops.errors import PdopsError
+from pdops.errors import InvalidInput, PdopsError
+
+
+def seconds(value, flag: str) -> float | None:
+    """An operator's `--wait 600`-style value as seconds (None when not given); InvalidInput otherwise."""
+    if value is None or value == "":
+        return None
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        raise InvalidInput(flag, f"{value!r} is not a number of seconds", fix=f"e.g. {flag} 30") from None
+    if not s >= 0 or s == float("inf"):
+        raise InvalidInput(flag, f"{value!r} is not a non-negative number of seconds", fix=f"e.g. {flag} 30")
+    return s
 
 
 def cli_errors(fn):

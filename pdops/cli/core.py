@@ -7,7 +7,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops import planning
-from pdops.cli import cli_errors
+from pdops.cli import cli_errors, seconds
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -35,11 +35,13 @@ def render(c, topology, inventory=DEFAULT_INVENTORY, out=None):
 
 @task(help={"hosts": "lab hosts to boot (default 4)"})
 @cli_errors
-def demo(c, hosts=4):
+def demo(c, hosts="4"):
     """What `make demo` runs: plan the reference fleet, boot a lab, deploy 2p1d, serve, drain p02, status."""
     from pdops.demo import run_demo
 
-    run_demo(int(hosts))
+    from pdops.lab import validate_host_count
+
+    run_demo(validate_host_count(hosts))
 
 
 @task(help={"topology": "NpMd, e.g. 2p1d", "inventory": "inventory dir or file",
@@ -125,8 +127,8 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
 def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, wait=None, interval=None,
           force_after=False):
     """Take an instance out of the gateway, wait out its in-flight work, stop it by identity, prove it."""
-    _drain_or_stop(instance, inventory, dry_run, force, float(wait) if wait else None,
-                   float(interval) if interval is not None else None, force_after, False)
+    _drain_or_stop(instance, inventory, dry_run, force, seconds(wait, "--wait"), seconds(interval, "--interval"),
+                   force_after, False)
 
 
 @task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",

@@ -10,7 +10,7 @@ from pdops.cli import cli_errors
 
 @task(help={"hosts": f"how many lab hosts to boot (1..{lab_api.MAX_HOSTS}, default 4)"})
 @cli_errors
-def up(c, hosts=4):
+def up(c, hosts="4"):  # a string: a bad value gets our error, not invoke's traceback
     """Boot lab hosts lab01..labNN on 127.0.10.1..N (only those not up) and write the inventory."""
     n = lab_api.validate_host_count(hosts)
     print(f"lab: bringing up {n} host(s) in {lab_api.resolve_lab_dir()} ...", flush=True)

@@ -1,0 +1,26 @@
+"""Operator mistakes in task options get one clear error (exit 2), never a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["drain", "-i", "inventory/lab", "--instance", "p01", "--wait", "abc"], "--wait: 'abc' is not a number of seconds"),
+    (["drain", "-i", "inventory/lab", "--instance", "p01", "--interval", "-1"], "--interval: '-1' is not a non-negative"),
+    (["drain", "-i", "inventory/lab"], "--instance: missing"),
+    (["lab.up", "--hosts", "abc"], "--hosts: 'abc' is not a whole number"),
+    (["lab.up", "--hosts", "65"], "--hosts: 65 is out of range"),
+    (["demo", "--hosts", "0"], "--hosts: 0 is out of range"),
+    (["deploy", "--topology", "0p4d", "-i", "inventory/lab"], "needs at least one prefill"),
+])
+def test_bad_option_values_are_refused_without_a_traceback(args, needle):
+    proc = subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr and "fix:" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
