@@ -236,9 +236,12 @@ def parse_pids(output: str) -> dict[int, str | None]:
     return out
 
 
+VERSION_PACKAGES = ("sglang", "mooncake-transfer-engine", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "sglang-router",
+                    "torch")
+
 _VERSIONS_SCRIPT = (
     "import importlib.metadata as m, json, sys\n"
-    "names = ('sglang', 'mooncake-transfer-engine', 'nvidia-nccl-cu12', 'nvidia-nccl-cu13', 'sglang-router', 'torch')\n"
+    f"names = {VERSION_PACKAGES!r}\n"
     "out = {}\n"
     "for n in names:\n"
     "    try:\n"
@@ -256,19 +259,56 @@ _VERSIONS_SCRIPT = (
     "print(json.dumps(out))\n"
 )
 
+# Wheel metadata folders are named `<name>-<version>.dist-info`, the name with `-`/`.` as `_`
+# (the binary distribution format spec); older wheels keep capitals, hence -i.
+_DIST_RE = "^(sglang|sglang[-_.]router|mooncake[-_.]transfer[-_.]engine|nvidia[-_.]nccl[-_.]cu1[23]|torch)-[^-]+[.]dist-info$"
+DIST_MARK = "PDOPS-DIST-INFO"
+
 
 def versions_command(engine_python: str, *, torch_nccl: bool) -> str:
-    """Package versions as the engine's python sees them (importlib.metadata; torch only if asked)."""
+    """Package versions as the engine's python sees them.
+
+    Fast path, no interpreter start: in a virtualenv that does not see the system's packages
+    (pyvenv.cfg), the `.dist-info` folders of its one site-packages are what importlib.metadata
+    would read. Anything else (a system python, a venv with system packages, sglang not found
+    there, or NCCL to be read from torch itself) runs the engine python with importlib.metadata."""
     py = q(engine_python)
     args = " torch-nccl" if torch_nccl else ""
-    return (f"if [ -x {py} ]; then {py} -c {q(_VERSIONS_SCRIPT)}{args}; "
-            f"else echo {q('PDOPS-SKIPPED: no engine python ' + engine_python)}; fi")
+    has = "printf '%s\\n' \"$found\" | grep -qiE "
+    enough = has + q("^sglang-[^-]+[.]dist-info$") + (" && " + has + q("^nvidia[-_.]nccl") if torch_nccl else "")
+    return (f"if [ ! -x {py} ]; then echo {q('PDOPS-SKIPPED: no engine python ' + engine_python)}; else "
+            f"pre=$(dirname -- \"$(dirname -- {py})\"); found=''; sp=''; "
+            "if grep -qsiE '^include-system-site-packages *= *false' \"$pre/pyvenv.cfg\"; then "
+            "for d in \"$pre\"/lib/python3*/site-packages; do [ -d \"$d\" ] && [ -z \"$sp\" ] && sp=$d; done; "
+            f"[ -n \"$sp\" ] && found=$(ls -- \"$sp\" | grep -iE {q(_DIST_RE)}); fi; "
+            f"if {enough}; then echo \"{DIST_MARK} $sp\"; printf '%s\\n' \"$found\"; "
+            f"else {py} -c {q(_VERSIONS_SCRIPT)}{args}; fi; fi")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def parse_dist_infos(lines: list[str]) -> dict[str, str | None]:
+    """{package: version} from `.dist-info` folder names; two versions of one package are both named."""
+    seen: dict[str, list[str]] = {}
+    for line in lines:
+        line = line.strip()
+        if not line.lower().endswith(".dist-info") or "-" not in line:
+            continue
+        name, version = line[: -len(".dist-info")].split("-", 1)
+        seen.setdefault(_canonical(name), []).append(version)
+    return {n: (" and ".join(sorted(set(seen[n]))) if n in seen else None) for n in VERSION_PACKAGES}
 
 
 def parse_versions(output: str) -> dict[str, str | None] | Skipped:
     if (s := skipped_in(output)) is not None:
         return s
-    for line in reversed(output.strip().splitlines()):
+    lines = output.strip().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(DIST_MARK):
+            return parse_dist_infos(lines[i + 1:])
+    for line in reversed(lines):
         if line.startswith("{"):
             return json.loads(line)
     raise Unverified("the engine python printed no versions", evidence=output[-800:])

@@ -235,6 +235,56 @@ def test_versions_differ_between_hosts_fail_naming_both(fleet):
     assert get[(a, "ver-mooncake")].status == get[(b, "ver-mooncake")].status == pf.PASS
 
 
+def test_versions_fast_path_reads_dist_info_names_like_importlib():
+    """The shell-only probe gives what the python probe gives, on the same venv."""
+    fast = pf.parse_versions(read("versions_lab_distinfo.txt"))
+    slow = pf.parse_versions(read("versions_lab_venv.txt"))
+    assert fast == slow
+    assert fast["sglang-router"] == "0.3.2" and fast["torch"] == "2.13.0+cpu"
+
+
+def test_versions_command_on_this_venv_matches_importlib_metadata(tmp_path):
+    """Run the real command (bash) against this project's venv, then against a venv that
+    sees system packages, which must take the interpreter path."""
+    import importlib.metadata as md
+    import subprocess
+    import sys
+
+    def run(py: str, torch_nccl: bool = False) -> str:
+        return subprocess.run(["bash", "-c", pf.versions_command(py, torch_nccl=torch_nccl)],
+                              capture_output=True, text=True, check=True).stdout
+
+    def want(n):
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            return None
+
+    out = run(sys.executable)
+    assert out.startswith(pf.DIST_MARK)  # no interpreter started
+    assert pf.parse_versions(out) == {n: want(n) for n in pf.VERSION_PACKAGES}
+    # NCCL wanted but no NCCL wheel: torch must be asked, so the interpreter runs
+    assert not run(sys.executable, torch_nccl=True).startswith(pf.DIST_MARK)
+    # a venv that also sees the system's packages: only the interpreter knows what it imports
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "pyvenv.cfg").write_text("include-system-site-packages = true\n")
+    sp = venv / "lib" / "python3.11" / "site-packages"
+    (sp / "sglang-9.9.9.dist-info").mkdir(parents=True)
+    got = run(str(venv / "bin" / "python"))
+    assert not got.startswith(pf.DIST_MARK) and pf.parse_versions(got)["sglang"] != "9.9.9"
+    (venv / "pyvenv.cfg").write_text("include-system-site-packages = false\n")
+    assert pf.parse_versions(run(str(venv / "bin" / "python")))["sglang"] == "9.9.9"
+
+
+def test_two_sglang_versions_in_one_venv_fail_naming_both(fleet):
+    v = pf.parse_versions(read("versions_two_sglang.txt"))
+    assert v["sglang"] == "0.5.22 and 0.5.23"
+    [r] = pf.CHECKS["ver-sglang"].evaluate(fleet, fleet.hosts[0], None, {"versions": v})
+    assert r.status == pf.FAIL and "0.5.22 and 0.5.23" in r.reason
+
+
 def test_production_host_without_mooncake_fails(fleet):
     v = pf.parse_versions(read("versions_lab_venv.txt"))
     [r] = pf.CHECKS["ver-mooncake"].evaluate(fleet, fleet.hosts[0], None, {"versions": v})
