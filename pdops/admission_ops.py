@@ -13,9 +13,7 @@ Keys are secrets: only key ids (`k-` + sha256 prefix) are printed or journalled.
 from __future__ import annotations
 
 import hashlib
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 from pdops import ansible
@@ -111,14 +109,10 @@ def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0) -> d
                     f"(+{len(added)} added: {', '.join(map(key_id, added)) or '-'}; "
                     f"-{len(revoked)} revoked: {', '.join(map(key_id, revoked)) or '-'})")
 
-                with tempfile.TemporaryDirectory(prefix="pdops-keys-") as tmp:
-                    src = Path(tmp) / "api-keys.map"
-                    src.touch(mode=0o600)
-                    src.write_text(new_map)
-                    t0 = time.monotonic()
-                    res = ansible.run_playbook(inv, "deploy.yml", {
-                        "pdops_files": {cfg.host: [{"src": str(src), "dest": KEYS_MAP_PATH, "mode": "0600"}]},
-                        "pdops_remove": {}, "pdops_units": {}}, [cfg.host])
+                t0 = time.monotonic()
+                res = ansible.run_playbook(inv, "deploy.yml", {
+                    "pdops_files": {cfg.host: [ansible.file_entry(KEYS_MAP_PATH, new_map.encode(), 0o600)]},
+                    "pdops_remove": {}, "pdops_units": {}}, [cfg.host])
                 remote = pool.run(cfg.host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
                 mode_owner, remote_sha = remote.stdout.splitlines()[0].strip(), remote.stdout.split()[-2]
                 if mode_owner != "600 root:root" or remote_sha != sha:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -53,8 +54,18 @@ def parse_recap(output: str) -> dict[str, HostRecap]:
     return out
 
 
-def run_playbook(inv: Inventory, playbook: str, extra_vars: dict, hosts: list[str]) -> PlaybookResult:
-    """ansible-playbook on `hosts` with one fork per host; raises on any failed or unreachable host."""
+def file_entry(dest: str, data: bytes, mode: int) -> dict:
+    """One file for deploy.yml's `pdops_files` (the pdops_files module): content travels base64."""
+    return {"dest": dest, "mode": f"0{mode:o}", "content": base64.b64encode(data).decode()}
+
+
+def run_playbook(inv: Inventory, playbook: str | list[str], extra_vars: dict, hosts: list[str]) -> PlaybookResult:
+    """ansible-playbook on `hosts` with one fork per host; raises on any failed or unreachable host.
+
+    Several playbooks run in one ansible-playbook (one start, one set of SSH masters), in order;
+    the recap then covers them all."""
+    books = [playbook] if isinstance(playbook, str) else list(playbook)
+    playbook = " + ".join(books)
     bindir = Path(sys.executable).parent
     env = dict(os.environ)
     env.update({"ANSIBLE_CONFIG": str(PLAYBOOKS / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
@@ -67,7 +78,7 @@ def run_playbook(inv: Inventory, playbook: str, extra_vars: dict, hosts: list[st
     try:
         os.chmod(vars_file, 0o600)
         inventories = [a for f in inv.files for a in ("-i", str(f))]
-        cmd = [str(bindir / "ansible-playbook"), *inventories, str(PLAYBOOKS / playbook),
+        cmd = [str(bindir / "ansible-playbook"), *inventories, *(str(PLAYBOOKS / b) for b in books),
                "--forks", str(max(len(hosts), 1)), "--limit", ",".join(hosts), "-e", f"@{vars_file}"]
         # Output goes to a file, not a pipe: ssh's ControlPersist master outlives ansible
         # and would hold a pipe open.

@@ -91,8 +91,8 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
         Step("preflight", None, "host, limits, ports, versions and P x D pairing checks; refuse a failing host"
              + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else "")),
         Step("render", None, f"{len(files)} files into the revision's build folder, with a manifest"),
-        Step("prepare", None, "ansible-playbook prepare.yml (directories, limits, engine environment)"),
-        Step("deliver", None, "ansible-playbook deploy.yml (units, launch scripts, 0600 env files, daemon-reload, enable)"),
+        Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
+                              "units, launch scripts, 0600 env files, daemon-reload, enable)"),
         Step("gateway", gw.host, f"start {GATEWAY_UNIT} with no workers, wait for {gw.url}/health", 60),
     ]
     for inst in pl.instances:
@@ -116,10 +116,11 @@ class DeployFailed(PdopsError):
 
 
 def _ansible_files(build: Path, files: list[RenderedFile]) -> dict:
+    """{host: [pdops_files entry]} from the written build (what was recorded is what is sent)."""
     out: dict[str, list] = {}
     for f in files:
-        out.setdefault(f.host, []).append({"src": str(build / f.host / f.path.lstrip("/")), "dest": f.path,
-                                           "mode": f"0{f.mode:o}"})
+        data = (build / f.host / f.path.lstrip("/")).read_bytes()
+        out.setdefault(f.host, []).append(ansible.file_entry(f.path, data, f.mode))
     return out
 
 
@@ -136,20 +137,18 @@ def _units_by_host(pl: Placement, inv: Inventory) -> dict[str, list[str]]:
 
 def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Path, remove: dict | None,
             say: Say) -> dict:
-    """Ansible: prepare then deliver. Returns evidence (changed counts per playbook)."""
+    """Ansible: prepare.yml then deploy.yml, in one ansible-playbook run. Returns evidence."""
     hosts = sorted({f.host for f in files} | set((remove or {}).keys()))
-    pv = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
-          "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_router_version": SGLANG_ROUTER_VERSION}
+    extra = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
+             "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_router_version": SGLANG_ROUTER_VERSION,
+             "pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
+             "pdops_units": _units_by_host(pl, inv)}
     t0 = time.monotonic()
-    prep = ansible.run_playbook(inv, "prepare.yml", pv, hosts)
-    say(f"  prepare.yml: {len(prep.recap)} hosts ok, {prep.changed} changes ({time.monotonic() - t0:.1f}s)")
-    t0 = time.monotonic()
-    dv = {"pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
-          "pdops_units": _units_by_host(pl, inv)}
-    dep = ansible.run_playbook(inv, "deploy.yml", dv, hosts)
-    say(f"  deploy.yml: {len(dep.recap)} hosts ok, {dep.changed} changes ({time.monotonic() - t0:.1f}s)")
-    return {"prepare_changed": prep.changed, "deploy_changed": dep.changed,
-            "hosts": {h: vars(r) for h, r in dep.recap.items()}}
+    res = ansible.run_playbook(inv, ["prepare.yml", "deploy.yml"], extra, hosts)
+    secs = round(time.monotonic() - t0, 1)
+    say(f"  prepare.yml + deploy.yml: {len(res.recap)} hosts ok, {res.changed} changes ({secs}s)")
+    return {"playbooks": res.playbook, "changed": res.changed, "seconds": secs,
+            "hosts": {h: vars(r) for h, r in res.recap.items()}}
 
 
 def start_gateway(inv: Inventory, pool: HostPool, say: Say, restart: bool) -> dict:
