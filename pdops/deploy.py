@@ -322,10 +322,15 @@ def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
 
                 say("[5/7] registering every instance with the gateway")
                 client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-                workers = {}
-                for inst in pl.instances:
-                    workers[inst.id] = register(client, inst, say)
-                journal.step(op, "register", "ok", workers)
+                res = run_parallel(list(pl.instances), lambda i: register(client, i, say), max_workers=16)
+                workers = {i.id: r for i, r in res.items() if not isinstance(r, Exception)}
+                bad = failures(res)
+                journal.step(op, "register", "failed" if bad else "ok",
+                             {**workers, **{i.id: f"error: {e}" for i, e in bad.items()}})
+                if bad:
+                    first = next(iter(bad.values()))
+                    raise DeployFailed(f"{len(bad)} instance(s) not registered healthy: {', '.join(i.id for i in bad)}",
+                                       evidence=first.render() if isinstance(first, PdopsError) else str(first))
 
                 say("[6/7] canary through every prefill x decode pair")
                 journal.step(op, "canary", "ok", canary_all(pl, say))
