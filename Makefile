@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdops-installed
 TORCH := torch==2.13.0
 SGLANG := sglang==0.5.23
+BENCH_VENV ?= .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.pdops-installed
 
-.PHONY: env test test-unit test-lab demo clean-lab bench
+.PHONY: env test test-unit test-lab demo clean-lab bench bench-env
 
 env: $(STAMP)
 
@@ -32,5 +34,18 @@ test-unit: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/inv demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(BENCH_STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# SGLang's own benchmark client, for bench/loadgen.py's comparison (not needed by `make test`).
+# About 6 GB: torch 2.14.1 + torchvision 0.29.1 (the versions this machine's disk holds).
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): requirements/bench-compare.txt requirements/contract.txt
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BENCH_VENV)/bin/python -m pip install -q --no-deps $(SGLANG)
+	$(BENCH_VENV)/bin/python -m pip install -q -r requirements/bench-compare.txt
+	$(BENCH_VENV)/bin/python -c "import sglang.benchmark.serving"
+	touch $(BENCH_STAMP)
