@@ -32,6 +32,18 @@ options:
     type: list
     elements: path
     default: []
+  units:
+    description:
+      - systemd units (names, files in I(unit_dir)) of this host. When any file was written or
+        removed, they are checked with C(systemd-analyze verify) (any output or a non-zero exit
+        fails, with that output) and systemd is reloaded; then every unit not enabled is
+        enabled (nothing is started). What ansible.builtin.command and systemd_service did in
+        three more module runs.
+      - Not given (as in prepare.yml): systemd is not touched. Given, even empty (deploy.yml):
+        a change of files reloads systemd.
+    type: list
+    elements: str
+  unit_dir: {type: path, default: /etc/systemd/system}
   files:
     description: Files to write; content is base64 and hidden from logs (no_log), as env files hold secrets.
     type: list
@@ -54,6 +66,7 @@ RETURN = r"""
 written: {description: paths (files or folders) created, or whose content, mode or owner changed, type: list}
 removed: {description: paths that existed and were removed, type: list}
 unchanged: {description: number of files already as wanted, type: int}
+enabled: {description: units that were not enabled and now are, type: list}
 """
 
 import base64
@@ -112,6 +125,8 @@ def main() -> None:
                 "mode": {"type": "str", "required": True},
             }},
             "executables": {"type": "list", "elements": "path", "default": []},
+            "units": {"type": "list", "elements": "str"},
+            "unit_dir": {"type": "path", "default": "/etc/systemd/system"},
             "owner": {"type": "str", "default": "root"},
             "group": {"type": "str", "default": "root"},
         },
@@ -126,6 +141,7 @@ def main() -> None:
     if missing:
         module.fail_json(msg=f"{', '.join(missing)} missing or not executable on this host")
     written, removed, unchanged = [], [], 0
+    folders: list[str] = []
     for item in p["directories"]:
         path, mode = item["path"], _octal(module, item["path"], item["mode"])
         try:
@@ -137,19 +153,25 @@ def main() -> None:
         if st is not None and (st.st_mode & 0o7777) == mode and st.st_uid == uid and st.st_gid == gid:
             unchanged += 1
             continue
-        written.append(path)
+        folders.append(path)
         if not module.check_mode:
             if st is None:
                 os.mkdir(path, mode)
             os.chmod(path, mode)  # mkdir's mode is cut by the umask
             os.chown(path, uid, gid)
+    for item in p["files"]:  # all checked before any is written
+        if not os.path.isabs(item["dest"]):
+            module.fail_json(msg=f"{item['dest']}: not an absolute path")
+        _octal(module, item["dest"], item["mode"])
+        folder = os.path.dirname(item["dest"])
+        if not os.path.isdir(folder) and folder not in {d["path"] for d in p["directories"]}:
+            module.fail_json(msg=f"{folder} does not exist (prepare.yml makes pdops's folders)")
+    for unit in p["units"] or []:
+        if "/" in unit or not unit.endswith((".service", ".slice", ".socket", ".target", ".timer")):
+            module.fail_json(msg=f"{unit!r} is not a unit name")
     for item in p["files"]:
         dest = item["dest"]
-        if not os.path.isabs(dest):
-            module.fail_json(msg=f"{dest}: not an absolute path")
         mode = _octal(module, dest, item["mode"])
-        if not os.path.isdir(os.path.dirname(dest)):
-            module.fail_json(msg=f"{os.path.dirname(dest)} does not exist (prepare.yml makes pdops's folders)")
         data = base64.b64decode(item["content"])
         try:
             st = os.lstat(dest)
@@ -169,7 +191,38 @@ def main() -> None:
             removed.append(path)
             if not module.check_mode:
                 os.unlink(path)
-    module.exit_json(changed=bool(written or removed), written=written, removed=removed, unchanged=unchanged)
+    enabled = [] if p["units"] is None else _units(module, p["units"], p["unit_dir"], bool(written or removed))
+    written = folders + written
+    module.exit_json(changed=bool(written or removed or enabled), written=written, removed=removed,
+                     unchanged=unchanged, enabled=enabled)
+
+
+def _units(module, units: list[str], unit_dir: str, files_changed: bool) -> list[str]:
+    """Verify and reload when files changed; enable what is not enabled. Returns the units enabled."""
+    if not units:
+        if files_changed and not module.check_mode:
+            _run(module, ["systemctl", "daemon-reload"])
+        return []
+    if files_changed and not module.check_mode:
+        paths = [os.path.join(unit_dir, u) for u in units]
+        rc, out, err = module.run_command(["systemd-analyze", "verify", *paths])
+        if rc != 0 or (out + err).strip():
+            module.fail_json(msg=f"systemd-analyze verify rejected the units (rc {rc}): {(out + err).strip()[-2000:]}")
+        _run(module, ["systemctl", "daemon-reload"])
+    todo = []
+    for u in units:
+        rc, out, _ = module.run_command(["systemctl", "is-enabled", u])
+        if out.strip() != "enabled":
+            todo.append(u)
+    if todo and not module.check_mode:
+        _run(module, ["systemctl", "enable", *todo])
+    return todo
+
+
+def _run(module, argv: list[str]) -> None:
+    rc, out, err = module.run_command(argv)
+    if rc != 0:
+        module.fail_json(msg=f"{' '.join(argv)} exited {rc}: {(err or out).strip()[-2000:]}")
 
 
 if __name__ == "__main__":

@@ -106,3 +106,12 @@ def test_missing_engine_python_is_refused_by_name(tmp_path):
     assert run_module({"executables": [str(py)]})["_status"] == "FAILED!"  # not executable
     py.chmod(0o755)
     assert run_module({"executables": [str(py)]})["_status"] == "SUCCESS"
+
+
+def test_bad_unit_name_or_second_missing_folder_refused_before_any_write(tmp_path):
+    ok = tmp_path / "a.env"
+    r = run_module({"files": [file_entry(str(ok), b"A=1\n", 0o600)], "units": ["../../etc/passwd"]})
+    assert r["_status"] == "FAILED!" and "is not a unit name" in r["msg"] and not ok.exists()
+    bad = tmp_path / "nope" / "b.env"
+    r = run_module({"files": [file_entry(str(ok), b"A=1\n", 0o600), file_entry(str(bad), b"B=2\n", 0o600)]})
+    assert r["_status"] == "FAILED!" and not ok.exists()  # the good one is not written either
