@@ -38,13 +38,14 @@ PROFILE = {
 }
 RATIOS = {"3:1": "3p1d", "1:1": "2p2d"}
 CONCS = [2, 16, 40]
-DURATION_S = 8
-# An 8-second run carries its ramp and its drain (queues left uneven by the gateway's
+DURATION_S = 6
+# A 6-second run carries its ramp and its drain (queues left uneven by the gateway's
 # routing) in its wall clock, and the lab's 2 cores add noise: the knee threshold of this
 # short run is 20%, not the 2% that runs of minutes use. The plateau is asserted as a shape:
-# the second step gains under 20% (the knee rule) and less than the first step gained.
-# (A stricter "under half of the first gain" failed once on CI noise: 2p2d gained 32% then
-# 18% in 6-s runs.)
+# the second step gains under 20% (the knee rule) and less than the first step gained. (The
+# gateway's default cache-aware policy leaves prefill queues uneven, so a cell's figure
+# varies from run to run: a stricter "under half the first gain" failed once, 2p2d +32% then
+# +18%.)
 MIN_GAIN = 0.20
 
 
