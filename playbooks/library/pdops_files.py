@@ -140,6 +140,16 @@ def main() -> None:
     missing = [x for x in p["executables"] if not (os.path.isfile(x) and os.access(x, os.X_OK))]
     if missing:
         module.fail_json(msg=f"{', '.join(missing)} missing or not executable on this host")
+    for item in p["files"]:  # everything checked before anything changes
+        if not os.path.isabs(item["dest"]):
+            module.fail_json(msg=f"{item['dest']}: not an absolute path")
+        _octal(module, item["dest"], item["mode"])
+        folder = os.path.dirname(item["dest"])
+        if not os.path.isdir(folder) and folder not in {d["path"] for d in p["directories"]}:
+            module.fail_json(msg=f"{folder} does not exist (prepare.yml makes pdops's folders)")
+    for unit in p["units"] or []:
+        if "/" in unit or not unit.endswith((".service", ".slice", ".socket", ".target", ".timer")):
+            module.fail_json(msg=f"{unit!r} is not a unit name")
     written, removed, unchanged = [], [], 0
     folders: list[str] = []
     for item in p["directories"]:
@@ -159,16 +169,6 @@ def main() -> None:
                 os.mkdir(path, mode)
             os.chmod(path, mode)  # mkdir's mode is cut by the umask
             os.chown(path, uid, gid)
-    for item in p["files"]:  # all checked before any is written
-        if not os.path.isabs(item["dest"]):
-            module.fail_json(msg=f"{item['dest']}: not an absolute path")
-        _octal(module, item["dest"], item["mode"])
-        folder = os.path.dirname(item["dest"])
-        if not os.path.isdir(folder) and folder not in {d["path"] for d in p["directories"]}:
-            module.fail_json(msg=f"{folder} does not exist (prepare.yml makes pdops's folders)")
-    for unit in p["units"] or []:
-        if "/" in unit or not unit.endswith((".service", ".slice", ".socket", ".target", ".timer")):
-            module.fail_json(msg=f"{unit!r} is not a unit name")
     for item in p["files"]:
         dest = item["dest"]
         mode = _octal(module, dest, item["mode"])

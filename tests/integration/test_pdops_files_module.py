@@ -115,3 +115,9 @@ def test_bad_unit_name_or_second_missing_folder_refused_before_any_write(tmp_pat
     bad = tmp_path / "nope" / "b.env"
     r = run_module({"files": [file_entry(str(ok), b"A=1\n", 0o600), file_entry(str(bad), b"B=2\n", 0o600)]})
     assert r["_status"] == "FAILED!" and not ok.exists()  # the good one is not written either
+
+
+def test_bad_unit_name_refused_before_folders_change(tmp_path):
+    d = tmp_path / "etc-pdops"
+    r = run_module({"directories": [{"path": str(d), "mode": "0700"}], "units": ["x;reboot"]})
+    assert r["_status"] == "FAILED!" and "is not a unit name" in r["msg"] and not d.exists()
