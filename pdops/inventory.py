@@ -88,6 +88,10 @@ class Gateway:
     max_concurrent_requests: int
     queue_size: int
     health_check_interval_secs: int
+    # Routing (smg --policy / --prefill-policy / --decode-policy); None: the gateway's default
+    policy: str | None = None
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
 
     @property
     def url(self) -> str:
@@ -390,12 +394,13 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
     key_file = gv.get("api_key_file")
     if key_file is not None and not str(key_file).startswith("/"):
         raise InvalidInput("pdops_gateway.api_key_file", f"{key_file!r} is not an absolute path", fix="use an absolute path")
+    policies = {k: _routing_policy(gv, k) for k in ("policy", "prefill_policy", "decode_policy")}
     gateway = Gateway(
         host=gw_host, addr=names[gw_host].data_addr,
         port=_port(gv.get("port"), "pdops_gateway.port"),
         prometheus_port=_port(gv.get("prometheus_port"), "pdops_gateway.prometheus_port"),
         api_key_file=key_file, max_concurrent_requests=mcr, queue_size=qs,
-        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)),
+        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)), **policies,
     )
     _check_port_plan(hosts, ports, gateway, prof)
 
@@ -414,6 +419,24 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
         vars=all_vars,
     )
+
+
+# The choices of sglang-router's `smg launch` (0.3.x parser) for each routing flag. `manual`
+# routes by a client-sent routing key, which pdops's canary, drain and bench do not send.
+ROUTING_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+PREFILL_POLICIES = ROUTING_POLICIES + ("bucket",)
+
+
+def _routing_policy(gv: dict, key: str) -> str | None:
+    val = gv.get(key)
+    if val is None:
+        return None
+    allowed = PREFILL_POLICIES if key == "prefill_policy" else ROUTING_POLICIES
+    if val not in allowed:
+        raise InvalidInput(f"pdops_gateway.{key}", f"{val!r} is not a routing policy pdops supports",
+                           fix=f"use one of: {', '.join(allowed)} (or leave it out for the gateway's default, "
+                           "cache_aware)")
+    return val
 
 
 def _check_unique(hosts: tuple[Host, ...]) -> None:

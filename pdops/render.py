@@ -158,7 +158,8 @@ def gateway_args(inv: Inventory) -> list[str]:
         "--max-concurrent-requests", str(gw.max_concurrent_requests),
         "--queue-size", str(gw.queue_size),
         "--health-check-interval-secs", str(gw.health_check_interval_secs),
-    ]
+    ] + [a for flag, val in (("--policy", gw.policy), ("--prefill-policy", gw.prefill_policy),
+                             ("--decode-policy", gw.decode_policy)) if val for a in (flag, val)]
 
 
 def gateway_argv(inv: Inventory) -> list[str]:

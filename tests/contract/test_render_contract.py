@@ -81,6 +81,22 @@ def test_gateway_command_parses_with_the_gateway_parser(fleet, lab_inv):
         check_gateway_args(gateway_args(fleet) + ["--retries-off"])
 
 
+def test_every_routing_policy_pdops_accepts_is_one_the_gateway_accepts(fleet):
+    import dataclasses
+
+    from pdops.inventory import PREFILL_POLICIES, ROUTING_POLICIES
+
+    assert fleet.gateway.policy is None  # not set: the gateway's own default
+    assert check_gateway_args(gateway_args(fleet)).policy == "cache_aware"
+    for key, flag_dest, choices in (("policy", "policy", ROUTING_POLICIES),
+                                    ("prefill_policy", "prefill_policy", PREFILL_POLICIES),
+                                    ("decode_policy", "decode_policy", ROUTING_POLICIES)):
+        for choice in choices:
+            gw = dataclasses.replace(fleet.gateway, **{key: choice})
+            ra = check_gateway_args(gateway_args(dataclasses.replace(fleet, gateway=gw)))
+            assert getattr(ra, flag_dest) == choice, (key, choice)
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 @pytest.mark.parametrize("inv_name,topo", [("rtx6000d", Topology(12, 4)), ("lab", Topology(2, 1))])
 def test_every_unit_passes_systemd_analyze_verify(tmp_path, inv_name, topo):
