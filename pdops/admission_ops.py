@@ -112,7 +112,7 @@ def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0) -> d
                 t0 = time.monotonic()
                 res = ansible.run_playbook(inv, "deploy.yml", {
                     "pdops_files": {cfg.host: [ansible.file_entry(KEYS_MAP_PATH, new_map.encode(), 0o600)]},
-                    "pdops_remove": {}, "pdops_units": {}}, [cfg.host])
+                    "pdops_remove": {}, "pdops_units": {}, "pdops_engine_python": inv.engine_python}, [cfg.host])
                 remote = pool.run(cfg.host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
                 mode_owner, remote_sha = remote.stdout.splitlines()[0].strip(), remote.stdout.split()[-2]
                 if mode_owner != "600 root:root" or remote_sha != sha:

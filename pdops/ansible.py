@@ -59,11 +59,12 @@ def file_entry(dest: str, data: bytes, mode: int) -> dict:
     return {"dest": dest, "mode": f"0{mode:o}", "content": base64.b64encode(data).decode()}
 
 
-def run_playbook(inv: Inventory, playbook: str | list[str], extra_vars: dict, hosts: list[str]) -> PlaybookResult:
+def run_playbook(inv: Inventory, playbook: str | list[str], extra_vars: dict, hosts: list[str],
+                 skip_tags: tuple[str, ...] = ()) -> PlaybookResult:
     """ansible-playbook on `hosts` with one fork per host; raises on any failed or unreachable host.
 
     Several playbooks run in one ansible-playbook (one start, one set of SSH masters), in order;
-    the recap then covers them all."""
+    the recap then covers them all. `skip_tags`: tasks left out (--skip-tags)."""
     books = [playbook] if isinstance(playbook, str) else list(playbook)
     playbook = " + ".join(books)
     bindir = Path(sys.executable).parent
@@ -79,7 +80,8 @@ def run_playbook(inv: Inventory, playbook: str | list[str], extra_vars: dict, ho
         os.chmod(vars_file, 0o600)
         inventories = [a for f in inv.files for a in ("-i", str(f))]
         cmd = [str(bindir / "ansible-playbook"), *inventories, *(str(PLAYBOOKS / b) for b in books),
-               "--forks", str(max(len(hosts), 1)), "--limit", ",".join(hosts), "-e", f"@{vars_file}"]
+               "--forks", str(max(len(hosts), 1)), "--limit", ",".join(hosts), "-e", f"@{vars_file}",
+               *(["--skip-tags", ",".join(skip_tags)] if skip_tags else [])]
         # Output goes to a file, not a pipe: ssh's ControlPersist master outlives ansible
         # and would hold a pipe open.
         with tempfile.TemporaryFile("w+") as out:

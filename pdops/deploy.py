@@ -137,14 +137,17 @@ def _units_by_host(pl: Placement, inv: Inventory) -> dict[str, list[str]]:
 
 def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Path, remove: dict | None,
             say: Say) -> dict:
-    """Ansible: prepare.yml then deploy.yml, in one ansible-playbook run. Returns evidence."""
+    """Ansible: prepare.yml then deploy.yml, in one ansible-playbook run. Returns evidence.
+
+    prepare.yml's folder task is skipped: deploy.yml's one module run per host makes the same
+    folders (playbooks/vars/pdops.yml) and checks the engine's python."""
     hosts = sorted({f.host for f in files} | set((remove or {}).keys()))
     extra = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
              "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_router_version": SGLANG_ROUTER_VERSION,
              "pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
              "pdops_units": _units_by_host(pl, inv)}
     t0 = time.monotonic()
-    res = ansible.run_playbook(inv, ["prepare.yml", "deploy.yml"], extra, hosts)
+    res = ansible.run_playbook(inv, ["prepare.yml", "deploy.yml"], extra, hosts, skip_tags=("pdops-folders",))
     secs = round(time.monotonic() - t0, 1)
     say(f"  prepare.yml + deploy.yml: {len(res.recap)} hosts ok, {res.changed} changes ({secs}s)")
     return {"playbooks": res.playbook, "changed": res.changed, "seconds": secs,
@@ -202,7 +205,7 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
         pool.run(host, f"systemctl {verb} {q(unit)}")
     deadline = time.monotonic() + deadline_s
     t0 = time.monotonic()
-    last_check = 0.0
+    last_check = t0  # the unit's state is read from 2 s on: most instances are healthy before
     while True:
         try:
             status, _ = http_json("GET", f"{inst.url}/health", timeout=5)

@@ -14,10 +14,11 @@ description:
   - New content is written to a temporary file in the destination folder, created with the
     final mode (never readable more widely, even for a moment), synced, then renamed over the
     destination: a reader sees the old file or the new one, never half of one.
-  - The destination folder must exist (prepare.yml makes pdops's folders); a missing one fails.
-  - prepare.yml uses it for pdops's folders (I(directories)) and to refuse a host without the
-    engine's python (I(executables)): one module run where five were (each module run starts a
-    Python on the host; 0.7 CPU-s each on the lab machine).
+  - The destination folder must exist or be one of I(directories); a missing one fails.
+  - prepare.yml and deploy.yml use it for pdops's folders (I(directories)) and to refuse a host
+    without the engine's python (I(executables)); in deploy.yml in the same run as the files:
+    one module run where several were (each module run starts a Python on the host and imports
+    Ansible's module library, ~0.4 CPU-s on the lab machine).
 options:
   directories:
     description: Folders to create or bring to their mode and owner (parents must exist).

@@ -12,6 +12,7 @@ import yaml
 
 from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
 
+from pdops import ansible
 from pdops.gateway import GatewayClient
 from pdops.inventory import load_inventory
 from pdops.load import send
@@ -179,3 +180,8 @@ def test_ansible_playbooks_are_idempotent(live):
     ev = dep.deliver(inv, pl, files, Path(rev.extra["build"]), None, said.append)
     assert ev["changed"] == 0, (ev, said)
     assert set(ev["hosts"]) == {"lab01", "lab02", "lab03"}
+    # prepare.yml alone (as an operator runs it on a host), folders task included
+    res = ansible.run_playbook(inv, "prepare.yml", {"pdops_engine_python": inv.engine_python},
+                               ["lab01", "lab02", "lab03"])
+    assert res.changed == 0 and set(res.recap) == {"lab01", "lab02", "lab03"}, res.output[-2000:]
+    assert all(r.ok >= 1 for r in res.recap.values()), res.output[-2000:]  # the folder task ran
