@@ -17,10 +17,14 @@ torch, so it runs from its own environment, `.venv-bench` (`make bench-env`); a 
 tokenizer over the sim's vocabulary, built with `tokenizers`, lets both sides count the same
 tokens offline. Without that environment the comparison prints "skipped: <reason>".
 
-    .venv/bin/python bench/loadgen.py [--streams 1200] [--requests 3600] [--input 200] [--output 64] [--repeats 3]
+    .venv/bin/python bench/loadgen.py [--streams 1200] [--requests 3600] [--input 200] [--output 32]
+        [--repeats 2] [--decode-step-ms 1000] [--peer-keepalive]
 
-An untimed warm-up run goes first; then each client runs --repeats times, alternating which
-goes first, and the runs with the median total TPM are compared.
+An untimed warm-up run goes first; then each client runs --repeats times, rotating which
+goes first, and the runs with the median total TPM are compared. The sim's decode step
+defaults to 1 s so that the server core stays well below saturation (its busy share is
+printed): with a 20-ms step the one server core is 99% busy at 1,200 streams, the figure is
+then set by CPU contention and moved 9% between two runs of the same client.
 
 Not a timed test: it prints figures.
 """
@@ -56,6 +60,39 @@ def cpu_self() -> float:
 def cpu_children() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def cpu_busy(cpus: set[int]) -> tuple[float, float]:
+    """(busy, total) jiffies of these CPUs so far, from /proc/stat."""
+    busy = total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *vals = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                v = [float(x) for x in vals[:8]]
+                total += sum(v)
+                busy += sum(v) - v[3] - v[4]  # all but idle and iowait
+    return busy, total
+
+
+class ServerLoad:
+    """CPU seconds the server cores were busy during a run; divided by the run's own measured
+    duration it gives their busy share. A server near 100% is the limit: then anything a client
+    costs the server moves the figure."""
+
+    def __init__(self, cpus: set[int]):
+        self.cpus = cpus
+
+    def __enter__(self):
+        self.b0, _ = cpu_busy(self.cpus)
+        return self
+
+    def __exit__(self, *exc):
+        b1, _ = cpu_busy(self.cpus)
+        self.busy_s = (b1 - self.b0) / os.sysconf("SC_CLK_TCK")
+
+    def share(self, wall_s: float) -> float:
+        return round(self.busy_s / (len(self.cpus) * wall_s), 3)
 
 
 def peak_in_flight(rows) -> int:
@@ -106,8 +143,31 @@ def build_word_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def run_sglang(url: str, args, tok_dir: Path) -> dict:
-    """`python -m sglang.bench_serving` on the same workload; its CPU from RUSAGE_CHILDREN."""
+# SGLang's client opens a new aiohttp session (and so a new connection) for every request
+# (sglang/benchmark/serving.py, _create_bench_client_session, used by async_request_sglang_generate).
+# With --peer-keepalive this shim runs the same benchmark with one session per event loop, as
+# pdops.load does: the difference between the two peer runs is what that choice costs.
+KEEPALIVE_SHIM = """
+import asyncio, sys, aiohttp, sglang.benchmark.serving as s
+_sessions = {}
+class _Shared:
+    async def __aenter__(self):
+        loop = asyncio.get_running_loop()
+        if loop not in _sessions:
+            _sessions[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=6 * 3600), read_bufsize=10 * 1024 ** 2)
+        return _sessions[loop]
+    async def __aexit__(self, *exc):
+        return False
+s._create_bench_client_session = _Shared
+sys.argv[0] = "sglang.benchmark.serving"
+s.cli_main()
+"""
+
+
+def run_sglang(url: str, args, tok_dir: Path, keepalive: bool = False) -> dict:
+    """`python -m sglang.bench_serving` on the same workload; its CPU from RUSAGE_CHILDREN.
+    `keepalive`: through KEEPALIVE_SHIM (one shared session) instead."""
     py = args.peer_python
     c0 = cpu_children()
     probe = subprocess.run([py, "-c", "import sglang.benchmark.serving, transformers"], capture_output=True, text=True)
@@ -117,7 +177,8 @@ def run_sglang(url: str, args, tok_dir: Path) -> dict:
                 f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode}); "
                 "build its environment with `make bench-env`"}
     out = Path(tempfile.mkdtemp(prefix="pdops-loadgen-")) / "sglang.jsonl"
-    cmd = [py, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+    entry = ["-c", KEEPALIVE_SHIM] if keepalive else ["-m", "sglang.bench_serving"]
+    cmd = [py, *entry, "--backend", "sglang", "--base-url", url,
            "--dataset-name", "random-ids", "--random-input-len", str(args.input), "--random-output-len", str(args.output),
            "--random-range-ratio", "1", "--num-prompts", str(args.requests), "--max-concurrency", str(args.streams),
            "--tokenizer", str(tok_dir), "--output-file", str(out), "--disable-tqdm"]
@@ -130,7 +191,7 @@ def run_sglang(url: str, args, tok_dir: Path) -> dict:
     doc = json.loads(out.read_text().splitlines()[-1])
     dur = doc["duration"]
     tokens = doc["total_input_tokens"] + doc["total_output_tokens"]
-    return {"client": "sglang.bench_serving", "ok": doc.get("completed"), "wall_s": round(dur, 3),
+    return {"client": "sglang.bench_serving" + (" (shared session)" if keepalive else ""), "ok": doc.get("completed"), "wall_s": round(dur, 3),
             "requests_per_s": round(doc.get("completed", 0) / dur, 1), "total_tpm": round(60 * tokens / dur),
             "output_tpm": round(60 * doc["total_output_tokens"] / dur), "client_cpu_s": round(cpu, 2),
             "client_cpu_per_wall": round(cpu / wall, 3), "startup_cpu_s": round(import_cpu, 2),
@@ -149,14 +210,19 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=1200, help="concurrent streams (>= 1000 for the claim)")
     ap.add_argument("--requests", type=int, default=3600)
     ap.add_argument("--input", type=int, default=200, help="prompt tokens")
-    ap.add_argument("--output", type=int, default=64, help="output tokens")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each client, alternating which goes first")
+    ap.add_argument("--output", type=int, default=32, help="output tokens")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each client, rotating which goes first")
+    ap.add_argument("--decode-step-ms", type=float, default=1000,
+                    help="the sim's decode step (PDOPS_SIM_DECODE_STEP_MS); longer steps leave the server cores "
+                    "idle enough that the timing model, not CPU, sets the throughput")
+    ap.add_argument("--peer-keepalive", action="store_true",
+                    help="also run SGLang's client with one shared session (KEEPALIVE_SHIM), as pdops.load does")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--peer-python", default=str(PEER_VENV if PEER_VENV.exists() else sys.executable),
                     help="python with sglang.benchmark importable (default: .venv-bench, from `make bench-env`)")
     args = ap.parse_args()
     raise_fd_limit(4 * args.streams + 256)
-    env = {"PDOPS_SIM_DECODE_STEP_MS": "20", "PDOPS_SIM_DECODE_STEP_PER_REQ_MS": "0.001",
+    env = {"PDOPS_SIM_DECODE_STEP_MS": str(args.decode_step_ms), "PDOPS_SIM_DECODE_STEP_PER_REQ_MS": "0.001",
            "PDOPS_SIM_PREFILL_TOKENS_PER_S": "50000000"}
     with tempfile.TemporaryDirectory(prefix="pdops-loadgen-tok-") as td:
         tok_dir = build_word_tokenizer(Path(td) / "sim-words")
@@ -177,50 +243,62 @@ def main() -> int:
             # warm-up, not recorded: the first client would otherwise pay the cold gateway and sims
             warm = argparse.Namespace(**{**vars(args), "requests": args.streams})
             run_pdops(url, warm)
-            mine_runs, peer_runs = [], []
-            for r in range(args.repeats):  # alternate which client goes first
-                order = (("pdops", "sglang") if r % 2 == 0 else ("sglang", "pdops"))
-                for who in order:
-                    if who == "pdops":
-                        mine_runs.append(run_pdops(url, args))
-                    else:
-                        peer_runs.append(run_sglang(url, args, tok_dir))
-                if "skipped" in peer_runs[-1]:
+            clients = ["pdops", "sglang"] + (["sglang_shared"] if args.peer_keepalive else [])
+            runs: dict[str, list[dict]] = {c: [] for c in clients}
+            for r in range(args.repeats):  # rotate which client goes first
+                for who in clients[r % len(clients):] + clients[:r % len(clients)]:
+                    with ServerLoad(server_cpus) as load:
+                        run = (run_pdops(url, args) if who == "pdops"
+                               else run_sglang(url, args, tok_dir, keepalive=who == "sglang_shared"))
+                    if "wall_s" in run:
+                        run["server_cores_busy"] = load.share(run["wall_s"])
+                    runs[who].append(run)
+                if any("skipped" in runs[c][-1] for c in clients):
                     break
         finally:
             for h in reversed(procs):
                 h.stop()
-    mine, peer = median_run(mine_runs), median_run(peer_runs)
-    result = {"workload": f"{args.input}/{args.output}", "streams": args.streams, "pdops": mine, "sglang": peer,
-              "client_cpus": sorted(client_cpu), "server_cpus": sorted(server_cpus),
-              "pdops_runs_tpm": [m["total_tpm"] for m in mine_runs],
-              "sglang_runs_tpm": [m.get("total_tpm") for m in peer_runs]}
-    if "total_tpm" in peer and peer["total_tpm"]:
-        result["tpm_difference"] = round(mine["total_tpm"] / peer["total_tpm"] - 1, 4)
-        result["within_2_percent"] = abs(result["tpm_difference"]) <= 0.02
+    med = {c: median_run(rs) for c, rs in runs.items()}
+    mine = med["pdops"]
+    result = {"workload": f"{args.input}/{args.output}", "streams": args.streams, "decode_step_ms": args.decode_step_ms,
+              "client_cpus": sorted(client_cpu), "server_cpus": sorted(server_cpus), **med,
+              "runs_tpm": {c: [m.get("total_tpm") for m in rs] for c, rs in runs.items()},
+              "server_busy": {c: [m.get("server_cores_busy") for m in rs] for c, rs in runs.items()}}
+    for c in clients[1:]:
+        if med[c].get("total_tpm"):
+            diff = round(mine["total_tpm"] / med[c]["total_tpm"] - 1, 4)
+            result[f"tpm_difference_vs_{c}"] = diff
+            result[f"within_2_percent_of_{c}"] = abs(diff) <= 0.02
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"workload {result['workload']} at {args.streams} concurrent streams, {args.requests} requests x "
           f"{args.repeats} runs per client (clients on CPU {result['client_cpus']}, gateway and sims on "
-          f"{result['server_cpus']}), "
-          "real gateway + 1 prefill + 1 decode sim on loopback")
+          f"{result['server_cpus']}), real gateway + 1 prefill + 1 decode sim on loopback, "
+          f"sim decode step {args.decode_step_ms:g} ms")
     print(f"pdops.load: {mine['ok']}/{mine['sent']} ok, peak {mine['peak_streams']} streams in flight, "
           f"mean {mine['mean_streams']}, {mine['requests_per_s']} req/s, total TPM {mine['total_tpm']:,}, wall {mine['wall_s']} s, "
           f"client CPU {mine['client_cpu_s']} s ({mine['client_cpu_per_wall']:.0%} of one core) -> "
           + ("SATURATED a core: the client may be the bottleneck" if mine["saturated_a_core"]
              else "not the bottleneck"))
-    if "skipped" in peer:
-        print(f"sglang.bench_serving: skipped: {peer['skipped']}")
-    else:
-        print(f"sglang.bench_serving: {peer['ok']} ok, peak {peer['peak_streams']} streams in flight, mean "
+    for c in clients[1:]:
+        peer = med[c]
+        if "skipped" in peer:
+            print(f"{peer['client']}: skipped: {peer['skipped']}")
+            continue
+        print(f"{peer['client']}: {peer['ok']} ok, peak {peer['peak_streams']} streams in flight, mean "
               f"{peer['mean_streams']}, {peer['requests_per_s']} req/s, total TPM {peer['total_tpm']:,}, "
               f"client CPU {peer['client_cpu_s']} s ({peer['client_cpu_per_wall']:.0%} of one core; "
               f"{peer['startup_cpu_s']} s of it its imports, {peer['cpu_after_startup_s']} s driving the load)")
-        print(f"total TPM per run: pdops.load {result['pdops_runs_tpm']}, sglang.bench_serving "
-              f"{result['sglang_runs_tpm']} (medians compared)")
-        print(f"total TPM difference: {result['tpm_difference']:+.2%} "
-              f"({'within' if result['within_2_percent'] else 'OUTSIDE'} 2%)")
+    print("total TPM per run: " + "; ".join(f"{c} {v}" for c, v in result["runs_tpm"].items()) + " (medians compared)")
+    busy = [b for v in result["server_busy"].values() for b in v if b is not None]
+    print("server cores busy per run: " + "; ".join(f"{c} {v}" for c, v in result["server_busy"].items())
+          + ("  <- a server near 100% is the limit: the figures then also measure what each client costs it"
+             if busy and max(busy) > SATURATED else ""))
+    for c in clients[1:]:
+        if f"tpm_difference_vs_{c}" in result:
+            d = result[f"tpm_difference_vs_{c}"]
+            print(f"total TPM, pdops.load vs {med[c]['client']}: {d:+.2%} ({'within' if abs(d) <= 0.02 else 'OUTSIDE'} 2%)")
     return 0
 
 
