@@ -46,10 +46,10 @@ DURATION_S = 6
 # idle at the end of a run, and a cell's figure swung by 15-25% from run to run.
 ROUTING = {"policy": "round_robin"}
 # A 6-second run carries its ramp and its drain in its wall clock, and the lab's 2 cores add
-# noise: the knee threshold of this short run is 20%, not the 2% that runs of minutes use.
-# The plateau is asserted as a shape: the second step gains under 20% (the knee rule) and
-# less than the first step gained.
-MIN_GAIN = 0.20
+# noise: the knee threshold of this short run is 8%, not the 2% that runs of minutes use
+# (with round robin, C16 -> C40 measured +0.03% to +2.03% over seven runs). The plateau is
+# asserted as a shape: the second step gains under 8% (the knee rule) and less than the first.
+MIN_GAIN = 0.08
 
 
 @pytest.fixture(scope="module")
