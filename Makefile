@@ -9,7 +9,7 @@ SGLANG := sglang==0.5.23
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.pdops-installed
 
-.PHONY: env test test-unit test-lab demo clean-lab bench bench-env
+.PHONY: env test test-unit test-lab demo clean-lab bench bench-env mutate
 
 env: $(STAMP)
 
@@ -33,6 +33,10 @@ test-unit: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/inv demo
+
+# Flip each verifier's verdict to "yes" and show a test fails (not part of `make test`).
+mutate: $(STAMP)
+	$(PY) scripts/mutate.py
 
 bench: $(STAMP) $(BENCH_STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -50,8 +50,12 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     _section(say, "3. deploy 2p1d: Ansible delivers, Fabric starts in order, gateway registers, canary")
     plan = dep.plan_deploy(inv, parse_topology("2p1d"), dep.state_for(inv))
     say(plan.render())
-    rev = dep.execute_deploy(plan, say)
-    say(f"verdict: 2p1d live as revision {rev}")
+    v = dep.execute_deploy(plan, say)
+    say(f"verdict: 2p1d live as revision {v['revision']}")
+    for item in v["verified"]:
+        say(f"  verified: {item}")
+    for item in v["unverified"]:
+        say(f"  not verified: {item}")
 
     _section(say, "4. traffic: 40 requests through the real gateway (half streaming), one ledger row each")
     rows = send(inv.gateway.url, requests=40, concurrency=8, max_new_tokens=32, stream_every=2, rid_prefix="demo")

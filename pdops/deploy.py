@@ -95,15 +95,22 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
                               "units, launch scripts, 0600 env files, daemon-reload, enable)"),
         Step("gateway", gw.host, f"start {GATEWAY_UNIT} with no workers, wait for {gw.url}/health", 60),
     ]
+    adm = admission_config(inv)
+    if adm is not None:
+        steps.append(Step("admission", adm.host, f"start {ADMISSION_UNIT} in front of the gateway, wait for "
+                          f"{adm.url} to answer", 30))
     for inst in pl.instances:
         ranks = ", ".join(f"{h}:{u}" for h, u in inst.units)
         steps.append(Step("start", inst.head.host, f"{inst.id} ({inst.role}): start {ranks}, wait {inst.url}/health",
                           start_s))
+    npairs = len(pl.role("prefill")) * len(pl.role("decode"))
+    steps.append(Step("canary", None, f"{npairs} generation requests, one through every prefill x decode pair, "
+                      "sent straight to the pair before anything is registered", 120))
+    reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
     for inst in pl.instances:
         bp = f" bootstrap {inst.bootstrap_port}" if inst.bootstrap_port else ""
-        steps.append(Step("register", gw.host, f"{inst.id}: POST /workers {inst.url} ({inst.role}{bp}), wait healthy", 60))
-    npairs = len(pl.role("prefill")) * len(pl.role("decode"))
-    steps.append(Step("canary", None, f"{npairs} generation requests, one through every prefill x decode pair", 120))
+        steps.append(Step("register", gw.host, f"{inst.id}: POST /workers {inst.url} ({inst.role}{bp}), wait healthy",
+                          reg_s))
     steps.append(Step("record", None, "write the revision, move `current` to it, release the lock"))
     return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous)
 
@@ -234,11 +241,54 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
     return {"url": inst.url, "main_pids": pids, "ready_s": round(time.monotonic() - t0, 2)}
 
 
-def register(client: GatewayClient, inst: Instance, say: Say) -> str:
+def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float = 60) -> str:
+    """POST the instance to the gateway and wait until /workers lists it healthy."""
     worker_id = client.add_worker(inst.url, inst.role, inst.bootstrap_port)
-    w = client.wait_worker_healthy(inst.url, deadline_in(60))
+    w = client.wait_worker_healthy(inst.url, deadline_in(timeout_s))
     say(f"  {inst.id} registered: worker {w.id} healthy")
     return w.id or worker_id
+
+
+def _undo_registrations(client: GatewayClient, pl: Placement, workers: dict, bad: dict, fresh: bool,
+                        say: Say) -> dict:
+    """After a failed registration: remove from the gateway what this deploy could not verify (any
+    worker listed for a failed instance) and, on a fresh cluster, what it registered (no revision
+    will describe it). Returns what was removed and what is left."""
+    removed, left = [], []
+    try:
+        listed = client.list_workers()
+    except PdopsError as exc:
+        return {"removed": [], "left": [f"gateway unreadable: {exc.message}"]}
+    targets = {i.url: i.id for i in bad}
+    if fresh:
+        targets.update({i.url: i.id for i in pl.instances if i.id in workers})
+    for w in listed:
+        if w.url in targets:
+            try:
+                client.remove_worker(w.id)
+                client.wait_worker_gone(w.id, deadline_in(30))
+                removed.append(f"{targets[w.url]} ({w.id})")
+            except PdopsError as exc:
+                left.append(f"{targets[w.url]} ({w.id}): {exc.message}")
+    if removed:
+        say(f"  removed from the gateway: {', '.join(removed)}")
+    return {"removed": removed, "left": left}
+
+
+def preflight_unverified(report, skip_checks: set[str]) -> list[str]:
+    """The preflight checks that did not run, by check: skipped by the operator or for a reason
+    (no nvidia-smi in the lab). Never part of what an operation calls verified."""
+    from pdops.preflight import SKIPPED
+
+    out = [f"preflight {c}: skipped by the operator (--skip-check)" for c in sorted(skip_checks)]
+    by_check: dict[str, dict[str, list[str]]] = {}
+    for r in report.results:
+        if r.status == SKIPPED and r.check not in skip_checks:
+            by_check.setdefault(r.check, {}).setdefault(r.reason, []).append(r.host)
+    for check, reasons in by_check.items():
+        for reason, hosts in reasons.items():
+            out.append(f"preflight {check}: skipped on {len(hosts)} host(s): {reason}")
+    return out
 
 
 def canary_pair(p: Instance, d: Instance, timeout: float = 60) -> dict:
@@ -280,13 +330,16 @@ def canary_all(pl: Placement, say: Say) -> dict:
     return {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
 
 
-def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
-    """Carry out a deploy plan; returns the new revision number. Raises with a verdict on failure."""
+def execute_deploy(plan: DeployPlan, say: Say = print) -> dict:
+    """Carry out a deploy plan. Returns the verdict: the new revision, what was verified and
+    what could not be (skipped checks never count as verified). Raises with a verdict on failure."""
     inv, pl = plan.inv, plan.placement
     state = state_for(inv)
     op = new_op_id("deploy")
     journal = state.journal()
     started: list[str] = []
+    verified: list[str] = []
+    unverified: list[str] = []
     with state.lock("deploy", op_id=op):
         journal.step(op, "plan", "ok", {"topology": str(pl.topology), "steps": [str(s) for s in plan.steps]})
         try:
@@ -296,7 +349,9 @@ def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
                 say("[2/7] preflight checks")
                 from pdops.preflight import preflight_gate
 
-                preflight_gate(inv, pl, pool, plan.skip_checks, journal, op, say, previous=plan.previous)
+                report = preflight_gate(inv, pl, pool, plan.skip_checks, journal, op, say, previous=plan.previous)
+                verified.append(f"preflight: {report.verdict()}")
+                unverified += preflight_unverified(report, plan.skip_checks)
 
                 build = state.path / "builds" / op
                 write_build(plan.files, build, {"topology": str(pl.topology), "op": op})
@@ -308,9 +363,11 @@ def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
                 fresh = state.current() is None
                 journal.step(op, "gateway", "ok", start_gateway(inv, pool, say, restart=fresh))
                 started.append(f"{inv.gateway.host}:{GATEWAY_UNIT}")
+                verified.append(f"gateway {GATEWAY_UNIT} active and answering {inv.gateway.url}/health")
                 adm_ev = start_admission(inv, pool, say, restart=fresh)
                 if adm_ev:
                     journal.step(op, "admission", "ok", adm_ev)
+                    verified.append(f"admission layer answering {adm_ev['url']}")
                 deadline_s = float(inv.vars.get("pdops_start_timeout_s", 900))
                 res = run_parallel(list(pl.instances), lambda i: start_instance(inv, pool, i, deadline_s, say, fresh))
                 started += [f"{h}:{u}" for i in pl.instances for h, u in i.units]
@@ -321,22 +378,38 @@ def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
                 if bad:
                     first = next(iter(bad.values()))
                     raise DeployFailed(f"{len(bad)} instance(s) did not start: {', '.join(i.id for i in bad)}",
-                                       evidence=first.render() if isinstance(first, PdopsError) else str(first))
+                                       evidence=first.render() if isinstance(first, PdopsError) else str(first),
+                                       fix="nothing was registered with the gateway; read the evidence, fix the "
+                                           "cause and deploy again")
+                verified.append(f"{len(pl.instances)} instance(s) active and healthy on their own /health "
+                                "(MainPIDs recorded)")
 
-                say("[5/7] registering every instance with the gateway")
+                say("[5/7] canary through every prefill x decode pair, before anything is registered")
+                try:
+                    canary = canary_all(pl, say)
+                except DeployFailed as exc:
+                    journal.step(op, "canary", "failed", {"error": exc.render()})
+                    raise
+                journal.step(op, "canary", "ok", canary)
+                verified.append(f"a canary generation through every one of the {len(canary)} prefill x decode pairs")
+
+                say("[6/7] registering every instance with the gateway")
                 client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-                res = run_parallel(list(pl.instances), lambda i: register(client, i, say), max_workers=16)
+                reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
+                res = run_parallel(list(pl.instances), lambda i: register(client, i, say, reg_s), max_workers=16)
                 workers = {i.id: r for i, r in res.items() if not isinstance(r, Exception)}
                 bad = failures(res)
                 journal.step(op, "register", "failed" if bad else "ok",
                              {**workers, **{i.id: f"error: {e}" for i, e in bad.items()}})
                 if bad:
                     first = next(iter(bad.values()))
+                    undone = _undo_registrations(client, pl, workers, bad, fresh, say)
+                    journal.step(op, "undo-register", "ok" if undone["left"] == [] else "failed", undone)
                     raise DeployFailed(f"{len(bad)} instance(s) not registered healthy: {', '.join(i.id for i in bad)}",
-                                       evidence=first.render() if isinstance(first, PdopsError) else str(first))
-
-                say("[6/7] canary through every prefill x decode pair")
-                journal.step(op, "canary", "ok", canary_all(pl, say))
+                                       evidence=first.render() if isinstance(first, PdopsError) else str(first),
+                                       fix="read the instance's journal (`journalctl -u <unit>` on its host) and "
+                                           "the gateway's; fix the cause and deploy again")
+                verified.append(f"{len(workers)} worker(s) registered and listed healthy by the gateway's /workers")
 
                 say("[7/7] recording the revision")
                 instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
@@ -347,7 +420,10 @@ def execute_deploy(plan: DeployPlan, say: Say = print) -> int:
                                            extra={"gateway": inv.gateway.url, "build": str(build)})
                 state.set_current(rev.number)
                 journal.step(op, "record", "ok", {"revision": rev.number})
-                return rev.number
+                verified.append(f"revision {rev.number} ({pl.topology}) recorded and current")
+                verdict = {"revision": rev.number, "verified": verified, "unverified": unverified}
+                journal.step(op, "verdict", "ok", verdict)
+                return verdict
         except PdopsError as exc:
             current = state.current()
             left = ", ".join(started) or "nothing"

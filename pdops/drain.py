@@ -9,6 +9,7 @@ new revision without the instance, with the way back. Plan first, `--dry-run` pr
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -225,24 +226,43 @@ class StopEvidence:
     survivors: list[str]
     ports_open: list[int]
     gpu: str
+    # each surviving recorded process: host, pid, start_ticks, boot_id, cmdline, cgroup, ports
+    survivor_records: list[dict] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
         return self.cgroup_empty and not self.survivors and not self.ports_open
 
 
+def _survivor_record(pool: HostPool, host: str, rec, listeners) -> dict:
+    """What an operator needs to judge a survivor: PID, start time, command line, cgroup, ports held."""
+    try:
+        cgroup = cg_facts.parse_proc_cgroup(pool.run(host, cg_facts.proc_cgroup_command(rec.pid)).stdout).path
+    except PdopsError as exc:
+        cgroup = f"unreadable: {exc.message}"
+    ports = sorted({lst.port for lst in listeners if rec.pid in lst.pids})
+    return {"host": host, "pid": rec.pid, "start_ticks": rec.start_ticks, "boot_id": rec.boot_id,
+            "cmdline": " ".join(rec.cmdline)[:200] or rec.comm, "cgroup": cgroup, "ports": ports}
+
+
+def describe_survivor(r: dict) -> str:
+    return (f"PID {r['pid']} ({r['cmdline']}) on {r['host']}, cgroup {r['cgroup']}, "
+            f"ports {r['ports'] or 'none'}")
+
+
 def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: str) -> StopEvidence:
+    """After the stop: the unit's cgroup is empty, no recorded process (PID + start time) lives,
+    no port of the instance listens, no GPU compute process of it (skipped without nvidia-smi)."""
     st = pool.unit_states(ident.host, [ident.unit])[ident.unit]
     empty = True
     if ident.control_group:
         procs = cg_facts.parse_procs(pool.run(ident.host, cg_facts.procs_command(ident.layout, ident.control_group)).stdout)
         empty = procs.empty
     now = proc_facts.parse(pool.run(ident.host, proc_facts.command(sorted(ident.tree))).stdout) if ident.tree else {}
-    survivors = []
-    for pid, rec in sorted(ident.tree.items()):
-        if proc_facts.identity_status(rec, now) == proc_facts.ALIVE:
-            survivors.append(f"PID {pid} ({' '.join(rec.cmdline)[:120] or rec.comm})")
     listeners = port_facts.parse(pool.run(ident.host, port_facts.command()).stdout)
+    alive = [rec for pid, rec in sorted(ident.tree.items()) if proc_facts.identity_status(rec, now) == proc_facts.ALIVE]
+    records = [_survivor_record(pool, ident.host, rec, listeners) for rec in alive]
+    survivors = [describe_survivor(r) for r in records]
     open_ports = [p for p in ports if port_facts.is_listening(listeners, addr, p)]
     gpu_out = pool.run(ident.host, nv_facts.apps_command()).stdout
     sk = skipped_in(gpu_out)
@@ -256,7 +276,7 @@ def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: 
             survivors += [f"GPU process PID {a.pid}" for a in mine]
     return StopEvidence(ident.unit, ident.host, st.result, st.result in ("timeout", "signal") or
                         "SIGKILL" in pool.journal_tail(ident.host, ident.unit, 15),
-                        empty, survivors, open_ports, gpu)
+                        empty, survivors, open_ports, gpu, records)
 
 
 def leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None) -> list[str]:
@@ -280,12 +300,21 @@ class StopResult:
     def sigkill(self) -> bool:
         return any(e.sigkill for e in self.evidence)
 
+    @property
+    def verified(self) -> bool:
+        return all(e.verified for e in self.evidence)
+
+    @property
+    def survivor_records(self) -> list[dict]:
+        return [r for e in self.evidence for r in e.survivor_records]
+
     def journal(self) -> dict:
         return {"seconds": self.seconds, "strays": self.strays,
                 "identity": {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
                                  "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
                                           for p, r in i.tree.items()}} for u, i in self.idents.items()},
-                "evidence": {e.unit: vars(e) for e in self.evidence}}
+                "evidence": {e.unit: {k: v for k, v in vars(e).items() if k != "survivor_records"}
+                             for e in self.evidence}}
 
 
 def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, check_ports: bool = True,
@@ -321,21 +350,206 @@ def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, ch
             if e.sigkill:
                 say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
                     "emptied the cgroup")
-    bad = [e for e in evidence if not e.verified]
-    if bad:
-        raise Unverified(f"{inst.id}: the stop is NOT verified", evidence="\n".join(
-            f"{e.host}:{e.unit} cgroup_empty={e.cgroup_empty} survivors={e.survivors} "
-            f"ports_open={e.ports_open}" for e in bad),
-            fix="nothing was killed by name; inspect the listed processes before acting")
+    if not result.verified:
+        raise StopUnverified(inst, result)
     return result
+
+
+class StopUnverified(Unverified):
+    """A stop whose outcome is not proven; carries the StopResult (identity and evidence)."""
+
+    def __init__(self, inst: Instance, result: StopResult):
+        bad = [e for e in result.evidence if not e.verified]
+        lines = []
+        for e in bad:
+            lines.append(f"{e.host}:{e.unit}: cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'}; "
+                         f"ports still listening: {e.ports_open or 'none'}")
+            lines += [f"  survivor: {s}" for s in e.survivors]
+        super().__init__(f"{inst.id}: the stop is NOT verified: "
+                         + ("recorded process(es) still alive" if result.survivor_records else "evidence below"),
+                         evidence="\n".join(lines),
+                         fix=f"nothing was killed by name and {inst.id} stays out of the gateway; inspect the "
+                             f"processes listed, then `inv stop --instance {inst.id} --kill-survivors` ends exactly "
+                             "those PIDs (checked by start time) and verifies again (docs/runbooks/stop-survivors.md)")
+        self.result = result
+
+
+def journal_stop(j, op: str, step: str, inst: Instance, result: StopResult) -> None:
+    """The stop's identity and evidence in the journal, with the instance and its survivors by
+    PID and start time (what `inv stop --kill-survivors` reads)."""
+    j.step(op, step, "ok" if result.verified else "failed",
+           {"instance": inst.id, "verified": result.verified, "survivors": result.survivor_records,
+            **result.journal()})
+
+
+# ---------------------------------------------------------------- survivors of a stop
+
+# Runs on the host with the system python3: SIGKILL each PID only if it is still the recorded
+# process. pidfd_open pins the process first, so the start-time check and the signal are about
+# the same process even if the PID is reused in between.
+_KILL_SCRIPT = r'''
+import json, os, signal, sys
+out = []
+boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+for arg in sys.argv[1:]:
+    pid, start, want_boot = arg.split(":")
+    pid, start = int(pid), int(start)
+    if want_boot and want_boot != boot:
+        out.append({"pid": pid, "status": "reused", "why": "host rebooted"}); continue
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        out.append({"pid": pid, "status": "gone"}); continue
+    try:
+        data = open("/proc/%d/stat" % pid, "rb").read().decode("utf-8", "replace")
+        now = int(data[data.rindex(")") + 2:].split()[19])
+        if now != start:
+            out.append({"pid": pid, "status": "reused", "why": "start time %d, recorded %d" % (now, start)})
+            continue
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        out.append({"pid": pid, "status": "killed"})
+    except (ProcessLookupError, FileNotFoundError):
+        out.append({"pid": pid, "status": "gone"})
+    finally:
+        os.close(fd)
+print(json.dumps(out))
+'''
+
+
+def kill_command(records: list[dict]) -> str:
+    """SIGKILL exactly these recorded processes (PID + start time + boot id), never by name."""
+    args = " ".join(q(f"{int(r['pid'])}:{int(r['start_ticks'])}:{r.get('boot_id') or ''}") for r in records)
+    return f"python3 -c {q(_KILL_SCRIPT)} {args}"
+
+
+def last_stop_record(j, instance: str) -> dict | None:
+    """The journal's latest verified-stop record of `instance` (drain, stop, scale or kill-survivors)."""
+    for r in reversed(j.records()):
+        ev = r.get("evidence") or {}
+        if ev.get("instance") == instance and isinstance(ev.get("survivors"), list):
+            return r
+    return None
+
+
+def alive_survivors(pool: HostPool, records: list[dict]) -> list[dict]:
+    """The recorded survivors that still run now (same PID, start time and boot)."""
+    out = []
+    for host in sorted({r["host"] for r in records}):
+        mine = [r for r in records if r["host"] == host]
+        now = proc_facts.parse(pool.run(host, proc_facts.command([r["pid"] for r in mine])).stdout)
+        for r in mine:
+            rec = proc_facts.ProcIdentity(int(r["pid"]), int(r["start_ticks"]), r.get("boot_id") or "")
+            if proc_facts.identity_status(rec, now) == proc_facts.ALIVE:
+                out.append(r)
+    return out
+
+
+@dataclass
+class KillPlan:
+    inv: Inventory
+    rev: Revision
+    instance: Instance
+    survivors: list[dict]
+    from_op: str
+    steps: list[Step]
+
+    def render(self) -> str:
+        lines = [f"plan: end the processes that survived the stop of {self.instance.id} (recorded by {self.from_op})"]
+        lines += [f"  {n:2d}. {s}" for n, s in enumerate(self.steps, 1)]
+        lines.append("  note: only these PIDs, each only while its start time is the recorded one; nothing by name")
+        return "\n".join(lines)
+
+
+def plan_kill_survivors(inv: Inventory, state: StateDir, instance_id: str) -> KillPlan:
+    """What `inv stop --kill-survivors` will do: the survivors the last stop of the instance
+    recorded, or Refused when none is recorded. Reads only the state dir."""
+    rev = state.current_revision()
+    if rev is None:
+        raise Refused(f"{inv.cluster} has no current revision", fix="nothing was deployed by pdops here")
+    inst = Placement.from_dict(rev.placement).get(instance_id)
+    rec = last_stop_record(state.journal(), inst.id)
+    survivors = (rec or {}).get("evidence", {}).get("survivors") or []
+    if not survivors:
+        raise Refused(f"no stop of {inst.id} with surviving processes is recorded: nothing to end",
+                      fix=f"`inv stop --instance {inst.id}` stops and verifies; it lists any survivor")
+    steps = [Step("lock", None, f"take the {inv.cluster} cluster lock"),
+             Step("check-units", inst.head.host, f"every unit of {inst.id} is inactive (refuse if it runs again)")]
+    steps += [Step("kill-survivor", r["host"], f"SIGKILL PID {r['pid']} only if its start time is still "
+                   f"{r['start_ticks']}: {r['cmdline']} (cgroup {r['cgroup']}, ports {r['ports'] or 'none'})", 10)
+              for r in survivors]
+    steps.append(Step("verify-stop", None, "every recorded PID gone or reused, the instance's ports closed, no GPU "
+                      "compute process of it (skipped where nvidia-smi is absent)", 10))
+    return KillPlan(inv, rev, inst, survivors, rec["op_id"], steps)
+
+
+def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print) -> dict:
+    """End the recorded survivors by PID and start time, then verify the stop again."""
+    inst = plan.instance
+    op = new_op_id("stop")
+    j = state.journal()
+    with state.lock("stop", op_id=op):
+        j.step(op, "plan", "ok", {"instance": inst.id, "kill_survivors": True, "from_op": plan.from_op,
+                                  "steps": [str(s) for s in plan.steps]})
+        try:
+            with HostPool(plan.inv) as pool:
+                for h, u in inst.units:
+                    st = pool.unit_states(h, [u])[u]
+                    if st.is_active:
+                        raise Refused(f"{u} on {h} is {st.active_state} again: its processes are not survivors now",
+                                      fix=f"`inv stop --instance {inst.id}` first")
+                j.step(op, "check-units", "ok", {"units": [u for _, u in inst.units]})
+                results = []
+                for host in sorted({r["host"] for r in plan.survivors}):
+                    mine = [r for r in plan.survivors if r["host"] == host]
+                    out = pool.run(host, kill_command(mine)).stdout
+                    for res in json.loads(out.strip().splitlines()[-1]):
+                        res["host"] = host
+                        results.append(res)
+                        say(f"  {host} PID {res['pid']}: {res['status']}" + (f" ({res['why']})" if res.get("why") else ""))
+                j.step(op, "kill-survivor", "ok", {"results": results})
+                deadline = time.monotonic() + 10
+                while True:
+                    left = alive_survivors(pool, plan.survivors)
+                    if not left or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+                listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
+                ports = [p for p in (inst.http_port, inst.bootstrap_port)
+                         if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+                gpu_out = pool.run(inst.head.host, nv_facts.apps_command()).stdout
+                sk = skipped_in(gpu_out)
+                ok = not left and not ports
+                j.step(op, "verify-stop", "ok" if ok else "failed",
+                       {"instance": inst.id, "verified": ok, "survivors": left, "ports_open": ports,
+                        "gpu": f"skipped: {sk.reason}" if sk is not None else "read"})
+                if not ok:
+                    raise Unverified(f"{inst.id}: the stop is still NOT verified",
+                                     evidence="\n".join([f"survivor: {describe_survivor(r)}" for r in left]
+                                                        + ([f"ports still listening: {ports}"] if ports else [])),
+                                     fix="inspect these by hand; pdops kills only recorded processes")
+        except PdopsError as exc:
+            j.step(op, "verdict", "failed", {"error": exc.render()})
+            raise
+    killed = [f"PID {r['pid']}" for r in results if r["status"] == "killed"]
+    verdict = {"instance": inst.id,
+               "verified": [f"ended {', '.join(killed) or 'nothing (already gone)'} by PID and start time",
+                            "every recorded PID gone or reused",
+                            f"ports {', '.join(str(p) for p in (inst.http_port, inst.bootstrap_port) if p)} closed"],
+               "unverified": [f"GPU processes: skipped: {sk.reason}"] if sk is not None else [],
+               "notes": [f"{inst.id} is still in revision {plan.rev.number}: `inv drain --instance {inst.id}` "
+                         "resumes the drain and records it"]}
+    j.step(op, "verdict", "ok", verdict)
+    return verdict
 
 
 # ---------------------------------------------------------------- doing
 
 def _last_op_reached(state: StateDir, instance: str, step: str) -> bool:
-    """Did an earlier, interrupted drain of `instance` pass `step`? (for resuming)"""
+    """Did the last drain of `instance` pass `step`? (for resuming; stop-only operations are not drains)"""
     j = state.journal()
     for op in reversed(j.operations()):
+        if not op.startswith("drain-"):
+            continue
         recs = j.read(op)
         if not recs or recs[0].get("step") != "plan" or (recs[0].get("evidence") or {}).get("instance") != instance:
             continue
@@ -399,10 +613,10 @@ def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> di
         if not already_stopped:
             try:
                 res = stop_and_verify(pool, inst, stop_timeout_s=inv.stop_timeout_s, say=say)
-            except Unverified as exc:
-                j.step(op, "verify-stop", "failed", {"error": exc.render()})
+            except StopUnverified as exc:
+                journal_stop(j, op, "verify-stop", inst, exc.result)
                 raise
-            j.step(op, "stop", "ok", res.journal())
+            journal_stop(j, op, "verify-stop", inst, res)
             verified.append("cgroup empty, every recorded PID gone or reused, ports closed")
             if res.strays:
                 verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
@@ -419,8 +633,17 @@ def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> di
             open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
                           if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
             if open_ports:
-                raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening")
-            verified.append("units inactive and ports closed (PIDs were recorded by the earlier run)")
+                raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening",
+                                 fix=f"`inv stop --instance {inst.id} --kill-survivors` if the last stop listed survivors")
+            last = last_stop_record(j, inst.id)
+            recorded = (last or {}).get("evidence", {}).get("survivors") or []
+            left = alive_survivors(pool, recorded) if recorded else []
+            if left:
+                raise Unverified(f"{inst.id} is stopped but processes recorded by its last stop still run",
+                                 evidence="\n".join(describe_survivor(r) for r in left),
+                                 fix=f"`inv stop --instance {inst.id} --kill-survivors`")
+            verified.append("units inactive and ports closed (PIDs were recorded by the earlier run)"
+                            + (f"; the {len(recorded)} survivor(s) the last stop recorded are gone" if recorded else ""))
 
     if plan.persist:
         new_pl = Placement(plan.placement.topology.__class__(
@@ -449,7 +672,10 @@ def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> di
     return verdict
 
 
-def _wait_empty(plan: DrainPlan, pool: HostPool, j, op: str, say: Say) -> None:
+def _wait_empty(plan: DrainPlan, pool: HostPool, j, op: str, say: Say, prefix: str = "") -> None:
+    """Wait until every source says empty, then the two empty checks, each a fresh reading of
+    every source, `interval_s` apart. `prefix` names the instance in the step ids when a drain
+    is one of several in an operation (`drain d02: empty-check-1`)."""
     inst = plan.instance
     deadline = time.monotonic() + plan.wait_s
     last = ""
@@ -463,25 +689,27 @@ def _wait_empty(plan: DrainPlan, pool: HostPool, j, op: str, say: Say) -> None:
             say(f"  waiting ({time.monotonic() - t0:.0f}s): {desc}")
             last = desc
         if time.monotonic() > deadline:
-            j.step(op, "wait-empty", "deadline", {"open_rids": r.open_rids, "reading": desc})
+            j.step(op, f"{prefix}wait-empty", "deadline", {"open_rids": r.open_rids, "reading": desc})
             if plan.force_after:
                 say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
                     "(recorded in the journal as accepted loss)")
-                j.step(op, "force-after", "accepted-loss", {"open_rids": r.open_rids})
+                j.step(op, f"{prefix}force-after", "accepted-loss", {"open_rids": r.open_rids})
                 return
             raise DrainFailed(f"{inst.id} still has work after {plan.wait_s:g}s; the instance was NOT stopped "
                               f"(it is out of the gateway; re-add it with `inv rollback` or retry the drain)",
                               evidence="open request IDs: " + (", ".join(r.open_rids) or "none") + f"\n{desc}",
                               fix="wait and run the drain again, or --force-after to accept the loss")
         time.sleep(0.5)
-    j.step(op, "wait-empty", "ok", {"seconds": round(time.monotonic() - t0, 2)})
-    say(f"  empty after {time.monotonic() - t0:.1f}s; empty-check 1 passed")
-    j.step(op, "empty-check-1", "ok", {"reading": "empty"})
-    time.sleep(plan.interval_s)
-    r2 = read_emptiness(pool, inst)
-    if not r2.empty:
-        j.step(op, "empty-check-2", "failed", {"reading": r2.describe()})
-        raise DrainFailed(f"{inst.id}: the second empty check ({plan.interval_s:g}s later) found work: {r2.describe()}",
-                          fix="something still sends it requests; find it before draining again")
-    j.step(op, "empty-check-2", "ok", {"reading": "empty", "interval_s": plan.interval_s})
-    say(f"  empty-check 2 passed ({plan.interval_s:g}s later)")
+    j.step(op, f"{prefix}wait-empty", "ok", {"seconds": round(time.monotonic() - t0, 2)})
+    for n, pause in ((1, 0.0), (2, plan.interval_s)):
+        time.sleep(pause)
+        r = read_emptiness(pool, inst)
+        if not r.empty:
+            j.step(op, f"{prefix}empty-check-{n}", "failed", {"reading": r.describe(), "open_rids": r.open_rids})
+            raise DrainFailed(f"{inst.id}: empty check {n}" + (f" ({plan.interval_s:g}s after check 1)" if n == 2 else "")
+                              + f" found work: {r.describe()}; the instance was NOT stopped and stays out of "
+                              "the gateway",
+                              fix="something still sends it requests directly (not through the gateway); find it, "
+                                  "then run the drain again")
+        j.step(op, f"{prefix}empty-check-{n}", "ok", {"reading": "empty", "interval_s": pause})
+        say(f"  empty-check {n} passed" + (f" ({pause:g}s later)" if n == 2 else ""))

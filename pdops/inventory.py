@@ -126,6 +126,8 @@ class Inventory:
     # runs any executable file in an inventory directory as a dynamic inventory script.
     files: tuple[Path, ...] = ()
     vars: dict = field(default_factory=dict, compare=False, repr=False)
+    # engine sim only: {instance id: PDOPS_SIM_FAULTS value} (docs/sim.md), for lab tests
+    sim_faults: dict = field(default_factory=dict, compare=False)
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -410,6 +412,11 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
     for k, v in (("budget_s", budget), ("stop_margin_s", margin)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidInput(f"pdops_drain.{k}", f"{v!r} must be a positive number of seconds", fix="set whole seconds")
+    for k in ("pdops_start_timeout_s", "pdops_register_timeout_s"):
+        v = all_vars.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise InvalidInput(k, f"{v!r} must be a positive number of seconds", fix=f"e.g. {k}: 60")
+    sim_faults = _sim_faults(all_vars.get("pdops_sim_faults"), engine)
     canonical = json.dumps({"vars": all_vars, "hosts": hostvars}, sort_keys=True, default=str)
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     return Inventory(
@@ -417,8 +424,31 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
         engine_python=_resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
         virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
-        vars=all_vars,
+        vars=all_vars, sim_faults=sim_faults,
     )
+
+
+def _sim_faults(val: Any, engine: str) -> dict[str, str]:
+    """`pdops_sim_faults: {p02: fail_transfer}`: faults the sim engine starts with, per instance."""
+    if val is None:
+        return {}
+    if engine != "sim":
+        raise InvalidInput("pdops_sim_faults", f"set with engine {engine!r}; faults exist only in the sim engine",
+                           fix="remove pdops_sim_faults (it is for lab tests with pdops_engine: sim)")
+    if not isinstance(val, dict):
+        raise InvalidInput("pdops_sim_faults", f"{val!r} is not a mapping", fix="e.g. {p02: fail_transfer}")
+    from pdops.sim.faults import parse_faults
+
+    out = {}
+    for k, v in val.items():
+        if not re.match(r"^[pd][0-9]{2,}$", str(k)):
+            raise InvalidInput(f"pdops_sim_faults.{k}", "is not an instance id", fix="use ids such as p01 or d02")
+        try:
+            parse_faults(str(v))
+        except ValueError as e:
+            raise InvalidInput(f"pdops_sim_faults.{k}", str(e), fix="see docs/sim.md, Faults") from None
+        out[str(k)] = str(v)
+    return out
 
 
 # The choices of sglang-router's `smg launch` (0.3.x parser) for each routing flag. `manual`

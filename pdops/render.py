@@ -137,6 +137,8 @@ def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
     if inv.profile.transfer_backend == "nixl":
         env["UCX_NET_DEVICES"] = ",".join(f"{n.device}:1" for n in nics)
     env.update(inv.profile.env)
+    if inst.id in inv.sim_faults:
+        env["PDOPS_SIM_FAULTS"] = inv.sim_faults[inst.id]
     return env
 
 

@@ -410,11 +410,19 @@ def _drain_plan(plan: ScalePlan, inst: Instance, pl: Placement):
                      float(inv.vars.get("pdops_empty_check_interval_s", 5)), notes=[])
 
 
-def stop_verified(pool: HostPool, inst: Instance, *, check_ports: bool, stop_timeout_s: float) -> list:
-    """The drain's verified stop (pdops.drain.stop_and_verify); returns the per-rank evidence."""
+def stop_verified(pool: HostPool, inst: Instance, *, check_ports: bool, stop_timeout_s: float, j, op: str,
+                  step: str) -> list:
+    """The drain's verified stop (pdops.drain.stop_and_verify), journalled as `step` with its
+    identity and survivors whether or not it verified; returns the per-rank evidence."""
     from pdops import drain as dr
 
-    return dr.stop_and_verify(pool, inst, stop_timeout_s=stop_timeout_s, check_ports=check_ports).evidence
+    try:
+        res = dr.stop_and_verify(pool, inst, stop_timeout_s=stop_timeout_s, check_ports=check_ports)
+    except dr.StopUnverified as exc:
+        dr.journal_stop(j, op, step, inst, exc.result)
+        raise
+    dr.journal_stop(j, op, step, inst, res)
+    return res.evidence
 
 
 def drain_instance(plan: ScalePlan, pool: HostPool, client: GatewayClient, inst: Instance, worker_id: str | None,
@@ -427,9 +435,9 @@ def drain_instance(plan: ScalePlan, pool: HostPool, client: GatewayClient, inst:
     removed = dr.leave_gateway(client, inst, worker_id)
     say(f"  {inst.id} left the gateway (worker {', '.join(removed) or 'already gone'}); waiting for its work")
     j.step(op, f"drain {inst.id}: leave-gateway", "ok", {"removed": removed})
-    dr._wait_empty(dplan, pool, j, op, say)
-    ev = stop_verified(pool, inst, check_ports=True, stop_timeout_s=plan.inv.stop_timeout_s)
-    j.step(op, f"drain {inst.id}: verify-stop", "ok", {e.unit: vars(e) for e in ev})
+    dr._wait_empty(dplan, pool, j, op, say, prefix=f"drain {inst.id}: ")
+    ev = stop_verified(pool, inst, check_ports=True, stop_timeout_s=plan.inv.stop_timeout_s, j=j, op=op,
+                       step=f"drain {inst.id}: verify-stop")
     gpu = sorted({e.gpu for e in ev})
     say(f"  {inst.id} drained: stopped, cgroup empty, no survivor, ports closed; GPU: {', '.join(gpu)}")
     return {"removed_worker": removed, "gpu": gpu}
@@ -541,7 +549,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print) -> int:
                             peers = [o for o in tgt.role(other) if o.id in live]
                             j.step(op, f"canary {x.id}", "ok", _canary_new_pairs(x, peers, say))
                             posted.add(x.id)
-                            workers[x.id] = register(client, x, say)
+                            workers[x.id] = register(client, x, say, float(inv.vars.get("pdops_register_timeout_s", 60)))
                             j.step(op, f"register {x.id}", "ok", {"worker_id": workers[x.id]})
                             live[x.id] = x
                         for s in batch[1:]:
@@ -631,9 +639,8 @@ def _fail(plan: ScalePlan, state: StateDir, op: str, exc: PdopsError, started: d
                         drain_instance(plan, pool, client, inst, workers.get(iid), j, op, say)
                         undone.append(f"{iid} (drained and stopped, verified)")
                     else:
-                        ev = stop_verified(pool, inst, check_ports=iid in healthy,
-                                           stop_timeout_s=plan.inv.stop_timeout_s)
-                        j.step(op, f"undo {iid}: verify-stop", "ok", {e.unit: vars(e) for e in ev})
+                        stop_verified(pool, inst, check_ports=iid in healthy, stop_timeout_s=plan.inv.stop_timeout_s,
+                                      j=j, op=op, step=f"undo {iid}: verify-stop")
                         undone.append(f"{iid} (never registered; stopped, verified)")
                 except PdopsError as e2:
                     left.append(f"{iid}: undo failed: {e2.message}")

@@ -27,6 +27,17 @@ def seconds(value, flag: str) -> float | None:
     return s
 
 
+def print_verdict(headline: str, verdict: dict) -> None:
+    """`verdict: ...` then one line per verified item, per item that could not be verified, per note."""
+    print(f"verdict: {headline}")
+    for item in verdict.get("verified", ()):
+        print(f"  verified: {item}")
+    for item in verdict.get("unverified", ()):
+        print(f"  not verified: {item}")
+    for item in verdict.get("notes", ()):
+        print(f"  note: {item}")
+
+
 def cli_errors(fn):
     """Map PdopsError to `<kind>: <message>` on stderr and the error's exit status."""
 

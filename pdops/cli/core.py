@@ -7,7 +7,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops import planning
-from pdops.cli import cli_errors, seconds
+from pdops.cli import cli_errors, print_verdict, seconds
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -61,10 +61,8 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     print(plan.render())
     if dry_run or plan.noop:
         return
-    n = dep.execute_deploy(plan)
-    print(f"verdict: deployed {plan.placement.topology} as revision {n} and made it current. Verified: every unit "
-          f"active, every instance healthy, registered and healthy in the gateway, canary through all "
-          f"{len(plan.placement.role('prefill')) * len(plan.placement.role('decode'))} P x D pairs.")
+    v = dep.execute_deploy(plan)
+    print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})
@@ -109,13 +107,7 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
     if dry_run:
         return
     v = dr.execute_drain(plan, state)
-    print(f"verdict: {instance} {'drained and stopped' if not skip_gateway else 'stopped'}.")
-    for item in v["verified"]:
-        print(f"  verified: {item}")
-    for item in v["unverified"]:
-        print(f"  not verified: {item}")
-    for item in v["notes"]:
-        print(f"  note: {item}")
+    print_verdict(f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.", v)
 
 
 @task(help={"instance": "instance to drain, e.g. p07", "inventory": "inventory dir or file",
@@ -132,8 +124,26 @@ def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=Fa
 
 
 @task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",
-            "dry_run": "print the plan only"})
+            "dry_run": "print the plan only",
+            "kill_survivors": "end the processes the last stop of the instance recorded as survivors (by PID and "
+                              "start time, never by name) and verify again"})
 @cli_errors
-def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False):
+def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_survivors=False):
     """The drain's verified stop without the gateway step, for a broken instance."""
-    _drain_or_stop(instance, inventory, dry_run, True, None, None, False, True)
+    if not kill_survivors:
+        _drain_or_stop(instance, inventory, dry_run, True, None, None, False, True)
+        return
+    from pdops import deploy as dep
+    from pdops import drain as dr
+    from pdops.inventory import load_inventory
+
+    if not instance:
+        raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
+    inv = load_inventory(inventory)
+    state = dep.state_for(inv)
+    plan = dr.plan_kill_survivors(inv, state, instance)
+    print(plan.render())
+    if dry_run:
+        return
+    print_verdict(f"the survivors of {instance}'s stop are ended; the stop is verified.",
+                  dr.execute_kill_survivors(plan, state))

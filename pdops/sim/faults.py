@@ -12,13 +12,23 @@ PDOPS_SIM_FAULTS is a comma list of ``name`` or ``name=value``:
 - ``stray_grandchild``   a scheduler child double-forks a process (``sglang::stray``,
   no parent-death signal) that is reparented but stays in the unit's cgroup; its pid is
   in GET /_sim/state. It lives PDOPS_SIM_STRAY_SECONDS (default 3600).
+- ``escape_cgroup``      the main process forks ``sglang::scheduler_escaped``, which keeps
+  the parent's listening sockets (HTTP and bootstrap ports), has no parent-death signal
+  and moves itself out of the unit's cgroup (into ``pdops-sim-escaped`` at the cgroup
+  root, on cgroup2 and the name=systemd hierarchy): systemd's stop cannot reach it, as
+  with a reparented SGLang scheduler (sglang#23627). It lives PDOPS_SIM_STRAY_SECONDS.
+- ``unhealthy_after=N``  /health (and /health_generate, /ready) answer 503 once they have
+  answered 200 N times: 0 never turns healthy (a model that never loads); 1 passes
+  pdops's health gate once and is never healthy for the gateway (an engine that wedges
+  right after start-up).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KNOWN = ("fail_transfer", "hang_room", "ignore_sigterm", "crash_child", "stray_grandchild")
+KNOWN = ("fail_transfer", "hang_room", "ignore_sigterm", "crash_child", "stray_grandchild", "escape_cgroup",
+         "unhealthy_after")
 
 
 @dataclass
@@ -28,6 +38,8 @@ class Faults:
     ignore_sigterm: bool = False
     crash_child: float | None = None  # seconds after start (or after the admin call)
     stray_grandchild: bool = False
+    escape_cgroup: bool = False
+    unhealthy_after: int | None = None  # healthy answers before /health turns 503 for good
     extra: dict = field(default_factory=dict)
 
     def hangs(self, room: int) -> bool:
@@ -42,6 +54,8 @@ class Faults:
             "ignore_sigterm": self.ignore_sigterm,
             "crash_child": self.crash_child,
             "stray_grandchild": self.stray_grandchild,
+            "escape_cgroup": self.escape_cgroup,
+            "unhealthy_after": self.unhealthy_after,
         }
 
     def update(self, values: dict) -> None:
@@ -53,6 +67,14 @@ class Faults:
                 self.hang_room = v if isinstance(v, bool) else int(v)
             elif k == "crash_child":
                 self.crash_child = None if v is None or v is False else (0.0 if v is True else float(v))
+            elif k == "unhealthy_after":
+                if v is None or v is False:
+                    self.unhealthy_after = None
+                else:
+                    n = 1 if v is True else int(v)
+                    if n < 0:
+                        raise ValueError("unhealthy_after must be 0 or more")
+                    self.unhealthy_after = n
             else:
                 setattr(self, k, bool(v))
 
@@ -75,6 +97,8 @@ def parse_faults(spec: str | None) -> Faults:
             values[name] = int(raw)
         elif name == "crash_child":
             values[name] = float(raw)
+        elif name == "unhealthy_after":
+            values[name] = int(raw)
         else:
             values[name] = raw.lower() not in ("0", "false", "no", "off")
     f.update(values)

@@ -82,6 +82,50 @@ def _spawn_stray(report_w: int) -> None:
     os.waitpid(pid, 0)
 
 
+ESCAPED_CGROUP = "pdops-sim-escaped"
+
+
+def escape_targets(mountinfo: str) -> list[str]:
+    """``cgroup.procs`` files of a cgroup outside every unit (``/pdops-sim-escaped`` at the
+    root of the cgroup2 and name=systemd hierarchies), from this process's mount table."""
+    from pdops.facts import cgroup as cg
+
+    layout = cg.detect_layout(cg.parse_mountinfo(mountinfo))
+    roots = [r for r in (layout.unified_root, layout.systemd_root) if r]
+    return [f"{r.rstrip('/')}/{ESCAPED_CGROUP}/cgroup.procs" for r in roots]
+
+
+def spawn_escaper(targets: list[str]) -> int:
+    """Fork ``sglang::scheduler_escaped`` from the main process (the escape_cgroup fault).
+
+    The child keeps every inherited descriptor, the listening sockets included, so the
+    instance's ports stay held after the main process exits; a forked child has no
+    parent-death signal; it moves itself into ``targets`` (other cgroups), so a stop of
+    the unit neither signals it nor sees it in the unit's cgroup. Only raw syscalls run
+    after the fork (the parent has threads)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            me = str(os.getpid()).encode()
+            for path in targets:
+                try:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    fd = os.open(path, os.O_WRONLY)
+                    try:
+                        os.write(fd, me)
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass
+            set_title("sglang::scheduler_escaped")
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            time.sleep(float(os.environ.get("PDOPS_SIM_STRAY_SECONDS", "3600")))
+        finally:
+            os._exit(0)
+    return pid
+
+
 def _child_main(title: str, ctl_r: int, report_w: int, parent: int) -> None:
     set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect

@@ -44,6 +44,7 @@ class SimServer:
         self.stop = asyncio.Event()
         self.poll_s = float(os.environ.get("PDOPS_SIM_SHUTDOWN_POLL_S", "5"))
         self.sigterm_installed = False
+        self.healthy_answers = 0  # for the unhealthy_after fault
 
     # ---------------------------------------------------------------- app
     def build_app(self) -> web.Application:
@@ -78,13 +79,21 @@ class SimServer:
         return await handler(request)
 
     # ---------------------------------------------------------------- probes and info
-    async def health(self, request):
+    def _healthy(self) -> bool:
         if self.gracefully_exit or self.status != "Up":
-            return web.Response(status=503)
-        return web.Response(status=200)
+            return False
+        n = self.faults.unhealthy_after
+        if n is not None:
+            if self.healthy_answers >= n:
+                return False
+            self.healthy_answers += 1
+        return True
+
+    async def health(self, request):
+        return web.Response(status=200 if self._healthy() else 503)
 
     async def ready(self, request):
-        return web.Response(status=200 if self.status == "Up" and not self.gracefully_exit else 503)
+        return web.Response(status=200 if self._healthy() else 503)
 
     async def server_info(self, request):
         a = self.args
@@ -398,9 +407,22 @@ class SimServer:
             self._apply_process_faults(body)
         return web.json_response(self.faults.as_dict())
 
+    def _escape(self) -> None:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                targets = procs.escape_targets(f.read())
+        except Exception as e:  # noqa: BLE001 - no cgroup mounts: the fault still holds the ports
+            log.warning("escape_cgroup: cannot read the cgroup mounts (%s)", e)
+            targets = []
+        pid = procs.spawn_escaper(targets)
+        self.strays.append(pid)
+        log.info("escaped process left behind: pid %s (out of the unit's cgroup, holding the ports)", pid)
+
     def _apply_process_faults(self, changed: dict) -> None:
         if changed.get("stray_grandchild") and self.children:
             procs.send(self.children[0], b"s")
+        if changed.get("escape_cgroup"):
+            self._escape()
         if "crash_child" in changed and self.faults.crash_child is not None and self.children:
             asyncio.get_running_loop().call_later(self.faults.crash_child, procs.send, self.children[0], b"x")
 
@@ -534,6 +556,8 @@ class SimServer:
         tasks = [asyncio.create_task(self._watch_children()), asyncio.create_task(self._sigterm_watchdog())]
         if self.faults.stray_grandchild and self.children:
             procs.send(self.children[0], b"s")
+        if self.faults.escape_cgroup:
+            self._escape()
         if self.faults.crash_child is not None and self.children:
             loop.call_later(self.faults.crash_child, procs.send, self.children[0], b"x")
         log.info("sim %s listening on http://%s:%s (mode %s)", os.getpid(), self.args.host, self.args.port, self.args.mode)

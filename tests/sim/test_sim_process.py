@@ -200,3 +200,10 @@ def test_decode_abort_releases_the_room_on_the_prefill(sims, how):
         t.join(10)
     if how == "abort_request":
         assert out["d"][0] == 200 and out["d"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_unhealthy_after_fault_turns_health_503_for_good(sims):
+    h = sims(env={"PDOPS_SIM_FAULTS": "unhealthy_after=1"})  # the start-up wait took the one 200
+    assert [h.get("/health")[0] for _ in range(3)] == [503, 503, 503]
+    assert h.get("/ready")[0] == 503
+    assert h.state()["faults"]["unhealthy_after"] == 1

@@ -1,0 +1,121 @@
+"""The stop and empty-state verifiers on recorded host outputs (no host): each is shown
+saying "no" for the evidence it exists for, and "yes" only when that evidence is absent."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from pdops import drain as dr
+from pdops.facts import SKIP_MARKER
+from pdops.facts import cgroup as cg
+from pdops.facts import procs as proc_facts
+
+UNIT = "pdops-p02.service"
+CGROUP = "/system.slice/pdops-p02.service"
+LAYOUT = cg.CgroupLayout("hybrid", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
+
+
+def _proc_table(procs: list[tuple[int, int, str]]) -> str:
+    lines = [json.dumps({"header": 1, "btime": 1_700_000_000, "clk_tck": 100, "boot_id": "b1"})]
+    lines += [json.dumps({"pid": pid, "ppid": 1, "start": start, "comm": "python3", "argv": [cmd]})
+              for pid, start, cmd in procs]
+    return "\n".join(lines) + "\n"
+
+
+class RecordedPool:
+    """Answers each command pdops sends with a recorded output, by what the command reads."""
+
+    def __init__(self, *, procs_now, listeners: str, cgroup_dir_gone: bool = True):
+        self.procs_now = procs_now
+        self.listeners = listeners
+        self.cgroup_dir_gone = cgroup_dir_gone
+        self.commands: list[str] = []
+
+    def unit_states(self, host, units):
+        return {u: SimpleNamespace(result="success", is_active=False) for u in units}
+
+    def journal_tail(self, host, unit, lines=30):
+        return "Stopped pdops-p02.service."
+
+    def run(self, host, command, timeout=60):
+        self.commands.append(command)
+        if command.startswith("ss "):
+            out = self.listeners
+        elif "PDOPS-CGROUP" in command:
+            out = "".join(f"PDOPS-CGROUP {'gone' if self.cgroup_dir_gone else 'present'} {d}\n"
+                          for d in LAYOUT.dirs(CGROUP))
+        elif command.startswith("cat /proc/"):
+            out = "1:name=systemd:/pdops-sim-escaped\n0::/pdops-sim-escaped\n"
+        elif "nvidia-smi" in command:
+            out = f"{SKIP_MARKER} no nvidia-smi on this host\n"
+        elif command.startswith("python3 -c"):
+            out = _proc_table(self.procs_now)
+        else:
+            raise AssertionError(f"unexpected command {command!r}")
+        return SimpleNamespace(stdout=out)
+
+
+def _identity() -> dr.RankIdentity:
+    """What record_identity saw before the stop: the main process and an escaped child."""
+    tree = proc_facts.parse(_proc_table([(4100, 500, "python -m pdops.sim"), (4242, 900, "sglang::scheduler_escaped")]))
+    return dr.RankIdentity("lab02", UNIT, 4100, CGROUP, LAYOUT, [4100], tree)
+
+
+LISTENING = ('LISTEN 0 128 127.0.10.2:30010 0.0.0.0:* users:(("python",pid=4242,fd=7))\n'
+             'LISTEN 0 128 127.0.10.2:8998 0.0.0.0:* users:(("python",pid=4242,fd=9))\n')
+
+
+def test_a_recorded_process_alive_outside_the_cgroup_holding_ports_is_not_a_verified_stop():
+    pool = RecordedPool(procs_now=[(4242, 900, "sglang::scheduler_escaped")], listeners=LISTENING)
+    ev = dr.verify_stopped(pool, _identity(), [30010, 8998], "127.0.10.2")
+    assert ev.cgroup_empty  # the unit's cgroup is gone: that alone is not enough
+    assert not ev.verified
+    assert ev.ports_open == [30010, 8998]
+    [rec] = ev.survivor_records
+    assert (rec["pid"], rec["start_ticks"], rec["cgroup"], rec["ports"]) == (4242, 900, "/pdops-sim-escaped",
+                                                                             [8998, 30010])
+    assert "sglang::scheduler_escaped" in dr.describe_survivor(rec)
+
+
+def test_a_reused_pid_is_not_a_survivor_and_closed_ports_verify():
+    # PID 4242 now belongs to another process (other start time); nothing listens
+    pool = RecordedPool(procs_now=[(4242, 7777, "bash")], listeners="")
+    ev = dr.verify_stopped(pool, _identity(), [30010, 8998], "127.0.10.2")
+    assert ev.verified and ev.survivors == [] and ev.ports_open == []
+    assert ev.gpu.startswith("skipped: no nvidia-smi")  # said so, never "no compute process"
+
+
+def test_a_port_held_by_someone_else_still_fails_the_stop():
+    other = 'LISTEN 0 128 0.0.0.0:30010 0.0.0.0:* users:(("nc",pid=9999,fd=3))\n'
+    pool = RecordedPool(procs_now=[], listeners=other)
+    ev = dr.verify_stopped(pool, _identity(), [30010, 8998], "127.0.10.2")
+    assert not ev.verified and ev.ports_open == [30010]
+
+
+def test_a_non_empty_cgroup_fails_the_stop():
+    class Populated(RecordedPool):
+        def run(self, host, command, timeout=60):
+            if "PDOPS-CGROUP" in command:
+                return SimpleNamespace(stdout="".join(f"PDOPS-CGROUP present {d}\n4300\n" for d in LAYOUT.dirs(CGROUP)))
+            return super().run(host, command, timeout)
+
+    ev = dr.verify_stopped(Populated(procs_now=[], listeners=""), _identity(), [30010], "127.0.10.2")
+    assert not ev.cgroup_empty and not ev.verified
+
+
+def test_kill_command_names_pid_start_time_and_boot_never_a_pattern():
+    cmd = dr.kill_command([{"pid": 4242, "start_ticks": 900, "boot_id": "b1"}])
+    assert cmd.endswith(" 4242:900:b1")
+    assert "pkill" not in cmd and "killall" not in cmd and "pidfd_open" in cmd
+
+
+def test_empty_reading_is_empty_only_when_every_source_is():
+    empty = dr.EmptyReading([], {}, {}, [], [])
+    assert empty.empty and empty.describe() == "empty"
+    for busy in (dr.EmptyReading(["rid-1"], {}, {}, [], []),
+                 dr.EmptyReading([], {"prefill_inflight_queue_reqs": 1}, {}, [], []),
+                 dr.EmptyReading([], {}, {"num_running_reqs": 2}, [], []),
+                 dr.EmptyReading([], {}, {}, ["sglang:num_queue_reqs"], []),
+                 dr.EmptyReading([], {}, {}, [], ["/metrics answered 500"])):
+        assert not busy.empty, busy
