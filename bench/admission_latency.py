@@ -15,7 +15,8 @@ import argparse
 import statistics
 import tempfile
 
-from pdops.admission import AdmissionConfig, start_local
+from pdops.admission import AdmissionConfig
+from pdops.sim.testing import start_haproxy
 from pdops.load import send
 from pdops.sim.testing import free_port, start_gateway, start_sim
 
@@ -49,7 +50,7 @@ def main() -> None:
         cfg = AdmissionConfig("local", "127.0.0.1", free_port(), cap=1024, queue=1024, queue_timeout_s=30,
                               overflow_status=429, api_keys_file="(bench)", gateway_addr="127.0.0.1",
                               gateway_port=g.port, keys=(KEY,))
-        hx = start_local(cfg, tempfile.mkdtemp(prefix="pdops-bench-adm-"))
+        hx = start_haproxy(cfg, tempfile.mkdtemp(prefix="pdops-bench-adm-"))
         started.append(hx)
         auth = {"Authorization": f"Bearer {KEY}"}
         run(g.url, 4, 1.0, {})  # warm both paths

@@ -9,7 +9,10 @@ the config: they sit in a 0600 map file the config names, so adding or revoking 
 is a graceful reload (`systemctl reload`: USR2 to the master, old workers finish their
 streams) that changes no config byte.
 
-Read, validate, render here; `check_config` runs `haproxy -c`. Nothing touches a host.
+Validated here with the rest of the inventory (`load_inventory` calls `parse_admission`
+once and keeps the result as `Inventory.admission`); the config texts are made here and
+rendered into files by `pdops.render`; `check_config` runs `haproxy -c`. Nothing touches a host.
+This module imports nothing of pdops but its errors: the inventory is passed in.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdops.errors import InvalidInput
-from pdops.inventory import MOONCAKE_RPC_PORTS, Inventory, max_slots
-from pdops.render import SLICE_UNIT, UNIT_DIR, RenderedFile, _env
 
 VAR = "pdops_admission"
 # In /etc/pdops (root, 0700, made by prepare.yml): deploy.yml creates no directory. HAProxy's
@@ -138,20 +139,9 @@ def read_keys(path: str | Path) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _instance_ranges(inv: Inventory) -> dict[str, range]:
-    """The port ranges instance slots take on every host (as inventory's port plan)."""
-    ports = inv.ports
-    span = ports.stride * max(max_slots(inv.hosts, inv.profile) - 1, 0) + 1
-    return {
-        "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
-        "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span),
-        "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
-        "Mooncake's RPC range": MOONCAKE_RPC_PORTS,
-    }
-
-
-def parse_admission(all_vars: dict, inv: Inventory) -> AdmissionConfig | None:
-    """Validate `pdops_admission` (None when absent) and read its key file. Writes nothing."""
+def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
+    """Validate `pdops_admission` (None when absent) and read its key file. Writes nothing.
+    `inv`: the inventory being loaded (its hosts, gateway and port plan)."""
     raw = all_vars.get(VAR)
     if raw is None:
         return None
@@ -192,7 +182,7 @@ def parse_admission(all_vars: dict, inv: Inventory) -> AdmissionConfig | None:
     if host_name == gw.host:
         taken["pdops_gateway.port"] = range(gw.port, gw.port + 1)
         taken["pdops_gateway.prometheus_port"] = range(gw.prometheus_port, gw.prometheus_port + 1)
-    taken.update(_instance_ranges(inv))
+    taken.update(inv.reserved_port_ranges())
     for name, r in taken.items():
         if port in r:
             what = f"{name} ({r.start}-{r.stop - 1})" if len(r) > 1 else name
@@ -220,36 +210,6 @@ def overflow_response(status: int) -> str:
     return head + body
 
 
-def haproxy_config(cfg: AdmissionConfig, *, keys_map_path: str = KEYS_MAP_PATH,
-                   errorfile_path: str = ERRORFILE_PATH, user: str | None = "haproxy",
-                   gateway_key_env: str | None = None, stats_socket: str | None = None) -> str:
-    """The HAProxy config text. Holds no key: keys come from `keys_map_path`."""
-    bind = f"[{cfg.listen_addr}]" if ":" in cfg.listen_addr else cfg.listen_addr
-    gw = f"[{cfg.gateway_addr}]" if ":" in cfg.gateway_addr else cfg.gateway_addr
-    return _env().get_template("haproxy.cfg.j2").render(
-        cap=cfg.cap, queue=cfg.queue, queue_timeout_s=cfg.queue_timeout_s, overflow_status=cfg.overflow_status,
-        bind=f"{bind}:{cfg.port}", server=f"{gw}:{cfg.gateway_port}", keys_map=keys_map_path,
-        errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
-        stream_timeout_s=STREAM_TIMEOUT_S, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
-    )
-
-
-def render_admission_files(inv: Inventory, cfg: AdmissionConfig) -> list[RenderedFile]:
-    """haproxy.cfg, the 0600 key map, the overflow errorfile and the unit, on cfg.host."""
-    key_file = inv.gateway.api_key_file
-    env = GATEWAY_KEY_ENV if key_file else None
-    text = haproxy_config(cfg, gateway_key_env=env, stats_socket="/run/pdops-admission/admin.sock")
-    unit = _env().get_template("admission.service.j2").render(
-        cluster=inv.cluster, haproxy=HAPROXY_BIN, config=CONFIG_PATH, slice=SLICE_UNIT, cap=cfg.cap,
-        gateway_key_file=key_file, gateway_key_env=GATEWAY_KEY_ENV)
-    return [
-        RenderedFile(cfg.host, CONFIG_PATH, text, 0o644),
-        RenderedFile(cfg.host, KEYS_MAP_PATH, keys_map(cfg.keys), 0o600),
-        RenderedFile(cfg.host, ERRORFILE_PATH, overflow_response(cfg.overflow_status), 0o644),
-        RenderedFile(cfg.host, f"{UNIT_DIR}/{UNIT}", unit, 0o644),
-    ]
-
-
 def check_config(path: str | Path) -> None:
     """`haproxy -c -f path`: raise InvalidInput with HAProxy's own message if it refuses."""
     exe = shutil.which("haproxy") or HAPROXY_BIN
@@ -263,18 +223,7 @@ def check_config(path: str | Path) -> None:
                            fix="fix the admission settings (the file is rendered by pdops)")
 
 
-# ---------------------------------------------------------------- local processes (tests, bench)
-
-def write_local(cfg: AdmissionConfig, workdir: str | Path) -> Path:
-    """Write config, key map and errorfile into `workdir` (no root, no systemd); returns the config."""
-    d = Path(workdir)
-    d.mkdir(parents=True, exist_ok=True)
-    kmap, err, conf = d / "api-keys.map", d / "overflow.http", d / "pdops-admission.cfg"
-    write_keys_map(kmap, cfg.keys)
-    err.write_text(overflow_response(cfg.overflow_status))
-    conf.write_text(haproxy_config(cfg, keys_map_path=str(kmap), errorfile_path=str(err), user=None))
-    return conf
-
+# ---------------------------------------------------------------- local key maps (tests, bench)
 
 def write_keys_map(path: str | Path, keys: tuple[str, ...]) -> None:
     """Replace the key map atomically, mode 0600 (then reload to apply)."""
@@ -284,26 +233,3 @@ def write_keys_map(path: str | Path, keys: tuple[str, ...]) -> None:
     tmp.chmod(0o600)
     tmp.write_text(keys_map(keys))
     tmp.replace(p)
-
-
-def start_local(cfg: AdmissionConfig, workdir: str | Path, timeout: float = 10.0):
-    """Run `haproxy -Ws -f` in the foreground as a local process (a pdops.sim.testing.Proc);
-    wait until it answers. Stop it with `.kill_all()`; reload with `.signal(SIGUSR2)`."""
-    from pdops.sim.testing import _spawn, http, wait_until
-    from pdops.errors import Unreachable
-
-    conf = write_local(cfg, workdir)
-    check_config(conf)
-    proc = _spawn([shutil.which("haproxy") or HAPROXY_BIN, "-Ws", "-f", str(conf)], None, "haproxy")
-
-    def up():
-        if not proc.alive():
-            raise Unreachable("haproxy exited at start", evidence=proc.log()[-3000:])
-        return http("GET", cfg.url + "/health", timeout=2)[0] == 401
-
-    try:
-        wait_until(up, timeout, f"haproxy on {cfg.url}")
-    except BaseException:
-        proc.kill_all()
-        raise
-    return proc

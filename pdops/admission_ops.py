@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from pdops import ansible
-from pdops.admission import KEYS_MAP_PATH, UNIT, AdmissionConfig, key_id, keys_map, parse_admission
+from pdops.admission import KEYS_MAP_PATH, UNIT, AdmissionConfig, key_id, keys_map
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.hosts import HostPool, http_json
@@ -81,7 +81,7 @@ def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0) -> d
     """Deliver the operator's key file as the new key map, reload, verify. Returns the evidence."""
     from pdops.deploy import state_for
 
-    cfg = parse_admission(inv.vars, inv)  # re-reads and validates the operator's key file
+    cfg = inv.admission  # load_inventory just read and validated the operator's key file
     if cfg is None:
         raise InvalidInput("pdops_admission", "this inventory has no admission layer",
                            fix="set pdops_admission (docs/admission.md) and deploy first")

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdops.errors import PdopsError, Unreachable
+from pdops.errors import PlaybookFailed, Unreachable
 from pdops.inventory import Inventory
 
 PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
@@ -39,9 +39,6 @@ class PlaybookResult:
         return sum(r.changed for r in self.recap.values())
 
 
-class PlaybookFailed(PdopsError):
-    exit_code = 6
-    kind = "ansible failed"
 
 
 def parse_recap(output: str) -> dict[str, HostRecap]:

@@ -7,6 +7,7 @@ step with its evidence, stops at the first failure and says what it left running
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import uuid
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdops import ansible
-from pdops.errors import PdopsError, Refused, Unreachable, Unverified
+from pdops.errors import DeployFailed, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool, http_json
@@ -23,7 +24,7 @@ from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, place
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, write_build
-from pdops.runner import Step, failures, run_parallel
+from pdops.runner import Outcome, Plan, RunContext, Step, failures, run_parallel, walk
 from pdops.state import StateDir, new_op_id
 from pdops.topology import Topology
 from pdops.versions import MOONCAKE_VERSION, SGLANG_ROUTER_VERSION, SGLANG_VERSION
@@ -50,15 +51,21 @@ class DeployPlan:
     skip_checks: set[str] = field(default_factory=set)
     previous: Placement | None = None
 
+    @property
+    def title(self) -> str:
+        return (f"plan: deploy {self.placement.topology} on {self.inv.cluster} ({len(self.hosts)} hosts, engine "
+                f"{self.inv.engine}, profile {self.inv.profile.name}), under the cluster lock")
+
+    @property
+    def plan(self) -> Plan:
+        return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology)},
+                    footer=["verified at the end: what each step above proved; anything it could not check is "
+                            "listed as not verified"])
+
     def render(self) -> str:
-        lines = [f"plan: deploy {self.placement.topology} on {self.inv.cluster} "
-                 f"({len(self.hosts)} hosts, engine {self.inv.engine}, profile {self.inv.profile.name})"]
         if self.noop:
-            return lines[0] + f"\nno change: {self.noop}"
-        lines += [f"  {n:2d}. {s}" for n, s in enumerate(self.steps, 1)]
-        lines.append("verified at the end: every unit active with its MainPID, every instance healthy on its "
-                     "/health, registered and healthy in the gateway, a canary through every P x D pair")
-        return "\n".join(lines)
+            return self.title + f"\nno change: {self.noop}"
+        return self.plan.render()
 
 
 def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: set[str] | None = None) -> DeployPlan:
@@ -83,43 +90,71 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
     if current is not None and current.manifest == manifest(files):
         return DeployPlan(inv, pl, files, [], noop=f"revision {current.number} ({topo}) is already live with "
                           "identical rendered files; `inv status` shows its health", hosts=hosts)
-    start_s = inv.vars.get("pdops_start_timeout_s", 900)
-    gw = inv.gateway
-    steps = [
-        Step("lock", None, f"take the {inv.cluster} cluster lock"),
-        Step("connect", None, f"SSH to {len(hosts)} hosts in parallel: {', '.join(hosts)}", 30),
-        Step("preflight", None, "host, limits, ports, versions and P x D pairing checks; refuse a failing host"
-             + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else "")),
-        Step("render", None, f"{len(files)} files into the revision's build folder, with a manifest"),
-        Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
-                              "units, launch scripts, 0600 env files, daemon-reload, enable)"),
-        Step("gateway", gw.host, f"start {GATEWAY_UNIT} with no workers, wait for {gw.url}/health", 60),
-    ]
+    fresh = current is None
+    steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
+    steps += delivery_steps(inv, pl, files)
+    steps.append(Step("gateway", inv.gateway.host, f"{'restart' if fresh else 'start'} {GATEWAY_UNIT} with no "
+                      f"workers, wait for {inv.gateway.url}/health", 60, params={"restart": fresh},
+                      verifies="the gateway answers /health"))
     adm = admission_config(inv)
     if adm is not None:
-        steps.append(Step("admission", adm.host, f"start {ADMISSION_UNIT} in front of the gateway, wait for "
-                          f"{adm.url} to answer", 30))
-    for inst in pl.instances:
-        ranks = ", ".join(f"{h}:{u}" for h, u in inst.units)
-        steps.append(Step("start", inst.head.host, f"{inst.id} ({inst.role}): start {ranks}, wait {inst.url}/health",
-                          start_s))
-    npairs = len(pl.role("prefill")) * len(pl.role("decode"))
-    steps.append(Step("canary", None, f"{npairs} generation requests, one through every prefill x decode pair, "
-                      "sent straight to the pair before anything is registered", 120))
-    reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
-    for inst in pl.instances:
-        bp = f" bootstrap {inst.bootstrap_port}" if inst.bootstrap_port else ""
-        steps.append(Step("register", gw.host, f"{inst.id}: POST /workers {inst.url} ({inst.role}{bp}), wait healthy",
-                          reg_s))
+        steps.append(Step("admission", adm.host, f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of "
+                          f"the gateway, wait for {adm.url} to answer", 30, params={"restart": fresh}))
+    steps += start_steps(inv, pl.instances, restart=fresh, group="start")
+    pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode")]
+    steps.append(canary_step("canary", pairs, retry_once=False,
+                             why="sent straight to each pair before anything is registered"))
+    steps += register_steps(inv, pl.instances, group="register")
     steps.append(Step("record", None, "write the revision, move `current` to it, release the lock"))
     return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous)
 
 
+# ---------------------------------------------------------------- step builders (shared by deploy and scale)
+
+def connect_step(hosts: list[str]) -> Step:
+    return Step("connect", None, f"SSH to {len(hosts)} hosts in parallel: {', '.join(hosts)}", 30,
+                params={"hosts": list(hosts)})
+
+
+def preflight_step(skip_checks: set[str], pl: Placement, previous: Placement | None) -> Step:
+    return Step("preflight", None, "host, limits, ports, versions and P x D pairing checks; refuse a failing host"
+                + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else ""),
+                params={"skip": sorted(skip_checks), "placement": pl, "previous": previous})
+
+
+def delivery_steps(inv: Inventory, pl: Placement, files: list[RenderedFile], meta: dict | None = None) -> list[Step]:
+    return [Step("render", None, f"{len(files)} files into the revision's build folder, with a manifest",
+                 params={"files": files, "meta": meta or {}}),
+            Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
+                 "units, launch scripts, 0600 env files, daemon-reload, enable)", params={"placement": pl})]
+
+
+def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> list[Step]:
+    start_s = float(inv.vars.get("pdops_start_timeout_s", 900))
+    return [Step(f"start {i.id}", i.head.host, f"{i.id} ({i.role}): {'restart' if restart else 'start'} "
+                 f"{', '.join(f'{h}:{u}' for h, u in i.units)}, wait {i.url}/health", start_s,
+                 kind="start", params={"instance": i.id, "restart": restart}, group=group) for i in insts]
+
+
+def canary_step(name: str, pairs: list[tuple[str, str]], *, retry_once: bool, why: str, instance: str | None = None) -> Step:
+    return Step(name, None, f"{len(pairs)} generation request(s), one through each prefill x decode pair "
+                f"({', '.join(f'{p} x {d}' for p, d in pairs)}), {why}", 120, kind="canary",
+                params={"pairs": pairs, "retry_once": retry_once, **({"instance": instance} if instance else {})})
+
+
+def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
+    reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
+    out = []
+    for i in insts:
+        bp = f" bootstrap {i.bootstrap_port}" if i.bootstrap_port else ""
+        out.append(Step(f"register {i.id}", inv.gateway.host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}), "
+                        "wait until /workers lists it healthy", reg_s, kind="register", params={"instance": i.id},
+                        group=group))
+    return out
+
+
 # ---------------------------------------------------------------- doing
 
-class DeployFailed(PdopsError):
-    exit_code = 7
-    kind = "deploy failed"
 
 
 def _ansible_files(build: Path, files: list[RenderedFile]) -> dict:
@@ -161,12 +196,12 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
             "hosts": {h: vars(r) for h, r in res.recap.items()}}
 
 
-def start_gateway(inv: Inventory, pool: HostPool, say: Say, restart: bool) -> dict:
+def start_gateway(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 60) -> dict:
     gw = inv.gateway
     verb = "restart" if restart else "start"
     pool.run(gw.host, f"systemctl {verb} {q(GATEWAY_UNIT)}")
     client = GatewayClient(gw.url, api_key_file=gw.api_key_file)
-    deadline = deadline_in(60)
+    deadline = deadline_in(deadline_s)
     while True:
         try:
             client.health()
@@ -183,13 +218,13 @@ def start_gateway(inv: Inventory, pool: HostPool, say: Say, restart: bool) -> di
     return {"url": gw.url, "main_pid": st.main_pid, "unit": GATEWAY_UNIT}
 
 
-def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool) -> dict | None:
+def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 30) -> dict | None:
     """Start the admission layer (HAProxy) after the gateway; wait until it answers HTTP."""
     adm = admission_config(inv)
     if adm is None:
         return None
     pool.run(adm.host, f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
-    deadline = deadline_in(30)
+    deadline = deadline_in(deadline_s)
     while True:
         try:
             status, _ = http_json("GET", f"{adm.url}/health", timeout=3)
@@ -249,7 +284,7 @@ def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float =
     return w.id or worker_id
 
 
-def _undo_registrations(client: GatewayClient, pl: Placement, workers: dict, bad: dict, fresh: bool,
+def _undo_registrations(client: GatewayClient, pl: Placement, workers: dict, bad: list, fresh: bool,
                         say: Say) -> dict:
     """After a failed registration: remove from the gateway what this deploy could not verify (any
     worker listed for a failed instance) and, on a fresh cluster, what it registered (no revision
@@ -317,117 +352,189 @@ def canary_pair(p: Instance, d: Instance, timeout: float = 60) -> dict:
     return out
 
 
-def canary_all(pl: Placement, say: Say) -> dict:
-    pairs = [(p, d) for p in pl.role("prefill") for d in pl.role("decode")]
-    res = run_parallel(pairs, lambda pd: canary_pair(*pd), max_workers=16)
+def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once: bool = False,
+                 deadline_s: float | None = None) -> dict:
+    """One canary through each pair, in parallel; DeployFailed naming every pair that failed.
+
+    `retry_once`: a decode keeps the route to a prefill's bootstrap address and drops it only
+    when a transfer through it fails, so an instance re-added at an address it had before
+    (rollback, re-scale) fails its first canary with each decode that knew the old process.
+    One retry per pair, before the instance is registered (no user request can reach it)."""
+    timeout = min(60.0, deadline_s / (2 if retry_once else 1)) if deadline_s else 60.0
+    res = run_parallel(pairs, lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
     bad = failures(res)
+    retried = {}
+    if bad and retry_once:
+        retried = {f"{p.id}x{d.id}": str(e) for (p, d), e in bad.items()}
+        say(f"  first canary failed for {', '.join(retried)} (a decode may hold a stale route to this address); "
+            "retrying each once")
+        again = run_parallel(list(bad), lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
+        res.update(again)
+        bad = failures(again)
     if bad:
         names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
         raise DeployFailed(f"canary failed for {names}", fix="the named pair cannot serve; check its transfer "
                            "settings (bootstrap port reachable, NIC/GID) with `inv preflight`",
                            evidence="\n".join(str(e) for e in bad.values()))
-    say(f"  canary ok through all {len(pairs)} prefill x decode pairs")
-    return {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
+    say(f"  canary ok through {len(pairs)} prefill x decode pair(s)")
+    out = {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
+    if retried:
+        out["first_attempt_failed"] = retried
+    return out
 
 
-def execute_deploy(plan: DeployPlan, say: Say = print) -> dict:
-    """Carry out a deploy plan. Returns the verdict: the new revision, what was verified and
-    what could not be (skipped checks never count as verified). Raises with a verdict on failure."""
+def _placement_of(ctx: RunContext) -> Placement:
+    return ctx.data["placement"]
+
+
+def _inst(ctx: RunContext, step: Step) -> Instance:
+    return _placement_of(ctx).get(step.instance)
+
+
+def do_connect(ctx: RunContext, step: Step) -> Outcome:
+    return Outcome(evidence=ctx.pool.connect_all(step.params["hosts"]))
+
+
+def do_preflight(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.preflight import preflight_gate
+
+    skip = set(step.params["skip"])
+    report, ev = preflight_gate(ctx.inv, step.params["placement"], ctx.pool, skip, ctx.say,
+                                previous=step.params["previous"])
+    from pdops.preflight import PASS
+
+    passed = sum(r.status == PASS for r in report.results)
+    pairing = "" if report.matrix is None or report.matrix.skipped else "; P x D pairing matrix: every cell ok"
+    return Outcome(evidence=ev, verified=[f"preflight: {passed} check(s) passed on {len(report.hosts)} host(s), "
+                                          f"none failed{pairing}"],
+                   unverified=preflight_unverified(report, skip))
+
+
+def do_render(ctx: RunContext, step: Step) -> Outcome:
+    build = ctx.state.path / "builds" / ctx.op
+    write_build(step.params["files"], build, {"op": ctx.op, **step.params["meta"]})
+    ctx.data["build"] = build
+    ctx.data["files"] = step.params["files"]
+    return Outcome(evidence={"build": str(build), "files": len(step.params["files"])})
+
+
+def do_deliver(ctx: RunContext, step: Step) -> Outcome:
+    ctx.say(f"  delivering {len(ctx.data['files'])} rendered files with Ansible")
+    return Outcome(evidence=deliver(ctx.inv, step.params["placement"], ctx.data["files"], ctx.data["build"], None,
+                                    ctx.say))
+
+
+def do_gateway(ctx: RunContext, step: Step) -> Outcome:
+    ev = start_gateway(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline)
+    ctx.data.setdefault("started", []).append(f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}")
+    return Outcome(evidence=ev, verified=[f"gateway {GATEWAY_UNIT} active and answering {ctx.inv.gateway.url}/health"])
+
+
+def do_admission(ctx: RunContext, step: Step) -> Outcome:
+    ev = start_admission(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline)
+    return Outcome(evidence=ev, verified=[f"admission layer answering {ev['url']}"])
+
+
+def do_start(ctx: RunContext, step: Step) -> Outcome:
+    inst = _inst(ctx, step)
+    ctx.data.setdefault("started_instances", {})[inst.id] = inst
+    ctx.data.setdefault("started", []).extend(f"{h}:{u}" for h, u in inst.units)
+    try:
+        ev = start_instance(ctx.inv, ctx.pool, inst, step.deadline, ctx.say, step.params["restart"])
+    except PdopsError as exc:
+        raise DeployFailed(f"{inst.id} did not start: {exc.message}", evidence=exc.evidence,
+                           fix="nothing was registered with the gateway; read the evidence, fix the cause and "
+                               "deploy again") from None
+    ctx.data.setdefault("healthy", set()).add(inst.id)
+    return Outcome(evidence=ev, verified=[f"{inst.id} active and healthy on its own /health (MainPID "
+                                          f"{', '.join(map(str, ev['main_pids'].values()))})"])
+
+
+def do_canary(ctx: RunContext, step: Step) -> Outcome:
+    pl = _placement_of(ctx)
+    pairs = [(pl.get(p), pl.get(d)) for p, d in step.params["pairs"]]
+    ev = canary_pairs(pairs, ctx.say, retry_once=step.params["retry_once"], deadline_s=step.deadline)
+    return Outcome(evidence=ev, verified=[f"a canary generation through each of {len(pairs)} prefill x decode "
+                                          f"pair(s): {', '.join(f'{p.id} x {d.id}' for p, d in pairs)}"])
+
+
+def do_register(ctx: RunContext, step: Step) -> Outcome:
+    inst = _inst(ctx, step)
+    ctx.data.setdefault("posted", set()).add(inst.id)
+    try:
+        wid = register(ctx.gateway, inst, ctx.say, step.deadline)
+    except PdopsError as exc:
+        raise DeployFailed(f"{inst.id} not registered healthy: {exc.message}", evidence=exc.evidence,
+                           fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
+                               "gateway's; fix the cause and deploy again") from None
+    ctx.data.setdefault("workers", {})[inst.id] = wid
+    return Outcome(evidence={"worker_id": wid}, verified=[f"{inst.id} registered (worker {wid}) and listed healthy "
+                                                          "by the gateway's /workers"])
+
+
+def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
+    plan: DeployPlan = ctx.data["deploy_plan"]
+    pl, workers = plan.placement, ctx.data["workers"]
+    instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
+                        "worker_id": workers[i.id], "url": i.url} for i in pl.instances}
+    rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
+                                   placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
+                                   outcome="deployed", op_id=ctx.op,
+                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"])})
+    ctx.state.set_current(rev.number)
+    ctx.data["verdict"] = {"revision": rev.number}
+    return Outcome(evidence={"revision": rev.number},
+                   verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
+
+
+# one executor per step kind; scale and rollback use the same ones
+EXECUTORS = {"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
+             "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
+             "register": do_register}
+
+
+def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool | None = None,
+                   gateway: GatewayClient | None = None) -> dict:
+    """Walk a deploy plan with the runner. Returns the verdict: the new revision, what was verified
+    and what could not be (skipped checks never count as verified). Raises with a verdict on failure.
+    `pool` and `gateway` are the operation's connections (opened here when not passed in)."""
     inv, pl = plan.inv, plan.placement
     state = state_for(inv)
     op = new_op_id("deploy")
-    journal = state.journal()
-    started: list[str] = []
-    verified: list[str] = []
-    unverified: list[str] = []
-    with state.lock("deploy", op_id=op):
-        journal.step(op, "plan", "ok", {"topology": str(pl.topology), "steps": [str(s) for s in plan.steps]})
+    with state.lock("deploy", op_id=op), _connections(inv, pool, gateway) as (pool, gateway):
+        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan})
         try:
-            with HostPool(inv) as pool:
-                say(f"[1/7] connecting to {len(plan.hosts)} hosts")
-                journal.step(op, "connect", "ok", pool.connect_all(plan.hosts))
-                say("[2/7] preflight checks")
-                from pdops.preflight import preflight_gate
-
-                report = preflight_gate(inv, pl, pool, plan.skip_checks, journal, op, say, previous=plan.previous)
-                verified.append(f"preflight: {report.verdict()}")
-                unverified += preflight_unverified(report, plan.skip_checks)
-
-                build = state.path / "builds" / op
-                write_build(plan.files, build, {"topology": str(pl.topology), "op": op})
-                say(f"[3/7] delivering {len(plan.files)} rendered files with Ansible")
-                ev = deliver(inv, pl, plan.files, build, None, say)
-                journal.step(op, "deliver", "ok", ev)
-
-                say("[4/7] starting the gateway, then every instance")
-                fresh = state.current() is None
-                journal.step(op, "gateway", "ok", start_gateway(inv, pool, say, restart=fresh))
-                started.append(f"{inv.gateway.host}:{GATEWAY_UNIT}")
-                verified.append(f"gateway {GATEWAY_UNIT} active and answering {inv.gateway.url}/health")
-                adm_ev = start_admission(inv, pool, say, restart=fresh)
-                if adm_ev:
-                    journal.step(op, "admission", "ok", adm_ev)
-                    verified.append(f"admission layer answering {adm_ev['url']}")
-                deadline_s = float(inv.vars.get("pdops_start_timeout_s", 900))
-                res = run_parallel(list(pl.instances), lambda i: start_instance(inv, pool, i, deadline_s, say, fresh))
-                started += [f"{h}:{u}" for i in pl.instances for h, u in i.units]
-                for inst, r in res.items():
-                    journal.step(op, f"start {inst.id}", "failed" if isinstance(r, Exception) else "ok",
-                                 {"error": str(r)} if isinstance(r, Exception) else r)
-                bad = failures(res)
-                if bad:
-                    first = next(iter(bad.values()))
-                    raise DeployFailed(f"{len(bad)} instance(s) did not start: {', '.join(i.id for i in bad)}",
-                                       evidence=first.render() if isinstance(first, PdopsError) else str(first),
-                                       fix="nothing was registered with the gateway; read the evidence, fix the "
-                                           "cause and deploy again")
-                verified.append(f"{len(pl.instances)} instance(s) active and healthy on their own /health "
-                                "(MainPIDs recorded)")
-
-                say("[5/7] canary through every prefill x decode pair, before anything is registered")
-                try:
-                    canary = canary_all(pl, say)
-                except DeployFailed as exc:
-                    journal.step(op, "canary", "failed", {"error": exc.render()})
-                    raise
-                journal.step(op, "canary", "ok", canary)
-                verified.append(f"a canary generation through every one of the {len(canary)} prefill x decode pairs")
-
-                say("[6/7] registering every instance with the gateway")
-                client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-                reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
-                res = run_parallel(list(pl.instances), lambda i: register(client, i, say, reg_s), max_workers=16)
-                workers = {i.id: r for i, r in res.items() if not isinstance(r, Exception)}
-                bad = failures(res)
-                journal.step(op, "register", "failed" if bad else "ok",
-                             {**workers, **{i.id: f"error: {e}" for i, e in bad.items()}})
-                if bad:
-                    first = next(iter(bad.values()))
-                    undone = _undo_registrations(client, pl, workers, bad, fresh, say)
-                    journal.step(op, "undo-register", "ok" if undone["left"] == [] else "failed", undone)
-                    raise DeployFailed(f"{len(bad)} instance(s) not registered healthy: {', '.join(i.id for i in bad)}",
-                                       evidence=first.render() if isinstance(first, PdopsError) else str(first),
-                                       fix="read the instance's journal (`journalctl -u <unit>` on its host) and "
-                                           "the gateway's; fix the cause and deploy again")
-                verified.append(f"{len(workers)} worker(s) registered and listed healthy by the gateway's /workers")
-
-                say("[7/7] recording the revision")
-                instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
-                                    "worker_id": workers[i.id], "url": i.url} for i in pl.instances}
-                rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest,
-                                           placement=pl.to_dict(), manifest=manifest(plan.files),
-                                           instances=instances, outcome="deployed", op_id=op,
-                                           extra={"gateway": inv.gateway.url, "build": str(build)})
-                state.set_current(rev.number)
-                journal.step(op, "record", "ok", {"revision": rev.number})
-                verified.append(f"revision {rev.number} ({pl.topology}) recorded and current")
-                verdict = {"revision": rev.number, "verified": verified, "unverified": unverified}
-                journal.step(op, "verdict", "ok", verdict)
-                return verdict
+            verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_deploy})
         except PdopsError as exc:
-            current = state.current()
-            left = ", ".join(started) or "nothing"
-            journal.step(op, "verdict", "failed", {"error": exc.render(), "left_running": started, "current": current})
-            exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
-                            f"units started by this deploy (left for inspection): {left}")
+            _deploy_failed(ctx, exc, fresh=plan.previous is None)
             raise
+        state.journal().step(op, "verdict", "ok", verdict)
+        return verdict
+
+
+@contextlib.contextmanager
+def _connections(inv: Inventory, pool: HostPool | None, gateway: GatewayClient | None):
+    """The operation's host pool and gateway client: the caller's, or opened (and closed) here."""
+    gateway = gateway or GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+    if pool is not None:
+        yield pool, gateway
+        return
+    with HostPool(inv) as own:
+        yield own, gateway
+
+
+def _deploy_failed(ctx: RunContext, exc: PdopsError, *, fresh: bool) -> None:
+    """The failure verdict: remove what was registered but cannot be recorded, say what runs."""
+    workers = ctx.data.get("workers", {})
+    posted = ctx.data.get("posted", set())
+    if posted:
+        pl = _placement_of(ctx)
+        bad = [pl.get(i) for i in posted if i not in workers]
+        undone = _undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
+        ctx.journal.step(ctx.op, "undo-register", "ok" if not undone["left"] else "failed", undone)
+    started = ctx.data.get("started", [])
+    current = ctx.state.current()
+    ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render(), "left_running": started,
+                                                   "current": current, "completed": ctx.done})
+    exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
+                    f"units started by this deploy (left for inspection): {', '.join(started) or 'nothing'}")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
+from pdops.errors import DrainFailed, InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import cgroup as cg_facts
 from pdops.facts import engine as engine_facts
 from pdops.facts import nvidia as nv_facts
@@ -25,15 +25,12 @@ from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
-from pdops.runner import Step
+from pdops.runner import Outcome, Plan, RunContext, Step, walk
 from pdops.state import Revision, StateDir, new_op_id
 
 Say = Callable[[str], None]
 
 
-class DrainFailed(PdopsError):
-    exit_code = 8
-    kind = "drain stopped"
 
 
 @dataclass
@@ -50,14 +47,16 @@ class DrainPlan:
     persist: bool = True
     notes: list[str] = field(default_factory=list)
 
-    def render(self) -> str:
+    @property
+    def plan(self) -> Plan:
         i = self.instance
         verb = "drain" if not self.skip_gateway else "stop"
-        lines = [f"plan: {verb} {i.id} ({i.role}, {', '.join(f'{h}:{u}' for h, u in i.units)}) from revision "
-                 f"{self.rev.number} ({self.rev.topology})"]
-        lines += [f"  {n:2d}. {s}" for n, s in enumerate(self.steps, 1)]
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        title = (f"plan: {verb} {i.id} ({i.role}, {', '.join(f'{h}:{u}' for h, u in i.units)}) from revision "
+                 f"{self.rev.number} ({self.rev.topology}), under the cluster lock")
+        return Plan(verb, title, self.steps, self.notes, head={"instance": i.id, "revision": self.rev.number})
+
+    def render(self) -> str:
+        return self.plan.render()
 
 
 def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool = False,
@@ -81,35 +80,53 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     if wait_s <= 0 or interval_s < 0:
         raise InvalidInput("--wait/--interval", "must be positive seconds", fix="e.g. --wait 600 --interval 5")
     worker = (rev.instances.get(inst.id) or {}).get("worker_id")
-    steps = [Step("lock", None, f"take the {inv.cluster} cluster lock for the whole operation")]
-    if not skip_gateway:
-        steps += [
-            Step("leave-gateway", inv.gateway.host, f"DELETE /workers/{worker}; verify it is gone from /workers; "
-                 "requests already routed to it keep running", 30),
-            Step("wait-empty", inst.head.host, "until no request ID is open in its request log and every queue "
-                 "(running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
-                 "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
-                 + (" (--force-after: stop anyway, loss recorded)" if force_after else ""), wait_s),
-            Step("empty-check-1", None, "read every source again: request log, /v1/loads, /metrics"),
-            Step("empty-check-2", None, f"after {interval_s:g}s, read every source again"),
-        ]
-    steps += [
-        Step("record-identity", None, "MainPID, ControlGroup, the cgroup's processes and the process tree "
-             "with start times, on every rank"),
-        Step("stop", None, "systemctl stop, rank 0 first, then verify the other ranks exit and stop their units", 
-             inv.stop_timeout_s),
-        Step("verify-stop", None, "cgroup empty (or removed), every recorded PID gone or reused, ports closed, "
-             "no GPU compute process of it (skipped where nvidia-smi is absent)"),
-    ]
+    steps = drain_steps(inv, inst, worker, wait_s=wait_s, interval_s=interval_s, force_after=force_after,
+                        gateway=not skip_gateway)
     notes = []
     if not skip_gateway:
-        steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept"))
+        steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept",
+                          params={"instance": inst.id}))
         if inst.role == "prefill":
             notes.append("a drained prefill's prefix cache is lost: cold inputs will be slower for a while")
     else:
         notes.append("stop only: the instance stays in the current revision (shown as stopped by `inv status`)")
     return DrainPlan(inv, rev, pl, inst, steps, wait_s, interval_s, force_after, skip_gateway,
                      persist=not skip_gateway, notes=notes)
+
+
+def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s: float, interval_s: float,
+                force_after: bool = False, gateway: bool = True, prefix: str = "", in_change: bool = False,
+                check_ports: bool = True, resume: bool = True) -> list[Step]:
+    """Rule 4 for one instance as steps: the one drain sub-plan that drain, scale and rollback
+    embed (`prefix` names the instance in the step ids when an operation has several drains).
+    `gateway=False`: the verified stop alone (`inv stop`); `check_ports=False` for an instance
+    that never listened (its port may be someone else's); `resume=False` (undoing an add): always
+    stop, never accept units found stopped as the work of an earlier drain."""
+    p = {"instance": inst.id, "in_change": in_change, "check_ports": check_ports, "resume": resume}
+    steps = []
+    if gateway:
+        steps += [
+            Step(f"{prefix}leave-gateway", inv.gateway.host, f"DELETE /workers/{worker_id}; verify it is gone from "
+                 "/workers; requests already routed to it keep running", 30, params={**p, "worker_id": worker_id}),
+            Step(f"{prefix}wait-empty", inst.head.host, "until no request ID is open in its request log and every "
+                 "queue (running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
+                 "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
+                 + (" (--force-after: stop anyway, loss recorded)" if force_after else ""), wait_s,
+                 params={**p, "force_after": force_after}),
+            Step(f"{prefix}empty-check-1", inst.head.host, "read every source again: request log, /v1/loads, /metrics",
+                 60, kind="empty-check", params={**p, "n": 1, "pause": 0.0}),
+            Step(f"{prefix}empty-check-2", inst.head.host, f"after {interval_s:g}s, read every source again",
+                 interval_s + 60, kind="empty-check", params={**p, "n": 2, "pause": interval_s}),
+        ]
+    steps += [
+        Step(f"{prefix}record-identity", inst.head.host, "MainPID, ControlGroup, the cgroup's processes and the "
+             "process tree with start times, on every rank", 60, params=p),
+        Step(f"{prefix}stop", inst.head.host, "systemctl stop, rank 0 first, then the other ranks; disable the units",
+             inv.stop_timeout_s + 60, params=p),
+        Step(f"{prefix}verify-stop", inst.head.host, "cgroup empty (or removed), every recorded PID gone or reused, "
+             "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)", 60, params=p),
+    ]
+    return steps
 
 
 # ---------------------------------------------------------------- reading the instance
@@ -279,13 +296,13 @@ def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: 
                         empty, survivors, open_ports, gpu, records)
 
 
-def leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None) -> list[str]:
+def leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None, deadline_s: float = 30) -> list[str]:
     """Remove the instance's worker(s) from the gateway by id (or, failing that, by URL) and
     wait until /workers no longer lists them. Returns the ids removed ([] when already gone)."""
     listed = [w for w in client.list_workers() if (worker_id and w.id == worker_id) or w.url == inst.url]
     for w in listed:
         client.remove_worker(w.id)
-        client.wait_worker_gone(w.id, deadline_in(30))
+        client.wait_worker_gone(w.id, deadline_in(deadline_s))
     return [w.id for w in listed]
 
 
@@ -317,24 +334,30 @@ class StopResult:
                              for e in self.evidence}}
 
 
-def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, check_ports: bool = True,
-                    say: Say | None = None) -> StopResult:
-    """Stop an instance by identity and prove it: record every rank's MainPID, cgroup and process
-    tree (start times) first; stop rank 0, then the other ranks; disable the units; then verify
-    the cgroups are empty, every recorded PID is gone or reused and the ports are closed.
-    Raises Unverified, naming what survived; nothing is ever killed by name.
-    `check_ports=False` for an instance that never listened (its port may be someone else's)."""
-    idents = {u: record_identity(pool, h, u) for h, u in inst.units}
+def record_identities(pool: HostPool, inst: Instance) -> dict:
+    """Every rank's MainPID, cgroup and process tree (start times), before a stop."""
+    return {u: record_identity(pool, h, u) for h, u in inst.units}
+
+
+def stop_units(pool: HostPool, inst: Instance, stop_timeout_s: float, say: Say | None = None) -> float:
+    """systemctl stop every rank's unit, rank 0 first (ranks >= 1 exit with it), then disable them.
+    Returns the seconds the stop took."""
     t0 = time.monotonic()
     head_host, head_unit = inst.units[0]
     if say:
         say(f"  stopping {head_unit} on {head_host} (SIGTERM to the main process; SIGKILL to the cgroup "
             f"after {stop_timeout_s:g}s)")
-    for h, u in inst.units:  # rank 0 first: ranks >= 1 exit with it
+    for h, u in inst.units:
         pool.run(h, f"systemctl stop {q(u)}", timeout=stop_timeout_s + 60)
     for h, u in inst.units:
         pool.run(h, f"systemctl disable {q(u)}; systemctl reset-failed {q(u)} 2>/dev/null || true")
-    seconds = round(time.monotonic() - t0, 2)
+    return round(time.monotonic() - t0, 2)
+
+
+def verify_units_stopped(pool: HostPool, inst: Instance, idents: dict, seconds: float, *, check_ports: bool = True,
+                         say: Say | None = None) -> StopResult:
+    """Prove the stop from what the hosts report now (see :func:`verify_stopped`)."""
+    head_unit = inst.units[0][1]
     strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
     ports = [p for p in (inst.http_port, inst.bootstrap_port) if p] if check_ports else []
     evidence = [verify_stopped(pool, idents[u], ports if u == head_unit else [], inst.head.data_addr)
@@ -355,6 +378,16 @@ def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, ch
     return result
 
 
+def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, check_ports: bool = True,
+                    say: Say | None = None) -> StopResult:
+    """Stop an instance by identity and prove it (record, stop, verify in one call; the runner's
+    steps are the same three pieces). Raises StopUnverified naming what survived; nothing is
+    ever killed by name. `check_ports=False` for an instance that never listened."""
+    idents = record_identities(pool, inst)
+    seconds = stop_units(pool, inst, stop_timeout_s, say)
+    return verify_units_stopped(pool, inst, idents, seconds, check_ports=check_ports, say=say)
+
+
 class StopUnverified(Unverified):
     """A stop whose outcome is not proven; carries the StopResult (identity and evidence)."""
 
@@ -372,14 +405,20 @@ class StopUnverified(Unverified):
                              f"processes listed, then `inv stop --instance {inst.id} --kill-survivors` ends exactly "
                              "those PIDs (checked by start time) and verifies again (docs/runbooks/stop-survivors.md)")
         self.result = result
+        self.journal_evidence = stop_evidence(inst, result)
+
+
+def stop_evidence(inst: Instance, result: StopResult) -> dict:
+    """The stop's identity and evidence for the journal, with the instance and its survivors by
+    PID and start time (what `inv stop --kill-survivors` reads)."""
+    return {"instance": inst.id, "verified": result.verified, "survivors": result.survivor_records,
+            **result.journal()}
 
 
 def journal_stop(j, op: str, step: str, inst: Instance, result: StopResult) -> None:
     """The stop's identity and evidence in the journal, with the instance and its survivors by
     PID and start time (what `inv stop --kill-survivors` reads)."""
-    j.step(op, step, "ok" if result.verified else "failed",
-           {"instance": inst.id, "verified": result.verified, "survivors": result.survivor_records,
-            **result.journal()})
+    j.step(op, step, "ok" if result.verified else "failed", stop_evidence(inst, result))
 
 
 # ---------------------------------------------------------------- survivors of a stop
@@ -422,12 +461,14 @@ def kill_command(records: list[dict]) -> str:
     return f"python3 -c {q(_KILL_SCRIPT)} {args}"
 
 
-def last_stop_record(j, instance: str) -> dict | None:
-    """The journal's latest verified-stop record of `instance` (drain, stop, scale or kill-survivors)."""
+def last_stop_record(j, instance: str, *, failed_only: bool = False) -> dict | None:
+    """The journal's latest stop-verification record of `instance` (drain, stop, scale or
+    kill-survivors); with `failed_only`, the latest one that was not verified."""
     for r in reversed(j.records()):
         ev = r.get("evidence") or {}
         if ev.get("instance") == instance and isinstance(ev.get("survivors"), list):
-            return r
+            if not failed_only or r.get("status") == "failed":
+                return r
     return None
 
 
@@ -453,11 +494,15 @@ class KillPlan:
     from_op: str
     steps: list[Step]
 
+    @property
+    def plan(self) -> Plan:
+        return Plan("stop", f"plan: end the processes that survived the stop of {self.instance.id} (recorded by "
+                    f"{self.from_op}), under the cluster lock", self.steps,
+                    ["only these PIDs, each only while its start time is the recorded one; nothing by name"],
+                    head={"instance": self.instance.id, "kill_survivors": True, "from_op": self.from_op})
+
     def render(self) -> str:
-        lines = [f"plan: end the processes that survived the stop of {self.instance.id} (recorded by {self.from_op})"]
-        lines += [f"  {n:2d}. {s}" for n, s in enumerate(self.steps, 1)]
-        lines.append("  note: only these PIDs, each only while its start time is the recorded one; nothing by name")
-        return "\n".join(lines)
+        return self.plan.render()
 
 
 def plan_kill_survivors(inv: Inventory, state: StateDir, instance_id: str) -> KillPlan:
@@ -472,244 +517,320 @@ def plan_kill_survivors(inv: Inventory, state: StateDir, instance_id: str) -> Ki
     if not survivors:
         raise Refused(f"no stop of {inst.id} with surviving processes is recorded: nothing to end",
                       fix=f"`inv stop --instance {inst.id}` stops and verifies; it lists any survivor")
-    steps = [Step("lock", None, f"take the {inv.cluster} cluster lock"),
-             Step("check-units", inst.head.host, f"every unit of {inst.id} is inactive (refuse if it runs again)")]
-    steps += [Step("kill-survivor", r["host"], f"SIGKILL PID {r['pid']} only if its start time is still "
-                   f"{r['start_ticks']}: {r['cmdline']} (cgroup {r['cgroup']}, ports {r['ports'] or 'none'})", 10)
-              for r in survivors]
-    steps.append(Step("verify-stop", None, "every recorded PID gone or reused, the instance's ports closed, no GPU "
-                      "compute process of it (skipped where nvidia-smi is absent)", 10))
+    p = {"instance": inst.id}
+    steps = [Step("check-units", inst.head.host, f"every unit of {inst.id} is inactive (refuse if it runs again)",
+                  30, params=p)]
+    for host in sorted({r["host"] for r in survivors}):
+        mine = [r for r in survivors if r["host"] == host]
+        steps.append(Step(f"kill-survivors {host}", host, "; ".join(
+            f"SIGKILL PID {r['pid']} only if its start time is still {r['start_ticks']}: {r['cmdline']} "
+            f"(cgroup {r['cgroup']}, ports {r['ports'] or 'none'})" for r in mine), 30, kind="kill-survivors",
+            params={**p, "records": mine}))
+    steps.append(Step("verify-stop", inst.head.host, "every recorded PID gone or reused, the instance's ports closed, "
+                      "no GPU compute process of it (skipped where nvidia-smi is absent)", 30, kind="verify-gone",
+                      params={**p, "records": survivors}))
     return KillPlan(inv, rev, inst, survivors, rec["op_id"], steps)
 
 
-def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print) -> dict:
-    """End the recorded survivors by PID and start time, then verify the stop again."""
-    inst = plan.instance
-    op = new_op_id("stop")
-    j = state.journal()
-    with state.lock("stop", op_id=op):
-        j.step(op, "plan", "ok", {"instance": inst.id, "kill_survivors": True, "from_op": plan.from_op,
-                                  "steps": [str(s) for s in plan.steps]})
-        try:
-            with HostPool(plan.inv) as pool:
-                for h, u in inst.units:
-                    st = pool.unit_states(h, [u])[u]
-                    if st.is_active:
-                        raise Refused(f"{u} on {h} is {st.active_state} again: its processes are not survivors now",
-                                      fix=f"`inv stop --instance {inst.id}` first")
-                j.step(op, "check-units", "ok", {"units": [u for _, u in inst.units]})
-                results = []
-                for host in sorted({r["host"] for r in plan.survivors}):
-                    mine = [r for r in plan.survivors if r["host"] == host]
-                    out = pool.run(host, kill_command(mine)).stdout
-                    for res in json.loads(out.strip().splitlines()[-1]):
-                        res["host"] = host
-                        results.append(res)
-                        say(f"  {host} PID {res['pid']}: {res['status']}" + (f" ({res['why']})" if res.get("why") else ""))
-                j.step(op, "kill-survivor", "ok", {"results": results})
-                deadline = time.monotonic() + 10
-                while True:
-                    left = alive_survivors(pool, plan.survivors)
-                    if not left or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.2)
-                listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
-                ports = [p for p in (inst.http_port, inst.bootstrap_port)
-                         if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
-                gpu_out = pool.run(inst.head.host, nv_facts.apps_command()).stdout
-                sk = skipped_in(gpu_out)
-                ok = not left and not ports
-                j.step(op, "verify-stop", "ok" if ok else "failed",
-                       {"instance": inst.id, "verified": ok, "survivors": left, "ports_open": ports,
-                        "gpu": f"skipped: {sk.reason}" if sk is not None else "read"})
-                if not ok:
-                    raise Unverified(f"{inst.id}: the stop is still NOT verified",
-                                     evidence="\n".join([f"survivor: {describe_survivor(r)}" for r in left]
-                                                        + ([f"ports still listening: {ports}"] if ports else [])),
-                                     fix="inspect these by hand; pdops kills only recorded processes")
-        except PdopsError as exc:
-            j.step(op, "verdict", "failed", {"error": exc.render()})
-            raise
+def do_check_units(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    for h, u in inst.units:
+        st = ctx.pool.unit_states(h, [u])[u]
+        if st.is_active:
+            raise Refused(f"{u} on {h} is {st.active_state} again: its processes are not survivors now",
+                          fix=f"`inv stop --instance {inst.id}` first")
+    return Outcome(evidence={"units": [u for _, u in inst.units]})
+
+
+def do_kill_survivors(ctx: RunContext, step: Step) -> Outcome:
+    out = ctx.pool.run(step.host, kill_command(step.params["records"])).stdout
+    results = json.loads(out.strip().splitlines()[-1])
+    for res in results:
+        ctx.say(f"  {step.host} PID {res['pid']}: {res['status']}" + (f" ({res['why']})" if res.get("why") else ""))
     killed = [f"PID {r['pid']}" for r in results if r["status"] == "killed"]
-    verdict = {"instance": inst.id,
-               "verified": [f"ended {', '.join(killed) or 'nothing (already gone)'} by PID and start time",
-                            "every recorded PID gone or reused",
-                            f"ports {', '.join(str(p) for p in (inst.http_port, inst.bootstrap_port) if p)} closed"],
-               "unverified": [f"GPU processes: skipped: {sk.reason}"] if sk is not None else [],
-               "notes": [f"{inst.id} is still in revision {plan.rev.number}: `inv drain --instance {inst.id}` "
-                         "resumes the drain and records it"]}
-    j.step(op, "verdict", "ok", verdict)
+    return Outcome(evidence={"results": results},
+                   verified=[f"ended {', '.join(killed) or 'nothing (already gone)'} on {step.host} by PID and "
+                             "start time"])
+
+
+def do_verify_gone(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    deadline = ctx.deadline(step) - 10
+    while True:
+        left = alive_survivors(ctx.pool, step.params["records"])
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    listeners = port_facts.parse(ctx.pool.run(inst.head.host, port_facts.command()).stdout)
+    ports = [p for p in (inst.http_port, inst.bootstrap_port)
+             if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+    sk = skipped_in(ctx.pool.run(inst.head.host, nv_facts.apps_command()).stdout)
+    ev = {"instance": inst.id, "verified": not left and not ports, "survivors": left, "ports_open": ports,
+          "gpu": f"skipped: {sk.reason}" if sk is not None else "read"}
+    if left or ports:
+        exc = Unverified(f"{inst.id}: the stop is still NOT verified",
+                         evidence="\n".join([f"survivor: {describe_survivor(r)}" for r in left]
+                                            + ([f"ports still listening: {ports}"] if ports else [])),
+                         fix="inspect these by hand; pdops kills only recorded processes")
+        exc.journal_evidence = ev
+        raise exc
+    return Outcome(evidence=ev, verified=["every recorded PID gone or reused",
+                                          f"ports {', '.join(str(p) for p in (inst.http_port, inst.bootstrap_port) if p)}"
+                                          " closed"],
+                   unverified=[f"GPU processes: skipped: {sk.reason}"] if sk is not None else [])
+
+
+def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool | None = None,
+                           gateway: GatewayClient | None = None) -> dict:
+    """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
+    from pdops.deploy import _connections
+
+    op = new_op_id("stop")
+    with state.lock("stop", op_id=op), _connections(plan.inv, pool, gateway) as (pool, gateway):
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": Placement.from_dict(plan.rev.placement)})
+        try:
+            verdict = walk(plan.plan, ctx, {"check-units": do_check_units, "kill-survivors": do_kill_survivors,
+                                            "verify-gone": do_verify_gone})
+        except PdopsError as exc:
+            ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
+            raise
+    verdict["instance"] = plan.instance.id
+    verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
+                            f"{plan.instance.id}` resumes the drain and records it")
+    state.journal().step(op, "verdict", "ok", verdict)
     return verdict
 
 
-# ---------------------------------------------------------------- doing
+# ---------------------------------------------------------------- doing: one executor per step kind
 
-def _last_op_reached(state: StateDir, instance: str, step: str) -> bool:
-    """Did the last drain of `instance` pass `step`? (for resuming; stop-only operations are not drains)"""
-    j = state.journal()
+def _earlier_drain_passed_empty_checks(j, instance: str, this_op: str) -> bool:
+    """Did the last earlier drain of `instance` (a drain, scale or rollback step of it) pass
+    empty-check-2? Read by step id and instance, never by free text."""
+    drain_kinds = ("leave-gateway", "wait-empty", "empty-check-1", "empty-check-2")
     for op in reversed(j.operations()):
-        if not op.startswith("drain-"):
+        if op == this_op:
             continue
         recs = j.read(op)
-        if not recs or recs[0].get("step") != "plan" or (recs[0].get("evidence") or {}).get("instance") != instance:
-            continue
-        return any(r["step"] == step and r["status"] == "ok" for r in recs)
+        plan_inst = (recs[0].get("evidence") or {}).get("instance") if recs and recs[0].get("step") == "plan" else None
+        mine = [r for r in recs if r["step"].rsplit(": ", 1)[-1] in drain_kinds
+                and ((r.get("evidence") or {}).get("instance", plan_inst) == instance)]
+        if mine:
+            return any(r["step"].endswith("empty-check-2") and r["status"] == "ok" for r in mine)
     return False
 
 
-def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print) -> dict:
-    """Carry out a drain (or stop) plan. An interruption (SSH lost, engine unreachable, a
-    check failing) ends with a journalled verdict naming the last completed step; the
-    instance is never recorded as stopped unless the stop was verified. Re-running the
-    same drain resumes: a worker already removed is noted, an instance already stopped is
-    only accepted when an earlier drain passed both empty checks."""
-    op = new_op_id("drain" if not plan.skip_gateway else "stop")
-    j = state.journal()
-    with state.lock("drain" if not plan.skip_gateway else "stop", op_id=op):
-        j.step(op, "plan", "ok", {"instance": plan.instance.id, "steps": [str(s) for s in plan.steps]})
+def _drain_state(ctx: RunContext, inst: Instance, step: Step) -> dict:
+    """Per-instance scratch of a drain; whether its units were already stopped (inactive or
+    failed, not restarting) is read once, at the instance's first step, from systemd: a resumed
+    drain. With `resume=False` (undoing an add) the units are always stopped."""
+    key = ("drain", inst.id)
+    if key not in ctx.data:
+        states = {u: ctx.pool.unit_states(h, [u])[u] for h, u in inst.units}
+        stopped = all(st.active_state in ("inactive", "failed") and st.sub_state != "auto-restart"
+                      for st in states.values())
+        ctx.data[key] = {"already_stopped": stopped and step.params.get("resume", True)}
+    return ctx.data[key]
+
+
+def _instance(ctx: RunContext, step: Step) -> Instance:
+    return ctx.data["placement"].get(step.instance)
+
+
+def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    _drain_state(ctx, inst, step)
+    if step.params.get("in_change"):
+        ctx.data["failed_drain"] = inst.id
+    removed = leave_gateway(ctx.gateway, inst, step.params.get("worker_id"), deadline_s=step.deadline)
+    if not removed:
+        return Outcome("noop", {"already_removed": step.params.get("worker_id")},
+                       verified=[f"{inst.id} is not in the gateway's /workers"],
+                       reason=f"{inst.id} is not in the gateway's /workers (already removed)")
+    ctx.say(f"  {inst.id} left the gateway: worker {', '.join(removed)} removed, gone from /workers")
+    return Outcome(evidence={"removed": removed}, verified=[f"removed from the gateway and gone from /workers ({inst.id})"])
+
+
+def _resumed_without_checks(ctx: RunContext, step: Step, inst: Instance) -> Outcome | None:
+    """For an instance stopped before this drain: the checks happened in an earlier drain, or it fails."""
+    if not _drain_state(ctx, inst, step)["already_stopped"]:
+        return None
+    if not _earlier_drain_passed_empty_checks(ctx.journal, inst.id, ctx.op):
+        raise DrainFailed(f"{inst.id}'s units are already stopped but no drain of it passed the empty checks: its "
+                          "in-flight work cannot be accounted for",
+                          fix="read the journal; use `inv stop` to verify the stop and record it")
+    return Outcome.noop(f"{inst.id} was stopped by an earlier drain that passed both empty checks")
+
+
+def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    resumed = _resumed_without_checks(ctx, step, inst)
+    if resumed:
+        return resumed
+    deadline = ctx.deadline(step)
+    last, t0 = "", time.monotonic()
+    while True:
+        r = read_emptiness(ctx.pool, inst)
+        if r.empty:
+            return Outcome(evidence={"waited_s": round(time.monotonic() - t0, 2)})
+        desc = r.describe()
+        if desc != last:
+            ctx.say(f"  waiting ({time.monotonic() - t0:.0f}s): {desc}")
+            last = desc
+        if time.monotonic() + 0.5 > deadline:
+            if step.params.get("force_after"):
+                ctx.say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
+                        "(recorded in the journal as accepted loss)")
+                return Outcome("accepted-loss", {"open_rids": r.open_rids, "reading": desc},
+                               unverified=[f"{inst.id}: {len(r.open_rids)} request(s) still open at the deadline "
+                                           "(--force-after: accepted loss)"])
+            exc = DrainFailed(f"{inst.id} still has work after {step.deadline:g}s; the instance was NOT stopped "
+                              f"(it is out of the gateway; re-add it with `inv rollback` or retry the drain)",
+                              evidence="open request IDs: " + (", ".join(r.open_rids) or "none") + f"\n{desc}",
+                              fix="wait and run the drain again, or --force-after to accept the loss")
+            exc.journal_evidence = {"open_rids": r.open_rids, "reading": desc}
+            raise exc
+        time.sleep(0.5)
+
+
+def do_empty_check(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    resumed = _resumed_without_checks(ctx, step, inst)
+    if resumed:
+        return resumed
+    n, pause = step.params["n"], step.params["pause"]
+    time.sleep(pause)
+    r = read_emptiness(ctx.pool, inst)
+    if not r.empty:
+        exc = DrainFailed(f"{inst.id}: empty check {n}" + (f" ({pause:g}s after check 1)" if n == 2 else "")
+                          + f" found work: {r.describe()}; the instance was NOT stopped and stays out of the gateway",
+                          fix="something still sends it requests directly (not through the gateway); find it, then "
+                              "run the drain again")
+        exc.journal_evidence = {"reading": r.describe(), "open_rids": r.open_rids}
+        raise exc
+    ctx.say(f"  empty-check {n} passed" + (f" ({pause:g}s later)" if n == 2 else ""))
+    return Outcome(evidence={"reading": "empty", "interval_s": pause},
+                   verified=[f"no open request ID and all queues 0, twice, {pause:g}s apart ({inst.id})"] if n == 2 else [])
+
+
+def do_record_identity(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    st = _drain_state(ctx, inst, step)
+    if st["already_stopped"]:
+        return Outcome.noop(f"{inst.id}'s units are already inactive")
+    st["idents"] = record_identities(ctx.pool, inst)
+    return Outcome(evidence={u: {"main_pid": i.main_pid, "cgroup": i.control_group, "pids": sorted(i.tree)}
+                             for u, i in st["idents"].items()})
+
+
+def do_stop(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    st = _drain_state(ctx, inst, step)
+    if st["already_stopped"]:
+        return Outcome.noop(f"{inst.id}'s units are already inactive")
+    st["seconds"] = stop_units(ctx.pool, inst, ctx.inv.stop_timeout_s, ctx.say)
+    return Outcome(evidence={"seconds": st["seconds"], "units": [u for _, u in inst.units]})
+
+
+def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    st = _drain_state(ctx, inst, step)
+    if st["already_stopped"]:
+        out = _verify_resumed_stop(ctx, inst)
+    else:
+        res = verify_units_stopped(ctx.pool, inst, st["idents"], st["seconds"],
+                                   check_ports=step.params.get("check_ports", True), say=ctx.say)
+        verified = [f"cgroup empty, every recorded PID gone or reused, ports closed ({inst.id})"]
+        if res.strays:
+            verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
+        if res.sigkill:
+            verified.append("needed systemd's SIGKILL after TimeoutStopSec")
+        out = Outcome(evidence=stop_evidence(inst, res), verified=verified,
+                      unverified=sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")}))
+    if step.params.get("in_change"):
+        ctx.data.setdefault("drained", []).append(inst.id)
+        ctx.data["failed_drain"] = None
+    return out
+
+
+def _verify_resumed_stop(ctx: RunContext, inst: Instance) -> Outcome:
+    """The stop happened in an earlier run: verify what can still be read now."""
+    pool = ctx.pool
+    for h, u in inst.units:
+        if pool.unit_states(h, [u])[u].is_active:
+            raise Unverified(f"{u} on {h} is active again")
+    listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
+    open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
+                  if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+    if open_ports:
+        raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening",
+                         fix=f"`inv stop --instance {inst.id} --kill-survivors` if the last stop listed survivors")
+    last = last_stop_record(ctx.journal, inst.id, failed_only=True)
+    recorded = (last or {}).get("evidence", {}).get("survivors") or []
+    left = alive_survivors(pool, recorded) if recorded else []
+    if left:
+        raise Unverified(f"{inst.id} is stopped but processes recorded by its last stop still run",
+                         evidence="\n".join(describe_survivor(r) for r in left),
+                         fix=f"`inv stop --instance {inst.id} --kill-survivors`")
+    return Outcome(evidence={"instance": inst.id, "verified": True, "survivors": [], "resumed": True},
+                   verified=["units inactive and ports closed (PIDs were recorded by the earlier run)"
+                             + (f"; the {len(recorded)} survivor(s) the last unverified stop recorded are gone now"
+                                if recorded else "")])
+
+
+def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
+    plan: DrainPlan = ctx.data["drain_plan"]
+    inst = plan.instance
+    new_pl = Placement(plan.placement.topology.__class__(
+        len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
+        len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
+        tuple(i for i in plan.placement.instances if i.id != inst.id))
+    instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
+    hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
+                   for h, files in plan.rev.manifest.items()}
+    removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
+                     for h, files in plan.rev.manifest.items()}
+    rollback = {"restore": inst.id, "from_revision": plan.rev.number,
+                "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
+                "holds_while": "its hosts and rendered files are unchanged",
+                "files": {h: f for h, f in removed_files.items() if f},
+                "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
+    rev = ctx.state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
+                                   placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
+                                   outcome="deployed", op_id=ctx.op,
+                                   extra={"drained": inst.id, "rollback": rollback,
+                                          "gateway": plan.rev.extra.get("gateway")})
+    ctx.state.set_current(rev.number)
+    return Outcome(evidence={"revision": rev.number, "rollback": rollback},
+                   verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
+
+
+EXECUTORS = {"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
+             "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop}
+
+
+def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool | None = None,
+                  gateway: GatewayClient | None = None) -> dict:
+    """Walk a drain (or stop) plan with the runner. An interruption (SSH lost, engine unreachable,
+    a check failing) ends with a journalled verdict naming the last completed step; the instance
+    is never recorded as stopped unless the stop was verified. Re-running the same drain resumes:
+    a worker already removed is a no-op, an instance already stopped is only accepted when an
+    earlier drain of it passed both empty checks."""
+    from pdops.deploy import _connections
+
+    op = new_op_id(plan.plan.operation)
+    with state.lock(plan.plan.operation, op_id=op), _connections(plan.inv, pool, gateway) as (pool, gateway):
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": plan.placement, "drain_plan": plan})
         try:
-            return _execute_drain(plan, state, op, j, say)
+            verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_drain})
         except PdopsError as exc:
-            done = [r["step"] for r in j.read(op) if r["status"] in ("ok", "noted")]
-            last = done[-1] if done else "none"
+            last = ctx.done[-1] if ctx.done else "none"
             current = state.current()
-            j.step(op, "verdict", "interrupted", {"error": exc.render(), "last_completed_step": last,
-                                                 "current": current})
+            ctx.journal.step(op, "verdict", "interrupted", {"error": exc.render(), "last_completed_step": last,
+                                                           "current": current})
             exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
                             f"current revision: {current}. Re-run the same command to resume "
                             "(each step re-checks what is already done).")
             raise
-
-
-def _execute_drain(plan: DrainPlan, state: StateDir, op: str, j, say: Say) -> dict:
-    inv, inst = plan.inv, plan.instance
-    verified: list[str] = []
-    unverified: list[str] = []
-    with HostPool(inv) as pool:
-        states = {u: pool.unit_states(h, [u])[u] for h, u in inst.units}
-        already_stopped = all(not s.is_active for s in states.values())
-        if not plan.skip_gateway:
-            client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-            wid = (plan.rev.instances.get(inst.id) or {}).get("worker_id")
-            removed = leave_gateway(client, inst, wid)
-            if removed:
-                say(f"  left the gateway: worker {', '.join(removed)} removed, gone from /workers")
-                j.step(op, "leave-gateway", "ok", {"removed": removed})
-            else:
-                say(f"  {inst.id} is not in the gateway's /workers (already removed): nothing to do")
-                j.step(op, "leave-gateway", "ok", {"already_removed": wid})
-            verified.append("removed from the gateway and gone from /workers")
-
-            if already_stopped:
-                if not _last_op_reached(state, inst.id, "empty-check-2"):
-                    raise DrainFailed(f"{inst.id}'s units are already stopped but no drain of it passed the "
-                                      "empty checks: its in-flight work cannot be accounted for",
-                                      fix="read the journal; use `inv stop` to verify the stop and record it")
-                say(f"  {inst.id} already stopped by an earlier drain that passed both empty checks: verifying")
-            else:
-                _wait_empty(plan, pool, j, op, say)
-                verified.append(f"no open request ID and all queues 0, twice, {plan.interval_s:g}s apart")
-
-        if not already_stopped:
-            try:
-                res = stop_and_verify(pool, inst, stop_timeout_s=inv.stop_timeout_s, say=say)
-            except StopUnverified as exc:
-                journal_stop(j, op, "verify-stop", inst, exc.result)
-                raise
-            journal_stop(j, op, "verify-stop", inst, res)
-            verified.append("cgroup empty, every recorded PID gone or reused, ports closed")
-            if res.strays:
-                verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
-            if res.sigkill:
-                verified.append("needed systemd's SIGKILL after TimeoutStopSec")
-            unverified += sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")})
-        else:
-            # resumed: the stop happened in an earlier run; verify what can still be read
-            for h, u in inst.units:
-                st = pool.unit_states(h, [u])[u]
-                if st.is_active:
-                    raise Unverified(f"{u} on {h} is active again")
-            listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
-            open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
-                          if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
-            if open_ports:
-                raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening",
-                                 fix=f"`inv stop --instance {inst.id} --kill-survivors` if the last stop listed survivors")
-            last = last_stop_record(j, inst.id)
-            recorded = (last or {}).get("evidence", {}).get("survivors") or []
-            left = alive_survivors(pool, recorded) if recorded else []
-            if left:
-                raise Unverified(f"{inst.id} is stopped but processes recorded by its last stop still run",
-                                 evidence="\n".join(describe_survivor(r) for r in left),
-                                 fix=f"`inv stop --instance {inst.id} --kill-survivors`")
-            verified.append("units inactive and ports closed (PIDs were recorded by the earlier run)"
-                            + (f"; the {len(recorded)} survivor(s) the last stop recorded are gone" if recorded else ""))
-
-    if plan.persist:
-        new_pl = Placement(plan.placement.topology.__class__(
-            len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
-            len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
-            tuple(i for i in plan.placement.instances if i.id != inst.id))
-        instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
-        hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
-                       for h, files in plan.rev.manifest.items()}
-        removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
-                         for h, files in plan.rev.manifest.items()}
-        rollback = {"restore": inst.id, "from_revision": plan.rev.number,
-                    "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
-                    "holds_while": "its hosts and rendered files are unchanged",
-                    "files": {h: f for h, f in removed_files.items() if f},
-                    "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
-        rev = state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
-                                   placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
-                                   outcome="deployed", op_id=op, extra={"drained": inst.id, "rollback": rollback,
-                                                                        "gateway": plan.rev.extra.get("gateway")})
-        state.set_current(rev.number)
-        j.step(op, "record", "ok", {"revision": rev.number, "rollback": rollback})
-        verified.append(f"revision {rev.number} ({new_pl.topology}) is current")
-    verdict = {"instance": inst.id, "verified": verified, "unverified": unverified, "notes": plan.notes}
-    j.step(op, "verdict", "ok", verdict)
-    return verdict
-
-
-def _wait_empty(plan: DrainPlan, pool: HostPool, j, op: str, say: Say, prefix: str = "") -> None:
-    """Wait until every source says empty, then the two empty checks, each a fresh reading of
-    every source, `interval_s` apart. `prefix` names the instance in the step ids when a drain
-    is one of several in an operation (`drain d02: empty-check-1`)."""
-    inst = plan.instance
-    deadline = time.monotonic() + plan.wait_s
-    last = ""
-    t0 = time.monotonic()
-    while True:
-        r = read_emptiness(pool, inst)
-        if r.empty:
-            break
-        desc = r.describe()
-        if desc != last:
-            say(f"  waiting ({time.monotonic() - t0:.0f}s): {desc}")
-            last = desc
-        if time.monotonic() > deadline:
-            j.step(op, f"{prefix}wait-empty", "deadline", {"open_rids": r.open_rids, "reading": desc})
-            if plan.force_after:
-                say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
-                    "(recorded in the journal as accepted loss)")
-                j.step(op, f"{prefix}force-after", "accepted-loss", {"open_rids": r.open_rids})
-                return
-            raise DrainFailed(f"{inst.id} still has work after {plan.wait_s:g}s; the instance was NOT stopped "
-                              f"(it is out of the gateway; re-add it with `inv rollback` or retry the drain)",
-                              evidence="open request IDs: " + (", ".join(r.open_rids) or "none") + f"\n{desc}",
-                              fix="wait and run the drain again, or --force-after to accept the loss")
-        time.sleep(0.5)
-    j.step(op, f"{prefix}wait-empty", "ok", {"seconds": round(time.monotonic() - t0, 2)})
-    for n, pause in ((1, 0.0), (2, plan.interval_s)):
-        time.sleep(pause)
-        r = read_emptiness(pool, inst)
-        if not r.empty:
-            j.step(op, f"{prefix}empty-check-{n}", "failed", {"reading": r.describe(), "open_rids": r.open_rids})
-            raise DrainFailed(f"{inst.id}: empty check {n}" + (f" ({plan.interval_s:g}s after check 1)" if n == 2 else "")
-                              + f" found work: {r.describe()}; the instance was NOT stopped and stays out of "
-                              "the gateway",
-                              fix="something still sends it requests directly (not through the gateway); find it, "
-                                  "then run the drain again")
-        j.step(op, f"{prefix}empty-check-{n}", "ok", {"reading": "empty", "interval_s": pause})
-        say(f"  empty-check {n} passed" + (f" ({pause:g}s later)" if n == 2 else ""))
+        verdict["instance"] = plan.instance.id
+        ctx.journal.step(op, "verdict", "ok", verdict)
+        return verdict

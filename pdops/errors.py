@@ -1,4 +1,5 @@
-"""One error hierarchy for pdops. The CLI maps each kind to one message and exit status."""
+"""One error hierarchy for pdops, and the one exit-status table. The CLI maps each kind to one
+message and its exit status; the README's table is checked against :data:`EXIT_STATUSES`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ class PdopsError(Exception):
 
     exit_code = 1
     kind = "error"
+    journal_evidence: dict | None = None  # structured evidence the runner journals with the failed step
 
     def __init__(self, message: str, *, fix: str | None = None, evidence: str | None = None):
         super().__init__(message)
@@ -70,3 +72,47 @@ class RemoteCommandFailed(PdopsError):
         self.command = command
         self.returncode = exit_code
         self.output = output
+
+
+class PlaybookFailed(PdopsError):
+    """ansible-playbook failed on a host (its recap and output tail are the evidence)."""
+
+    exit_code = 10
+    kind = "ansible failed"
+
+
+class DeployFailed(PdopsError):
+    """A deploy stopped at a failed step; `current` did not move."""
+
+    exit_code = 7
+    kind = "deploy failed"
+
+
+class DrainFailed(PdopsError):
+    """A drain stopped before its stop (deadline, work found by an empty check); the instance runs."""
+
+    exit_code = 8
+    kind = "drain stopped"
+
+
+class ScaleFailed(PdopsError):
+    """A scale or rollback stopped; what it added was undone, or a partial revision records what is live."""
+
+    exit_code = 9
+    kind = "scale stopped"
+
+
+def exit_statuses() -> dict[int, str]:
+    """{exit status: kind} for every error class; each status means one thing."""
+    table: dict[int, str] = {}
+    todo = [PdopsError]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__dict__.get("exit_code") is None and cls is not PdopsError:
+            continue  # a subclass that keeps its parent's status (e.g. StopUnverified)
+        prev = table.get(cls.exit_code)
+        if prev is not None and prev != cls.kind:
+            raise AssertionError(f"exit status {cls.exit_code} means both {prev!r} and {cls.kind!r}")
+        table[cls.exit_code] = cls.kind
+    return dict(sorted(table.items()))

@@ -7,6 +7,7 @@ before any host is touched; every error names the field and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import json
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pdops.admission import parse_admission
 
 from pdops.errors import InvalidInput
 
@@ -128,6 +131,19 @@ class Inventory:
     vars: dict = field(default_factory=dict, compare=False, repr=False)
     # engine sim only: {instance id: PDOPS_SIM_FAULTS value} (docs/sim.md), for lab tests
     sim_faults: dict = field(default_factory=dict, compare=False)
+    # the admission layer (pdops.admission.AdmissionConfig), validated once at load; None: none
+    admission: Any = field(default=None, compare=False, repr=False)
+
+    def reserved_port_ranges(self) -> dict[str, range]:
+        """The port ranges instance slots take on every host (the port plan), by the setting that owns them."""
+        ports = self.ports
+        span = ports.stride * max(max_slots(self.hosts, self.profile) - 1, 0) + 1
+        return {
+            "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
+            "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span),
+            "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
+            "Mooncake's RPC range": MOONCAKE_RPC_PORTS,
+        }
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -419,13 +435,14 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
     sim_faults = _sim_faults(all_vars.get("pdops_sim_faults"), engine)
     canonical = json.dumps({"vars": all_vars, "hosts": hostvars}, sort_keys=True, default=str)
     digest = hashlib.sha256(canonical.encode()).hexdigest()
-    return Inventory(
+    inv = Inventory(
         cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
         engine_python=_resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
         virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
         vars=all_vars, sim_faults=sim_faults,
     )
+    return dataclasses.replace(inv, admission=parse_admission(all_vars, inv))
 
 
 def _sim_faults(val: Any, engine: str) -> dict[str, str]:

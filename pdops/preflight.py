@@ -1507,18 +1507,13 @@ def run_preflight(inv: Inventory, topology: Topology | Placement | None, pool, s
 
 
 def preflight_gate(inv: Inventory, topology: Topology | Placement | None, pool, skip: set[str] | None,
-                   journal, op_id: str, say: Say = print, *, previous: Placement | None = None) -> PreflightReport:
-    """Run preflight before a change; journal it; raise Refused naming each failed host, check and fix.
+                   say: Say = print, *, previous: Placement | None = None) -> tuple[PreflightReport, dict]:
+    """Run preflight before a change: (report, journal evidence), or Refused naming each failed
+    host, check and fix (its ``journal_evidence`` holds the same evidence for the journal).
 
-    Checks the operator skipped (``--skip-check``) are recorded in the journal as a note.
+    Checks the operator skipped (``--skip-check``) are in the evidence, with who skipped them.
     """
     skip = validate_skip(skip)
-    if skip:
-        from pdops.state import default_operator
-
-        journal.step(op_id, "preflight.skip-check", "note",
-                     {"checks": sorted(skip), "operator": default_operator(),
-                      "why": "the operator skipped these checks (--skip-check)"})
     label = topology.topology if isinstance(topology, Placement) else topology
     say(f"preflight: checking {inv.cluster}" + (f" for {label}" if label is not None else ""))
     report = run_preflight(inv, topology, pool, skip, previous=previous)
@@ -1528,14 +1523,20 @@ def preflight_gate(inv: Inventory, topology: Topology | Placement | None, pool, 
         "skipped": [f"{r.host} {r.check}: {r.reason}" for r in report.results if r.status == SKIPPED],
         "pairing": report.matrix.to_dict() if report.matrix is not None else None,
     }
-    journal.step(op_id, "preflight", "ok" if report.ok else "failed", evidence)
+    if skip:
+        from pdops.state import default_operator
+
+        evidence["skipped_by_operator"] = {"checks": sorted(skip), "operator": default_operator(),
+                                           "why": "the operator skipped these checks (--skip-check)"}
     if report.ok:
         say(f"  {report.verdict()}")
-        return report
+        return report, evidence
     say(report.format_table())
     lines = [f"{r.host} {r.check}: {r.reason}" + (f" (fix: {r.fix})" if r.fix else "") for r in report.failures]
     names = sorted({r.check for r in report.failures})
-    raise Refused(f"preflight failed on {', '.join(report.failed_hosts)}; no host was changed",
+    exc = Refused(f"preflight failed on {', '.join(report.failed_hosts)}; no host was changed",
                   fix="fix each failure below, or pass --skip-check " + " --skip-check ".join(names)
                       + " if you know better (it is recorded in the journal)",
                   evidence="\n".join(lines))
+    exc.journal_evidence = evidence
+    raise exc

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jinja2
 
+from pdops import admission as adm_mod
 from pdops.errors import InvalidInput
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, Rank
@@ -221,8 +222,6 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
         inv, "model gateway", {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}), 0o600))
     adm = admission_config(inv)
     if adm is not None:
-        from pdops.admission import render_admission_files
-
         if adm.host not in hosts_used:
             files.append(RenderedFile(adm.host, f"{UNIT_DIR}/{SLICE_UNIT}",
                                       tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
@@ -230,11 +229,39 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
     return files
 
 
-def admission_config(inv: Inventory):
-    """The admission layer of this inventory (validated, keys read from the operator's 0600 file), or None."""
-    from pdops.admission import parse_admission
+def admission_config(inv: Inventory) -> adm_mod.AdmissionConfig | None:
+    """The admission layer of this inventory (validated at load, keys read from the operator's 0600 file), or None."""
+    return inv.admission
 
-    return parse_admission(inv.vars, inv)
+
+def haproxy_config(cfg: adm_mod.AdmissionConfig, *, keys_map_path: str = adm_mod.KEYS_MAP_PATH,
+                   errorfile_path: str = adm_mod.ERRORFILE_PATH, user: str | None = "haproxy",
+                   gateway_key_env: str | None = None, stats_socket: str | None = None) -> str:
+    """The HAProxy config text. Holds no key: keys come from `keys_map_path`."""
+    bind = f"[{cfg.listen_addr}]" if ":" in cfg.listen_addr else cfg.listen_addr
+    gw = f"[{cfg.gateway_addr}]" if ":" in cfg.gateway_addr else cfg.gateway_addr
+    return _env().get_template("haproxy.cfg.j2").render(
+        cap=cfg.cap, queue=cfg.queue, queue_timeout_s=cfg.queue_timeout_s, overflow_status=cfg.overflow_status,
+        bind=f"{bind}:{cfg.port}", server=f"{gw}:{cfg.gateway_port}", keys_map=keys_map_path,
+        errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
+        stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
+    )
+
+
+def render_admission_files(inv: Inventory, cfg: adm_mod.AdmissionConfig) -> list[RenderedFile]:
+    """haproxy.cfg, the 0600 key map, the overflow errorfile and the unit, on cfg.host."""
+    key_file = inv.gateway.api_key_file
+    env = adm_mod.GATEWAY_KEY_ENV if key_file else None
+    text = haproxy_config(cfg, gateway_key_env=env, stats_socket="/run/pdops-admission/admin.sock")
+    unit = _env().get_template("admission.service.j2").render(
+        cluster=inv.cluster, haproxy=adm_mod.HAPROXY_BIN, config=adm_mod.CONFIG_PATH, slice=SLICE_UNIT, cap=cfg.cap,
+        gateway_key_file=key_file, gateway_key_env=adm_mod.GATEWAY_KEY_ENV)
+    return [
+        RenderedFile(cfg.host, adm_mod.CONFIG_PATH, text, 0o644),
+        RenderedFile(cfg.host, adm_mod.KEYS_MAP_PATH, adm_mod.keys_map(cfg.keys), 0o600),
+        RenderedFile(cfg.host, adm_mod.ERRORFILE_PATH, adm_mod.overflow_response(cfg.overflow_status), 0o644),
+        RenderedFile(cfg.host, f"{UNIT_DIR}/{adm_mod.UNIT}", unit, 0o644),
+    ]
 
 
 def manifest(files: list[RenderedFile]) -> dict[str, dict[str, dict]]:

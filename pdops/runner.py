@@ -1,4 +1,13 @@
-"""DO layer base pieces: steps, fan-out over hosts, checked remote commands.
+"""DO layer: plans as data and the one runner that walks them; fan-out; checked remote commands.
+
+A plan is a list of typed :class:`Step` s (id, kind, target, deadline, parameters, what it
+verifies, parallel group), made by a pure planner. :func:`walk` is the only code that
+carries a plan out: it runs each step's executor (one function per step kind, looked up in
+the table the operation passes), fans out consecutive steps of one parallel group and
+collects every outcome before deciding, bounds each step by its own deadline, journals
+every step by its id with its target and evidence, records work already done as a no-op
+with its reason, stops at the first failed step, and builds the verdict only from what the
+steps verified. What ``--dry-run`` prints is :meth:`Plan.render` of the same list.
 
 Functions take the connection as an argument (a Fabric ``Connection`` or anything with
 the same ``run(command, warn=, hide=, timeout=)`` and ``host``); nothing is global.
@@ -8,13 +17,14 @@ from __future__ import annotations
 
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, TypeVar
 
 from invoke.exceptions import CommandTimedOut
 from invoke.runners import Result
 
-from pdops.errors import PdopsError, RemoteCommandFailed, Unreachable
+from pdops.errors import PdopsError, RemoteCommandFailed, Unreachable, Unverified
 
 T = TypeVar("T", bound=Hashable)
 R = TypeVar("R")
@@ -22,19 +32,202 @@ R = TypeVar("R")
 TIMEOUT_EXIT = 124  # as timeout(1)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Step:
-    """One printable unit of a plan. ``deadline`` is a budget in seconds (None: no limit)."""
+    """One step of a plan. ``name`` is its id, unique within the operation (it carries the
+    instance id where there is one: ``start p01``, ``drain d02: empty-check-1``); ``kind``
+    picks the executor (default: the id's last word before any instance); ``deadline`` is
+    the budget in seconds that bounds the step (None: no limit); steps with the same
+    ``group`` that follow each other run in parallel."""
 
     name: str
     host: str | None
     description: str
     deadline: float | None = None
+    kind: str = ""
+    params: dict = field(default_factory=dict)
+    group: str | None = None
+    verifies: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            self.kind = self.name.rsplit(": ", 1)[-1].split(" ", 1)[0]
+
+    @property
+    def instance(self) -> str | None:
+        return self.params.get("instance")
 
     def __str__(self) -> str:
         where = f"[{self.host}] " if self.host else ""
         budget = f" (within {self.deadline:g}s)" if self.deadline else ""
         return f"{where}{self.name}: {self.description}{budget}"
+
+    def line(self) -> str:
+        """How a plan prints the step: ``<id> — [host] description (within Ns)``."""
+        where = f"[{self.host}] " if self.host else ""
+        budget = f" (within {self.deadline:g}s)" if self.deadline else ""
+        par = " (in parallel with the rest of its group)" if self.group else ""
+        return f"{self.name} — {where}{self.description}{budget}{par}"
+
+
+@dataclass
+class Outcome:
+    """What one step did: ``ok`` or ``noop`` (already done, with the reason), its evidence, and
+    what it verified or could not verify. Only ``verified`` items ever reach the verdict as verified."""
+
+    status: str = "ok"
+    evidence: dict = field(default_factory=dict)
+    verified: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @classmethod
+    def noop(cls, reason: str, **evidence) -> "Outcome":
+        return cls("noop", {"reason": reason, **evidence}, reason=reason)
+
+
+@dataclass
+class Plan:
+    """A printable, walkable operation: its kind, a headline, the steps, notes, and the evidence
+    the journal's ``plan`` record carries."""
+
+    operation: str
+    title: str
+    steps: list[Step]
+    notes: list[str] = field(default_factory=list)
+    head: dict = field(default_factory=dict)
+    footer: list[str] = field(default_factory=list)
+
+    def step_ids(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+    def render(self) -> str:
+        lines = [self.title]
+        lines += [f"  {n:2d}. {s.line()}" for n, s in enumerate(self.steps, 1)]
+        lines += self.footer
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def batches(self) -> list[list[Step]]:
+        """Consecutive steps of one parallel group together; every other step alone."""
+        out: list[list[Step]] = []
+        for s in self.steps:
+            if s.group and out and out[-1][0].group == s.group:
+                out[-1].append(s)
+            else:
+                out.append([s])
+        return out
+
+
+@dataclass
+class RunContext:
+    """What every executor gets: the inventory, the state dir and journal, the operation id, the
+    connections opened once by the caller (host pool, gateway client), where to print, and a
+    scratch dict that steps of one operation share (recorded identities, worker ids, ...)."""
+
+    inv: Any
+    state: Any
+    op: str
+    say: Callable[[str], None]
+    pool: Any = None
+    gateway: Any = None
+    data: dict = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)  # ids of the steps that completed (ok or noop)
+
+    @property
+    def journal(self):
+        return self.state.journal()
+
+    def deadline(self, step: Step) -> float | None:
+        """The absolute time.monotonic() deadline of `step`, set when the runner started it."""
+        return self.data.get(("deadline", step.name))
+
+
+Executor = Callable[[RunContext, Step], "Outcome | None"]
+DEADLINE_GRACE_S = 5.0  # one last SSH round trip after an executor's own deadline
+
+
+class DeadlineExceeded(Unverified):
+    """A step ran past the deadline its plan printed."""
+
+
+def _run_step(ctx: RunContext, step: Step, executors: dict[str, Executor]) -> Outcome:
+    fn = executors.get(step.kind)
+    if fn is None:
+        raise PdopsError(f"no executor for step kind {step.kind!r} ({step.name})")
+    t0 = time.monotonic()
+    if step.deadline:
+        ctx.data[("deadline", step.name)] = t0 + step.deadline
+    try:
+        out = fn(ctx, step) or Outcome()
+    finally:
+        ctx.data[("took", step.name)] = took = time.monotonic() - t0
+    out.evidence.setdefault("seconds", round(took, 2))
+    if step.deadline and took > step.deadline + max(DEADLINE_GRACE_S, 0.1 * step.deadline):
+        raise DeadlineExceeded(f"{step.name} took {took:.1f}s, past its deadline of {step.deadline:g}s",
+                               fix="the step's own wait is not bounded by its deadline: a pdops bug to report")
+    return out
+
+
+def walk(plan: Plan, ctx: RunContext, executors: dict[str, Executor]) -> dict:
+    """Carry out `plan` step by step; returns the verdict. Journals ``plan``, then every step by its
+    id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
+    host, exit status and output tail where it has them); the caller writes the failure verdict
+    (it knows what to undo) and, on success, journals the verdict it returns."""
+    ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids()})
+    verdict = run_steps(plan.steps, ctx, executors)
+    verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))
+    return verdict
+
+
+def run_steps(steps: list[Step], ctx: RunContext, executors: dict[str, Executor], *, progress: bool = True) -> dict:
+    """Walk `steps` (consecutive steps of one parallel group together, every outcome of a batch
+    collected and journalled before deciding); returns what they verified and could not."""
+    j = ctx.journal
+    verified: list[str] = []
+    unverified: list[str] = []
+    noops: list[str] = []
+    n, total = 0, len(steps)
+    for batch in Plan("", "", steps).batches():
+        n += len(batch)
+        if progress:
+            ctx.say(f"[{n}/{total}] " + (batch[0].name if len(batch) == 1 else
+                                         f"{', '.join(s.name for s in batch)} (in parallel)"))
+        t_batch = time.monotonic()
+        if len(batch) == 1:
+            try:
+                results: dict = {batch[0]: _run_step(ctx, batch[0], executors)}
+            except Exception as exc:  # noqa: BLE001 - journalled, then re-raised
+                results = {batch[0]: exc}
+        else:
+            results = run_parallel(batch, lambda s: _run_step(ctx, s, executors))
+        inside = max((ctx.data.pop(("took", s.name), 0.0) for s in batch), default=0.0)
+        first: Exception | None = None
+        failed = [s.name for s, r in results.items() if isinstance(r, Exception)]
+        for step, r in results.items():
+            target = {"target": step.host, **({"instance": step.instance} if step.instance else {})}
+            if isinstance(r, Exception):
+                err = r.render() if isinstance(r, PdopsError) else f"{type(r).__name__}: {r}"
+                ev = {**target, "error": err, **(getattr(r, "journal_evidence", None) or {})}
+                j.step(ctx.op, step.name, "failed", ev)
+                first = first or r
+                continue
+            j.step(ctx.op, step.name, r.status, {**target, **r.evidence})
+            ctx.done.append(step.name)
+            verified += r.verified
+            unverified += r.unverified
+            if r.status == "noop":
+                noops.append(f"{step.name}: {r.reason}")
+                ctx.say(f"  {step.name}: nothing to do: {r.reason}")
+        # the runner's own time for this batch: fan-out, journal writes, progress (bench/runner_overhead.py)
+        ctx.data.setdefault("runner_timing", []).append(
+            {"steps": [s.name for s in batch], "wall_s": time.monotonic() - t_batch, "inside_s": inside})
+        if first is not None:
+            if len(failed) > 1 and isinstance(first, PdopsError):
+                first.message = f"{len(failed)} of {len(batch)} steps failed ({', '.join(failed)}); first: " \
+                                + first.message
+            raise first
+    return {"verified": verified, "unverified": unverified, "noops": noops, **ctx.data.get("verdict", {})}
 
 
 def run_parallel(items: Iterable[T], fn: Callable[[T], R], max_workers: int | None = None) -> dict[T, R | Exception]:

@@ -30,14 +30,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdops.deploy import canary_pair, deliver, register, start_instance
-from pdops.errors import InvalidInput, PdopsError, Refused
+from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, _make, _slots, place
-from pdops.render import RenderedFile, manifest, render_files, write_build
-from pdops.runner import failures, run_parallel
+from pdops.render import RenderedFile, manifest, render_files
+from pdops.runner import Outcome, Plan, RunContext, Step, run_steps, walk
 from pdops.state import Revision, StateDir, new_op_id
 from pdops.topology import Topology
 
@@ -45,9 +44,6 @@ Say = Callable[[str], None]
 ROLES = ("prefill", "decode")
 
 
-class ScaleFailed(PdopsError):
-    exit_code = 9
-    kind = "scale stopped"
 
 
 # ---------------------------------------------------------------- plan
@@ -86,10 +82,19 @@ class ScalePlan:
     rollback_of: int | None = None
     skip_checks: set[str] = field(default_factory=set)
     kept_files: int = 0
+    run: list = field(default_factory=list)  # the runner's steps (pdops.runner.Step), made by plan_change
 
     @property
     def start_capacity(self) -> tuple[int, int]:
         return (len(self.current_placement.role("prefill")), len(self.current_placement.role("decode")))
+
+    @property
+    def plan(self) -> Plan:
+        op = "rollback" if self.rollback_of else "scale"
+        return Plan(op, self.render().splitlines()[0], self.run,
+                    head={"from": self.current.number, "to": str(self.target.topology), "rollback_of": self.rollback_of,
+                          "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
+                          "kept": [i.id for i in self.kept], "dip": self.dip})
 
     @property
     def hosts(self) -> list[str]:
@@ -117,16 +122,14 @@ class ScalePlan:
         lines.append("  kept:    " + (", ".join(i.id for i in self.kept) or "none")
                      + f" (untouched: {self.kept_files} rendered files identical to revision {cur.number})")
         p0, d0 = self.start_capacity
-        lines.append("  steps (serving capacity of each role after the step):")
-        lines.append(f"     0. now: {p0} prefill, {d0} decode")
-        lines.append("     1. lock, connect, preflight"
-                     + (f" (skipping {', '.join(sorted(self.skip_checks))})" if self.skip_checks else "")
-                     + f", deliver the revision's files with Ansible (kept instances unchanged): {p0} prefill, {d0} decode")
-        for n, s in enumerate(self.steps, 2):
-            why = f" [{s.why}]" if s.why else ""
-            lines.append(f"    {n:2d}. {s.describe()}{why}: {s.capacity[0]} prefill, {s.capacity[1]} decode")
-        lines.append(f"    {len(self.steps) + 2:2d}. record revision ({self.target.topology}) with the rollback record; "
-                     "move `current` to it; release the lock")
+        lines.append(f"  serving now: {p0} prefill, {d0} decode; under the cluster lock, the steps:")
+        cap_after = {}
+        for st in self.steps:
+            last = f"register {st.instance.id}" if st.kind == "add" else f"drain {st.instance.id}: verify-stop"
+            cap_after[last] = st.capacity
+        for n, st in enumerate(self.run, 1):
+            cap = cap_after.get(st.name)
+            lines.append(f"    {n:2d}. {st.line()}" + (f" => serving {cap[0]} prefill, {cap[1]} decode" if cap else ""))
         mp, md = self.min_capacity()
         tp, td = len(self.target.role("prefill")), len(self.target.role("decode"))
         lines.append(f"  lowest capacity during the change: {mp} prefill (old {p0}, new {tp}), "
@@ -310,6 +313,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             dip.append(f"{role} capacity drops to {low} (old {old_count[role]}, new {new_count[role]})")
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files)
+    plan.run = runner_steps(plan)
     if dip and not allow_capacity_dip:
         raise Refused(f"{cur.topology} -> {target_pl.topology} cannot add before it drains: "
                       + "; ".join(dip),
@@ -400,183 +404,115 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
                        skip_checks=skip_checks, rollback_of=tgt.number)
 
 
-# ---------------------------------------------------------------- doing
+def runner_steps(plan: ScalePlan) -> list[Step]:
+    """The steps the runner walks for a change (pure): connect, preflight, render, deliver; then
+    each add (consecutive adds start in parallel; each is canaried with the pairs it will serve,
+    then registered) and each drain (the drain sub-plan, ids prefixed `drain <id>: `); record."""
+    from pdops.deploy import canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps
+    from pdops.drain import drain_steps
 
-def _drain_plan(plan: ScalePlan, inst: Instance, pl: Placement):
-    from pdops.drain import DrainPlan
-
-    inv = plan.inv
-    return DrainPlan(inv, plan.current, pl, inst, [], float(inv.drain_budget_s),
-                     float(inv.vars.get("pdops_empty_check_interval_s", 5)), notes=[])
-
-
-def stop_verified(pool: HostPool, inst: Instance, *, check_ports: bool, stop_timeout_s: float, j, op: str,
-                  step: str) -> list:
-    """The drain's verified stop (pdops.drain.stop_and_verify), journalled as `step` with its
-    identity and survivors whether or not it verified; returns the per-rank evidence."""
-    from pdops import drain as dr
-
-    try:
-        res = dr.stop_and_verify(pool, inst, stop_timeout_s=stop_timeout_s, check_ports=check_ports)
-    except dr.StopUnverified as exc:
-        dr.journal_stop(j, op, step, inst, exc.result)
-        raise
-    dr.journal_stop(j, op, step, inst, res)
-    return res.evidence
-
-
-def drain_instance(plan: ScalePlan, pool: HostPool, client: GatewayClient, inst: Instance, worker_id: str | None,
-                   j, op: str, say: Say) -> dict:
-    """Rule 4 for one instance, inside a change (lock already held; no revision recorded here)."""
-    from pdops import drain as dr
-
-    dplan = _drain_plan(plan, inst, plan.current_placement)
-    j.step(op, f"drain {inst.id}", "started", {"worker_id": worker_id, "url": inst.url})
-    removed = dr.leave_gateway(client, inst, worker_id)
-    say(f"  {inst.id} left the gateway (worker {', '.join(removed) or 'already gone'}); waiting for its work")
-    j.step(op, f"drain {inst.id}: leave-gateway", "ok", {"removed": removed})
-    dr._wait_empty(dplan, pool, j, op, say, prefix=f"drain {inst.id}: ")
-    ev = stop_verified(pool, inst, check_ports=True, stop_timeout_s=plan.inv.stop_timeout_s, j=j, op=op,
-                       step=f"drain {inst.id}: verify-stop")
-    gpu = sorted({e.gpu for e in ev})
-    say(f"  {inst.id} drained: stopped, cgroup empty, no survivor, ports closed; GPU: {', '.join(gpu)}")
-    return {"removed_worker": removed, "gpu": gpu}
-
-
-def _canary_new_pairs(inst: Instance, others: list[Instance], say: Say) -> dict:
-    pairs = [(inst, o) if inst.role == "prefill" else (o, inst) for o in others]
-    res = run_parallel(pairs, lambda pd: canary_pair(*pd), max_workers=16)
-    bad = failures(res)
-    retried = {}
-    if bad:
-        # A decode keeps the route to a prefill's bootstrap address (host:port -> KV endpoint) and drops
-        # it only when a connection through it fails. An instance re-added at the address it had before
-        # (rollback, re-scale) therefore fails its first canary with each decode that knew the old
-        # process; that failure resets the route. One retry per pair, before any user request can
-        # reach the pair (the instance is not registered yet); a second failure stops the change.
-        retried = {f"{p.id}x{d.id}": str(e) for (p, d), e in bad.items()}
-        say(f"  first canary failed for {', '.join(retried)} (a decode may hold a stale route to this address); "
-            "retrying each once")
-        again = run_parallel(list(bad), lambda pd: canary_pair(*pd), max_workers=16)
-        res.update(again)
-        bad = failures(again)
-    if bad:
-        names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
-        raise ScaleFailed(f"canary failed for {names}", evidence="\n".join(str(e) for e in bad.values()),
-                          fix="the named pair cannot serve; check its transfer settings with `inv preflight`")
-    say(f"  canary ok: {inst.id} with {', '.join(o.id for o in others)} ({len(pairs)} new pairs)")
-    out = {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
-    if retried:
-        out["first_attempt_failed"] = retried
+    inv, cur, tgt = plan.inv, plan.current, plan.target
+    # instances that take GPUs a removed one holds are checked after that one is drained (its ports
+    # and GPUs are busy now, by design): preflight checks the others
+    later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why}
+    pre = tuple(i for i in tgt.instances if i.id not in later)
+    pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
+    out = [connect_step(plan.hosts), preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
+    out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
+    live = {i.id for i in plan.current_placement.instances}
+    interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
+    i, batch_no = 0, 0
+    while i < len(plan.steps):
+        batch = []
+        while i < len(plan.steps) and plan.steps[i].kind == "add":
+            batch.append(plan.steps[i].instance)
+            i += 1
+        if batch:
+            batch_no += 1
+            out += start_steps(inv, batch, restart=False, group=f"start-{batch_no}" if len(batch) > 1 else None)
+            for x in batch:
+                other = "decode" if x.role == "prefill" else "prefill"
+                peers = [o for o in tgt.role(other) if o.id in live]
+                pairs = [(x.id, o.id) if x.role == "prefill" else (o.id, x.id) for o in peers]
+                if pairs:
+                    out.append(canary_step(f"canary {x.id}", pairs, retry_once=True, instance=x.id,
+                                           why="straight to each pair before it is registered (one retry per pair)"))
+                out += register_steps(inv, [x], group=None)
+                live.add(x.id)
+            continue
+        s = plan.steps[i]
+        i += 1
+        wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
+        out += drain_steps(inv, s.instance, wid, wait_s=float(inv.drain_budget_s), interval_s=interval,
+                           prefix=f"drain {s.instance.id}: ", in_change=True)
+        live.discard(s.instance.id)
+    out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it"))
     return out
 
 
-def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print) -> int:
-    """Carry out a scale or rollback plan; returns the new current revision. Raises with a verdict on failure."""
+def _union(plan: ScalePlan) -> Placement:
+    """Every instance a change names (kept, added and removed), for the executors' lookups."""
+    ids = {i.id for i in plan.target.instances}
+    return Placement(plan.target.topology, plan.target.instances
+                     + tuple(i for i in plan.current_placement.instances if i.id not in ids))
+
+
+def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
+    plan: ScalePlan = ctx.data["scale_plan"]
+    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data["build"])
+    ctx.state.set_current(rev.number)
+    ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
+    return Outcome(evidence={"revision": rev.number},
+                   verified=[f"revision {rev.number} ({plan.target.topology}) recorded and current; kept "
+                             f"{', '.join(i.id for i in plan.kept) or 'none'} untouched "
+                             f"({plan.kept_files} rendered files identical)"])
+
+
+def executors() -> dict:
+    from pdops import deploy as dep
+    from pdops import drain as dr
+
+    return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale}
+
+
+def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool | None = None,
+                  gateway: GatewayClient | None = None) -> dict:
+    """Walk a scale or rollback plan with the runner; returns the verdict (with the new revision).
+    Raises ScaleFailed with a verdict on failure, after undoing what it can."""
+    from pdops.deploy import _connections
+
     if plan.noop:
         raise Refused(f"nothing to do: {plan.noop}")
-    inv, cur, tgt = plan.inv, plan.current, plan.target
     kind = "rollback" if plan.rollback_of else "scale"
     op = new_op_id(kind)
-    j = state.journal()
-    started: dict[str, Instance] = {}     # added instances whose units were started
-    healthy: set[str] = set()             # added instances that answered /health
-    posted: set[str] = set()              # added instances POSTed to the gateway
-    workers: dict[str, str] = {}          # added instance -> worker id
-    drained: list[str] = []
-    failed_drain: str | None = None
-    with state.lock(kind, op_id=op):
-        if state.current() != cur.number:
-            raise Refused(f"`current` moved from revision {cur.number} to {state.current()} since this plan was "
-                          "made", fix="plan the change again")
-        j.step(op, "plan", "ok", {"from": cur.number, "to": str(tgt.topology), "rollback_of": plan.rollback_of,
-                                  "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
-                                  "kept": [i.id for i in plan.kept], "dip": plan.dip,
-                                  "steps": [s.describe() for s in plan.steps]})
-        client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+    with state.lock(kind, op_id=op), _connections(plan.inv, pool, gateway) as (pool, gateway):
+        if state.current() != plan.current.number:
+            raise Refused(f"`current` moved from revision {plan.current.number} to {state.current()} since this plan "
+                          "was made", fix="plan the change again")
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan})
         try:
-            with HostPool(inv) as pool:
-                n_phases = 4 + len(plan.steps)
-                say(f"[1/{n_phases}] connecting to {len(plan.hosts)} hosts")
-                j.step(op, "connect", "ok", pool.connect_all(plan.hosts))
-
-                say(f"[2/{n_phases}] preflight checks")
-                from pdops.preflight import preflight_gate
-
-                # instances that take GPUs a removed one holds are checked after that one is drained (its
-                # ports and GPUs are busy now, by design)
-                later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why}
-                pre = tuple(i for i in tgt.instances if i.id not in later)
-                pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)),
-                                   pre)
-                preflight_gate(inv, pre_pl, pool, plan.skip_checks, j, op, say, previous=plan.current_placement)
-
-                build = state.path / "builds" / op
-                write_build(plan.files, build, {"topology": str(tgt.topology), "op": op, "from": cur.number})
-                say(f"[3/{n_phases}] delivering the revision's files with Ansible (kept instances: identical files)")
-                j.step(op, "deliver", "ok", deliver(inv, tgt, plan.files, build, None, say))
-
-                deadline_s = float(inv.vars.get("pdops_start_timeout_s", 900))
-                live = {i.id: i for i in plan.current_placement.instances}  # serving now
-                n = 3
-                i = 0
-                while i < len(plan.steps):
-                    # consecutive adds start in parallel; each is canaried and registered in order
-                    batch = []
-                    while i < len(plan.steps) and plan.steps[i].kind == "add":
-                        batch.append(plan.steps[i])
-                        i += 1
-                    if batch:
-                        insts = [s.instance for s in batch]
-                        n += 1
-                        say(f"[{n}/{n_phases}] starting {', '.join(x.id for x in insts)}")
-                        for x in insts:
-                            started[x.id] = x
-                        res = run_parallel(insts, lambda x: start_instance(inv, pool, x, deadline_s, say, False))
-                        for x, r in res.items():
-                            j.step(op, f"start {x.id}", "failed" if isinstance(r, Exception) else "ok",
-                                   {"error": r.render() if isinstance(r, PdopsError) else str(r)}
-                                   if isinstance(r, Exception) else r)
-                            if not isinstance(r, Exception):
-                                healthy.add(x.id)
-                        bad = failures(res)
-                        if bad:
-                            first = next(iter(bad.values()))
-                            raise ScaleFailed(f"{', '.join(x.id for x in bad)} did not start",
-                                              evidence=first.render() if isinstance(first, PdopsError) else str(first))
-                        for x in insts:
-                            other = "decode" if x.role == "prefill" else "prefill"
-                            peers = [o for o in tgt.role(other) if o.id in live]
-                            j.step(op, f"canary {x.id}", "ok", _canary_new_pairs(x, peers, say))
-                            posted.add(x.id)
-                            workers[x.id] = register(client, x, say, float(inv.vars.get("pdops_register_timeout_s", 60)))
-                            j.step(op, f"register {x.id}", "ok", {"worker_id": workers[x.id]})
-                            live[x.id] = x
-                        for s in batch[1:]:
-                            n += 1
-                        continue
-                    s = plan.steps[i]
-                    i += 1
-                    n += 1
-                    say(f"[{n}/{n_phases}] draining {s.instance.id}" + (f" ({s.why})" if s.why else ""))
-                    failed_drain = s.instance.id
-                    wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
-                    ev = drain_instance(plan, pool, client, s.instance, wid, j, op, say)
-                    drained.append(s.instance.id)
-                    failed_drain = None
-                    live.pop(s.instance.id, None)
-                    j.step(op, f"drain {s.instance.id}", "ok", ev)
-
-                say(f"[{n_phases}/{n_phases}] recording the revision")
-                rev = _record(plan, state, op, workers, build)
-                state.set_current(rev.number)
-                j.step(op, "record", "ok", {"revision": rev.number})
-                j.step(op, "verdict", "ok", {"revision": rev.number, "topology": str(tgt.topology)})
-                return rev.number
+            verdict = walk(plan.plan, ctx, executors())
         except PdopsError as exc:
-            verdict = _fail(plan, state, op, exc, started, healthy, posted, workers, drained, failed_drain, client, say)
-            exc.message += "\n" + verdict
-            raise
+            d = ctx.data
+            verdict_text = _fail(plan, ctx, exc, d.get("started_instances", {}), d.get("healthy", set()),
+                                 d.get("posted", set()), d.get("workers", {}), d.get("drained", []),
+                                 d.get("failed_drain"))
+            if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
+                exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
+            exc.message += "\n" + verdict_text
+            raise exc from None
+        ctx.journal.step(op, "verdict", "ok", verdict)
+        return verdict
+
+
+def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool, listened: bool, worker_id: str | None) -> list[Step]:
+    """Undo of one added instance: drain it if it was registered, else the verified stop alone."""
+    from pdops.drain import drain_steps
+
+    inv = plan.inv
+    return drain_steps(inv, inst, worker_id, wait_s=float(inv.drain_budget_s),
+                       interval_s=float(inv.vars.get("pdops_empty_check_interval_s", 5)), gateway=registered,
+                       prefix=f"undo {inst.id}: ", check_ports=listened, resume=False)
 
 
 def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None]) -> dict:
@@ -617,35 +553,31 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build) -> 
                                 extra=extra)
 
 
-def _fail(plan: ScalePlan, state: StateDir, op: str, exc: PdopsError, started: dict, healthy: set, posted: set,
-          workers: dict, drained: list[str], failed_drain: str | None, client: GatewayClient, say: Say) -> str:
-    """Undo what this change added but could not finish, record what is live, journal and return the verdict."""
+def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, healthy: set, posted: set,
+          workers: dict, drained: list[str], failed_drain: str | None) -> str:
+    """Undo what this change added but could not finish (through the runner: the drain sub-plan, or
+    the verified stop alone), record what is live, journal and return the verdict."""
+    state, op, client = ctx.state, ctx.op, ctx.gateway
     j = state.journal()
     cur = plan.current
     undone: list[str] = []
     left: list[str] = []
     kept_added: dict[str, Instance] = {}
     registered_ok = {x for x in workers}
-    try:
-        with HostPool(plan.inv) as pool:
-            for iid, inst in reversed(list(started.items())):
-                # an added instance that is registered and verified stays only if a drain already happened
-                # (then undoing it would drop capacity further); otherwise everything added is undone
-                if drained and iid in registered_ok:
-                    kept_added[iid] = inst
-                    continue
-                try:
-                    if iid in posted:
-                        drain_instance(plan, pool, client, inst, workers.get(iid), j, op, say)
-                        undone.append(f"{iid} (drained and stopped, verified)")
-                    else:
-                        stop_verified(pool, inst, check_ports=iid in healthy, stop_timeout_s=plan.inv.stop_timeout_s,
-                                      j=j, op=op, step=f"undo {iid}: verify-stop")
-                        undone.append(f"{iid} (never registered; stopped, verified)")
-                except PdopsError as e2:
-                    left.append(f"{iid}: undo failed: {e2.message}")
-    except PdopsError as e3:
-        left.append(f"undo could not run: {e3.message}")
+    for iid, inst in reversed(list(started.items())):
+        # an added instance that is registered and verified stays only if a drain already happened
+        # (then undoing it would drop capacity further); otherwise everything added is undone
+        if drained and iid in registered_ok:
+            kept_added[iid] = inst
+            continue
+        try:
+            run_steps(undo_steps(inst, plan, registered=iid in posted, listened=iid in healthy,
+                                 worker_id=workers.get(iid)), ctx, executors(), progress=False)
+            undone.append(f"{iid} (drained and stopped, verified)" if iid in posted
+                          else f"{iid} (never registered; stopped, verified)")
+        except PdopsError as e2:
+            left.append(f"{iid}: undo failed: {e2.message}")
+    drained = [d for d in drained if d in {i.id for i in plan.removed}]  # not the undone adds
     if not drained:
         live = [i.id for i in plan.current_placement.instances]
         verdict = (f"verdict: the change stopped; current revision unchanged: {cur.number} ({cur.topology}); "

@@ -39,7 +39,6 @@ def admission(c, inventory=DEFAULT_INVENTORY, against_gateway=False, cap=None, t
     the decodes never above C, queued served in order or refused at the queue timeout, 401
     without a key, and a client disconnect aborts the decode within a bound."""
     from pdops import audit
-    from pdops.admission import parse_admission
     from pdops.errors import InvalidInput, Unverified
     from pdops.inventory import load_inventory
 
@@ -54,7 +53,7 @@ def admission(c, inventory=DEFAULT_INVENTORY, against_gateway=False, cap=None, t
         report = audit.audit(gw.url, decodes, key, cap=c_cap, queue=gw.queue_size, queue_timeout_s=1,
                              overflow_status=429, tokens=int(tokens), mode="gateway", stagger_s=0.7)
     else:
-        cfg = parse_admission(inv.vars, inv)
+        cfg = inv.admission
         if cfg is None:
             raise InvalidInput("pdops_admission", "this inventory has no admission layer",
                                fix="set pdops_admission (docs/admission.md), deploy, then audit")

@@ -7,7 +7,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops import planning
-from pdops.cli import cli_errors, print_verdict, seconds
+from pdops.cli import cli_errors, connections, print_verdict, seconds
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -61,7 +61,8 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     print(plan.render())
     if dry_run or plan.noop:
         return
-    v = dep.execute_deploy(plan)
+    with connections(inv) as conns:
+        v = dep.execute_deploy(plan, **conns)
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
 
 
@@ -106,7 +107,8 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
     print(plan.render())
     if dry_run:
         return
-    v = dr.execute_drain(plan, state)
+    with connections(inv) as conns:
+        v = dr.execute_drain(plan, state, **conns)
     print_verdict(f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.", v)
 
 
@@ -145,5 +147,6 @@ def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_surv
     print(plan.render())
     if dry_run:
         return
-    print_verdict(f"the survivors of {instance}'s stop are ended; the stop is verified.",
-                  dr.execute_kill_survivors(plan, state))
+    with connections(inv) as conns:
+        v = dr.execute_kill_survivors(plan, state, **conns)
+    print_verdict(f"the survivors of {instance}'s stop are ended; the stop is verified.", v)

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from invoke import task
 
-from pdops.cli import cli_errors
+from pdops.cli import cli_errors, connections, print_verdict
 
 DEFAULT_INVENTORY = "inventory/lab"
 
 
-def _print_verdict(plan, n: int) -> None:
+def _print_verdict(plan, verdict: dict) -> None:
     what = f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else "scaled"
-    print(f"verdict: {what}: {plan.current.topology} -> {plan.target.topology} as revision {n}, now current. "
-          f"Verified: added {', '.join(i.id for i in plan.added) or 'none'} (healthy, canary through every new "
-          f"P x D pair, registered and healthy in the gateway); drained {', '.join(i.id for i in plan.removed) or 'none'}"
-          f" (out of the gateway, no open request, two empty checks, stop verified); kept "
-          f"{', '.join(i.id for i in plan.kept) or 'none'} untouched.")
+    print_verdict(f"{what}: {plan.current.topology} -> {plan.target.topology} as revision {verdict['revision']}, "
+                  "now current.", verdict)
 
 
 @task(help={"inventory": "inventory dir or file", "topology": "target NpMd, e.g. 10p2d",
@@ -38,7 +35,8 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     print(plan.render())
     if dry_run or plan.noop:
         return
-    _print_verdict(plan, sc.execute_scale(plan, state))
+    with connections(inv) as conns:
+        _print_verdict(plan, sc.execute_scale(plan, state, **conns))
 
 
 @task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",
@@ -59,7 +57,8 @@ def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False
     print(plan.render())
     if dry_run or plan.noop:
         return
-    _print_verdict(plan, sc.execute_scale(plan, state))
+    with connections(inv) as conns:
+        _print_verdict(plan, sc.execute_scale(plan, state, **conns))
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -350,3 +351,41 @@ def metric(handle: SimHandle, name: str, **labels) -> float:
         if all(pairs.get(k) == f'"{v}"' for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def write_haproxy_local(cfg, workdir: str | Path) -> Path:
+    """Write config, key map and errorfile into `workdir` (no root, no systemd); returns the config."""
+    from pdops import admission as adm
+    from pdops.render import haproxy_config
+
+    d = Path(workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    kmap, err, conf = d / "api-keys.map", d / "overflow.http", d / "pdops-admission.cfg"
+    adm.write_keys_map(kmap, cfg.keys)
+    err.write_text(adm.overflow_response(cfg.overflow_status))
+    conf.write_text(haproxy_config(cfg, keys_map_path=str(kmap), errorfile_path=str(err), user=None))
+    return conf
+
+
+def start_haproxy(cfg, workdir, timeout: float = 10.0) -> Proc:
+    """Run the admission layer (`haproxy -Ws -f`, config from pdops.admission) as a local process;
+    wait until it answers (401 without a key). Stop it with `.kill_all()`; reload with `.signal(SIGUSR2)`."""
+    import shutil
+
+    from pdops import admission as adm
+
+    conf = write_haproxy_local(cfg, workdir)
+    adm.check_config(conf)
+    proc = _spawn([shutil.which("haproxy") or adm.HAPROXY_BIN, "-Ws", "-f", str(conf)], None, "haproxy")
+
+    def up():
+        if not proc.alive():
+            raise Unreachable("haproxy exited at start", evidence=proc.log()[-3000:])
+        return http("GET", cfg.url + "/health", timeout=2)[0] == 401
+
+    try:
+        wait_until(up, timeout, f"haproxy on {cfg.url}")
+    except BaseException:
+        proc.kill_all()
+        raise
+    return proc

@@ -10,9 +10,9 @@ import time
 import aiohttp
 import pytest
 
-from pdops.admission import AdmissionConfig, start_local, write_keys_map
+from pdops.admission import AdmissionConfig, write_keys_map
 from pdops.audit import audit
-from pdops.sim.testing import free_port, http, start_gateway, start_sim, wait_until
+from pdops.sim.testing import free_port, http, start_gateway, start_haproxy, start_sim, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed: scripts/setup-system.sh")
 
@@ -51,7 +51,7 @@ def test_audit_passes_through_haproxy(cluster, tmp_path):
     401 without a key (nothing reaches the decode), a cut stream aborts the decode."""
     _, d, g = cluster
     cfg = _cfg(g.port, cap=2, queue=4)
-    hx = start_local(cfg, tmp_path)
+    hx = start_haproxy(cfg, tmp_path)
     try:
         rep = audit(cfg.url, [d.url], KEY_A, cap=2, queue=4, queue_timeout_s=30, overflow_status=429, tokens=300)
     finally:
@@ -72,7 +72,7 @@ def test_queue_timeout_and_full_queue_give_the_configured_status(cluster, tmp_pa
     1 s and gets 429 (HAProxy's queue 503 mapped), the fourth finds the queue full: 429 at once."""
     _, d, g = cluster
     cfg = _cfg(g.port, cap=2, queue=1, queue_timeout_s=1, overflow=429)
-    hx = start_local(cfg, tmp_path)
+    hx = start_haproxy(cfg, tmp_path)
     try:
         rep = audit(cfg.url, [d.url], KEY_A, cap=2, queue=1, queue_timeout_s=1, overflow_status=429, tokens=300)
     finally:
@@ -105,7 +105,7 @@ def test_key_reload_during_10_streams_drops_none(cluster, tmp_path):
     flight: all 10 complete with every token, and the new key list is in force after."""
     _, d, g = cluster
     cfg = _cfg(g.port, cap=16, queue=0)
-    hx = start_local(cfg, tmp_path)
+    hx = start_haproxy(cfg, tmp_path)
     tokens = 400
 
     async def stream(session, i):

@@ -54,7 +54,7 @@ def test_unreachable_host_changes_nothing(lab, fresh):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "cannot reach lab02" in proc.stderr
     assert StateDir("lab", inv / "state").current() is None
-    assert "[3/7]" not in proc.stdout  # stopped before delivering anything
+    assert "] render" not in proc.stdout and "] deliver" not in proc.stdout  # stopped before delivering anything
 
 
 def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab, fresh):
@@ -73,13 +73,13 @@ def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab,
         blocker.close()
     assert refused.returncode == 4, refused.stdout + refused.stderr
     assert "port 30000 (gateway) on 127.0.10.1 is taken" in refused.stderr and "no host was changed" in refused.stderr
-    assert "[3/7]" not in refused.stdout
+    assert "] render" not in refused.stdout and "] deliver" not in refused.stdout
     assert forced.returncode == 7, forced.stdout + forced.stderr
     assert "gateway pdops-gateway.service on lab01 did not answer" in forced.stderr
     state = StateDir("lab", inv / "state")
     assert state.current() is None
-    skips = [r for r in state.journal().records() if r["step"] == "preflight.skip-check"]
-    assert skips and skips[-1]["evidence"]["checks"] == ["ports"]
+    pre = [r for r in state.journal().records() if r["step"] == "preflight"]
+    assert pre and pre[-1]["evidence"]["skipped_by_operator"]["checks"] == ["ports"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,9 @@ def live(lab, fresh):
 def test_deploy_2p1d_serves_200_requests_through_the_gateway(live):
     inv_dir, proc = live
     assert "verdict: deployed 2p1d as revision 1" in proc.stdout
-    assert "canary ok through all 2 prefill x decode pairs" in proc.stdout
+    assert "canary ok through 2 prefill x decode pair(s)" in proc.stdout
+    assert "verified: a canary generation through each of 2 prefill x decode pair(s): p01 x d01, p02 x d01" \
+        in proc.stdout
     inv = load_inventory(inv_dir)
     rows = send(inv.gateway.url, requests=200, concurrency=16, max_new_tokens=8, stream_every=2)
     assert len(rows) == 200
@@ -160,7 +162,7 @@ def test_a_concurrent_operation_is_refused(lab, live, fresh):
         proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(other))
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "alice@laptop" in proc.stderr and "drain" in proc.stderr
-    assert "[1/7]" not in proc.stdout  # refused before touching any host
+    assert "] connect" not in proc.stdout  # refused before touching any host
     assert state.current() is None
 
 

@@ -143,7 +143,7 @@ def test_scale_1p1d_to_2p1d_under_load(cluster):
     before = _assert_status(cluster, 1, "1p1d", ["p01", "d01"])
     proc = _change(cluster, "scale", "--topology", "2p1d")
     assert "verdict: scaled: 1p1d -> 2p1d as revision 2" in proc.stdout
-    assert "canary ok: p02 with d01" in proc.stdout
+    assert "verified: a canary generation through each of 1 prefill x decode pair(s): p02 x d01" in proc.stdout
     after = _assert_status(cluster, 2, "2p1d", ["p01", "p02", "d01"])
     assert {k: after[k] for k in before} == before  # kept instances untouched
 
@@ -160,7 +160,7 @@ def test_scale_2p1d_to_3p1d_under_load(cluster):
 def test_scale_3p1d_to_2p1d_drains_p03_under_load(cluster, lab):
     before = _assert_status(cluster, 3, "3p1d", ["p01", "p02", "p03", "d01"])
     proc = _change(cluster, "scale", "--topology", "2p1d")
-    assert "drain p03" in proc.stdout and "p03 drained" in proc.stdout
+    assert "drain p03: verify-stop" in proc.stdout and "verified: cgroup empty, every recorded PID gone or reused, ports closed (p03)" in proc.stdout
     after = _assert_status(cluster, 4, "2p1d", ["p01", "p02", "d01"])
     assert after == {k: before[k] for k in after}
     c = lab.connection("lab04")

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from pdops import admission as adm
+from pdops import render
 from pdops.errors import InvalidInput
 from pdops.inventory import load_inventory
 
@@ -67,7 +68,7 @@ def test_defaults(fleet, tmp_path):
 def test_every_rendered_config_passes_haproxy_check(inv_name, settings, tmp_path):
     inv = load_inventory(REPO / "inventory" / inv_name)
     cfg = cfg_for(inv, tmp_path, **settings)
-    files = adm.render_admission_files(inv, cfg)
+    files = render.render_admission_files(inv, cfg)
     by_path = {f.path: f for f in files}
     assert set(by_path) == {adm.CONFIG_PATH, adm.KEYS_MAP_PATH, adm.ERRORFILE_PATH, f"/etc/systemd/system/{adm.UNIT}"}
     assert {f.host for f in files} == {cfg.host}
@@ -87,7 +88,7 @@ def test_every_rendered_config_passes_haproxy_check(inv_name, settings, tmp_path
 
 def test_unit_runs_haproxy_master_worker_with_graceful_reload(fleet, tmp_path):
     cfg = cfg_for(fleet, tmp_path)
-    unit = next(f for f in adm.render_admission_files(fleet, cfg) if f.path.endswith(adm.UNIT)).content
+    unit = next(f for f in render.render_admission_files(fleet, cfg) if f.path.endswith(adm.UNIT)).content
     assert f"-Ws -f {adm.CONFIG_PATH}" in unit
     assert "ExecReload=/bin/kill -USR2 $MAINPID" in unit
     assert "KillMode=mixed" in unit and "Slice=pdops.slice" in unit and "Type=notify" in unit
@@ -100,7 +101,7 @@ def test_unit_runs_haproxy_master_worker_with_graceful_reload(fleet, tmp_path):
 def test_unit_passes_systemd_analyze_verify(inv_name, tmp_path):
     inv = load_inventory(REPO / "inventory" / inv_name)
     cfg = cfg_for(inv, tmp_path)
-    unit = next(f for f in adm.render_admission_files(inv, cfg) if f.path.endswith(adm.UNIT))
+    unit = next(f for f in render.render_admission_files(inv, cfg) if f.path.endswith(adm.UNIT))
     d = tmp_path / "units"
     d.mkdir()
     (d / "pdops.slice").write_text("[Slice]\n")
@@ -151,7 +152,7 @@ def test_a_key_cannot_change_the_config(fleet, tmp_path):
     """Even a map entry that looks like config stays data: the config names the map file
     and haproxy -c passes; the key map is the only file holding keys."""
     cfg = cfg_for(fleet, tmp_path)
-    files = adm.render_admission_files(fleet, cfg)
+    files = render.render_admission_files(fleet, cfg)
     conf = write_and_check(files, tmp_path / "root")
     assert adm.KEYS_MAP_PATH.split("/")[-1] in conf.read_text()
     for bad in ('abc"def0123456789012', "abc def 0123456789012", "abcdef0123456789\nhttp-request allow"):
@@ -171,5 +172,5 @@ def test_gateway_stays_on_its_data_address_behind_the_admission_layer(fleet, tmp
     assert args[args.index("--host") + 1] == gw.addr
     assert "--disable-retries" in args
     assert args[args.index("--max-concurrent-requests") + 1] == str(gw.max_concurrent_requests)
-    text = adm.haproxy_config(cfg)
+    text = render.haproxy_config(cfg)
     assert f"server gw {gw.addr}:{gw.port} maxconn {cfg.cap} " in text

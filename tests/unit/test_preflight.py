@@ -16,7 +16,6 @@ from pdops.facts import ports as port_facts
 from pdops.facts import systemd as systemd_facts
 from pdops.inventory import Nic
 from pdops.placement import place
-from pdops.state import Journal
 from pdops.topology import parse_topology
 
 FACTS = Path(__file__).resolve().parents[1] / "data" / "facts"
@@ -584,18 +583,16 @@ def test_gate_refuses_naming_hosts_checks_and_fix_and_journals(lab_inv, tmp_path
     sections["lab01"]["listen"] = read("ss_port_taken_real.txt")
     sections["lab01"]["pids"] = read("pids_real.txt")
     pool = RecordedPool(sections, probe_ok=False)
-    journal = Journal(tmp_path / "journal.jsonl")
     said = []
     with pytest.raises(Refused) as e:
-        pf.preflight_gate(lab_inv, parse_topology("1p1d"), pool, {"disk"}, journal, "op-1", said.append)
+        pf.preflight_gate(lab_inv, parse_topology("1p1d"), pool, {"disk"}, said.append)
     err = e.value
     assert "preflight failed on lab01, lab02" in err.message
     assert "lab01 ports: port 8998 (p01 bootstrap) on 127.0.10.1 is taken" in err.evidence
     assert "--skip-check pairing --skip-check ports" in err.fix
-    steps = journal.read("op-1")
-    assert [s["step"] for s in steps] == ["preflight.skip-check", "preflight"]
-    assert steps[0]["evidence"]["checks"] == ["disk"] and steps[1]["status"] == "failed"
-    assert steps[1]["evidence"]["failed_hosts"] == ["lab01", "lab02"]
+    ev = err.journal_evidence  # what the runner journals with the failed preflight step
+    assert ev["skipped_by_operator"]["checks"] == ["disk"]
+    assert ev["failed_hosts"] == ["lab01", "lab02"]
     assert any("pairing" in line for line in said)
 
 

@@ -65,3 +65,94 @@ def test_run_parallel_collects_every_outcome_and_runs_concurrently():
     assert isinstance(res["h2"], RemoteCommandFailed)
     assert set(failures(res)) == {"h2"} and set(succeeded(res)) == {"h1", "h3", "h4"}
     assert run_parallel([], work) == {}
+
+
+# ---------------------------------------------------------------- the runner walks plans
+
+import time as _time  # noqa: E402
+
+from pdops.errors import PdopsError, Unverified  # noqa: E402
+from pdops.runner import DeadlineExceeded, Outcome, Plan, RunContext, walk  # noqa: E402
+from pdops.state import StateDir  # noqa: E402
+
+
+def _ctx(tmp_path, said=None):
+    return RunContext(inv=None, state=StateDir("t", tmp_path / "state"), op="op-1",
+                      say=(said.append if said is not None else (lambda s: None)))
+
+
+def test_walk_journals_each_step_by_id_with_target_and_builds_the_verdict_from_outcomes(tmp_path):
+    plan = Plan("demo", "plan: demo", [Step("a p01", "h1", "first", kind="a", params={"instance": "p01"}),
+                                       Step("b", None, "second")])
+    ex = {"a": lambda ctx, s: Outcome(evidence={"x": 1}, verified=["a verified"]),
+          "b": lambda ctx, s: Outcome.noop("already done", was=2)}
+    ctx = _ctx(tmp_path)
+    v = walk(plan, ctx, ex)
+    recs = ctx.journal.read("op-1")
+    assert [(r["step"], r["status"]) for r in recs] == [("plan", "ok"), ("a p01", "ok"), ("b", "noop")]
+    assert recs[0]["evidence"]["steps"] == ["a p01", "b"]
+    assert recs[1]["evidence"]["target"] == "h1" and recs[1]["evidence"]["instance"] == "p01"
+    assert recs[2]["evidence"]["reason"] == "already done"
+    assert v["verified"] == ["a verified"]  # the no-op is never listed as verified
+    assert v["noops"] == ["b: already done"]
+
+
+def test_a_parallel_group_runs_together_collects_every_outcome_then_stops(tmp_path):
+    started, ran_after = [], []
+
+    def slow(ctx, s):
+        started.append(s.name)
+        _time.sleep(0.3)
+        if s.name == "s2":
+            raise Unverified("s2 broke")
+        return Outcome()
+
+    plan = Plan("demo", "t", [Step(f"s{i}", None, "", kind="slow", group="g") for i in range(1, 4)]
+                + [Step("after", None, "")])
+    ctx = _ctx(tmp_path)
+    t0 = _time.monotonic()
+    with pytest.raises(Unverified) as ei:
+        walk(plan, ctx, {"slow": slow, "after": lambda c, s: ran_after.append(1)})
+    assert _time.monotonic() - t0 < 0.8  # the three ran at once, not one after another
+    assert sorted(started) == ["s1", "s2", "s3"] and not ran_after  # stopped at the failed batch
+    statuses = {r["step"]: r["status"] for r in ctx.journal.read("op-1")}
+    assert statuses == {"plan": "ok", "s1": "ok", "s2": "failed", "s3": "ok"}
+    assert "s2 broke" in ei.value.message
+
+
+def test_a_step_past_its_deadline_fails_even_if_its_executor_returns(tmp_path, monkeypatch):
+    import pdops.runner as runner
+
+    monkeypatch.setattr(runner, "DEADLINE_GRACE_S", 0.0)
+    plan = Plan("demo", "t", [Step("w", None, "", deadline=0.1)])
+    ctx = _ctx(tmp_path)
+    with pytest.raises(DeadlineExceeded):
+        walk(plan, ctx, {"w": lambda c, s: _time.sleep(0.3)})
+    rec = ctx.journal.read("op-1")[-1]
+    assert rec["step"] == "w" and rec["status"] == "failed" and "past its deadline of 0.1s" in rec["evidence"]["error"]
+
+
+def test_the_executor_sees_the_deadline_the_plan_printed(tmp_path):
+    seen = {}
+
+    def ex(ctx, s):
+        seen["left"] = ctx.deadline(s) - _time.monotonic()
+
+    walk(Plan("demo", "t", [Step("w", None, "", deadline=30)]), _ctx(tmp_path), {"w": ex})
+    assert 29 < seen["left"] <= 30
+
+
+def test_a_failed_remote_command_is_journalled_with_host_command_status_and_tail(tmp_path):
+    def ex(ctx, s):
+        run_remote(LocalConn(), "echo boom; exit 3")
+
+    ctx = _ctx(tmp_path)
+    with pytest.raises(RemoteCommandFailed):
+        walk(Plan("demo", "t", [Step("x", "local-test", "")]), ctx, {"x": ex})
+    err = ctx.journal.read("op-1")[-1]["evidence"]["error"]
+    assert "local-test: `echo boom; exit 3` exited 3" in err and "boom" in err
+
+
+def test_a_step_kind_without_executor_is_an_error_not_a_skip(tmp_path):
+    with pytest.raises(PdopsError, match="no executor for step kind 'nope'"):
+        walk(Plan("demo", "t", [Step("nope", None, "")]), _ctx(tmp_path), {})

@@ -1,0 +1,82 @@
+"""`--dry-run` prints exactly what the runner walks: for a deploy, a scale, a drain and a
+rollback on the lab, the ordered step ids in the real run's journal equal the dry-run's list
+(parallel groups compared as sets)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pdops.state import StateDir
+from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
+
+pytestmark = pytest.mark.lab
+
+_LINE = re.compile(r"^\s+\d+\. (.+?) — ")
+PARALLEL = "(in parallel with the rest of its group)"
+
+
+def dry_run_ids(out: str) -> list:
+    """The printed plan as [id | {ids of one parallel group}]."""
+    seq: list = []
+    for ln in out.splitlines():
+        m = _LINE.match(ln)
+        if not m:
+            continue
+        if PARALLEL in ln and seq and isinstance(seq[-1], set) and getattr(seq[-1], "open", True):
+            seq[-1].add(m.group(1))
+        elif PARALLEL in ln:
+            seq.append({m.group(1)})
+        else:
+            seq.append(m.group(1))
+    return seq
+
+
+def journal_ids(state: StateDir, kind: str) -> tuple[list[str], list[str]]:
+    """(steps of the newest operation of `kind` as journalled, minus plan/verdict; the plan record's ids)."""
+    j = state.journal()
+    op = [o for o in j.operations() if o.startswith(kind + "-")][-1]
+    recs = j.read(op)
+    return [r["step"] for r in recs if r["step"] not in ("plan", "verdict")], recs[0]["evidence"]["steps"]
+
+
+def matches(printed: list, journalled: list[str]) -> bool:
+    i = 0
+    for item in printed:
+        if isinstance(item, set):
+            if set(journalled[i:i + len(item)]) != item:
+                return False
+            i += len(item)
+        else:
+            if i >= len(journalled) or journalled[i] != item:
+                return False
+            i += 1
+    return i == len(journalled)
+
+
+@pytest.fixture(scope="module")
+def inv(lab, tmp_path_factory):
+    lab.ensure_up()
+    stop_all(lab)
+    profile = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1"}}
+    yield derived_inventory(lab, tmp_path_factory.mktemp("runner"), profile=profile)
+    stop_all(lab)
+
+
+@pytest.mark.parametrize("kind,args", [
+    ("deploy", ["deploy", "--topology", "1p1d"]),
+    ("scale", ["scale", "--topology", "2p1d"]),
+    ("drain", ["drain", "--instance", "p02", "--interval", "1"]),
+    ("rollback", ["rollback"]),
+])
+def test_the_journal_of_a_real_run_walks_exactly_the_dry_run(inv, kind, args):
+    dry = inv_cmd(*args, "-i", str(inv), "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    printed = dry_run_ids(dry.stdout)
+    assert printed, dry.stdout
+    real = inv_cmd(*args, "-i", str(inv))
+    assert real.returncode == 0, real.stdout + real.stderr
+    walked, planned = journal_ids(StateDir("lab", inv / "state"), kind)
+    assert matches(printed, walked), (printed, walked)
+    assert planned == walked  # the plan record names the same steps, in the same order
