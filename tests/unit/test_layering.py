@@ -1,0 +1,53 @@
+"""The module layering the code promises: no import circle between admission, render and the
+inventory; facts never import the operations; host-side scripts are package files that run."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pdops_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdops"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("pdops")}
+    return out
+
+
+def test_admission_imports_only_the_errors_of_pdops():
+    assert _pdops_imports(REPO / "pdops" / "admission.py") == {"pdops.errors"}
+
+
+def test_importing_admission_alone_loads_neither_render_nor_inventory():
+    code = "import sys, pdops.admission; print(sorted(m for m in sys.modules if m in ('pdops.render', 'pdops.inventory')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_facts_never_import_operations():
+    ops = {"pdops.deploy", "pdops.drain", "pdops.scale", "pdops.preflight", "pdops.runner"}
+    for f in (REPO / "pdops" / "facts").glob("*.py"):
+        bad = {m for m in _pdops_imports(f) if any(m == op or m.startswith(op + ".") for op in ops)}
+        assert not bad, (f.name, bad)
+
+
+def test_host_scripts_are_package_files_that_compile():
+    scripts = list((REPO / "pdops" / "preflight" / "scripts").glob("*.py")) + \
+        list((REPO / "pdops" / "facts" / "scripts").glob("*.py"))
+    assert {s.name for s in scripts} >= {"listener.py", "waiter.py", "probe.py", "versions.py"}
+    for s in scripts:
+        compile(s.read_text(), str(s), "exec")
+
+
+def test_versions_script_reports_the_packages_it_is_given():
+    from pdops.facts import host as hf
+
+    out = subprocess.run([sys.executable, "-c", hf._VERSIONS_SCRIPT, '["pyyaml", "no-such-package-xyz", '
+                          '"nvidia-nccl-cu12", "nvidia-nccl-cu13"]'], capture_output=True, text=True, check=True).stdout
+    v = hf.parse_versions(out)
+    assert v["pyyaml"] == "6.0.3" and v["no-such-package-xyz"] is None
