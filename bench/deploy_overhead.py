@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from pdops import deploy as dep  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
+from pdops.hosts import connections  # noqa: E402
 from pdops.inventory import load_inventory  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
 
@@ -38,7 +39,8 @@ def deploy_once(n: int, work: Path) -> float:
     inv = load_inventory(where)
     plan = dep.plan_deploy(inv, Topology(n - 1, 1), dep.state_for(inv))
     t0 = time.perf_counter()
-    dep.execute_deploy(plan, say=lambda s: None)
+    with connections(inv) as conns:
+        dep.execute_deploy(plan, say=lambda s: None, **conns)
     return time.perf_counter() - t0
 
 

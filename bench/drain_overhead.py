@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 from pdops import deploy as dep  # noqa: E402
 from pdops import drain as dr  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
+from pdops.hosts import connections  # noqa: E402
 from pdops.inventory import load_inventory  # noqa: E402
 from pdops.load import send  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
@@ -35,7 +36,8 @@ def drain_with_load(inv, state, instance: str, prompt: str | None) -> float:
     time.sleep(0.5)  # let the streams get routed (this is a benchmark, not a readiness check)
     plan = dr.plan_drain(inv, state, instance, interval_s=INTERVAL_S)
     t0 = time.time()
-    dr.execute_drain(plan, state, say=lambda s: None)
+    with connections(inv) as conns:
+        dr.execute_drain(plan, state, say=lambda s: None, **conns)
     t1 = time.time()
     t.join()
     longest_end = max((r.end for r in rows if r.end), default=t0)
@@ -65,7 +67,8 @@ def main() -> None:
             (where / "hosts.yml").write_text(yaml.safe_dump(doc))
             inv = load_inventory(where)
             state = dep.state_for(inv)
-            dep.execute_deploy(dep.plan_deploy(inv, Topology(2, 2), state), say=lambda s: None)
+            with connections(inv) as conns:
+                dep.execute_deploy(dep.plan_deploy(inv, Topology(2, 2), state), say=lambda s: None, **conns)
             drain_with_load(inv, state, "d02", None)
             drain_with_load(inv, state, "p02", " ".join(["tok"] * 4000))
         finally:

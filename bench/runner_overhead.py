@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from pdops import deploy as dep  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
+from pdops.hosts import connections  # noqa: E402
 from pdops.inventory import load_inventory  # noqa: E402
 from pdops.runner import RunContext, walk  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
@@ -47,7 +48,8 @@ def main() -> None:
             inv = load_inventory(work)
             state = dep.state_for(inv)
             plan = dep.plan_deploy(inv, Topology(n - 1, 1), state)
-            with dep._connections(inv, None, None) as (pool, gateway):
+            with connections(inv) as conns:
+                pool, gateway = conns["pool"], conns["gateway"]
                 ctx = RunContext(inv, state, "bench-deploy", lambda s: None, pool, gateway,
                                  {"placement": plan.placement, "deploy_plan": plan})
                 t0 = time.perf_counter()

@@ -14,6 +14,7 @@ from pdops import deploy as dep
 from pdops import drain as dr
 from pdops import lab as lab_api
 from pdops.bench import compute_figures, format_table
+from pdops.hosts import connections
 from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.planning import REPO, format_placement, load_and_place
@@ -50,7 +51,8 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     _section(say, "3. deploy 2p1d: Ansible delivers, Fabric starts in order, gateway registers, canary")
     plan = dep.plan_deploy(inv, parse_topology("2p1d"), dep.state_for(inv))
     say(plan.render())
-    v = dep.execute_deploy(plan, say)
+    with connections(inv) as conns:
+        v = dep.execute_deploy(plan, say, **conns)
     say(f"verdict: 2p1d live as revision {v['revision']}")
     for item in v["verified"]:
         say(f"  verified: {item}")
@@ -69,7 +71,8 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     state = dep.state_for(inv)
     dplan = dr.plan_drain(inv, state, "p02", interval_s=1)
     say(dplan.render())
-    verdict = dr.execute_drain(dplan, state, say)
+    with connections(inv) as conns:
+        verdict = dr.execute_drain(dplan, state, say, **conns)
     t.join()
     for item in verdict["verified"]:
         say(f"  verified: {item}")

@@ -7,7 +7,6 @@ step with its evidence, stops at the first failure and says what it left running
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 import uuid
@@ -196,11 +195,12 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
             "hosts": {h: vars(r) for h, r in res.recap.items()}}
 
 
-def start_gateway(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 60) -> dict:
+def start_gateway(inv: Inventory, pool: HostPool, client: GatewayClient, say: Say, restart: bool,
+                  deadline_s: float = 60) -> dict:
+    """Start (or restart) the gateway unit and wait for its /health, bounded by `deadline_s`."""
     gw = inv.gateway
     verb = "restart" if restart else "start"
     pool.run(gw.host, f"systemctl {verb} {q(GATEWAY_UNIT)}")
-    client = GatewayClient(gw.url, api_key_file=gw.api_key_file)
     deadline = deadline_in(deadline_s)
     while True:
         try:
@@ -425,7 +425,8 @@ def do_deliver(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_gateway(ctx: RunContext, step: Step) -> Outcome:
-    ev = start_gateway(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline)
+    ev = start_gateway(ctx.inv, ctx.pool, ctx.gateway, ctx.say, restart=step.params["restart"],
+                       deadline_s=step.deadline)
     ctx.data.setdefault("started", []).append(f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}")
     return Outcome(evidence=ev, verified=[f"gateway {GATEWAY_UNIT} active and answering {ctx.inv.gateway.url}/health"])
 
@@ -493,15 +494,14 @@ EXECUTORS = {"connect": do_connect, "preflight": do_preflight, "render": do_rend
              "register": do_register}
 
 
-def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool | None = None,
-                   gateway: GatewayClient | None = None) -> dict:
+def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
     """Walk a deploy plan with the runner. Returns the verdict: the new revision, what was verified
     and what could not be (skipped checks never count as verified). Raises with a verdict on failure.
-    `pool` and `gateway` are the operation's connections (opened here when not passed in)."""
+    `pool` and `gateway` are the operation's connections, opened by the caller (pdops.hosts.connections)."""
     inv, pl = plan.inv, plan.placement
     state = state_for(inv)
     op = new_op_id("deploy")
-    with state.lock("deploy", op_id=op), _connections(inv, pool, gateway) as (pool, gateway):
+    with state.lock("deploy", op_id=op):
         ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan})
         try:
             verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_deploy})
@@ -510,17 +510,6 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool | None 
             raise
         state.journal().step(op, "verdict", "ok", verdict)
         return verdict
-
-
-@contextlib.contextmanager
-def _connections(inv: Inventory, pool: HostPool | None, gateway: GatewayClient | None):
-    """The operation's host pool and gateway client: the caller's, or opened (and closed) here."""
-    gateway = gateway or GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-    if pool is not None:
-        yield pool, gateway
-        return
-    with HostPool(inv) as own:
-        yield own, gateway
 
 
 def _deploy_failed(ctx: RunContext, exc: PdopsError, *, fresh: bool) -> None:

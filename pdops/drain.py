@@ -580,13 +580,11 @@ def do_verify_gone(ctx: RunContext, step: Step) -> Outcome:
                    unverified=[f"GPU processes: skipped: {sk.reason}"] if sk is not None else [])
 
 
-def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool | None = None,
-                           gateway: GatewayClient | None = None) -> dict:
+def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool,
+                           gateway: GatewayClient) -> dict:
     """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
-    from pdops.deploy import _connections
-
     op = new_op_id("stop")
-    with state.lock("stop", op_id=op), _connections(plan.inv, pool, gateway) as (pool, gateway):
+    with state.lock("stop", op_id=op):
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": Placement.from_dict(plan.rev.placement)})
         try:
             verdict = walk(plan.plan, ctx, {"check-units": do_check_units, "kill-survivors": do_kill_survivors,
@@ -808,17 +806,15 @@ EXECUTORS = {"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "em
              "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop}
 
 
-def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool | None = None,
-                  gateway: GatewayClient | None = None) -> dict:
+def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,
+                  gateway: GatewayClient) -> dict:
     """Walk a drain (or stop) plan with the runner. An interruption (SSH lost, engine unreachable,
     a check failing) ends with a journalled verdict naming the last completed step; the instance
     is never recorded as stopped unless the stop was verified. Re-running the same drain resumes:
     a worker already removed is a no-op, an instance already stopped is only accepted when an
     earlier drain of it passed both empty checks."""
-    from pdops.deploy import _connections
-
     op = new_op_id(plan.plan.operation)
-    with state.lock(plan.plan.operation, op_id=op), _connections(plan.inv, pool, gateway) as (pool, gateway):
+    with state.lock(plan.plan.operation, op_id=op):
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": plan.placement, "drain_plan": plan})
         try:
             verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_drain})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import urllib.error
@@ -99,3 +100,13 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
+
+
+@contextlib.contextmanager
+def connections(inv: Inventory):
+    """An operation's connections, opened once by its caller (the CLI) and passed to the runner:
+    one SSH connection per host (opened on first use, closed at the end) and the gateway client."""
+    from pdops.gateway import GatewayClient
+
+    with HostPool(inv) as pool:
+        yield {"pool": pool, "gateway": GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)}

@@ -475,17 +475,15 @@ def executors() -> dict:
     return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale}
 
 
-def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool | None = None,
-                  gateway: GatewayClient | None = None) -> dict:
+def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
+                  gateway: GatewayClient) -> dict:
     """Walk a scale or rollback plan with the runner; returns the verdict (with the new revision).
     Raises ScaleFailed with a verdict on failure, after undoing what it can."""
-    from pdops.deploy import _connections
-
     if plan.noop:
         raise Refused(f"nothing to do: {plan.noop}")
     kind = "rollback" if plan.rollback_of else "scale"
     op = new_op_id(kind)
-    with state.lock(kind, op_id=op), _connections(plan.inv, pool, gateway) as (pool, gateway):
+    with state.lock(kind, op_id=op):
         if state.current() != plan.current.number:
             raise Refused(f"`current` moved from revision {plan.current.number} to {state.current()} since this plan "
                           "was made", fix="plan the change again")

@@ -6,7 +6,6 @@ a traceback, as an operator at 3 a.m. needs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
@@ -26,17 +25,6 @@ def seconds(value, flag: str) -> float | None:
     if not s >= 0 or s == float("inf"):
         raise InvalidInput(flag, f"{value!r} is not a non-negative number of seconds", fix=f"e.g. {flag} 30")
     return s
-
-
-@contextlib.contextmanager
-def connections(inv):
-    """The operation's connections, opened once by the CLI and passed to the runner: one SSH
-    connection per host (opened on first use, closed at the end) and the gateway client."""
-    from pdops.gateway import GatewayClient
-    from pdops.hosts import HostPool
-
-    with HostPool(inv) as pool:
-        yield {"pool": pool, "gateway": GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)}
 
 
 def print_verdict(headline: str, verdict: dict) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops.cli import cli_errors
+from pdops.hosts import connections
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -132,14 +133,16 @@ def _live_scale_to(inv):
         if state.current() is None:  # nothing live yet: the first cell deploys
             plan = dep.plan_deploy(inv, topo, state)
             print(plan.render())
-            dep.execute_deploy(plan)
+            with connections(inv) as conns:
+                dep.execute_deploy(plan, **conns)
             return
         # the sweep owns the cluster between cells (no traffic to protect): a topology that must
         # free a host before placing its new instance (3p1d -> 2p2d on four hosts) is allowed to dip
         plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
         print(plan.render())
         if not plan.noop:
-            scale_mod.execute_scale(plan, state)
+            with connections(inv) as conns:
+                scale_mod.execute_scale(plan, state, **conns)
 
     return scale_to
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from invoke import task
 
 from pdops import planning
-from pdops.cli import cli_errors, connections, print_verdict, seconds
+from pdops.cli import cli_errors, print_verdict, seconds
+from pdops.hosts import connections
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from invoke import task
 
-from pdops.cli import cli_errors, connections, print_verdict
+from pdops.cli import cli_errors, print_verdict
+from pdops.hosts import connections
 
 DEFAULT_INVENTORY = "inventory/lab"
 

@@ -260,6 +260,6 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
     # journalled under its own op, every step ok, only key ids
     recs_j = state_for(inv).journal().records()
     op = [r for r in recs_j if r["op_id"].startswith("admission-keys")]
-    assert [r["step"] for r in op] == ["plan", "deliver", "reload", "verify", "verdict"], op
+    assert [r["step"] for r in op] == ["plan", "check-unit", "deliver", "reload", "verify", "verdict"], op
     assert all(r["status"] == "ok" for r in op)
     assert KEY_A not in str(op) and KEY_B not in str(op)

@@ -136,7 +136,7 @@ def test_same_topology_is_a_noop_that_says_so(lab_inv, state):
     assert plan.noop and not plan.steps
     assert "no change: revision 1 is already 2p1d" in plan.render()
     with pytest.raises(Refused):
-        sc.execute_scale(plan, state)
+        sc.execute_scale(plan, state, pool=None, gateway=None)
     assert state.revision_numbers() == [1]
 
 
@@ -266,5 +266,5 @@ def test_concurrent_operation_is_refused_before_any_host(lab_inv, state):
     plan = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
     with state.lock("drain", operator="alice@laptop"):
         with pytest.raises(Refused, match="alice@laptop"):
-            sc.execute_scale(plan, state, say=lambda s: None)
+            sc.execute_scale(plan, state, say=lambda s: None, pool=None, gateway=None)
     assert state.current() == 1 and state.revision_numbers() == [1]

@@ -271,10 +271,13 @@ def test_live_scale_to_deploys_first_then_scales_allowing_the_capacity_dip(monke
 
     monkeypatch.setattr(dep, "state_for", lambda inv: state)
     monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo))) or Plan())
-    monkeypatch.setattr(dep, "execute_deploy", lambda plan: calls.append(("deploy",)) or 1)
+    import contextlib
+
+    monkeypatch.setattr(cli_bench, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
+    monkeypatch.setattr(dep, "execute_deploy", lambda plan, **conns: calls.append(("deploy",)) or 1)
     monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))
                         or Plan())
-    monkeypatch.setattr(scale_mod, "execute_scale", lambda plan, st: calls.append(("scale",)) or 2)
+    monkeypatch.setattr(scale_mod, "execute_scale", lambda plan, st, **conns: calls.append(("scale",)) or 2)
     scale_to = cli_bench._live_scale_to(object())
     scale_to(parse_topology("3p1d"))
     state.current_value = 1
