@@ -24,9 +24,8 @@ from pdops.inventory import load_inventory  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
 
 
-def deploy_once(n: int, work: Path) -> float:
-    lab_api.up(n)
-    where = work / f"n{n}"
+def lab_inventory(where: Path):
+    """The running lab's inventory with its own state dir under `where` and the sim's model load at 0."""
     where.mkdir(parents=True, exist_ok=True)
     doc = yaml.safe_load(lab_api.inventory_path().read_text())
     doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
@@ -36,7 +35,12 @@ def deploy_once(n: int, work: Path) -> float:
     (where / "profiles" / "p.yml").write_text(yaml.safe_dump(prof))
     doc["all"]["vars"]["pdops_profile"] = "profiles/p.yml"
     (where / "hosts.yml").write_text(yaml.safe_dump(doc))
-    inv = load_inventory(where)
+    return load_inventory(where)
+
+
+def deploy_once(n: int, work: Path) -> float:
+    lab_api.up(n)
+    inv = lab_inventory(work / f"n{n}")
     plan = dep.plan_deploy(inv, Topology(n - 1, 1), dep.state_for(inv))
     t0 = time.perf_counter()
     with connections(inv) as conns:

@@ -13,17 +13,17 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdops import deploy as dep  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.hosts import connections  # noqa: E402
-from pdops.inventory import load_inventory  # noqa: E402
 from pdops.runner import RunContext, walk  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
+from deploy_overhead import lab_inventory  # noqa: E402
 
 
 def main() -> None:
@@ -36,16 +36,7 @@ def main() -> None:
         try:
             lab_api.down()
             lab_api.up(n)
-            work.mkdir(parents=True, exist_ok=True)
-            doc = yaml.safe_load(lab_api.inventory_path().read_text())
-            doc["all"]["vars"]["pdops_state_dir"] = str(work / "state")
-            (work / "profiles").mkdir(exist_ok=True)
-            prof = yaml.safe_load((REPO / "pdops/profiles/lab-sim.yml").read_text())
-            prof.setdefault("env", {})["PDOPS_SIM_STARTUP_S"] = "0"
-            (work / "profiles" / "p.yml").write_text(yaml.safe_dump(prof))
-            doc["all"]["vars"]["pdops_profile"] = "profiles/p.yml"
-            (work / "hosts.yml").write_text(yaml.safe_dump(doc))
-            inv = load_inventory(work)
+            inv = lab_inventory(work)
             state = dep.state_for(inv)
             plan = dep.plan_deploy(inv, Topology(n - 1, 1), state)
             with connections(inv) as conns:

@@ -57,10 +57,11 @@ MUTATIONS = (
              "        return True\n",
              (f"{VERIFIERS}::test_empty_check_2_catches_work_that_arrived_after_check_1",
               "tests/unit/test_drain_verifiers.py")),
-    Mutation("verdict: skipped checks listed as verified", "pdops/deploy.py",
-             "                unverified += preflight_unverified(report, plan.skip_checks)\n",
-             "                verified += preflight_unverified(report, plan.skip_checks)\n",
-             (f"{VERIFIERS}::test_verdict_lists_skipped_checks_as_not_verified_never_as_verified",)),
+    Mutation("verdict: what a step could not check listed as verified", "pdops/runner.py",
+             "            unverified += r.unverified\n",
+             "            verified += r.unverified\n",
+             (f"{VERIFIERS}::test_verdict_lists_skipped_checks_as_not_verified_never_as_verified",
+              "tests/unit/test_runner.py")),
 )
 
 

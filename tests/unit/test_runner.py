@@ -156,3 +156,11 @@ def test_a_failed_remote_command_is_journalled_with_host_command_status_and_tail
 def test_a_step_kind_without_executor_is_an_error_not_a_skip(tmp_path):
     with pytest.raises(PdopsError, match="no executor for step kind 'nope'"):
         walk(Plan("demo", "t", [Step("nope", None, "")]), _ctx(tmp_path), {})
+
+
+def test_what_a_step_could_not_check_is_listed_as_not_verified_never_as_verified(tmp_path):
+    plan = Plan("demo", "t", [Step("gpu", None, "", kind="gpu")])
+    ex = {"gpu": lambda c, s: Outcome(verified=["cgroup empty"], unverified=["GPU processes: skipped: no nvidia-smi"])}
+    v = walk(plan, _ctx(tmp_path), ex)
+    assert v["verified"] == ["cgroup empty"]
+    assert v["unverified"] == ["GPU processes: skipped: no nvidia-smi"]
