@@ -20,14 +20,14 @@ sys.path.insert(0, str(REPO))
 from pdops import deploy as dep  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.hosts import connections  # noqa: E402
-from pdops.inventory import load_inventory  # noqa: E402
+from pdops.inventory import load_inventory, single_file_doc  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
 
 
 def lab_inventory(where: Path):
     """The running lab's inventory with its own state dir under `where` and the sim's model load at 0."""
     where.mkdir(parents=True, exist_ok=True)
-    doc = yaml.safe_load(lab_api.inventory_path().read_text())
+    doc = single_file_doc(lab_api.inventory_path())
     doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
     (where / "profiles").mkdir(exist_ok=True)
     prof = yaml.safe_load((REPO / "pdops/profiles/lab-sim.yml").read_text())

@@ -20,7 +20,7 @@ from pdops import deploy as dep  # noqa: E402
 from pdops import drain as dr  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.hosts import connections  # noqa: E402
-from pdops.inventory import load_inventory  # noqa: E402
+from pdops.inventory import load_inventory, single_file_doc  # noqa: E402
 from pdops.load import send  # noqa: E402
 from pdops.topology import Topology  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
             lab_api.up(4)
             where = lab_api.resolve_lab_dir() / "bench-drain" / time.strftime("%H%M%S")
             where.mkdir(parents=True)
-            doc = yaml.safe_load(lab_api.inventory_path().read_text())
+            doc = single_file_doc(lab_api.inventory_path())
             doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
             prof = yaml.safe_load((REPO / "pdops/profiles/lab-sim.yml").read_text())
             prof.setdefault("env", {}).update({"PDOPS_SIM_DECODE_STEP_MS": "20"})

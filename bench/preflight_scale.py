@@ -29,13 +29,13 @@ import yaml  # noqa: E402
 from pdops import lab  # noqa: E402
 from pdops import preflight as pf  # noqa: E402
 from pdops.hosts import HostPool  # noqa: E402
-from pdops.inventory import load_inventory  # noqa: E402
+from pdops.inventory import load_inventory, single_file_doc  # noqa: E402
 from pdops.topology import parse_topology  # noqa: E402
 
 
 def sub_inventory(src: Path, n: int, where: Path) -> Path:
     """The lab inventory restricted to its first n hosts (lab01 keeps the gateway)."""
-    doc = yaml.safe_load(src.read_text())
+    doc = single_file_doc(src)
     hosts = doc["all"]["children"]["gpu_hosts"]["hosts"]
     keep = list(hosts)[:n]
     doc["all"]["children"]["gpu_hosts"]["hosts"] = {k: hosts[k] for k in keep}

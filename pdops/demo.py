@@ -15,7 +15,7 @@ from pdops import drain as dr
 from pdops import lab as lab_api
 from pdops.bench import compute_figures, format_table
 from pdops.hosts import connections
-from pdops.inventory import load_inventory
+from pdops.inventory import load_inventory, single_file_doc
 from pdops.load import send
 from pdops.planning import REPO, format_placement, load_and_place
 from pdops.status import collect_status, format_status
@@ -42,7 +42,7 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     where = lab_api.resolve_lab_dir() / "demo" / stamp
     where.mkdir(parents=True)
-    doc = yaml.safe_load(lab_api.inventory_path().read_text())
+    doc = single_file_doc(lab_api.inventory_path())
     doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
     (where / "hosts.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
     inv = load_inventory(where)

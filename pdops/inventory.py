@@ -7,10 +7,13 @@ before any host is touched; every error names the field and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import ipaddress
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -179,47 +182,132 @@ def _read_yaml(path: Path) -> Any:
                            fix="fix the YAML (indentation, quoting, colons) and retry") from None
 
 
+INVENTORY_SUFFIXES = (".yml", ".yaml", ".ini")
+ANSIBLE_CFG = Path(__file__).resolve().parent.parent / "playbooks" / "ansible.cfg"
+
+
 def _inventory_files(path: Path) -> list[Path]:
+    """The inventory sources: the file, or a directory's *.yml/*.yaml/*.ini and `hosts` files
+    (group_vars/ and host_vars/ beside them are read by Ansible's own vars plugin)."""
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".yml", ".yaml") and p.is_file())
+        files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in INVENTORY_SUFFIXES or p.name == "hosts"))
         if files:
             return files
-        raise InvalidInput(str(path), "no .yml inventory file in this directory",
+        raise InvalidInput(str(path), "no inventory file (.yml, .yaml, .ini or hosts) in this directory",
                            fix="point -i at an inventory directory holding hosts.yml")
     raise InvalidInput(str(path), "inventory not found", fix="pass -i inventory/<name> (see inventory/)")
 
 
-def _merge_inventory(docs: list[tuple[Path, Any]]) -> tuple[dict, dict]:
-    """Merge Ansible YAML inventory files into (all vars, {host: hostvars})."""
-    all_vars: dict = {}
-    hosts: dict[str, dict] = {}
+def _plain(value: Any) -> Any:
+    """Ansible's tagged values (str, int, dict, list subclasses carrying their origin) as plain ones."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    for t in (bool, int, float, str):
+        if isinstance(value, t):
+            return t(value)
+    return value
 
-    def walk(group: dict, where: str, inherited: dict) -> None:
-        if not isinstance(group, dict):
-            raise InvalidInput(where, "must be a mapping", fix="see inventory/lab/hosts.yml for the shape")
-        gvars = dict(inherited)
-        gvars.update(group.get("vars") or {})
-        for name, hv in (group.get("hosts") or {}).items():
-            merged = dict(gvars)
-            merged.update(hv or {})
-            if name in hosts:
-                raise InvalidInput(f"{where}.hosts.{name}", "host listed twice",
-                                   fix="each host name must appear once in the inventory")
-            hosts[name] = merged
-        for cname, child in (group.get("children") or {}).items():
-            walk(child or {}, f"{where}.children.{cname}", gvars)
 
-    for path, doc in docs:
-        if doc is None:
-            continue
-        if not isinstance(doc, dict) or "all" not in doc:
-            raise InvalidInput(str(path), "not an Ansible YAML inventory (no top-level `all:`)",
-                               fix="start the file with `all:` (see inventory/lab/hosts.yml)")
-        all_vars.update(doc["all"].get("vars") or {})
-        walk(doc["all"], "all", doc["all"].get("vars") or {})
-    return all_vars, hosts
+@dataclass
+class AnsibleReading:
+    """Each host's variables as Ansible merges them (every layout and precedence rule it has),
+    plain, and the tagged originals to say which file a value came from."""
+
+    hostvars: dict[str, dict]
+    raw: dict[str, dict]
+
+    def origin(self, field_path: str) -> str | None:
+        """`file:line` of the value at an InvalidInput field (hosts.gpu01.pdops_gpus.count,
+        pdops_gateway.port, ...), where Ansible recorded it."""
+        from ansible._internal._datatag._tags import Origin
+
+        parts = [p for p in re.split(r"\.|\[(\d+)\]", field_path) if p]
+        if parts and parts[0] == "hosts" and len(parts) > 1 and parts[1] in self.raw:
+            node, parts = self.raw[parts[1]], parts[2:]
+        elif self.raw:
+            node = next(iter(self.raw.values()))
+            parts = parts[2:] if parts[:2] == ["all", "vars"] else parts
+        else:
+            return None
+        best = None
+        for p in parts:
+            try:
+                node = node[int(p)] if isinstance(node, list) else node[p]
+            except (KeyError, IndexError, ValueError, TypeError):
+                break
+            best = Origin.get_tag(node) or best
+        if best is None or not getattr(best, "path", None):
+            return None
+        return f"{best.path}:{best.line_num}" if getattr(best, "line_num", None) else str(best.path)
+
+
+def read_with_ansible(files: list[Path]) -> AnsibleReading:
+    """ansible-core's InventoryManager and VariableManager over `files`, with pdops's
+    playbooks/ansible.cfg (as ansible-playbook runs): {host: variables} exactly as
+    `ansible-inventory --host` prints them (internal variables removed)."""
+    os.environ["ANSIBLE_CONFIG"] = str(ANSIBLE_CFG)
+    from ansible import constants as C
+    from ansible.errors import AnsibleError
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.vars.manager import VariableManager
+
+    loader = DataLoader()
+    said = io.StringIO()  # Ansible's own warnings: evidence of a failure, noise otherwise
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            inventory = InventoryManager(loader=loader, sources=[str(f) for f in files])
+            vm = VariableManager(loader=loader, inventory=inventory)
+            raw = {}
+            for h in inventory.get_hosts():
+                v = vm.get_vars(host=h, include_hostvars=False, stage="all")
+                raw[str(h.name)] = {str(k): val for k, val in v.items() if k not in C.INTERNAL_STATIC_VARS}
+    except AnsibleError as exc:
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        why = re.findall(r"Failed to parse inventory with '(\w+)' plugin: (.*)", said.getvalue())
+        if why:  # the reason is in Ansible's warning (its error only says "Completely failed"):
+            # the one from the plugin the file is written for
+            want = "yaml" if any(f.suffix in (".yml", ".yaml") for f in files) else "ini"
+            plugin, reason = next((w for w in why if w[0] == want), why[-1])
+            first = f"{reason.strip()} ({plugin} plugin)"
+        exc2 = InvalidInput(", ".join(str(f) for f in files), f"Ansible cannot read the inventory: {first}",
+                            fix="fix the file Ansible names (YAML or INI inventory syntax)")
+        exc2.evidence = said.getvalue().strip() or None
+        raise exc2 from None
+    return AnsibleReading({h: _plain(v) for h, v in raw.items()}, raw)
+
+
+def single_file_doc(path: str | Path) -> dict:
+    """An inventory (any layout Ansible reads) as one single-file YAML document: the cluster's
+    settings in all.vars, each GPU host with its own (HOST_KEYS). Ansible reads the document
+    exactly as the original; tests and tools derive inventories from it."""
+    hostvars = read_with_ansible(_inventory_files(Path(path))).hostvars
+    cluster = _cluster_vars(hostvars) if hostvars else {}
+    hosts = {h: {k: v[k] for k in HOST_KEYS if k in v} for h, v in hostvars.items()}
+    return {"all": {"vars": cluster, "children": {"gpu_hosts": {"hosts": hosts}}}}
+
+
+# Host-level settings: each host has its own (usually from a group's group_vars). Every other
+# pdops_* setting is the cluster's and must be the same for every host.
+HOST_KEYS = ("pdops_data_addr", "pdops_gpus", "pdops_nics", "ansible_host", "ansible_port")
+
+
+def _cluster_vars(hostvars: dict[str, dict]) -> dict:
+    """The cluster-wide settings as every host sees them; a pdops_* setting that differs between
+    hosts is refused (it would mean two clusters in one inventory)."""
+    names = list(hostvars)
+    first = hostvars[names[0]]
+    for k in sorted({k for hv in hostvars.values() for k in hv if k.startswith("pdops_") and k not in HOST_KEYS}):
+        for n in names[1:]:
+            if hostvars[n].get(k) != first.get(k):
+                raise InvalidInput(k, f"is {first.get(k)!r} for {names[0]} but {hostvars[n].get(k)!r} for {n}",
+                                   fix="set cluster settings once, for all hosts (group_vars/all or all.vars)")
+    return {k: v for k, v in first.items() if k not in HOST_KEYS}
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -265,6 +353,9 @@ def _parse_host(name: str, hv: dict) -> Host:
         raise InvalidInput(f"{where}.pdops_gpus.count", f"must be at least 1, got {count}", fix="set the number of GPUs")
     model = str(_req(gpus, "model", f"{where}.pdops_gpus", (str,), "set the GPU model name as nvidia-smi prints it"))
     mem = gpus.get("memory_gib", 0)
+    if isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem < 0:
+        raise InvalidInput(f"{where}.pdops_gpus.memory_gib", f"{mem!r} is not a size in GiB",
+                           fix="set each GPU's memory in GiB as nvidia-smi shows it (e.g. 84), or leave it out")
     nics_raw = _req(hv, "pdops_nics", where, (list,), "list the RDMA NICs with the GPUs each serves")
     nics = []
     seen: dict[int, str] = {}
@@ -364,19 +455,31 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
     """Read and validate an inventory; nothing is contacted."""
     path = Path(path)
     files = _inventory_files(path)
-    docs = [(f, _read_yaml(f)) for f in files]
-    group_vars = path / "group_vars" / "all.yml" if path.is_dir() else None
-    all_vars, hostvars = _merge_inventory(docs)
-    if group_vars is not None and group_vars.is_file():
-        gv = _read_yaml(group_vars) or {}
-        for hv in hostvars.values():
-            for k, v in gv.items():
-                hv.setdefault(k, v)
-        for k, v in gv.items():
-            all_vars.setdefault(k, v)
+    try:
+        reading = read_with_ansible(files)
+    except InvalidInput:
+        for f in files:  # a YAML syntax error: say where, with its line and column
+            if f.suffix in (".yml", ".yaml"):
+                doc = _read_yaml(f)
+                if doc is not None and not isinstance(doc, dict):
+                    raise InvalidInput(str(f), f"is a YAML {type(doc).__name__}, not an inventory mapping",
+                                       fix="start the file with `all:` (see inventory/lab/hosts.yml)") from None
+        raise
+    hostvars = reading.hostvars
     if not hostvars:
         raise InvalidInput(str(path), "the inventory lists no hosts", fix="add hosts under all.children.gpu_hosts.hosts")
+    try:
+        return _validate(path, files, hostvars, profile)
+    except InvalidInput as exc:
+        where = reading.origin(exc.field)
+        if where:
+            exc.message += f" (from {where})"
+        raise
 
+
+def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: str | None) -> "Inventory":
+    """Every rule of pdops, on the variables Ansible merged for each host."""
+    all_vars = _cluster_vars(hostvars)
     cluster = str(all_vars.get("pdops_cluster") or path.stem)
     if not re.match(r"^[A-Za-z0-9_.-]+$", cluster):
         raise InvalidInput("pdops_cluster", f"{cluster!r} is not a valid cluster name", fix="letters, digits, '-', '_', '.'")

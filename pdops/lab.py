@@ -473,11 +473,30 @@ def inventory_doc(shipped: dict, n: int, key: Path, lab_dir: Path) -> dict:
 
 
 def inventory_text(doc: dict, n: int) -> str:
+    """The inventory as one file (every setting in hosts.yml)."""
     header = (
         f"# Lab inventory written by `inv lab.up --hosts {n}` (pdops.lab): {n} hosts on "
         f"127.0.10.1..{n}, 8 virtual GPUs each.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def inventory_files(doc: dict, n: int) -> dict[str, str]:
+    """The inventory in Ansible's usual shape, {relative path: text}: hosts.yml with the hosts and
+    their addresses, group_vars/all.yml with the cluster's settings, group_vars/gpu_hosts.yml with
+    the GPUs and NICs every lab host has (they are all lab01's shape)."""
+    hosts = doc["all"]["children"]["gpu_hosts"]["hosts"]
+    first = next(iter(hosts.values()))
+    per_host = {h: {k: v[k] for k in ("ansible_host", "pdops_data_addr")} for h, v in hosts.items()}
+    shared = {k: v for k, v in first.items() if k not in ("ansible_host", "pdops_data_addr")}
+    head = f"# Lab inventory written by `inv lab.up --hosts {n}` (pdops.lab): "
+    dump = lambda d: yaml.safe_dump(d, sort_keys=False, default_flow_style=False)  # noqa: E731
+    return {
+        "hosts.yml": head + f"{n} hosts on 127.0.10.1..{n}; settings in group_vars/.\n"
+                     + dump({"all": {"children": {"gpu_hosts": {"hosts": per_host}}}}),
+        "group_vars/all.yml": head + "the cluster's settings.\n" + dump(doc["all"]["vars"]),
+        "group_vars/gpu_hosts.yml": head + "8 virtual GPUs and two NICs per host.\n" + dump(shared),
+    }
 
 
 def format_status(statuses: list[HostStatus]) -> list[str]:
@@ -965,17 +984,23 @@ def _ensure_mount_points() -> None:
 
 
 def _write_inventory(lab_dir: Path, n: int, key: Path) -> bool:
-    """Write <lab>/inventory/hosts.yml for hosts 1..n; False when it was already so."""
-    shipped = yaml.safe_load((repo_root() / "inventory" / "lab" / "hosts.yml").read_text())
-    text = inventory_text(inventory_doc(shipped, n, key, lab_dir), n)
-    path = inventory_path(lab_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and path.read_text() == text:
-        return False
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return True
+    """Write <lab>/inventory/ (hosts.yml + group_vars/) for hosts 1..n; False when it was already so."""
+    from pdops.inventory import single_file_doc
+
+    shipped = single_file_doc(repo_root() / "inventory" / "lab")
+    files = inventory_files(inventory_doc(shipped, n, key, lab_dir), n)
+    root = inventory_path(lab_dir).parent
+    changed = False
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and path.read_text() == text:
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        changed = True
+    return changed
 
 
 def _host_status(lab_dir: Path, index: int, key: Path) -> HostStatus:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdops.inventory import Inventory, load_inventory
 from pdops.placement import Placement, place, placement_table
-from pdops.render import RenderedFile, render_files, write_build
 from pdops.topology import parse_topology
+
+if TYPE_CHECKING:  # rendering (jinja2) is imported only by the commands that render
+    from pdops.render import RenderedFile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,6 +41,8 @@ def format_placement(inv: Inventory, pl: Placement) -> str:
 
 
 def render_build(inv: Inventory, pl: Placement, out: Path | None) -> tuple[Path, list[RenderedFile]]:
+    from pdops.render import render_files, write_build
+
     files = render_files(inv, pl)
     out = out or REPO / "build" / inv.cluster / str(pl.topology)
     meta = {"cluster": inv.cluster, "topology": str(pl.topology), "inventory_digest": inv.digest,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 from invoke import task
 
@@ -13,6 +12,8 @@ DEFAULT_INVENTORY = "inventory/lab"
 
 
 def _decode_urls(gateway_url: str) -> list[str]:
+    import urllib.request
+
     from pdops.errors import Unreachable
     from pdops.facts.gateway import parse
 

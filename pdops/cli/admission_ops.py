@@ -5,7 +5,6 @@ from __future__ import annotations
 from invoke import task
 
 from pdops.cli import cli_errors, print_verdict, seconds
-from pdops.hosts import connections
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -21,6 +20,8 @@ def keys(c, inventory=DEFAULT_INVENTORY, deadline=30):
     from pdops.inventory import load_inventory
 
     inv = load_inventory(inventory)
+    from pdops.hosts import connections
+
     with connections(inv) as conns:
         ev = rotate_keys(inv, deadline_s=seconds(deadline, "--deadline") or 30.0, pool=conns["pool"])
     print_verdict(f"{ev['keys']} keys in effect on {ev['host']} (op {ev['op']}); added {len(ev['added'])}, "

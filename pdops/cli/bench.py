@@ -10,7 +10,6 @@ from pathlib import Path
 from invoke import task
 
 from pdops.cli import cli_errors
-from pdops.hosts import connections
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -133,6 +132,8 @@ def _live_scale_to(inv):
         if state.current() is None:  # nothing live yet: the first cell deploys
             plan = dep.plan_deploy(inv, topo, state)
             print(plan.render())
+            from pdops.hosts import connections
+
             with connections(inv) as conns:
                 dep.execute_deploy(plan, **conns)
             return
@@ -141,6 +142,8 @@ def _live_scale_to(inv):
         plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
         print(plan.render())
         if not plan.noop:
+            from pdops.hosts import connections
+
             with connections(inv) as conns:
                 scale_mod.execute_scale(plan, state, **conns)
 

@@ -8,7 +8,6 @@ from invoke import task
 
 from pdops import planning
 from pdops.cli import cli_errors, print_verdict, seconds
-from pdops.hosts import connections
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -62,6 +61,8 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     print(plan.render())
     if dry_run or plan.noop:
         return
+    from pdops.hosts import connections
+
     with connections(inv) as conns:
         v = dep.execute_deploy(plan, **conns)
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
@@ -108,6 +109,8 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
     print(plan.render())
     if dry_run:
         return
+    from pdops.hosts import connections
+
     with connections(inv) as conns:
         v = dr.execute_drain(plan, state, **conns)
     print_verdict(f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.", v)
@@ -148,6 +151,8 @@ def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_surv
     print(plan.render())
     if dry_run:
         return
+    from pdops.hosts import connections
+
     with connections(inv) as conns:
         v = dr.execute_kill_survivors(plan, state, **conns)
     print_verdict(f"the survivors of {instance}'s stop are ended; the stop is verified.", v)

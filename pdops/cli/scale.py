@@ -5,7 +5,6 @@ from __future__ import annotations
 from invoke import task
 
 from pdops.cli import cli_errors, print_verdict
-from pdops.hosts import connections
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -36,6 +35,8 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     print(plan.render())
     if dry_run or plan.noop:
         return
+    from pdops.hosts import connections
+
     with connections(inv) as conns:
         _print_verdict(plan, sc.execute_scale(plan, state, **conns))
 
@@ -58,6 +59,8 @@ def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False
     print(plan.render())
     if dry_run or plan.noop:
         return
+    from pdops.hosts import connections
+
     with connections(inv) as conns:
         _print_verdict(plan, sc.execute_scale(plan, state, **conns))
 

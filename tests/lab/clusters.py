@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from pdops.inventory import single_file_doc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def derived_inventory(lab, where: Path, *, mutate=None, profile: dict | None = None) -> Path:
     """A copy of the lab's inventory with its own state dir (and an optional change).
     `profile` updates the lab-sim profile (e.g. {"env": {"PDOPS_SIM_DECODE_STEP_MS": "50"}})."""
-    doc = yaml.safe_load(Path(lab.inventory).read_text())
+    doc = single_file_doc(Path(lab.inventory))
     where.mkdir(parents=True, exist_ok=True)
     doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
     if profile is not None:

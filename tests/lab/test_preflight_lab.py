@@ -25,13 +25,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pdops.inventory import single_file_doc
 
 pytestmark = pytest.mark.lab
 REPO = Path(__file__).resolve().parents[2]
 
 
 def derived(lab, where: Path, mutate=None) -> Path:
-    doc = yaml.safe_load(Path(lab.inventory).read_text())
+    doc = single_file_doc(Path(lab.inventory))
     where.mkdir(parents=True, exist_ok=True)
     doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
     if mutate:

@@ -8,7 +8,7 @@ import yaml
 from pdops import admission as adm
 from pdops import admission_ops as ops
 from pdops.errors import InvalidInput, Refused
-from pdops.inventory import load_inventory
+from pdops.inventory import load_inventory, single_file_doc
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("pdops-key-one-0123456789", "Zm9vYmFyYmF6cXV4Cg==", "a.b_c~d+e/f=g-h0123456")
@@ -20,7 +20,7 @@ def test_parse_map_reads_back_the_rendered_map():
 
 
 def _inv(tmp_path, admission: dict | None):
-    doc = yaml.safe_load((REPO / "inventory" / "lab" / "hosts.yml").read_text())
+    doc = single_file_doc(REPO / "inventory" / "lab")
     doc["all"]["vars"]["pdops_state_dir"] = str(tmp_path / "state")
     if admission is not None:
         doc["all"]["vars"]["pdops_admission"] = admission

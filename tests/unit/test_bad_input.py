@@ -11,7 +11,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = sorted((REPO / "tests" / "data" / "bad_input").glob("*.yml"))
-INV = REPO / "inventory" / "rtx6000d" / "hosts.yml"
+# the reference fleet in the single-file form (every setting in hosts.yml), an Ansible layout too
+INV = REPO / "tests" / "data" / "inventory" / "rtx6000d-single" / "hosts.yml"
 PROFILE = REPO / "pdops" / "profiles" / "deepseek-flash-160k.yml"
 
 

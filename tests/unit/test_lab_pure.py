@@ -11,9 +11,10 @@ import yaml
 
 from pdops import lab
 from pdops.errors import InvalidInput, Refused
+from pdops.inventory import single_file_doc
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = yaml.safe_load((REPO / "inventory" / "lab" / "hosts.yml").read_text())
+SHIPPED = single_file_doc(REPO / "inventory" / "lab")
 
 
 @pytest.mark.parametrize("n", [1, 4, 64, "16"])
@@ -188,6 +189,19 @@ def test_inventory_text_is_read_by_ansible_inventory(tmp_path):
     out = subprocess.run([str(tool), "-i", str(path), "--list"], capture_output=True,
                          text=True, check=True).stdout
     assert "127.0.10.2" in out and "lab_ed25519" in out
+
+
+def test_the_written_lab_inventory_is_split_and_reads_as_the_single_file(tmp_path):
+    """`inv lab.up` writes hosts.yml + group_vars/: Ansible (and pdops) read the same variables."""
+    doc = lab.inventory_doc(SHIPPED, 3, Path("/srv/l/ssh/lab_ed25519"), Path("/srv/l"))
+    for rel, text in lab.inventory_files(doc, 3).items():
+        (tmp_path / "split" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "split" / rel).write_text(text)
+    (tmp_path / "single").mkdir()
+    (tmp_path / "single" / "hosts.yml").write_text(lab.inventory_text(doc, 3))
+    hosts_only = yaml.safe_load((tmp_path / "split" / "hosts.yml").read_text())
+    assert set(hosts_only["all"]) == {"children"}  # addresses only; settings in group_vars/
+    assert single_file_doc(tmp_path / "split") == single_file_doc(tmp_path / "single")
 
 
 def test_format_status_and_summary():

@@ -6,7 +6,7 @@ import pytest
 
 from pdops import scale as sc
 from pdops.errors import InvalidInput, Refused
-from pdops.inventory import load_inventory
+from pdops.inventory import load_inventory, single_file_doc
 from pdops.placement import Placement, place
 from pdops.render import manifest, render_files
 from pdops.state import StateDir
@@ -158,7 +158,7 @@ def test_changed_inventory_is_refused(lab_inv, state, tmp_path, repo):
     import yaml
 
     deployed(lab_inv, state, "2p1d")
-    doc = yaml.safe_load((repo / "inventory" / "lab" / "hosts.yml").read_text())
+    doc = single_file_doc(repo / "inventory" / "lab")
     doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 7
     (tmp_path / "inv").mkdir()
     (tmp_path / "inv" / "hosts.yml").write_text(yaml.safe_dump(doc))
@@ -220,8 +220,6 @@ def test_rollback_keeps_recorded_slots_even_where_placement_would_choose_others(
 
 
 def test_rollback_refused_when_hosts_changed_naming_what(lab_inv, state, tmp_path, repo):
-    import yaml
-
     r1 = deployed(lab_inv, state, "3p1d")
     # the previous revision was recorded with p03 on a host address that the inventory no longer has
     pl = r1.placement

@@ -273,7 +273,9 @@ def test_live_scale_to_deploys_first_then_scales_allowing_the_capacity_dip(monke
     monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo))) or Plan())
     import contextlib
 
-    monkeypatch.setattr(cli_bench, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
+    import pdops.hosts
+
+    monkeypatch.setattr(pdops.hosts, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
     monkeypatch.setattr(dep, "execute_deploy", lambda plan, **conns: calls.append(("deploy",)) or 1)
     monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))
                         or Plan())

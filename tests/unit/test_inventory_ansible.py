@@ -1,0 +1,106 @@
+"""pdops reads an inventory exactly as Ansible does: for the shipped inventories and every
+layout case in tests/data/inventory_layouts/ (group_vars per group, host_vars, host ranges,
+INI, a child group overriding its parent, `all` overridden by a group), the variables pdops
+validates equal `ansible-inventory --list`'s, host by host. The reference fleet renders the
+same files from its single-file form and from its split group_vars form."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdops.inventory import ANSIBLE_CFG, _inventory_files, load_inventory, read_with_ansible
+from pdops.placement import place
+from pdops.render import manifest, render_files
+from pdops.topology import parse_topology
+
+REPO = Path(__file__).resolve().parents[2]
+LAYOUTS = REPO / "tests" / "data" / "inventory_layouts"
+CASES = sorted(p.name for p in LAYOUTS.iterdir() if p.is_dir() and p.name != "common")
+EXPECT = yaml.safe_load((LAYOUTS / "expect.yml").read_text())
+SHIPPED = [REPO / "inventory" / "rtx6000d", REPO / "inventory" / "lab",
+           REPO / "tests" / "data" / "inventory" / "rtx6000d-single"]
+
+
+def ansible_inventory(files: list[Path]) -> dict:
+    """{host: vars} as `ansible-inventory --list` prints them, with pdops's ansible.cfg."""
+    exe = Path(sys.executable).parent / "ansible-inventory"
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_CFG)}
+    out = subprocess.run([str(exe), *[a for f in files for a in ("-i", str(f))], "--list"], env=env,
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return json.loads(out)["_meta"]["hostvars"]
+
+
+def case_dir(name: str, tmp_path: Path) -> Path:
+    d = tmp_path / name
+    shutil.copytree(LAYOUTS / name, d)
+    (d / "group_vars" / "all").mkdir(parents=True, exist_ok=True)
+    shutil.copy(LAYOUTS / "common" / "cluster.yml", d / "group_vars" / "all" / "cluster.yml")
+    return d
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_layout_reads_as_ansible_reads_it(name, tmp_path):
+    d = case_dir(name, tmp_path)
+    files = _inventory_files(d)
+    ours = read_with_ansible(files).hostvars
+    assert ours == ansible_inventory(files)
+    inv = load_inventory(d)
+    assert {h.name: [h.data_addr, h.gpu_count] for h in inv.hosts} == EXPECT[name]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_inventories_read_as_ansible_reads_them(path):
+    files = _inventory_files(path)
+    assert read_with_ansible(files).hostvars == ansible_inventory(files)
+
+
+def test_the_fleet_split_into_group_vars_renders_what_its_single_file_form_renders():
+    split = load_inventory(REPO / "inventory" / "rtx6000d")
+    single = load_inventory(REPO / "tests" / "data" / "inventory" / "rtx6000d-single")
+    assert split.digest == single.digest  # same variables: not "the inventory changed"
+    for topo in ("12p4d", "8p4d", "1p1d"):
+        a = manifest(render_files(split, place(split, parse_topology(topo))))
+        b = manifest(render_files(single, place(single, parse_topology(topo))))
+        assert a == b, topo
+
+
+def test_a_bad_value_names_the_file_it_came_from(tmp_path):
+    d = case_dir("host_vars", tmp_path)
+    (d / "host_vars" / "gpu02.yml").write_text("ansible_host: 127.0.20.2\npdops_data_addr: not-an-address\n")
+    from pdops.errors import InvalidInput
+
+    with pytest.raises(InvalidInput) as ei:
+        load_inventory(d)
+    assert ei.value.field == "hosts.gpu02.pdops_data_addr"
+    assert f"(from {d / 'host_vars' / 'gpu02.yml'}:2)" in ei.value.message
+
+
+def test_a_cluster_setting_that_differs_between_hosts_is_refused(tmp_path):
+    d = case_dir("host_vars", tmp_path)
+    with open(d / "host_vars" / "gpu02.yml", "a") as f:
+        f.write("pdops_profile: glm-flash-80k\n")
+    from pdops.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="pdops_profile: is 'lab-sim' for gpu01 but 'glm-flash-80k' for gpu02"):
+        load_inventory(d)
+
+
+def test_an_executable_inventory_file_is_never_run_as_a_script(tmp_path):
+    d = case_dir("group_vars_per_group", tmp_path)
+    marker = tmp_path / "ran"
+    script = d / "hosts.yml"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\necho '{{}}'\n" + script.read_text())
+    script.chmod(0o755)
+    from pdops.errors import InvalidInput
+
+    with pytest.raises(InvalidInput):
+        load_inventory(d)
+    assert not marker.exists()
