@@ -245,16 +245,30 @@ class AnsibleReading:
         return f"{best.path}:{best.line_num}" if getattr(best, "line_num", None) else str(best.path)
 
 
+def _ansible():
+    """ansible-core's pieces, imported once, with pdops's ansible.cfg as their configuration (set
+    for the import only: Ansible reads its configuration then, and no child process inherits it)."""
+    prev = os.environ.get("ANSIBLE_CONFIG")
+    os.environ["ANSIBLE_CONFIG"] = str(ANSIBLE_CFG)
+    try:
+        from ansible import constants as C
+        from ansible.errors import AnsibleError
+        from ansible.inventory.manager import InventoryManager
+        from ansible.parsing.dataloader import DataLoader
+        from ansible.vars.manager import VariableManager
+    finally:
+        if prev is None:
+            os.environ.pop("ANSIBLE_CONFIG", None)
+        else:
+            os.environ["ANSIBLE_CONFIG"] = prev
+    return C, AnsibleError, InventoryManager, DataLoader, VariableManager
+
+
 def read_with_ansible(files: list[Path]) -> AnsibleReading:
     """ansible-core's InventoryManager and VariableManager over `files`, with pdops's
     playbooks/ansible.cfg (as ansible-playbook runs): {host: variables} exactly as
     `ansible-inventory --host` prints them (internal variables removed)."""
-    os.environ["ANSIBLE_CONFIG"] = str(ANSIBLE_CFG)
-    from ansible import constants as C
-    from ansible.errors import AnsibleError
-    from ansible.inventory.manager import InventoryManager
-    from ansible.parsing.dataloader import DataLoader
-    from ansible.vars.manager import VariableManager
+    C, AnsibleError, InventoryManager, DataLoader, VariableManager = _ansible()
 
     loader = DataLoader()
     said = io.StringIO()  # Ansible's own warnings: evidence of a failure, noise otherwise

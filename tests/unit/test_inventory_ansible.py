@@ -104,3 +104,9 @@ def test_an_executable_inventory_file_is_never_run_as_a_script(tmp_path):
     with pytest.raises(InvalidInput):
         load_inventory(d)
     assert not marker.exists()
+
+
+def test_reading_leaves_the_environment_of_child_processes_alone():
+    before = os.environ.get("ANSIBLE_CONFIG")
+    load_inventory(REPO / "inventory" / "rtx6000d")
+    assert os.environ.get("ANSIBLE_CONFIG") == before  # ansible run by a test or a tool gets its own config
