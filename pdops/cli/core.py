@@ -95,25 +95,34 @@ def verify(c, inventory=DEFAULT_INVENTORY):
     print(f"verify {inv.cluster}: {run_verify(inv, dep.state_for(inv))}")
 
 
-def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_after, skip_gateway):
+def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str) -> None:
+    """An operation on one instance: validate, print the plan, stop there on --dry-run, else walk
+    it with the connections opened here and print the verdict."""
     from pdops import deploy as dep
-    from pdops import drain as dr
     from pdops.inventory import load_inventory
 
     if not instance:
         raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
     inv = load_inventory(inventory)
     state = dep.state_for(inv)
-    plan = dr.plan_drain(inv, state, instance, force=force, wait_s=wait, interval_s=interval,
-                         force_after=force_after, skip_gateway=skip_gateway)
+    plan = make_plan(inv, state)
     print(plan.render())
     if dry_run:
         return
     from pdops.hosts import connections
 
     with connections(inv) as conns:
-        v = dr.execute_drain(plan, state, **conns)
-    print_verdict(f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.", v)
+        v = execute(plan, state, **conns)
+    print_verdict(headline, v)
+
+
+def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_after, skip_gateway):
+    from pdops import drain as dr
+
+    _instance_op(instance, inventory, dry_run,
+                 lambda inv, state: dr.plan_drain(inv, state, instance, force=force, wait_s=wait, interval_s=interval,
+                                                  force_after=force_after, skip_gateway=skip_gateway),
+                 dr.execute_drain, f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.")
 
 
 @task(help={"instance": "instance to drain, e.g. p07", "inventory": "inventory dir or file",
@@ -139,20 +148,7 @@ def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_surv
     if not kill_survivors:
         _drain_or_stop(instance, inventory, dry_run, True, None, None, False, True)
         return
-    from pdops import deploy as dep
     from pdops import drain as dr
-    from pdops.inventory import load_inventory
 
-    if not instance:
-        raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
-    inv = load_inventory(inventory)
-    state = dep.state_for(inv)
-    plan = dr.plan_kill_survivors(inv, state, instance)
-    print(plan.render())
-    if dry_run:
-        return
-    from pdops.hosts import connections
-
-    with connections(inv) as conns:
-        v = dr.execute_kill_survivors(plan, state, **conns)
-    print_verdict(f"the survivors of {instance}'s stop are ended; the stop is verified.", v)
+    _instance_op(instance, inventory, dry_run, lambda inv, state: dr.plan_kill_survivors(inv, state, instance),
+                 dr.execute_kill_survivors, f"the survivors of {instance}'s stop are ended; the stop is verified.")

@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
     (["drain", "-i", "inventory/lab", "--instance", "p01", "--wait", "abc"], "--wait: 'abc' is not a number of seconds"),
     (["drain", "-i", "inventory/lab", "--instance", "p01", "--interval", "-1"], "--interval: '-1' is not a non-negative"),
     (["drain", "-i", "inventory/lab"], "--instance: missing"),
+    (["stop", "-i", "inventory/lab", "--kill-survivors"], "--instance: missing"),
+    (["admission.keys", "-i", "inventory/lab", "--deadline", "0"], "--deadline: 0 is less than 5 seconds"),
     (["lab.up", "--hosts", "abc"], "--hosts: 'abc' is not a whole number"),
     (["lab.up", "--hosts", "65"], "--hosts: 65 is out of range"),
     (["demo", "--hosts", "0"], "--hosts: 0 is out of range"),
