@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdops-installed
 TORCH := torch==2.13.0
 SGLANG := sglang==0.5.23
+# The gateway's own environment (smg only: no torch, no SGLang), as on a production gateway host.
+GATEWAY_VENV ?= .venv-gateway
+SMG := smg==1.13.0
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.pdops-installed
 
@@ -23,6 +26,8 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	# SGLang for its argument parser only: no deps, then its import-time modules.
 	$(PY) -m pip install -q --no-deps $(SGLANG)
 	$(PY) -m pip install -q -r requirements/contract.txt
+	test -x $(GATEWAY_VENV)/bin/python || $(PYTHON) -m venv $(GATEWAY_VENV)
+	$(GATEWAY_VENV)/bin/python -m pip install -q $(SMG)
 	touch $(STAMP)
 
 test: $(STAMP)

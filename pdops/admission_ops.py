@@ -129,7 +129,8 @@ def do_deliver_keys(ctx: RunContext, step: Step) -> Outcome:
     sha = step.params["sha"]
     res = ansible.run_playbook(inv, "deploy.yml", {
         "pdops_files": {cfg.host: [ansible.file_entry(KEYS_MAP_PATH, step.params["map"].encode(), 0o600)]},
-        "pdops_remove": {}, "pdops_units": {}, "pdops_engine_python": inv.engine_python}, [cfg.host])
+        "pdops_remove": {}, "pdops_units": {}, "pdops_engine_python": inv.engine_python,
+        "pdops_gateway_python": inv.gateway.python, "pdops_gateway_host": inv.gateway.host}, [cfg.host])
     remote = ctx.pool.run(cfg.host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
     mode_owner, remote_sha = remote.stdout.splitlines()[0].strip(), remote.stdout.split()[-2]
     if mode_owner != "600 root:root" or remote_sha != sha:

@@ -462,14 +462,14 @@ def _read_key(path: str | None) -> dict:
 
 def _versions(inv) -> dict:
     from pdops import __version__
-    from pdops.versions import SGLANG_ROUTER_VERSION, SGLANG_VERSION
+    from pdops.versions import SGLANG_VERSION, SMG_VERSION
 
     engine = {"engine": inv.engine, "sglang": SGLANG_VERSION}
     if inv.engine == "sim":
         from pdops.sim import SIM_VERSION
 
         engine = {"engine": "sim", "sim_of_sglang": SIM_VERSION}
-    return {"pdops": __version__, **engine, "sglang_router": SGLANG_ROUTER_VERSION}
+    return {"pdops": __version__, **engine, "smg": SMG_VERSION}
 
 
 def gpus_of_revision(rev, gpus_per_instance: int) -> int:

@@ -39,8 +39,8 @@ def check_sglang_args(args: list[str]):
 
 
 def check_gateway_args(args: list[str]):
-    """Parse `smg launch` flags with sglang-router's own parser (the part after `launch`)."""
-    from sglang_router.launch_router import parse_router_args
+    """Parse `smg launch` flags with smg's own parser (the part after `launch`)."""
+    from smg.launch_router import parse_router_args
 
     if args and args[0] == "launch":
         args = args[1:]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pdops import ansible
+from pdops import ansible, membership
 from pdops.errors import DeployFailed, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
@@ -26,7 +26,7 @@ from pdops.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest,
 from pdops.runner import Outcome, Plan, RunContext, Step, failures, run_parallel, walk
 from pdops.state import StateDir, new_op_id
 from pdops.topology import Topology
-from pdops.versions import MOONCAKE_VERSION, SGLANG_ROUTER_VERSION, SGLANG_VERSION
+from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
 Say = Callable[[str], None]
 
@@ -147,7 +147,8 @@ def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
     for i in insts:
         bp = f" bootstrap {i.bootstrap_port}" if i.bootstrap_port else ""
         out.append(Step(f"register {i.id}", inv.gateway.host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}), "
-                        "wait until /workers lists it healthy", reg_s, kind="register", params={"instance": i.id},
+                        "wait until /workers lists it healthy and ready; add it to the gateway's start-up list",
+                        reg_s, kind="register", params={"instance": i.id},
                         group=group))
     return out
 
@@ -184,7 +185,8 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
     folders (playbooks/vars/pdops.yml) and checks the engine's python."""
     hosts = sorted({f.host for f in files} | set((remove or {}).keys()))
     extra = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
-             "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_router_version": SGLANG_ROUTER_VERSION,
+             "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_smg_version": SMG_VERSION,
+             "pdops_gateway_python": inv.gateway.python, "pdops_gateway_host": inv.gateway.host,
              "pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
              "pdops_units": _units_by_host(pl, inv)}
     t0 = time.monotonic()
@@ -469,8 +471,11 @@ def do_register(ctx: RunContext, step: Step) -> Outcome:
                            fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
                                "gateway's; fix the cause and deploy again") from None
     ctx.data.setdefault("workers", {})[inst.id] = wid
-    return Outcome(evidence={"worker_id": wid}, verified=[f"{inst.id} registered (worker {wid}) and listed healthy "
-                                                          "by the gateway's /workers"])
+    # in the gateway's start-up list once it serves: a gateway restart registers it again
+    listed = membership.update(ctx.pool, ctx.inv, add=[inst])
+    return Outcome(evidence={"worker_id": wid, "gateway_list": membership.listed_ids(listed)},
+                   verified=[f"{inst.id} registered (worker {wid}), listed healthy and ready by the gateway's /workers, "
+                             "and in its start-up list"])
 
 
 def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
@@ -520,6 +525,13 @@ def _deploy_failed(ctx: RunContext, exc: PdopsError, *, fresh: bool) -> None:
         pl = _placement_of(ctx)
         bad = [pl.get(i) for i in posted if i not in workers]
         undone = _undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
+        # what the gateway no longer serves leaves its start-up list too (a restart must not revive it)
+        drop = [i.id for i in bad] + ([i for i in workers] if fresh else [])
+        if drop:
+            try:
+                undone["gateway_list"] = membership.listed_ids(membership.update(ctx.pool, ctx.inv, remove=drop))
+            except PdopsError as e:
+                undone["left"].append(f"gateway start-up list not updated: {e.message}")
         ctx.journal.step(ctx.op, "undo-register", "ok" if not undone["left"] else "failed", undone)
     started = ctx.data.get("started", [])
     current = ctx.state.current()

@@ -14,9 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdops import membership
 from pdops.errors import DrainFailed, InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import cgroup as cg_facts
 from pdops.facts import engine as engine_facts
+from pdops.facts import gateway as gw_facts
 from pdops.facts import nvidia as nv_facts
 from pdops.facts import ports as port_facts
 from pdops.facts import procs as proc_facts
@@ -106,8 +108,9 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
     steps = []
     if gateway:
         steps += [
-            Step(f"{prefix}leave-gateway", inv.gateway.host, f"DELETE /workers/{worker_id}; verify it is gone from "
-                 "/workers; requests already routed to it keep running", 30, params={**p, "worker_id": worker_id}),
+            Step(f"{prefix}leave-gateway", inv.gateway.host, f"out of the gateway's start-up worker list, then DELETE "
+                 f"/workers/{worker_id}; verify the gateway lists it draining (no new request) or not at all; "
+                 "requests already routed to it keep running", 30, params={**p, "worker_id": worker_id}),
             Step(f"{prefix}wait-empty", inst.head.host, "until no request ID is open in its request log and every "
                  "queue (running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
                  "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
@@ -297,13 +300,18 @@ def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: 
 
 
 def leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None, deadline_s: float = 30) -> list[str]:
-    """Remove the instance's worker(s) from the gateway by id (or, failing that, by URL) and
-    wait until /workers no longer lists them. Returns the ids removed ([] when already gone)."""
+    """Remove the instance's worker(s) from the gateway by id (or, failing that, by URL) and wait
+    until each takes no new request: smg lists it ``draining`` at once (observed: none of 434
+    requests sent then reached it) and drops it after its settle time; the drain's own empty
+    checks, by request ID, decide when it is empty. Returns the ids removed ([] when already out)."""
     listed = [w for w in client.list_workers() if (worker_id and w.id == worker_id) or w.url == inst.url]
+    removed = []
     for w in listed:
-        client.remove_worker(w.id)
-        client.wait_worker_gone(w.id, deadline_in(deadline_s))
-    return [w.id for w in listed]
+        if w.status != gw_facts.DRAINING:
+            client.remove_worker(w.id)
+            removed.append(w.id)
+        client.wait_worker_out(w.id, deadline_in(deadline_s))
+    return removed
 
 
 @dataclass
@@ -639,13 +647,18 @@ def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
     _drain_state(ctx, inst, step)
     if step.params.get("in_change"):
         ctx.data["failed_drain"] = inst.id
+    # out of the gateway's start-up list first: a gateway restart from now on does not bring it back
+    left = membership.update(ctx.pool, ctx.inv, remove=[inst.id])
     removed = leave_gateway(ctx.gateway, inst, step.params.get("worker_id"), deadline_s=step.deadline)
     if not removed:
-        return Outcome("noop", {"already_removed": step.params.get("worker_id")},
+        return Outcome("noop", {"already_removed": step.params.get("worker_id"),
+                                "gateway_list": membership.listed_ids(left)},
                        verified=[f"{inst.id} is not in the gateway's /workers"],
                        reason=f"{inst.id} is not in the gateway's /workers (already removed)")
     ctx.say(f"  {inst.id} left the gateway: worker {', '.join(removed)} removed, gone from /workers")
-    return Outcome(evidence={"removed": removed}, verified=[f"removed from the gateway and gone from /workers ({inst.id})"])
+    return Outcome(evidence={"removed": removed, "gateway_list": membership.listed_ids(left)},
+                   verified=[f"{inst.id} out of the gateway's start-up list and draining in the gateway (no new "
+                             "request routed to it)"])
 
 
 def _resumed_without_checks(ctx: RunContext, step: Step, inst: Instance) -> Outcome | None:

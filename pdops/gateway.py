@@ -1,10 +1,13 @@
-"""Synchronous client for the model gateway (sglang-router 0.3.2, ``smg``).
+"""Synchronous client for the model gateway (smg 1.13, ``pdops.versions.SMG_VERSION``).
 
 Worker registration is asynchronous: ``POST /workers`` answers 202 with a worker id and
-the gateway then probes the worker in the background (it never lists a worker it could
-not reach). So :meth:`GatewayClient.wait_worker_healthy` polls ``GET /workers`` until
-the URL shows up healthy or the deadline passes. Removal is by id (``DELETE
-/workers/{id}``, 202), likewise confirmed by polling.
+the gateway then probes the worker in the background (a worker it cannot reach stays
+``pending``, out of ``GET /workers``, and is probed again). So
+:meth:`GatewayClient.wait_worker_healthy` polls ``GET /workers`` until the URL is listed
+healthy and ``ready`` or the deadline passes. Removal is by id (``DELETE /workers/{id}``,
+202): the worker turns ``draining`` at once (no new request is routed to it, requests
+already on it go on) and is gone after smg's settle time (about 5 s);
+:meth:`wait_worker_out` returns at the first, :meth:`wait_worker_gone` at the second.
 
 Deadlines are absolute ``time.monotonic()`` values (see :func:`deadline_in`).
 The API key is read from a file and sent as a bearer token; it is never logged or
@@ -124,14 +127,14 @@ class GatewayClient:
 
     def wait_worker_healthy(self, url: str, deadline: float,
                             progress: Callable[[str], None] | None = None) -> Worker:
-        """Poll /workers until ``url`` is listed healthy; Unverified at the deadline."""
+        """Poll /workers until ``url`` is listed healthy and ``ready``; Unverified at the deadline."""
         last = "not listed yet"
         while True:
             matches = gw_facts.by_url(self.list_workers(), url)
-            healthy = [w for w in matches if w.is_healthy]
+            healthy = [w for w in matches if w.routable]
             if healthy:
                 return healthy[0]
-            state = "listed, unhealthy" if matches else "not listed"
+            state = f"listed, {', '.join(w.status or 'unhealthy' for w in matches)}" if matches else "not listed"
             if progress and state != last:
                 progress(f"worker {url}: {state}")
             last = state
@@ -147,6 +150,18 @@ class GatewayClient:
     def remove_worker(self, worker_id: str) -> None:
         """Ask the gateway to drop a worker (by id). Confirm with :meth:`wait_worker_gone`."""
         self._request("DELETE", f"/workers/{worker_id}", ok=(200, 202, 204))
+
+    def wait_worker_out(self, worker_id: str, deadline: float) -> str:
+        """Poll until ``worker_id`` takes no new requests: ``draining`` or absent. Returns which."""
+        while True:
+            mine = [w for w in self.list_workers() if w.id == worker_id]
+            if not mine:
+                return "gone"
+            if mine[0].status == gw_facts.DRAINING:
+                return gw_facts.DRAINING
+            if time.monotonic() >= deadline:
+                raise Unverified(f"worker {worker_id} still {mine[0].status} in the gateway at the deadline")
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def wait_worker_gone(self, worker_id: str, deadline: float,
                          progress: Callable[[str], None] | None = None) -> None:

@@ -94,6 +94,8 @@ class Gateway:
     max_concurrent_requests: int
     queue_size: int
     health_check_interval_secs: int
+    # The python of the gateway's own environment (smg installed, no torch); smg sits beside it
+    python: str = "/opt/pdops/gateway-venv/bin/python"
     # Routing (smg --policy / --prefill-policy / --decode-policy); None: the gateway's default
     policy: str | None = None
     prefill_policy: str | None = None
@@ -156,7 +158,7 @@ class Inventory:
 
     @property
     def gateway_binary(self) -> str:
-        return str(Path(self.engine_python).parent / "smg")
+        return str(Path(self.gateway.python).parent / "smg")
 
     @property
     def total_gpus(self) -> int:
@@ -465,6 +467,20 @@ def _resolve_engine_python(val: str) -> str:
     return val
 
 
+def _resolve_gateway_python(val: str) -> str:
+    if val == "auto":
+        # The lab: the project's own gateway environment, beside its .venv (the Makefile builds both).
+        cand = Path(sys.prefix).absolute().parent / ".venv-gateway" / "bin" / "python"
+        if not cand.exists():
+            raise InvalidInput("pdops_gateway.python", f"`auto`: {cand} does not exist",
+                               fix="run `make env` (it builds the gateway's environment, .venv-gateway)")
+        return str(cand)
+    if not val.startswith("/"):
+        raise InvalidInput("pdops_gateway.python", f"{val!r} is not an absolute path",
+                           fix="set the absolute path of the python of the gateway's environment (or `auto` in the lab)")
+    return val
+
+
 def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory:
     """Read and validate an inventory; nothing is contacted."""
     path = Path(path)
@@ -535,7 +551,8 @@ def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile:
         port=_port(gv.get("port"), "pdops_gateway.port"),
         prometheus_port=_port(gv.get("prometheus_port"), "pdops_gateway.prometheus_port"),
         api_key_file=key_file, max_concurrent_requests=mcr, queue_size=qs,
-        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)), **policies,
+        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)),
+        python=_resolve_gateway_python(str(gv.get("python", "/opt/pdops/gateway-venv/bin/python"))), **policies,
     )
     _check_port_plan(hosts, ports, gateway, prof)
 
@@ -585,7 +602,7 @@ def _sim_faults(val: Any, engine: str) -> dict[str, str]:
     return out
 
 
-# The choices of sglang-router's `smg launch` (0.3.x parser) for each routing flag. `manual`
+# The choices of `smg launch` (smg 1.13's parser) for each routing flag pdops supports. `manual`
 # routes by a client-sent routing key, which pdops's canary, drain and bench do not send.
 ROUTING_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 PREFILL_POLICIES = ROUTING_POLICIES + ("bucket",)

@@ -21,7 +21,8 @@ from pdops import admission as adm_mod
 from pdops.errors import InvalidInput
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, Rank
-from pdops.versions import SGLANG_ROUTER_VERSION
+from pdops import membership
+from pdops.versions import SMG_VERSION
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -150,7 +151,8 @@ def engine_argv(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> li
 # ---------------------------------------------------------------- gateway
 
 def gateway_args(inv: Inventory) -> list[str]:
-    """`smg launch` flags: PD mode, no static workers (pdops registers them), retries off."""
+    """`smg launch` flags: PD mode, no static workers (pdops registers them, and the unit's
+    ExecStartPost registers them again after every start: pdops.membership), retries off."""
     gw = inv.gateway
     return [
         "launch", "--pd-disaggregation",
@@ -161,6 +163,9 @@ def gateway_args(inv: Inventory) -> list[str]:
         "--max-concurrent-requests", str(gw.max_concurrent_requests),
         "--queue-size", str(gw.queue_size),
         "--health-check-interval-secs", str(gw.health_check_interval_secs),
+        # A worker queued before its engine answers (after a reboot) is probed again this often,
+        # not every 30 s (smg's default), until --worker-startup-timeout-secs.
+        "--worker-startup-check-interval", "2",
     ] + [a for flag, val in (("--policy", gw.policy), ("--prefill-policy", gw.prefill_policy),
                              ("--decode-policy", gw.decode_policy)) if val for a in (flag, val)]
 
@@ -214,8 +219,10 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
             files.append(RenderedFile(rank.host, env_file, _env_file(inv, what, engine_env(inv, inst, rank)), 0o600))
     gw = inv.gateway
     files.append(RenderedFile(gw.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", tpl.get_template("gateway.service.j2").render(
-        router_version=SGLANG_ROUTER_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
-        env_file=f"{ENV_DIR}/gateway.env", **_unit_common(inv)), 0o644))
+        smg_version=SMG_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
+        env_file=f"{ENV_DIR}/gateway.env", exec_start_post=membership.exec_start_post(inv),
+        workers_file=membership.PATH, **{**_unit_common(inv), "restart_sec": 1}), 0o644))
+    files.append(RenderedFile(gw.host, membership.SCRIPT_PATH, membership.SCRIPT, 0o755))
     files.append(RenderedFile(gw.host, f"{BIN_DIR}/pdops-gateway.sh", _launch_script(
         inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file), 0o755))
     files.append(RenderedFile(gw.host, f"{ENV_DIR}/gateway.env", _env_file(

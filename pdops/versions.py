@@ -1,6 +1,9 @@
 """Pinned versions of the engine and gateway pdops renders for. Re-check SGLANG.md when moving a pin."""
 
 SGLANG_VERSION = "0.5.23"
-SGLANG_ROUTER_VERSION = "0.3.2"
+# The model gateway: `smg` (Shepherd Model Gateway), the maintained successor of sglang-router
+# (0.3.2 was the last release under that name). It runs from its own environment on the
+# gateway host (pdops_gateway.python), which holds no torch and no SGLang.
+SMG_VERSION = "1.13.0"
 TORCH_CPU_VERSION = "2.13.0"
 MOONCAKE_VERSION = "0.3.7"

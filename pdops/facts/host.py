@@ -173,18 +173,18 @@ def parse_pids(output: str) -> dict[int, str | None]:
 
 
 VERSION_PACKAGES = ("sglang", "mooncake-transfer-engine", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "sglang-router",
-                    "torch")
+                    "torch", "smg")
 
 _VERSIONS_SCRIPT = (Path(__file__).parent / "scripts" / "versions.py").read_text()
 
 # Wheel metadata folders are named `<name>-<version>.dist-info`, the name with `-`/`.` as `_`
 # (the binary distribution format spec); older wheels keep capitals, hence -i.
-_DIST_RE = "^(sglang|sglang[-_.]router|mooncake[-_.]transfer[-_.]engine|nvidia[-_.]nccl[-_.]cu1[23]|torch)-[^-]+[.]dist-info$"
+_DIST_RE = "^(sglang|sglang[-_.]router|smg|mooncake[-_.]transfer[-_.]engine|nvidia[-_.]nccl[-_.]cu1[23]|torch)-[^-]+[.]dist-info$"
 DIST_MARK = "PDOPS-DIST-INFO"
 
 
-def versions_command(engine_python: str, *, torch_nccl: bool) -> str:
-    """Package versions as the engine's python sees them.
+def versions_command(engine_python: str, *, torch_nccl: bool, need: str = "sglang") -> str:
+    """Package versions as the engine's python sees them (or the gateway's: ``need="smg"``).
 
     Fast path, no interpreter start: in a virtualenv that does not see the system's packages
     (pyvenv.cfg), the `.dist-info` folders of its one site-packages are what importlib.metadata
@@ -193,8 +193,9 @@ def versions_command(engine_python: str, *, torch_nccl: bool) -> str:
     py = q(engine_python)
     args = " torch-nccl" if torch_nccl else ""
     has = "printf '%s\\n' \"$found\" | grep -qiE "
-    enough = has + q("^sglang-[^-]+[.]dist-info$") + (" && " + has + q("^nvidia[-_.]nccl") if torch_nccl else "")
-    return (f"if [ ! -x {py} ]; then echo {q('PDOPS-SKIPPED: no engine python ' + engine_python)}; else "
+    enough = has + q(f"^{need}-[^-]+[.]dist-info$") + (" && " + has + q("^nvidia[-_.]nccl") if torch_nccl else "")
+    who = "engine" if need == "sglang" else "gateway"
+    return (f"if [ ! -x {py} ]; then echo {q(f'PDOPS-SKIPPED: no {who} python ' + engine_python)}; else "
             f"pre=$(dirname -- \"$(dirname -- {py})\"); found=''; sp=''; "
             "if grep -qsiE '^include-system-site-packages *= *false' \"$pre/pyvenv.cfg\"; then "
             "for d in \"$pre\"/lib/python3*/site-packages; do [ -d \"$d\" ] && [ -z \"$sp\" ] && sp=$d; done; "

@@ -34,7 +34,7 @@ from pdops.runner import run_parallel
 from pdops.topology import Topology
 from pdops.facts.host import ReadError
 from pdops.preflight.batch import SECTIONS, Section, batch_command, gid_section, parse_sections
-from pdops.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, validate_skip
+from pdops.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
 from pdops.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
 from pdops.preflight.report import PreflightReport
 from pdops.preflight.results import CheckResult, FAIL, PASS, SKIPPED, Say, VIRTUAL_REASON, _fail, _skip
@@ -153,7 +153,7 @@ def evaluate_cluster(inv: Inventory, facts_by_host: dict[str, Facts],
     for check, (label, read, pin_of) in VERSION_CHECKS.items():
         vals = {}
         for h, f in facts_by_host.items():
-            v = f.get("versions")
+            v = f.get(VERSION_SECTIONS.get(check, "versions"))
             r = status.get((h, check))
             if isinstance(v, dict) and r is not None and r.status != SKIPPED and read(v):
                 vals[h] = read(v)

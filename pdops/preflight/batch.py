@@ -41,6 +41,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     Section("disk", lambda i, h, p: disk_command(), parse_df),
     Section("versions", lambda i, h, p: versions_command(i.engine_python, torch_nccl=not i.virtual_hardware),
             parse_versions),
+    # the gateway's own environment (smg, no SGLang), read on the gateway host only
+    Section("gateway-versions", lambda i, h, p: versions_command(i.gateway.python, torch_nccl=False, need="smg"),
+            parse_versions),
 )}
 
 

@@ -312,15 +312,19 @@ VERSION_CHECKS = {
     "ver-sglang": ("sglang", lambda v: v.get("sglang"), lambda: pins.SGLANG_VERSION),
     "ver-mooncake": ("mooncake-transfer-engine", lambda v: v.get("mooncake-transfer-engine"), lambda: pins.MOONCAKE_VERSION),
     "ver-nccl": ("NCCL", nccl_version, lambda: getattr(pins, "NCCL_VERSION", None)),
-    "ver-router": ("sglang-router", lambda v: v.get("sglang-router"), lambda: pins.SGLANG_ROUTER_VERSION),
+    "ver-gateway": ("smg", lambda v: v.get("smg"), lambda: pins.SMG_VERSION),
 }
+# the facts section each version check reads (default: the engine python's "versions")
+VERSION_SECTIONS = {"ver-gateway": "gateway-versions"}
 
 
 def _eval_version(check: str):
     label, read, pin_of = VERSION_CHECKS[check]
 
     def evaluate(inv, host, pl, facts) -> list[CheckResult]:
-        v = facts["versions"]
+        section = VERSION_SECTIONS.get(check, "versions")
+        v = facts[section]
+        python = inv.gateway.python if section == "gateway-versions" else inv.engine_python
         pin = pin_of()
         if isinstance(v, Skipped):
             if inv.virtual_hardware:
@@ -333,11 +337,11 @@ def _eval_version(check: str):
             if inv.virtual_hardware and check in ("ver-mooncake", "ver-nccl"):
                 return [_skip(host.name, check, f"{label} is not installed in the engine python "
                                                 "(lab: the sim engine does not use it, virtual hardware)")]
-            return [_fail(host.name, check, f"{label} is not installed in {inv.engine_python}",
+            return [_fail(host.name, check, f"{label} is not installed in {python}",
                           f"install {label}{' ' + pin if pin else ''} in the engine venv (host preparation playbook)")]
         if pin and have != pin:
             return [_fail(host.name, check, f"{label} {have}, pdops pins {pin} (pdops/versions.py)",
-                          f"install {label}=={pin} in {inv.engine_python}, or move the pin (and re-check SGLANG.md)")]
+                          f"install {label}=={pin} in {python}, or move the pin (and re-check SGLANG.md)")]
         return [_ok(host.name, check, f"{label} {have}" + ("" if pin else " (no pin in pdops/versions.py: "
                                                                      "compared across hosts only)"))]
 
@@ -368,8 +372,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           _eval_version("ver-mooncake"), False, _uses_gpus),
     Check("ver-nccl", "NCCL version same on every host", lambda i, h: ("versions",),
           _eval_version("ver-nccl"), False, _uses_gpus),
-    Check("ver-router", "sglang-router version = pin (gateway host)", lambda i, h: ("versions",),
-          _eval_version("ver-router"), False,
+    Check("ver-gateway", "smg version = pin, in the gateway's own environment (gateway host)",
+          lambda i, h: ("gateway-versions",), _eval_version("ver-gateway"), False,
           lambda i, h, p: None if h.name == i.gateway.host else "not the gateway host"),
 )}
 PAIRING = "pairing"

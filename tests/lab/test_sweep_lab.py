@@ -178,7 +178,7 @@ def test_bench_writes_ledger_and_manifest_with_revision_topology_profile_version
     assert manifest["gpus"] == 32
     assert manifest["parameters"]["workload"] == "20k/32" and manifest["parameters"]["retries"] == 0
     v = manifest["versions"]
-    assert v["pdops"] and v["engine"] == "sim" and v["sim_of_sglang"] and v["sglang_router"]
+    assert v["pdops"] and v["engine"] == "sim" and v["sim_of_sglang"] and v["smg"]
     assert manifest["invalid"] is None and manifest["prompt_tokens_mismatch"] == 0
     assert b.figures_of_run(root / "bench").to_dict() == manifest["figures"]
     assert "verdict: all 4 requests succeeded" in proc.stdout

@@ -1,4 +1,4 @@
-"""Gateway client against the REAL sglang-router 0.3.2 binary (smg) with stub workers.
+"""Gateway client against the REAL gateway binary (smg 1.13) with stub workers.
 
 The stub worker only answers what the gateway probes at registration (/health,
 /server_info, /model_info); the real engine stand-in (pdops.sim) is tested elsewhere.
@@ -71,14 +71,14 @@ class StubWorker:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     if not SMG.exists():
-        pytest.fail(f"{SMG} missing: install the pinned sglang-router into the venv")
+        pytest.fail(f"{SMG} missing: install the pinned smg into the venv (make env)")
     port, prom = free_port(), free_port()
     log = tmp_path_factory.mktemp("smg") / "smg.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [str(SMG), "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--disable-retries",
-             "--health-check-interval-secs", "1"],
+             "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1"],
             stdout=out, stderr=subprocess.STDOUT)
     try:
         client = GatewayClient(f"http://127.0.0.1:{port}", timeout=3, poll_interval=0.1)
@@ -114,7 +114,7 @@ def test_add_healthy_then_remove_and_gone(gateway):
         pid = gateway.add_worker(prefill.url, "prefill", bootstrap_port=8998)
         seen = []
         w = gateway.wait_worker_healthy(decode.url, deadline_in(20), progress=seen.append)
-        assert w.id == did and w.worker_type == "decode" and w.is_healthy
+        assert w.id == did and w.worker_type == "decode" and w.is_healthy and w.status == "ready"
         p = gateway.wait_worker_healthy(prefill.url, deadline_in(20))
         assert p.id == pid and p.bootstrap_port == 8998
         assert {x.id for x in gateway.list_workers()} >= {did, pid}
@@ -122,6 +122,9 @@ def test_add_healthy_then_remove_and_gone(gateway):
         assert gateway.readiness()["ready"] is True
 
         gateway.remove_worker(did)
+        # smg: out of routing at once (draining), gone after its settle time
+        assert gateway.wait_worker_out(did, deadline_in(5)) == "draining"
+        assert gateway.get_worker(did).status == "draining"
         gateway.wait_worker_gone(did, deadline_in(20))
         assert gateway.get_worker(did) is None
         assert did not in {x.id for x in gateway.list_workers()}
@@ -140,7 +143,9 @@ def test_unreachable_worker_is_never_healthy(gateway):
     with pytest.raises(Unverified, match="not healthy"):
         gateway.wait_worker_healthy(dead_url, deadline_in(2), progress=msgs.append)
     assert msgs and "not listed" in msgs[0]
-    assert all(w.url != dead_url or not w.is_healthy for w in gateway.list_workers())
+    assert all(w.url != dead_url for w in gateway.list_workers())
+    # queued, probed again and again: pending, not routed
+    assert gateway.get_worker(wid).status == "pending"
 
 
 def test_remove_unknown_worker_is_unverified_with_status(gateway):

@@ -202,7 +202,22 @@ def test_lab_versions_sglang_pinned_mooncake_and_nccl_skipped(lab_inv):
     for name in ("ver-mooncake", "ver-nccl"):
         [r] = pf.CHECKS[name].evaluate(lab_inv, host, None, facts)
         assert r.status == pf.SKIPPED and "virtual hardware" in r.reason
-    assert pf.CHECKS["ver-router"].evaluate(lab_inv, host, None, facts)[0].status == pf.PASS
+
+
+def test_gateway_version_read_from_the_gateways_own_environment(lab_inv):
+    """smg is pinned in the gateway's environment (pdops_gateway.python), not the engine's."""
+    gw = lab_inv.host(lab_inv.gateway.host)
+    ok = {"gateway-versions": hf.parse_versions(read("gateway_versions_lab_distinfo.txt"))}
+    [r] = pf.CHECKS["ver-gateway"].evaluate(lab_inv, gw, None, ok)
+    assert r.status == pf.PASS and "smg 1.13.0" in r.reason
+    drifted = {"gateway-versions": hf.parse_versions(read("gateway_versions_drifted.txt"))}
+    [r] = pf.CHECKS["ver-gateway"].evaluate(lab_inv, gw, None, drifted)
+    assert r.status == pf.FAIL and "smg 1.12.0, pdops pins 1.13.0" in r.reason
+    assert lab_inv.gateway.python in r.fix
+    # the engine's environment has no smg: the check never reads it
+    engine_only = {"gateway-versions": hf.parse_versions(read("versions_lab_venv.txt"))}
+    [r] = pf.CHECKS["ver-gateway"].evaluate(lab_inv, gw, None, engine_only)
+    assert r.status == pf.FAIL and "not installed in " + lab_inv.gateway.python in r.reason
 
 
 def test_time_not_synchronized_skipped_in_lab_failed_in_production(lab_inv, fleet):
@@ -559,7 +574,8 @@ class RecordedPool:
 def lab_sections():
     return {"units": "", "memlock": read("memlock_unlimited.txt"), "listen": "", "pids": "",
             "time": read("timedatectl_unsynced.txt"), "disk": read("df_var_log.txt"),
-            "versions": read("versions_lab_venv.txt")}
+            "versions": read("versions_lab_venv.txt"),
+            "gateway-versions": read("gateway_versions_lab_distinfo.txt")}
 
 
 def test_run_preflight_clean_lab_passes_or_skips(lab_inv):
