@@ -202,6 +202,9 @@ def start_gateway(inv: Inventory, pool: HostPool, client: GatewayClient, say: Sa
     """Start (or restart) the gateway unit and wait for its /health, bounded by `deadline_s`."""
     gw = inv.gateway
     verb = "restart" if restart else "start"
+    if restart:
+        # a fresh cluster: a list left by an earlier life of it must not register anything
+        membership.update(pool, inv, clear=True)
     pool.run(gw.host, f"systemctl {verb} {q(GATEWAY_UNIT)}")
     deadline = deadline_in(deadline_s)
     while True:

@@ -17,6 +17,7 @@ put into an error message.
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +37,12 @@ def deadline_in(seconds: float) -> float:
 
 def _tail(text: str, n: int = 500) -> str:
     return text[-n:]
+
+
+def _id_in(message: str) -> str | None:
+    """The worker id in smg's 409 message ("... in progress for URL '...' with ID <id>. Poll ...")."""
+    m = re.search(r"with ID ([0-9a-fA-F-]{36})", message)
+    return m.group(1) if m else None
 
 
 class GatewayClient:
@@ -118,7 +125,19 @@ class GatewayClient:
         body: dict = {"url": url, "worker_type": worker_type}
         if bootstrap_port is not None:
             body["bootstrap_port"] = int(bootstrap_port)
-        answer = self._json("POST", "/workers", body, ok=(200, 201, 202))
+        status, text = self._request("POST", "/workers", body, ok=(200, 201, 202, 409))
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError:
+            raise Unverified("gateway POST /workers answered non-JSON", evidence=_tail(text)) from None
+        if status == 409:
+            # already queued or known (e.g. by the gateway unit's own start-up registration,
+            # pdops.membership): the same URL is one worker; take its id
+            known = gw_facts.by_url(self.list_workers(), url)
+            worker_id = known[0].id if known else _id_in(answer.get("error", ""))
+            if not worker_id:
+                raise Unverified(f"gateway refused worker {url} (HTTP 409)", evidence=_tail(text))
+            return worker_id
         worker_id = answer.get("worker_id")
         if not worker_id:
             raise Unverified("gateway accepted the worker but returned no worker_id",

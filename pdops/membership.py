@@ -50,9 +50,10 @@ def _run(pool, inv: Inventory, args: list[str]) -> dict | None:
 
 
 def update(pool, inv: Inventory, *, add: list[Instance] = (), remove: list[str] = (),
-           revision: int | None = None) -> dict:
-    """Add and/or remove instances in the list (atomic, under a lock on the host). Returns the list."""
-    args = ["update", "--file", PATH]
+           revision: int | None = None, clear: bool = False) -> dict:
+    """Add and/or remove instances in the list (atomic, under a lock on the host); `clear`: start
+    from an empty list. Returns the list."""
+    args = ["update", "--file", PATH] + (["--clear"] if clear else [])
     if add:
         args += ["--add", json.dumps([entry(i) for i in add])]
     if remove:

@@ -6,7 +6,7 @@
 # the gateway unit runs `register` after every start (ExecStartPost), so a crashed, restarted or
 # rebooted gateway gets the same workers again with no person involved.
 #
-#   update   --file F [--add JSON-list] [--remove id ...] [--revision N]   (pdops, over SSH)
+#   update   --file F [--clear] [--add JSON-list] [--remove id ...] [--revision N]   (pdops, over SSH)
 #   show     --file F                                                     (pdops, over SSH)
 #   register --file F --gateway URL [--key-file K] [--wait-s S]           (ExecStartPost)
 import argparse
@@ -46,7 +46,7 @@ def _write(path, doc):
 def update(a):
     with open(a.file + ".lock", "a") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
-        doc = _read(a.file) or {"workers": []}
+        doc = {"workers": []} if a.clear else (_read(a.file) or {"workers": []})
         workers = {w["instance"]: w for w in doc.get("workers", [])}
         for w in json.loads(a.add or "[]"):
             workers[w["instance"]] = w
@@ -131,6 +131,7 @@ def main(argv):
             s.add_argument("--add")
             s.add_argument("--remove", nargs="*")
             s.add_argument("--revision", type=int)
+            s.add_argument("--clear", action="store_true", help="start from an empty list")
         if name == "register":
             s.add_argument("--gateway", required=True)
             s.add_argument("--key-file")

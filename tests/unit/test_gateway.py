@@ -111,6 +111,8 @@ def test_add_healthy_then_remove_and_gone(gateway):
     decode, prefill = StubWorker("decode"), StubWorker("prefill")
     try:
         did = gateway.add_worker(decode.url, "decode")
+        # the same URL again while smg still probes it (409 "in progress"): the same worker
+        assert gateway.add_worker(decode.url, "decode") == did
         pid = gateway.add_worker(prefill.url, "prefill", bootstrap_port=8998)
         seen = []
         w = gateway.wait_worker_healthy(decode.url, deadline_in(20), progress=seen.append)
@@ -118,6 +120,8 @@ def test_add_healthy_then_remove_and_gone(gateway):
         p = gateway.wait_worker_healthy(prefill.url, deadline_in(20))
         assert p.id == pid and p.bootstrap_port == 8998
         assert {x.id for x in gateway.list_workers()} >= {did, pid}
+        assert gateway.add_worker(decode.url, "decode") == did  # and once it is listed
+        assert sum(x.url == decode.url for x in gateway.list_workers()) == 1
         assert gateway.get_worker(did).url == decode.url
         assert gateway.readiness()["ready"] is True
 

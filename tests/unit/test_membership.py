@@ -58,6 +58,8 @@ def test_update_adds_and_removes_atomically_and_concurrently(lab, tmp_path):
     doc = membership.update(pool, inv, remove=["p02"], revision=7)
     assert membership.listed_ids(doc) == ["d01", "d02", "p01"] and doc["revision"] == 7
     assert oct((tmp_path / "gateway-workers.json").stat().st_mode & 0o777) == "0o644"
+    # a fresh deploy restarts the gateway with no workers: an old list must not register any
+    assert membership.listed_ids(membership.update(pool, inv, clear=True)) == []
     assert all(h == inv.gateway.host for h, _ in pool.commands)
     assert not list(tmp_path.glob("*.tmp"))
 
