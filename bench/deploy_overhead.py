@@ -3,6 +3,7 @@
 Boots a lab of N hosts, deploys (N-1)p1d (one TP8 instance per host) with the sim's
 "model load" set to 0, and reports the deploy's wall time; goal: 16 hosts under 2x the
 4-host time (parallel fan-out). Takes the lab lock (/srv/pdops-lab.lock); leaves no lab.
+Also prints the marginal cost of each added host, (T16 - T4) / 12 (goal under 0.5 s).
 Usage: python bench/deploy_overhead.py [--sizes 2,4,8,16]
 """
 
@@ -65,7 +66,10 @@ def main() -> None:
             lab_api.down()
     if 4 in times and 16 in times:
         r = times[16] / times[4]
+        per_host = (times[16] - times[4]) / 12
         print(f"16 hosts / 4 hosts = {r:.2f} (goal < 2.0: {'met' if r < 2 else 'NOT met'})")
+        print(f"marginal cost of each added host (T16 - T4) / 12 = {per_host:.2f} s "
+              f"(goal < 0.5 s: {'met' if per_host < 0.5 else 'NOT met'})")
     for n in sizes:
         if n != sizes[0]:
             print(f"{n} / {sizes[0]} hosts = {times[n] / times[sizes[0]]:.2f}")

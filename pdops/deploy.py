@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,8 @@ from pdops.placement import Instance, Placement, place
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, write_build
 from pdops.runner import Outcome, Plan, RunContext, Step, failures, run_parallel, walk
-from pdops.state import StateDir, new_op_id
+from pdops.facts.systemd import UnitState
+from pdops.state import Revision, StateDir, new_op_id
 from pdops.topology import Topology
 from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
@@ -49,14 +50,27 @@ class DeployPlan:
     hosts: list[str] = field(default_factory=list)
     skip_checks: set[str] = field(default_factory=set)
     previous: Placement | None = None
+    # the live revision when its topology and rendered files are the ones asked for: what to do
+    # is then decided from observation (plan_reconcile), never from the record alone
+    live: Revision | None = None
+    findings: list[str] = field(default_factory=list)
 
     @property
     def title(self) -> str:
+        if self.live is not None:
+            return (f"plan: repair revision {self.live.number} ({self.placement.topology}) on {self.inv.cluster}: "
+                    "its rendered files are in place; what runs differs from it, as observed now:\n"
+                    + "\n".join(f"  - {f}" for f in self.findings) + "\nunder the cluster lock")
         return (f"plan: deploy {self.placement.topology} on {self.inv.cluster} ({len(self.hosts)} hosts, engine "
                 f"{self.inv.engine}, profile {self.inv.profile.name}), under the cluster lock")
 
     @property
     def plan(self) -> Plan:
+        if self.live is not None:
+            return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology),
+                                                                "repair_of": self.live.number,
+                                                                "findings": self.findings},
+                        footer=["verified at the end: what each repair step proved"])
         return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology)},
                     footer=["verified at the end: what each step above proved; anything it could not check is "
                             "listed as not verified"])
@@ -87,8 +101,9 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
     files = render_files(inv, pl)
     hosts = sorted({f.host for f in files})
     if current is not None and current.manifest == manifest(files):
-        return DeployPlan(inv, pl, files, [], noop=f"revision {current.number} ({topo}) is already live with "
-                          "identical rendered files; `inv status` shows its health", hosts=hosts)
+        # same topology, same files: whether anything is to be done is read from the hosts and the
+        # gateway (plan_reconcile), not assumed from the record
+        return DeployPlan(inv, pl, files, [], hosts=hosts, skip_checks=skip_checks, previous=previous, live=current)
     fresh = current is None
     steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
     steps += delivery_steps(inv, pl, files)
@@ -106,6 +121,67 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
     steps += register_steps(inv, pl.instances, group="register")
     steps.append(Step("record", None, "write the revision, move `current` to it, release the lock"))
     return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous)
+
+
+def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) -> DeployPlan:
+    """For a deploy of the live revision: observe what runs (pdops.observe) and plan the repairs:
+    start what is down, canary every pair through a started or restarted instance, register what
+    the gateway lacks or does not route to, then record the MainPIDs seen. Nothing to repair: a
+    no-op whose message names what was observed."""
+    from pdops.observe import observe
+
+    inv, rev, pl = plan.inv, plan.live, plan.placement
+    obs = observe(inv, rev, pool, gateway)
+    findings = obs.findings()
+    if not findings:
+        return replace(plan, noop=f"revision {rev.number} ({pl.topology}) is live with identical rendered files; "
+                                  f"{obs.summary()}")
+    steps = [connect_step(plan.hosts)]
+    if obs.gateway_down:
+        restart = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
+        steps.append(Step("gateway", inv.gateway.host, f"{'restart' if restart else 'start'} {GATEWAY_UNIT} (after "
+                          "each start it queues its start-up list itself), wait for "
+                          f"{inv.gateway.url}/health", 60, params={"restart": restart}))
+    down = [o.instance for o in obs.instances if o.down]
+    restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
+    steps += start_steps(inv, down, restart=False, group="start")
+    touched = {i.id for i in down + restarted}
+    pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode") if {p.id, d.id} & touched]
+    if pairs:
+        steps.append(canary_step("canary", pairs, retry_once=True,
+                                 why="through every pair of a started or restarted instance, before registration"))
+    need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
+    steps += register_steps(inv, need, group="register")
+    steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
+                      "and topology); move `current` to it", kind="record-repair"))
+    return replace(plan, steps=steps, findings=findings)
+
+
+def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
+    """A new revision: the live one's files and topology, with the MainPIDs and worker ids seen now."""
+    plan: DeployPlan = ctx.data["deploy_plan"]
+    live = plan.live
+    instances = {k: dict(v) for k, v in live.instances.items()}
+    seen = {}
+    for inst in plan.placement.instances:
+        pids = {}
+        for host, unit in inst.units:
+            st = ctx.pool.unit_states(host, [unit])[unit]
+            if st.active_state != "active" or not st.main_pid:
+                raise Unverified(f"{inst.id}: {host}:{unit} is {st.active_state}/{st.sub_state} after the repair")
+            pids[f"{host}:{unit}"] = st.main_pid
+        instances[inst.id]["main_pids"] = seen[inst.id] = pids
+        if inst.id in ctx.data.get("workers", {}):
+            instances[inst.id]["worker_id"] = ctx.data["workers"][inst.id]
+    rev = ctx.state.write_revision(topology=live.topology, inventory_hash=live.inventory_hash,
+                                   placement=live.placement, manifest=live.manifest, instances=instances,
+                                   outcome="deployed", op_id=ctx.op,
+                                   extra={**live.extra, "repair_of": live.number, "repaired": plan.findings})
+    ctx.state.set_current(rev.number)
+    ctx.data["verdict"] = {"revision": rev.number}
+    return Outcome(evidence={"revision": rev.number, "main_pids": seen},
+                   verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
+                             "active, MainPIDs as read from systemd now"])
 
 
 # ---------------------------------------------------------------- step builders (shared by deploy and scale)
@@ -452,6 +528,7 @@ def do_start(ctx: RunContext, step: Step) -> Outcome:
                            fix="nothing was registered with the gateway; read the evidence, fix the cause and "
                                "deploy again") from None
     ctx.data.setdefault("healthy", set()).add(inst.id)
+    ctx.data.setdefault("main_pids", {})[inst.id] = ev["main_pids"]
     return Outcome(evidence=ev, verified=[f"{inst.id} active and healthy on its own /health (MainPID "
                                           f"{', '.join(map(str, ev['main_pids'].values()))})"])
 
@@ -485,7 +562,8 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
     plan: DeployPlan = ctx.data["deploy_plan"]
     pl, workers = plan.placement, ctx.data["workers"]
     instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
-                        "worker_id": workers[i.id], "url": i.url} for i in pl.instances}
+                        "worker_id": workers[i.id], "url": i.url,
+                        "main_pids": ctx.data.get("main_pids", {}).get(i.id)} for i in pl.instances}
     rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
                                    placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
@@ -499,7 +577,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
 # one executor per step kind; scale and rollback use the same ones
 EXECUTORS = {"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
              "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
-             "register": do_register}
+             "register": do_register, "record-repair": do_record_repair}
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
@@ -507,6 +585,9 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     and what could not be (skipped checks never count as verified). Raises with a verdict on failure.
     `pool` and `gateway` are the operation's connections, opened by the caller (pdops.hosts.connections)."""
     inv, pl = plan.inv, plan.placement
+    if plan.live is not None and not plan.steps:
+        raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "
+                      "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
     state = state_for(inv)
     op = new_op_id("deploy")
     with state.lock("deploy", op_id=op):

@@ -655,7 +655,7 @@ def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
                                 "gateway_list": membership.listed_ids(left)},
                        verified=[f"{inst.id} is not in the gateway's /workers"],
                        reason=f"{inst.id} is not in the gateway's /workers (already removed)")
-    ctx.say(f"  {inst.id} left the gateway: worker {', '.join(removed)} removed, gone from /workers")
+    ctx.say(f"  {inst.id} left the gateway: worker {', '.join(removed)} removed, draining (no new request routed to it)")
     return Outcome(evidence={"removed": removed, "gateway_list": membership.listed_ids(left)},
                    verified=[f"{inst.id} out of the gateway's start-up list and draining in the gateway (no new "
                              "request routed to it)"])

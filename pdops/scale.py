@@ -459,7 +459,7 @@ def _union(plan: ScalePlan) -> Placement:
 
 def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
     plan: ScalePlan = ctx.data["scale_plan"]
-    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data["build"])
+    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data["build"], ctx.data.get("main_pids"))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
     return Outcome(evidence={"revision": rev.number},
@@ -513,8 +513,12 @@ def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool, listened: b
                        prefix=f"undo {inst.id}: ", check_ports=listened, resume=False)
 
 
-def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None]) -> dict:
+def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None],
+                   main_pids: dict | None = None) -> dict:
+    """Each instance's record: kept ones as recorded, added ones new; the MainPIDs of what this
+    change started (pdops.observe compares them with what systemd reports later)."""
     out = {}
+    main_pids = main_pids or {}
     for i in pl.instances:
         if i.id in plan.current.instances:
             out[i.id] = dict(plan.current.instances[i.id])
@@ -523,10 +527,12 @@ def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None
         else:
             out[i.id] = {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
                          "worker_id": workers.get(i.id), "url": i.url}
+        if i.id in main_pids:
+            out[i.id]["main_pids"] = main_pids[i.id]
     return out
 
 
-def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build) -> Revision:
+def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None) -> Revision:
     cur, tgt = plan.current, plan.target
     new_mf = manifest(plan.files)
     rollback = {
@@ -547,7 +553,7 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build) -> 
         extra["rollback_of"] = plan.rollback_of
     return state.write_revision(topology=str(tgt.topology), inventory_hash=plan.inv.digest,
                                 placement=tgt.to_dict(), manifest=new_mf,
-                                instances=_instances_doc(plan, tgt, workers), outcome="deployed", op_id=op,
+                                instances=_instances_doc(plan, tgt, workers, main_pids), outcome="deployed", op_id=op,
                                 extra=extra)
 
 

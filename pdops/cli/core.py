@@ -58,13 +58,23 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     topo = parse_topology(topology)
     inv = load_inventory(inventory)
     plan = dep.plan_deploy(inv, topo, dep.state_for(inv), set(skip_check or ()))
-    print(plan.render())
-    if dry_run or plan.noop:
-        return
     from pdops.hosts import connections
 
+    if plan.live is None:
+        print(plan.render())
+        if dry_run:
+            return
     with connections(inv) as conns:
+        if plan.live is not None:  # the live topology and files: decide from what runs now
+            plan = dep.plan_reconcile(plan, **conns)
+            print(plan.render())
+            if dry_run or plan.noop:
+                return
         v = dep.execute_deploy(plan, **conns)
+    if plan.live is not None:
+        print_verdict(f"repaired revision {plan.live.number} ({plan.placement.topology}) as revision {v['revision']}; "
+                      f"repaired: {'; '.join(plan.findings)}.", v)
+        return
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
 
 

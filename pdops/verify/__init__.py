@@ -39,6 +39,22 @@ def run_verify(inv: Inventory, state: StateDir, *, quiet: bool = True) -> str:
         f.seek(0)
         out = f.read()
     proc = subprocess.CompletedProcess(cmd, rc, out, "")
-    if proc.returncode != 0:
-        raise Unverified(f"verify of revision {rev_n} failed", evidence="\n".join(out.splitlines()[-40:]))
-    return out.strip().splitlines()[-1] if out.strip() else "ok"
+    findings = observed_findings(inv, state)
+    if proc.returncode != 0 or findings:
+        evidence = ("\n".join(out.splitlines()[-40:]) if proc.returncode != 0 else "") + \
+            ("\nobserved, against the revision:\n" + "\n".join(f"  - {f}" for f in findings) if findings else "")
+        raise Unverified(f"verify of revision {rev_n} failed", evidence=evidence.strip(),
+                         fix="`inv deploy --topology <the live one>` repairs what is down, restarted or missing "
+                             "in the gateway" if findings else None)
+    last = out.strip().splitlines()[-1] if out.strip() else "ok"
+    return f"{last}; gateway: every worker of revision {rev_n} healthy and ready, none unknown"
+
+
+def observed_findings(inv: Inventory, state: StateDir) -> list[str]:
+    """What runs now against the current revision (pdops.observe): units, MainPIDs, the gateway's
+    workers (each healthy and ready, none the revision does not know) and its start-up list."""
+    from pdops.hosts import connections
+    from pdops.observe import observe
+
+    with connections(inv) as conns:
+        return observe(inv, state.current_revision(), conns["pool"], conns["gateway"]).findings()

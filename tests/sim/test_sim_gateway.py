@@ -1,4 +1,4 @@
-"""The sim behind the real gateway (sglang-router 0.3.2): PD requests, counts, abort,
+"""The sim behind the real gateway (smg 1.13): PD requests, counts, abort,
 disconnect, injected transfer failure."""
 
 from __future__ import annotations
@@ -113,3 +113,43 @@ def test_injected_transfer_failure_gives_500_on_both_sides(pd_cluster):
         for p in ps:
             p.post("/_sim/faults", {"fail_transfer": False})
     assert http("POST", g.url + "/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_smg_routes_nothing_to_a_worker_once_its_removal_is_accepted(sims):
+    """pdops's drain relies on this: after `DELETE /workers/{id}` answers 202 the worker is
+    `draining` (then gone); a stream already on it finishes; no new request reaches it."""
+    from pdops.gateway import GatewayClient, deadline_in
+    from pdops.load import send
+    from pdops.sim.testing import start_gateway
+
+    from pdops.facts import requestlog
+
+    log = ["--enable-metrics", "--log-requests", "--log-requests-format", "json", "--log-requests-level", "0"]
+    env = {"PDOPS_SIM_DECODE_STEP_MS": "10"}
+    p = sims(["--disaggregation-mode", "prefill", *log], env)
+    d1 = sims(["--disaggregation-mode", "decode", *log], env)
+    d2 = sims(["--disaggregation-mode", "decode", *log], env)
+    g = start_gateway([p], [d1, d2], ["--policy", "round_robin"])
+    try:
+        client = GatewayClient(g.url, timeout=3, poll_interval=0.05)
+        [w1] = [w for w in client.list_workers() if w.url == d1.url]
+        long_rows: list = []
+        t = threading.Thread(target=lambda: long_rows.extend(
+            send(g.url, requests=4, concurrency=4, max_new_tokens=200, stream_every=1, rid_prefix="long")))
+        t.start()
+        wait_until(lambda: metric(d1, "sglang:num_running_reqs") > 0, 10, "a stream on d1")
+        client.remove_worker(w1.id)
+        accepted = time.time()
+        assert client.wait_worker_out(w1.id, deadline_in(2)) == "draining"
+        during = send(g.url, requests=60, concurrency=6, max_new_tokens=2, stream_every=2, rid_prefix="after")
+        t.join(30)
+        assert all(r.ok for r in during) and all(r.ok and r.completion_tokens == 200 for r in long_rows)
+        on_d1 = set(requestlog.parse(d1.proc.log()).received)
+        on_d2 = set(requestlog.parse(d2.proc.log()).received)
+        assert {r.rid for r in long_rows} & on_d1, "no stream was on d1 before its removal"
+        late = {r.rid for r in during} & on_d1
+        assert not late, f"{len(late)} request(s) reached d1 after its removal was accepted at {accepted}"
+        assert {r.rid for r in during} <= on_d2  # all 60 went to the other decode
+        client.wait_worker_gone(w1.id, deadline_in(15))
+    finally:
+        g.stop()
