@@ -1,8 +1,9 @@
 """Bounded admission in front of the gateway: HAProxy with API keys, a concurrency cap
 held for each request's whole life, and a bounded queue (rule 2, SGLANG.md).
 
-The gateway's own `--max-concurrent-requests` is a token bucket, not a cap, so the cap
-lives here: one backend whose only server is the gateway, `maxconn C` (a permit is held
+The gateway's own `--max-concurrent-requests` (smg 1.13) holds a cap, but cannot rotate keys
+without a restart, answers a queue timeout with 503 whatever is asked, and has no key unless
+one is set at start (docs/admission.md, measured), so the cap lives here: one backend whose only server is the gateway, `maxconn C` (a permit is held
 until the response, stream included, ends), `maxqueue Q` and `timeout queue T`. The
 overflow status (HAProxy's queue 503, or 429) is an errorfile. API keys are never in
 the config: they sit in a 0600 map file the config names, so adding or revoking a key

@@ -131,8 +131,9 @@ class AuditReport:
             lines.extend(f"      {e}" for e in c.evidence[:12])
         lines.append(f"result: {'PASS' if self.passed else 'FAIL'}")
         if self.mode == "gateway" and not self.passed:
-            lines.append("  the gateway's --max-concurrent-requests is a token bucket: a permit is not held for "
-                         "the life of a stream, so it is no cap (SGLANG.md); put the admission layer in front")
+            failed = [c.name for c in self.claims if not c.passed]
+            lines.append(f"  the gateway's own flags fail: {', '.join(failed)}; the admission layer in front holds "
+                         "every claim and rotates keys without a restart (docs/admission.md)")
         return "\n".join(lines)
 
 

@@ -122,5 +122,5 @@ def test_report_passes_only_if_every_claim_does():
     r.claims.append(Claim("cancel", False, "no", ("evidence line",)))
     assert not r.passed and "[FAIL] cancel" in r.format() and "evidence line" in r.format()
     assert not AuditReport("http://a", "admission", 2).passed
-    g = AuditReport("http://g", "gateway", 2, [Claim("cap", False, "peak 5")])
-    assert "token bucket" in g.format()
+    g = AuditReport("http://g", "gateway", 2, [Claim("cap", True, "peak 2"), Claim("auth", False, "200")])
+    assert "the gateway's own flags fail: auth;" in g.format()
