@@ -34,7 +34,10 @@ PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1", "PDOPS_SIM_DECODE_STEP_MS":
 def cluster(lab, tmp_path_factory):
     lab.ensure_up()
     stop_all(lab)
-    inv_dir = derived_inventory(lab, tmp_path_factory.mktemp("drain"), profile=PROFILE)
+    # round_robin: both decodes get both kinds of request (smg's default policy keeps prompts
+    # that share a prefix on one worker, and the test's prompts all do)
+    inv_dir = derived_inventory(lab, tmp_path_factory.mktemp("drain"), profile=PROFILE,
+                                mutate=lambda d: d["all"]["vars"]["pdops_gateway"].update(policy="round_robin"))
     proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(inv_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     yield inv_dir
