@@ -153,3 +153,19 @@ def test_smg_routes_nothing_to_a_worker_once_its_removal_is_accepted(sims):
         client.wait_worker_gone(w1.id, deadline_in(15))
     finally:
         g.stop()
+
+
+def test_smg_exports_the_metrics_docs_gateway_names(pd_cluster):
+    """docs/gateway.md, "Metrics": names read from the real smg after PD requests, for dashboards
+    and alerts; a rename in an smg upgrade fails here."""
+    import urllib.request
+
+    g = pd_cluster["gateway"]
+    for i in range(2):
+        assert http("POST", g.url + "/generate", {"text": f"m {i}", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    text = urllib.request.urlopen(f"http://{g.host}:{g.prometheus_port}/metrics", timeout=5).read().decode()
+    names = {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
+    for name in ("smg_http_requests_total", "smg_http_responses_total", "smg_pd_ttft_seconds_count",
+                 "smg_pd_prefill_duration_seconds_count", "smg_worker_health", "smg_worker_requests_active",
+                 "smg_worker_pool_size", "smg_worker_cb_state", "smg_engine_running_requests"):
+        assert name in names, f"{name} not exported by smg ({len(names)} names)"
