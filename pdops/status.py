@@ -62,7 +62,7 @@ def collect_status(inv: Inventory, state: StateDir) -> dict:
             "instance": inst.id, "role": inst.role, "hosts": list(inst.hosts), "ranks": inst.nnodes,
             "units": units, "url": inst.url,
             "worker_id": w.id if w else None, "registered": w is not None,
-            "healthy": bool(w and w.is_healthy),
+            "healthy": bool(w and w.routable), "gateway_status": w.status if w else None,
             "recorded_worker_id": (rev.instances.get(inst.id) or {}).get("worker_id"),
             "queues": q, "loads_error": None if isinstance(lr, engine_facts.EngineLoads) else str(lr),
         })
@@ -88,7 +88,7 @@ def format_status(doc: dict) -> str:
             "unit": ",".join(u["state"] for u in r["units"]),
             "mainpid": ",".join(str(u["main_pid"]) for u in r["units"]),
             "worker": (r["worker_id"] or "-")[:12], "gw_health": "healthy" if r["healthy"] else
-            ("unhealthy" if r["registered"] else "NOT REGISTERED"),
+            (r.get("gateway_status") or "unhealthy" if r["registered"] else "NOT REGISTERED"),
             "run": q.get("running", "?"), "wait": q.get("waiting", "?"),
             "kv_in_flight": (q.get("prefill_inflight") or 0) + (q.get("decode_transfer") or 0) if q else "?",
         })
