@@ -1,0 +1,140 @@
+"""Deciding from observation (pdops.observe, deploy.plan_reconcile): what systemd, the gateway and
+its start-up list report, against the revision; no hosts (a pool answering `systemctl show` text
+and a gateway client answering /workers)."""
+
+import json
+import types
+
+import pytest
+
+from pdops import deploy as dep
+from pdops import membership
+from pdops.errors import Unreachable
+from pdops.facts.gateway import Worker
+from pdops.inventory import load_inventory
+from pdops.placement import place
+from pdops.render import GATEWAY_UNIT
+from pdops.state import StateDir
+from pdops.topology import parse_topology
+from tests.unit.test_membership import REPO
+
+
+def show(unit, active="active", sub="running", pid=100, restarts=0):
+    return (f"Id={unit}\nLoadState=loaded\nActiveState={active}\nSubState={sub}\nMainPID={pid if active == 'active' else 0}\n"
+            f"NRestarts={restarts}\nResult=success\nUnitFileState=enabled\n\n")
+
+
+class Pool:
+    def __init__(self, units, start_list):
+        self.units, self.start_list, self.commands = units, start_list, []
+
+    def unit_states(self, host, units):
+        from pdops.facts import systemd
+
+        return systemd.parse_by_id("".join(show(u, *self.units.get((host, u), ())) for u in units))
+
+    def run(self, host, command, timeout=60):
+        self.commands.append(command)
+        return types.SimpleNamespace(stdout=json.dumps(self.start_list) + "\n", stderr="")
+
+
+class Gateway:
+    def __init__(self, workers, error=None):
+        self.workers, self.error = workers, error
+
+    def list_workers(self):
+        if self.error:
+            raise Unreachable(self.error)
+        return self.workers
+
+
+@pytest.fixture
+def live(tmp_path):
+    inv = load_inventory(REPO / "inventory" / "lab")
+    pl = place(inv, parse_topology("1p2d"))
+    state = StateDir("lab", tmp_path)
+    pids = {i.id: {f"{h}:{u}": 100 + n for n, (h, u) in enumerate(i.units)} for i in pl.instances}
+    files = dep.render_files(inv, pl)
+    rev = state.write_revision(topology="1p2d", inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=dep.manifest(files), outcome="deployed",
+                               instances={i.id: {"url": i.url, "worker_id": f"w-{i.id}", "main_pids": pids[i.id]}
+                                          for i in pl.instances})
+    state.set_current(rev.number)
+    return inv, pl, state
+
+
+def healthy_world(pl, **override):
+    units = {(h, u): ("active", "running", 100 + n) for i in pl.instances for n, (h, u) in enumerate(i.units)}
+    workers = [Worker(f"w-{i.id}", i.url, i.role, True, 0, i.bootstrap_port, status="ready") for i in pl.instances]
+    start_list = {"workers": [membership.entry(i) for i in pl.instances]}
+    return units, workers, start_list
+
+
+def plan(inv, state, units, workers, start_list, gw_error=None):
+    p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
+    assert p.live is not None and not p.steps  # same files: nothing decided before observing
+    return dep.plan_reconcile(p, pool=Pool(units, start_list), gateway=Gateway(workers, gw_error))
+
+
+def test_all_as_recorded_is_no_change_naming_what_was_observed(live):
+    inv, pl, state = live
+    p = plan(inv, state, *healthy_world(pl))
+    assert p.noop and "observed: 3 unit(s) of 3 instance(s) active with their recorded MainPIDs" in p.noop
+    assert "no change" in p.render()
+
+
+def test_a_down_unit_a_restarted_engine_and_a_missing_worker_are_each_repaired(live):
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    (h, u), = pl.get("d01").units
+    units[(h, u)] = ("inactive", "dead")
+    (ph, pu), = pl.get("p01").units
+    units[(ph, pu)] = ("active", "running", 555, 1)
+    workers = [w for w in workers if w.id != "w-d02"]
+    p = plan(inv, state, units, workers, start_list)
+    assert not p.noop
+    assert f"d01: unit {h}:{u} inactive/dead" in p.findings
+    assert f"p01: {ph}:{pu} MainPID 555, recorded 100 (restarts: 1)" in p.findings
+    assert "d02: not in the gateway's /workers" in p.findings
+    ids = [s.name for s in p.steps]
+    assert ids == ["connect", "start d01", "canary", "register d01", "register d02", "record"]
+    canary = next(s for s in p.steps if s.name == "canary")
+    assert canary.params["pairs"] == [("p01", "d01"), ("p01", "d02")]  # every pair of p01 (restarted), d01 (started)
+    assert "plan: repair revision 1 (1p2d)" in p.render()
+
+
+def test_a_gateway_down_is_started_and_every_worker_registered(live):
+    inv, pl, state = live
+    units, _, start_list = healthy_world(pl)
+    units[(inv.gateway.host, GATEWAY_UNIT)] = ("failed", "failed")
+    p = plan(inv, state, units, [], start_list, gw_error="connection refused")
+    assert any(f.startswith(f"gateway {GATEWAY_UNIT}: failed/failed") for f in p.findings)
+    ids = [s.name for s in p.steps]
+    assert ids[:2] == ["connect", "gateway"] and "canary" not in ids  # no engine restarted: no canary
+    assert {x for x in ids if x.startswith("register ")} == {"register p01", "register d01", "register d02"}
+
+
+def test_an_unknown_worker_and_a_list_that_lacks_one_are_findings(live):
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    workers.append(Worker("w-x", "http://127.0.0.9:1234", "decode", True, 0, status="ready"))
+    start_list["workers"] = [w for w in start_list["workers"] if w["instance"] != "d02"]
+    p = plan(inv, state, units, workers, start_list)
+    assert "d02: not in the gateway's start-up list" in p.findings
+    assert any("http://127.0.0.9:1234" in f and "does not know" in f for f in p.findings)
+    assert [s.name for s in p.steps] == ["connect", "register d02", "record"]
+
+
+def test_not_ready_in_the_gateway_is_a_finding(live):
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    workers[0] = Worker(workers[0].id, workers[0].url, workers[0].worker_type, False, 0, status="not_ready")
+    p = plan(inv, state, units, workers, start_list)
+    assert any("in the gateway but not_ready, unhealthy" in f for f in p.findings)
+
+
+def test_execute_refuses_a_live_plan_that_was_not_observed(live):
+    inv, pl, state = live
+    p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
+    with pytest.raises(dep.Refused):
+        dep.execute_deploy(p, pool=None, gateway=None)
