@@ -125,6 +125,10 @@ def lab_part(runs: int) -> None:
                                 break
                         except Exception:  # noqa: BLE001 - down or restarting
                             pass
+                        if time.perf_counter() - t0 > 60:
+                            raise RuntimeError("the gateway did not serve every worker within 60 s of the kill: "
+                                               + pool.run(inv.gateway.host, f"systemctl status {GATEWAY_UNIT} "
+                                                          "--no-pager | tail -5", timeout=10).stdout)
                         time.sleep(0.05)
                     ts.append(time.perf_counter() - t0)
             print(f"gateway SIGKILL -> every worker routed again (lab 1p1d, RestartSec=1): median "

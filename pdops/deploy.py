@@ -281,7 +281,8 @@ def start_gateway(inv: Inventory, pool: HostPool, client: GatewayClient, say: Sa
     if restart:
         # a fresh cluster: a list left by an earlier life of it must not register anything
         membership.update(pool, inv, clear=True)
-    pool.run(gw.host, f"systemctl {verb} {q(GATEWAY_UNIT)}")
+    # a unit that hit its start limit refuses `start` until reset: this start is the operator's
+    pool.run(gw.host, f"systemctl reset-failed {q(GATEWAY_UNIT)} || true; systemctl {verb} {q(GATEWAY_UNIT)}")
     deadline = deadline_in(deadline_s)
     while True:
         try:
@@ -325,7 +326,8 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
     A unit that fails stops the wait with the tail of its journal."""
     verb = "restart" if restart else "start"
     for host, unit in inst.units:
-        pool.run(host, f"systemctl {verb} {q(unit)}")
+        # reset a start limit hit by a crash loop: this start is the operator's, and watched below
+        pool.run(host, f"systemctl reset-failed {q(unit)} || true; systemctl {verb} {q(unit)}")
     deadline = time.monotonic() + deadline_s
     t0 = time.monotonic()
     last_check = t0  # the unit's state is read from 2 s on: most instances are healthy before

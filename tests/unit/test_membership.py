@@ -71,7 +71,7 @@ def test_the_gateway_unit_registers_the_list_after_every_start(lab):
     line = next(ln for ln in unit.splitlines() if ln.startswith("ExecStartPost="))
     assert line == ("ExecStartPost=-" + f"{inv.gateway.python} {membership.SCRIPT_PATH} register --file "
                     f"{membership.PATH} --gateway {inv.gateway.url} --wait-s 45")
-    assert "RestartSec=1" in unit.splitlines()
+    assert {"RestartSec=1", "StartLimitIntervalSec=60", "StartLimitBurst=10"} <= set(unit.splitlines())
     script = files[membership.SCRIPT_PATH]
     assert script.content == membership.SCRIPT and script.mode == 0o755
     # the gateway runs from its own environment: not the engine's (no torch, no SGLang there)
