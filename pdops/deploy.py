@@ -223,9 +223,14 @@ def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
     for i in insts:
         bp = f" bootstrap {i.bootstrap_port}" if i.bootstrap_port else ""
         out.append(Step(f"register {i.id}", inv.gateway.host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}), "
-                        "wait until /workers lists it healthy and ready; add it to the gateway's start-up list",
+                        "wait until /workers lists it healthy and ready",
                         reg_s, kind="register", params={"instance": i.id},
                         group=group))
+    if insts:
+        ids = [i.id for i in insts]
+        out.append(Step("gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), inv.gateway.host,
+                        f"add {', '.join(ids)} to the gateway's start-up list ({membership.PATH}): from now on a "
+                        "gateway restart registers them by itself", 30, kind="gateway-list", params={"instances": ids}))
     return out
 
 
@@ -553,11 +558,20 @@ def do_register(ctx: RunContext, step: Step) -> Outcome:
                            fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
                                "gateway's; fix the cause and deploy again") from None
     ctx.data.setdefault("workers", {})[inst.id] = wid
-    # in the gateway's start-up list once it serves: a gateway restart registers it again
-    listed = membership.update(ctx.pool, ctx.inv, add=[inst])
-    return Outcome(evidence={"worker_id": wid, "gateway_list": membership.listed_ids(listed)},
-                   verified=[f"{inst.id} registered (worker {wid}), listed healthy and ready by the gateway's /workers, "
-                             "and in its start-up list"])
+    return Outcome(evidence={"worker_id": wid},
+                   verified=[f"{inst.id} registered (worker {wid}), listed healthy and ready by the gateway's /workers"])
+
+
+def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
+    """One update of the start-up list for a registration group (each registered and ready by now)."""
+    pl = _placement_of(ctx)
+    add = [pl.get(i) for i in step.params["instances"]]
+    missing = [i.id for i in add if i.id not in ctx.data.get("workers", {})]
+    if missing:
+        raise Unverified(f"not registered, so not put in the gateway's start-up list: {', '.join(missing)}")
+    listed = membership.listed_ids(membership.update(ctx.pool, ctx.inv, add=add))
+    return Outcome(evidence={"gateway_list": listed},
+                   verified=[f"{', '.join(i.id for i in add)} in the gateway's start-up list"])
 
 
 def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
@@ -579,7 +593,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
 # one executor per step kind; scale and rollback use the same ones
 EXECUTORS = {"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
              "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
-             "register": do_register, "record-repair": do_record_repair}
+             "register": do_register, "gateway-list": do_gateway_list, "record-repair": do_record_repair}
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
