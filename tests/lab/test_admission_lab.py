@@ -196,7 +196,10 @@ def test_audit_admission_passes_through_the_admission_layer(cluster):
     assert re.search(r"\[PASS\] cancel: 1 streams cut: running 2->1, aborted \+1", out), out
 
 
-def test_audit_against_the_gateway_shows_it_lets_more_than_c_through(cluster):
+def test_audit_against_an_uncapped_gateway_fails_cap_and_auth(cluster):
+    """The CLI path of --against-gateway on the lab's smg, whose own limiter is off (-1) as pdops
+    renders it behind the admission layer; smg's limiter with a cap set is measured in
+    tests/integration/test_admission_local.py (docs/admission.md)."""
     inv_dir, _, _, cli, _ = cluster
     proc = cli("audit.admission", "-i", str(inv_dir), "--against-gateway", "--cap", "2", "--tokens", "400")
     out = proc.stdout + proc.stderr
