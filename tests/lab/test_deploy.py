@@ -132,7 +132,9 @@ def test_redeploying_the_same_topology_is_a_noop(live):
     inv_dir, _ = live
     proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(inv_dir))
     assert proc.returncode == 0, proc.stderr
-    assert "no change: revision 1 (2p1d) is already live" in proc.stdout
+    # decided from what runs, not from the record: the verdict names what was observed
+    assert "no change: revision 1 (2p1d) is live with identical rendered files; observed: 3 unit(s) of 3 " \
+           "instance(s) active with their recorded MainPIDs, 3 worker(s) healthy and ready" in proc.stdout, proc.stdout
     assert StateDir("lab", inv_dir / "state").revision_numbers() == [1]
 
 
