@@ -57,6 +57,9 @@ class DeployPlan:
 
     @property
     def title(self) -> str:
+        if self.live is not None and not self.findings:
+            return (f"plan: deploy {self.placement.topology} on {self.inv.cluster}: revision {self.live.number} has "
+                    "these rendered files; what to do is decided from what the hosts and the gateway report")
         if self.live is not None:
             return (f"plan: repair revision {self.live.number} ({self.placement.topology}) on {self.inv.cluster}: "
                     "its rendered files are in place; what runs differs from it, as observed now:\n"
