@@ -14,7 +14,6 @@ command line stays the revision's, and what the running gateway serves is read f
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -38,10 +37,8 @@ def entry(inst: Instance) -> dict:
 
 
 def _run(pool, inv: Inventory, args: list[str]) -> dict | None:
-    # The script travels base64-encoded: nothing of it is shell-interpreted on the host.
-    b64 = base64.b64encode(SCRIPT.encode()).decode()
-    cmd = (f"python3 -c \"$(echo {b64} | base64 -d)\" " + " ".join(q(a) for a in args))
-    res = pool.run(inv.gateway.host, cmd)
+    # as pdops's other host scripts travel: `python3 -c <quoted script> <quoted args>`
+    res = pool.run(inv.gateway.host, f"python3 -c {q(SCRIPT)} " + " ".join(q(a) for a in args))
     try:
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):

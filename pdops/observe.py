@@ -29,7 +29,7 @@ class InstanceObservation:
     units: dict[str, UnitState | str]  # "host:unit" -> its state, or why it could not be read
     recorded_pids: dict[str, int]  # "host:unit" -> MainPID recorded with the revision ({} for old records)
     worker: Worker | None
-    in_list: bool  # in the gateway's start-up list
+    in_list: bool | None  # in the gateway's start-up list; None: the list could not be read
 
     @property
     def id(self) -> str:
@@ -67,7 +67,7 @@ class InstanceObservation:
         out = [f"unit {d}" for d in self.down] + self.restarted
         if self.gateway_problem:
             out.append(self.gateway_problem)
-        if not self.in_list:
+        if not self.in_list and self.in_list is not None:
             out.append("not in the gateway's start-up list")
         return out
 
@@ -80,6 +80,7 @@ class Observation:
     workers: list[Worker]
     start_list: list[str] | None  # instance ids in the gateway's start-up list; None: unreadable
     instances: list[InstanceObservation] = field(default_factory=list)
+    start_list_error: str | None = None
 
     @property
     def gateway_down(self) -> bool:
@@ -98,6 +99,8 @@ class Observation:
             u = self.gateway_unit
             state = f"{u.active_state}/{u.sub_state}" if isinstance(u, UnitState) else u
             out.append(f"gateway {GATEWAY_UNIT}: {state}" + (f"; {self.gateway_error}" if self.gateway_error else ""))
+        if self.start_list_error:
+            out.append(f"the gateway's start-up list {membership.PATH} unreadable: {self.start_list_error}")
         for o in self.instances:
             out += [f"{o.id}: {f}" for f in o.findings()]
         out += [f"gateway routes to {w.describe()}, which revision {self.revision} does not know"
@@ -133,14 +136,15 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClien
     except PdopsError as exc:
         workers, gw_error = [], exc.message
     try:
-        start_list = membership.listed_ids(membership.read(pool, inv))
-    except PdopsError:
-        start_list = None
+        start_list, list_error = membership.listed_ids(membership.read(pool, inv)), None
+    except PdopsError as exc:
+        start_list, list_error = None, exc.message
     by_url = {w.url.rstrip("/"): w for w in workers}
-    obs = Observation(rev.number, state_of(inv.gateway.host, GATEWAY_UNIT), gw_error, workers, start_list)
+    obs = Observation(rev.number, state_of(inv.gateway.host, GATEWAY_UNIT), gw_error, workers, start_list,
+                      start_list_error=list_error)
     for inst in pl.instances:
         recorded = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
         obs.instances.append(InstanceObservation(
             inst, {f"{h}:{u}": state_of(h, u) for h, u in inst.units}, {k: int(v) for k, v in recorded.items() if v},
-            by_url.get(inst.url.rstrip("/")), start_list is not None and inst.id in start_list))
+            by_url.get(inst.url.rstrip("/")), None if start_list is None else inst.id in start_list))
     return obs

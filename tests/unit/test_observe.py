@@ -138,3 +138,19 @@ def test_execute_refuses_a_live_plan_that_was_not_observed(live):
     p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
     with pytest.raises(dep.Refused):
         dep.execute_deploy(p, pool=None, gateway=None)
+
+
+def test_an_unreadable_start_up_list_is_named_as_such(live):
+    inv, pl, state = live
+    units, workers, _ = healthy_world(pl)
+    pool = Pool(units, None)
+
+    def broken(host, command, timeout=60):
+        from pdops.errors import RemoteCommandFailed
+
+        raise RemoteCommandFailed(host, "python3 -c ...", 1, "PermissionError: /etc/pdops/gateway-workers.json")
+
+    pool.run = broken
+    p = dep.plan_reconcile(dep.plan_deploy(inv, parse_topology("1p2d"), state), pool=pool, gateway=Gateway(workers))
+    assert any("start-up list /etc/pdops/gateway-workers.json unreadable" in f for f in p.findings), p.findings
+    assert not any("not in the gateway's start-up list" in f for f in p.findings)
