@@ -6,12 +6,13 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import admission, admission_ops, bench, core, lab, preflight, scale
+from pdops.cli import admission, admission_ops, bench, core, lab, preflight, scale, state
 
 ns = Collection.from_module(core)
 for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight, scale.scale, scale.rollback,
-          scale.history, scale.diff):
+          scale.history, scale.diff, state.journal, state.unlock):
     ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
+ns.add_collection(Collection(state.push, state.show), name="state")
 ns.add_collection(Collection.from_module(admission), name="audit")
 ns.add_collection(Collection.from_module(admission_ops), name="admission")

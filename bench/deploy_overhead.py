@@ -29,7 +29,7 @@ def lab_inventory(where: Path):
     """The running lab's inventory with its own state dir under `where` and the sim's model load at 0."""
     where.mkdir(parents=True, exist_ok=True)
     doc = single_file_doc(lab_api.inventory_path())
-    doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+    lab_api.own_record(doc, where)
     (where / "profiles").mkdir(exist_ok=True)
     prof = yaml.safe_load((REPO / "pdops/profiles/lab-sim.yml").read_text())
     prof.setdefault("env", {})["PDOPS_SIM_STARTUP_S"] = "0"

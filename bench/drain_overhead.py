@@ -58,7 +58,7 @@ def main() -> None:
             where = lab_api.resolve_lab_dir() / "bench-drain" / time.strftime("%H%M%S")
             where.mkdir(parents=True)
             doc = single_file_doc(lab_api.inventory_path())
-            doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+            lab_api.own_record(doc, where)
             prof = yaml.safe_load((REPO / "pdops/profiles/lab-sim.yml").read_text())
             prof.setdefault("env", {}).update({"PDOPS_SIM_DECODE_STEP_MS": "20"})
             (where / "profiles").mkdir()

@@ -105,7 +105,7 @@ def lab_part(runs: int) -> None:
             where = lab_api.resolve_lab_dir() / "bench-gateway" / time.strftime("%H%M%S")
             where.mkdir(parents=True)
             doc = single_file_doc(lab_api.inventory_path())
-            doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+            lab_api.own_record(doc, where)
             (where / "hosts.yml").write_text(yaml.safe_dump(doc))
             inv = load_inventory(where)
             with connections(inv) as conns:

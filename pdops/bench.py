@@ -393,12 +393,17 @@ class RevisionMark:
 
 
 def revision_mark(state) -> RevisionMark:
-    """Read the mark of a StateDir (no host is contacted)."""
-    try:
-        st = state.current_file.stat()
-        mtime, ino = st.st_mtime_ns, st.st_ino
-    except FileNotFoundError:
+    """Read the mark of a record: the shared one is read again from its state host; a local
+    StateDir also gives its `current` file's mtime and inode (no host is contacted)."""
+    if hasattr(state, "refresh"):
+        state.refresh()
         mtime = ino = None
+    else:
+        try:
+            st = state.current_file.stat()
+            mtime, ino = st.st_mtime_ns, st.st_ino
+        except FileNotFoundError:
+            mtime = ino = None
     nums = state.revision_numbers()
     return RevisionMark(state.current(), nums[-1] if nums else None, mtime, ino)
 

@@ -43,7 +43,7 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     where = lab_api.resolve_lab_dir() / "demo" / stamp
     where.mkdir(parents=True)
     doc = single_file_doc(lab_api.inventory_path())
-    doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+    lab_api.own_record(doc, where)  # each demo is a cluster of its own
     (where / "hosts.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
     inv = load_inventory(where)
     _stop_previous(inv, say)
@@ -83,8 +83,10 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
 
     _section(say, "6. status")
     say(format_status(collect_status(inv, state)))
-    say(f"\nstate and journal: {state.path}\ninventory: {where / 'hosts.yml'}\n"
-        f"try: inv status -i {where}   |   inv verify -i {where}   |   inv lab.down (removes the lab)")
+    say(f"\nrecord and journal (on the state host): {state.location}\nthis machine's cache and builds: {state.path}\n"
+        f"inventory: {where / 'hosts.yml'}\n"
+        f"try: inv status -i {where}   |   inv journal -i {where}   |   inv verify -i {where}   |   "
+        "inv lab.down (removes the lab)")
 
 
 def _stop_previous(inv, say: Say) -> None:

@@ -32,12 +32,31 @@ from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 Say = Callable[[str], None]
 
 
-def state_for(inv: Inventory) -> StateDir:
-    """The cluster's state dir: `pdops_state_dir`, else <lab dir>/state for a lab, else the default."""
-    root = inv.vars.get("pdops_state_dir")
-    if root is None and inv.vars.get("pdops_lab_dir"):
-        root = Path(inv.vars["pdops_lab_dir"]) / "state"
-    return StateDir(inv.cluster, root)
+def local_dir(inv: Inventory) -> Path:
+    """This operator machine's own dir for the cluster (builds, bench runs, the record's cache):
+    `$PDOPS_STATE_DIR`, else `pdops_state_dir`, else <lab dir>/state for a lab, else the default."""
+    import os
+
+    from pdops.state import DEFAULT_ROOT, ENV_STATE_DIR
+
+    if os.environ.get(ENV_STATE_DIR):
+        return Path(os.environ[ENV_STATE_DIR])
+    if inv.vars.get("pdops_state_dir"):
+        return Path(inv.vars["pdops_state_dir"])
+    if inv.vars.get("pdops_lab_dir"):
+        return Path(inv.vars["pdops_lab_dir"]) / "state"
+    return Path(DEFAULT_ROOT) / inv.cluster
+
+
+def state_for(inv: Inventory, *, cached_ok: bool = False):
+    """The cluster's record, on its state host (`pdops_state`; pdops.record). `cached_ok`: a
+    read-only command may fall back to this machine's cached copy when the state host is down."""
+    from pdops.inventory import StateLocation
+    from pdops.record import SharedRecord, SSHTransport
+
+    where = inv.state or StateLocation(inv.gateway.host)
+    return SharedRecord(inv.cluster, local_dir(inv), where.host, where.dir, SSHTransport(inv, where.host),
+                        cached_ok=cached_ok)
 
 
 @dataclass
@@ -54,6 +73,9 @@ class DeployPlan:
     # is then decided from observation (plan_reconcile), never from the record alone
     live: Revision | None = None
     findings: list[str] = field(default_factory=list)
+    # the record the plan was read from, and its `current` then (checked again under the lock)
+    state: object = field(default=None, repr=False, compare=False)
+    basis: int | None = None
 
     @property
     def title(self) -> str:
@@ -84,7 +106,7 @@ class DeployPlan:
         return self.plan.render()
 
 
-def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: set[str] | None = None) -> DeployPlan:
+def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None) -> DeployPlan:
     """Pure apart from reading the state dir: what a deploy of `topo` will do, or why not."""
     from pdops.preflight import validate_skip
 
@@ -106,7 +128,8 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
     if current is not None and current.manifest == manifest(files):
         # same topology, same files: whether anything is to be done is read from the hosts and the
         # gateway (plan_reconcile), not assumed from the record
-        return DeployPlan(inv, pl, files, [], hosts=hosts, skip_checks=skip_checks, previous=previous, live=current)
+        return DeployPlan(inv, pl, files, [], hosts=hosts, skip_checks=skip_checks, previous=previous, live=current,
+                          state=state, basis=current.number)
     fresh = current is None
     steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
     steps += delivery_steps(inv, pl, files)
@@ -123,7 +146,8 @@ def plan_deploy(inv: Inventory, topo: Topology, state: StateDir, skip_checks: se
                              why="sent straight to each pair before anything is registered"))
     steps += register_steps(inv, pl.instances, group="register")
     steps.append(Step("record", None, "write the revision, move `current` to it, release the lock"))
-    return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous)
+    return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, state=state,
+                      basis=current.number if current else None)
 
 
 def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) -> DeployPlan:
@@ -607,9 +631,10 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     if plan.live is not None and not plan.steps:
         raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "
                       "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
-    state = state_for(inv)
+    state = plan.state if plan.state is not None else state_for(inv)
     op = new_op_id("deploy")
     with state.lock("deploy", op_id=op):
+        state.check_basis(plan.basis)
         ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan})
         try:
             verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_deploy})

@@ -594,6 +594,7 @@ def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *,
     """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
     op = new_op_id("stop")
     with state.lock("stop", op_id=op):
+        state.check_basis(plan.rev.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": Placement.from_dict(plan.rev.placement)})
         try:
             verdict = walk(plan.plan, ctx, {"check-units": do_check_units, "kill-survivors": do_kill_survivors,
@@ -601,10 +602,10 @@ def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *,
         except PdopsError as exc:
             ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
             raise
-    verdict["instance"] = plan.instance.id
-    verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
-                            f"{plan.instance.id}` resumes the drain and records it")
-    state.journal().step(op, "verdict", "ok", verdict)
+        verdict["instance"] = plan.instance.id
+        verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
+                                f"{plan.instance.id}` resumes the drain and records it")
+        state.journal().step(op, "verdict", "ok", verdict)
     return verdict
 
 
@@ -833,6 +834,7 @@ def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: H
     earlier drain of it passed both empty checks."""
     op = new_op_id(plan.plan.operation)
     with state.lock(plan.plan.operation, op_id=op):
+        state.check_basis(plan.rev.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": plan.placement, "drain_plan": plan})
         try:
             verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_drain})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdops.errors import InvalidInput
 from pdops.placement import Placement
-from pdops.state import Revision, StateDir
+from pdops.state import Revision
 
 
 def _note(rev: Revision) -> str:
@@ -27,27 +27,39 @@ def _note(rev: Revision) -> str:
     return "deploy"
 
 
-def history_rows(state: StateDir) -> list[dict]:
+def _who(rev: Revision) -> tuple[str, str]:
+    """(operator, machine); records from before the shared record wrote them as one `user@machine`."""
+    if rev.machine:
+        return rev.operator, rev.machine
+    user, _, machine = rev.operator.partition("@")
+    return user, machine or "-"
+
+
+def history_rows(state) -> list[dict]:
     """One row per recorded revision, oldest first, with the current one marked."""
     cur = state.current()
     rows = []
     for rev in state.history():
+        operator, machine = _who(rev)
         rows.append({"current": "*" if rev.number == cur else "", "revision": rev.number, "topology": rev.topology,
-                     "created": rev.created, "operator": rev.operator, "outcome": rev.outcome,
+                     "created": rev.created, "operator": operator, "machine": machine, "outcome": rev.outcome,
                      "change": _note(rev), "op_id": rev.op_id or "-"})
     return rows
 
 
-def format_history(state: StateDir) -> str:
+def format_history(state) -> str:
     from pdops.planning import format_table
+    from pdops.status import record_doc, record_lines
 
     rows = history_rows(state)
+    head = record_lines(record_doc(state))
+    where = getattr(state, "location", str(state.path))
     if not rows:
-        return f"{state.cluster}: no revision recorded yet (state dir {state.path})"
-    return format_table(rows) + "\n(* = current)"
+        return "\n".join(head + [f"{state.cluster}: no revision recorded yet (record: {where})"])
+    return "\n".join(head + [format_table(rows), f"(* = current; record: {where})"])
 
 
-def _read(state: StateDir, n) -> Revision:
+def _read(state, n) -> Revision:
     try:
         num = int(n)
     except (TypeError, ValueError):
@@ -55,7 +67,7 @@ def _read(state: StateDir, n) -> Revision:
     return state.read_revision(num)
 
 
-def diff_revisions(state: StateDir, a, b) -> dict:
+def diff_revisions(state, a, b) -> dict:
     """What changed from revision `a` to revision `b`: instances added/removed/moved, files per host."""
     ra, rb = _read(state, a), _read(state, b)
     pa, pb = Placement.from_dict(ra.placement), Placement.from_dict(rb.placement)

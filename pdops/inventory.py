@@ -106,6 +106,17 @@ class Gateway:
         return f"http://{self.addr}:{self.port}"
 
 
+DEFAULT_STATE_DIR = "/var/lib/pdops/state"
+
+
+@dataclass(frozen=True)
+class StateLocation:
+    """Where the cluster's record and lock live (`pdops_state`): a host of the inventory and a dir."""
+
+    host: str
+    dir: str = DEFAULT_STATE_DIR
+
+
 @dataclass(frozen=True)
 class Ports:
     http_base: int
@@ -138,6 +149,8 @@ class Inventory:
     sim_faults: dict = field(default_factory=dict, compare=False)
     # the admission layer (pdops.admission.AdmissionConfig), validated once at load; None: none
     admission: Any = field(default=None, compare=False, repr=False)
+    # where the shared record and lock live (`pdops_state`); None only for inventories built by hand
+    state: StateLocation | None = field(default=None, compare=False)
 
     def reserved_port_ranges(self) -> dict[str, range]:
         """The port ranges instance slots take on every host (the port plan), by the setting that owns them."""
@@ -555,6 +568,7 @@ def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile:
         python=_resolve_gateway_python(str(gv.get("python", "/opt/pdops/gateway-venv/bin/python"))), **policies,
     )
     _check_port_plan(hosts, ports, gateway, prof)
+    state = _state_location(all_vars.get("pdops_state"), names, gw_host)
 
     drain = all_vars.get("pdops_drain") or {}
     budget = drain.get("budget_s", 1800)
@@ -574,9 +588,32 @@ def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile:
         engine_python=_resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
         virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
-        vars=all_vars, sim_faults=sim_faults,
+        vars=all_vars, sim_faults=sim_faults, state=state,
     )
     return dataclasses.replace(inv, admission=parse_admission(all_vars, inv))
+
+
+def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:
+    """`pdops_state: {host, dir}`: default the gateway host and /var/lib/pdops/state."""
+    fix = f"e.g. pdops_state: {{host: {gw_host}, dir: {DEFAULT_STATE_DIR}}}"
+    if val is None:
+        return StateLocation(gw_host)
+    if not isinstance(val, dict):
+        raise InvalidInput("pdops_state", f"{val!r} is not a mapping", fix=fix)
+    unknown = sorted(set(val) - {"host", "dir"})
+    if unknown:
+        raise InvalidInput("pdops_state", f"unknown key(s) {', '.join(map(str, unknown))}", fix=fix)
+    host = val.get("host", gw_host)
+    if not isinstance(host, str) or host not in names:
+        raise InvalidInput("pdops_state.host", f"{host!r} is not a host of this inventory",
+                           fix=f"use one of: {', '.join(names)} (the record lives on a host of the cluster)")
+    d = val.get("dir", DEFAULT_STATE_DIR)
+    if not isinstance(d, str) or not d.startswith("/"):
+        raise InvalidInput("pdops_state.dir", f"{d!r} is not an absolute path", fix=fix)
+    if os.path.normpath(d) != d.rstrip("/") or d.rstrip("/") in ("", "/") or any(c in d for c in "\n\0"):
+        raise InvalidInput("pdops_state.dir", f"{d!r} is not a plain absolute directory path",
+                           fix=f"a path such as {DEFAULT_STATE_DIR}, without '..' or '//'")
+    return StateLocation(host, d.rstrip("/"))
 
 
 def _sim_faults(val: Any, engine: str) -> dict[str, str]:

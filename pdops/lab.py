@@ -214,6 +214,18 @@ def resolve_lab_dir(lab_dir=None) -> Path:
     return path
 
 
+def own_record(doc: dict, where: Path) -> dict:
+    """Make a derived lab inventory (the dict of its hosts.yml) a cluster of its own: this machine's
+    dir `where/state`, and a state dir of its own on the state host (docs/state.md), so that it
+    does not see, nor lock, the record of another test, bench or demo on the same lab hosts."""
+    import hashlib
+
+    slug = f"{where.name}-{hashlib.sha256(str(Path(where).resolve()).encode()).hexdigest()[:10]}"
+    doc["all"]["vars"]["pdops_state_dir"] = str(Path(where) / "state")
+    doc["all"]["vars"]["pdops_state"] = {"dir": f"/var/lib/pdops/state/{slug}"}
+    return doc
+
+
 def inventory_path(lab_dir=None) -> Path:
     """Where `up` writes the lab's Ansible inventory."""
     return resolve_lab_dir(lab_dir) / "inventory" / "hosts.yml"

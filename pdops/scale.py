@@ -484,9 +484,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
     kind = "rollback" if plan.rollback_of else "scale"
     op = new_op_id(kind)
     with state.lock(kind, op_id=op):
-        if state.current() != plan.current.number:
-            raise Refused(f"`current` moved from revision {plan.current.number} to {state.current()} since this plan "
-                          "was made", fix="plan the change again")
+        state.check_basis(plan.current.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan})
         try:
             verdict = walk(plan.plan, ctx, executors())

@@ -35,12 +35,22 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
+ENV_OPERATOR = "PDOPS_OPERATOR"
+
+
 def default_operator() -> str:
+    """Who runs pdops: ``$PDOPS_OPERATOR`` (e.g. an on-call engineer's name), else the login name."""
+    if os.environ.get(ENV_OPERATOR):
+        return os.environ[ENV_OPERATOR]
     try:
-        user = getpass.getuser()
+        return getpass.getuser()
     except (KeyError, OSError):
-        user = str(os.getuid())
-    return f"{user}@{socket.gethostname()}"
+        return str(os.getuid())
+
+
+def default_machine() -> str:
+    """The operator machine pdops runs on (recorded beside the operator)."""
+    return socket.gethostname()
 
 
 def new_op_id(kind: str = "op") -> str:
@@ -84,6 +94,7 @@ class Revision:
     outcome: str = "pending"  # pending | deployed | failed | rolled-back ...
     op_id: str | None = None
     extra: dict = field(default_factory=dict)
+    machine: str = ""  # the operator machine it was made from ("" in records older than the shared record)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Revision":
@@ -91,8 +102,56 @@ class Revision:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-class StateDir:
-    """State of one cluster. Nothing is created until something is written."""
+class RecordReads:
+    """What every record answers from its primitives (``current``, ``revision_numbers``,
+    ``read_revision``): the current revision, the history, the rollback target."""
+
+    def current(self) -> int | None:  # pragma: no cover - each record implements it
+        raise NotImplementedError
+
+    def revision_numbers(self) -> list[int]:  # pragma: no cover
+        raise NotImplementedError
+
+    def read_revision(self, n: int) -> Revision:  # pragma: no cover
+        raise NotImplementedError
+
+    def current_revision(self) -> Revision | None:
+        n = self.current()
+        return None if n is None else self.read_revision(n)
+
+    def history(self) -> list[Revision]:
+        """Every complete revision, oldest first."""
+        return [self.read_revision(n) for n in self.revision_numbers()]
+
+    def previous(self) -> Revision | None:
+        """The newest revision before ``current`` whose outcome was deployed (rollback target)."""
+        cur = self.current()
+        for n in reversed(self.revision_numbers()):
+            if cur is not None and n >= cur:
+                continue
+            rev = self.read_revision(n)
+            if rev.outcome == "deployed":
+                return rev
+        return None
+
+    def check_basis(self, planned: int | None) -> None:
+        """Under the lock: refuse when ``current`` moved since the plan was made from ``planned``."""
+        now = self.current()
+        if now != planned:
+            raise Refused(f"`current` moved from revision {planned} to {now} since this plan was made "
+                          "(another operation ran in between)", fix="plan the change again; nothing was changed")
+
+    @staticmethod
+    def new_revision(n: int, *, topology: str, inventory_hash: str, placement: dict, manifest: dict,
+                     instances: dict, operator: str | None, outcome: str, op_id: str | None,
+                     extra: dict | None) -> Revision:
+        return Revision(n, topology, inventory_hash, placement, manifest, instances, operator or default_operator(),
+                        now_iso(), outcome, op_id, extra or {}, default_machine())
+
+
+class StateDir(RecordReads):
+    """A record in a local directory: the operator machine's own (before the shared record, and
+    what `inv state.push` moves), and unit tests. Nothing is created until something is written."""
 
     def __init__(self, cluster: str, root: str | os.PathLike | None = None):
         if not cluster or "/" in cluster or cluster in (".", ".."):
@@ -147,8 +206,9 @@ class StateDir:
                 break
             except FileExistsError:
                 n += 1
-        rev = Revision(n, topology, inventory_hash, placement, manifest, instances,
-                       operator or default_operator(), now_iso(), outcome, op_id, extra or {})
+        rev = self.new_revision(n, topology=topology, inventory_hash=inventory_hash, placement=placement,
+                                manifest=manifest, instances=instances, operator=operator, outcome=outcome,
+                                op_id=op_id, extra=extra)
         atomic_write(self.revision_file(n), json.dumps(asdict(rev), indent=2, sort_keys=True) + "\n")
         return rev
 
@@ -179,36 +239,19 @@ class StateDir:
             raise Unverified(f"{self.current_file} holds {text!r}, not a revision number")
         return int(text)
 
-    def current_revision(self) -> Revision | None:
-        n = self.current()
-        return None if n is None else self.read_revision(n)
-
     def set_current(self, n: int) -> None:
         """Point ``current`` at revision ``n`` (must exist), atomically."""
         if not self.revision_file(n).is_file():
             raise InvalidInput("revision", f"no revision {n} to make current")
         atomic_write(self.current_file, f"{int(n)}\n")
 
-    def history(self) -> list[Revision]:
-        """Every complete revision, oldest first."""
-        return [self.read_revision(n) for n in self.revision_numbers()]
-
-    def previous(self) -> Revision | None:
-        """The newest revision before ``current`` whose outcome was deployed (rollback target)."""
-        cur = self.current()
-        for n in reversed(self.revision_numbers()):
-            if cur is not None and n >= cur:
-                continue
-            rev = self.read_revision(n)
-            if rev.outcome == "deployed":
-                return rev
-        return None
-
     # -- journal and lock
     def journal(self) -> "Journal":
         return Journal(self.path / "journal.jsonl")
 
-    def lock(self, operation: str, *, op_id: str | None = None, operator: str | None = None) -> "ClusterLock":
+    def lock(self, operation: str, *, op_id: str | None = None, operator: str | None = None,
+             say=None) -> "ClusterLock":
+        """The local lock (one machine's processes only: the shared record's lock is pdops.record's)."""
         return ClusterLock(self, operation, op_id=op_id, operator=operator)
 
 
@@ -223,23 +266,28 @@ class Journal:
         rec = {"ts": now_iso(), "op_id": op_id, "step": name, "status": status,
                "evidence": evidence or {}}
         rec.update(extra)
-        line = json.dumps(rec, sort_keys=True, default=str) + "\n"
+        self._append(json.dumps(rec, sort_keys=True, default=str))
+        return rec
+
+    def _append(self, line: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: concurrent writers never interleave within one line (single write call)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            os.write(fd, line.encode("utf-8"))
+            os.write(fd, (line + "\n").encode("utf-8"))
             os.fsync(fd)
         finally:
             os.close(fd)
-        return rec
+
+    def _lines(self) -> list[str]:
+        if not self.path.exists():
+            return []
+        return self.path.read_text(encoding="utf-8").splitlines()
 
     def records(self) -> list[dict]:
         """Every record; a torn last line (crash mid-write) is skipped."""
-        if not self.path.exists():
-            return []
         out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in self._lines():
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:

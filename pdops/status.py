@@ -10,14 +10,20 @@ from pdops.inventory import Inventory
 from pdops.placement import Placement
 from pdops.render import GATEWAY_UNIT
 from pdops.runner import run_parallel
-from pdops.state import StateDir
 
 
-def collect_status(inv: Inventory, state: StateDir) -> dict:
+def record_doc(state) -> dict:
+    """Where the record was read from, whether it is the cached copy, who holds the lock."""
+    return {"location": getattr(state, "location", str(state.path)), "cached": getattr(state, "cached", None),
+            "lock": state.lock_holder() if hasattr(state, "lock_holder") else None}
+
+
+def collect_status(inv: Inventory, state) -> dict:
     """Read every source (systemd on each host, the gateway's /workers, each engine's /v1/loads)."""
     rev = state.current_revision()
+    record = record_doc(state)
     if rev is None:
-        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateway": None,
+        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateway": None, "record": record,
                 "note": "nothing deployed yet (no current revision)"}
     pl = Placement.from_dict(rev.placement)
     by_host: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
@@ -72,14 +78,31 @@ def collect_status(inv: Inventory, state: StateDir) -> dict:
                "state": f"{gst.active_state}/{gst.sub_state}" if gst else "unknown",
                "main_pid": gst.main_pid if gst else None, "workers": len(workers), "error": gw_error}
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
-            "gateway": gateway}
+            "gateway": gateway, "record": record}
+
+
+def record_lines(record: dict | None) -> list[str]:
+    """The record's lines of `inv status` and `inv history`: the cached-copy banner, the lock."""
+    from pdops.record import describe_holder
+
+    if not record:
+        return []
+    out = []
+    c = record.get("cached")
+    if c:
+        out.append(f"READ-ONLY CACHED COPY of the record (fetched {c['fetched_at']}): the state host cannot be "
+                   f"reached ({c['reason']}); no change can run until it can")
+    if record.get("lock"):
+        out.append(f"lock: held by {describe_holder(record['lock'])}")
+    return out
 
 
 def format_status(doc: dict) -> str:
     from pdops.planning import format_table
 
+    banner = record_lines(doc.get("record"))
     if doc["revision"] is None:
-        return f"{doc['cluster']}: {doc['note']}"
+        return "\n".join(banner + [f"{doc['cluster']}: {doc['note']}"])
     rows = []
     for r in doc["instances"]:
         q = r["queues"]
@@ -97,4 +120,5 @@ def format_status(doc: dict) -> str:
             f"{g['state']}, MainPID {g['main_pid']}, {g['workers']} workers" + (f" (error: {g['error']})" if g["error"] else ""))
     healthy = sum(1 for r in doc["instances"] if r["healthy"])
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
-    return "\n".join([head, format_table(rows), tail])
+    where = f"record: {doc['record']['location']}" if doc.get("record") else ""
+    return "\n".join(banner + [head, format_table(rows), tail] + ([where] if where else []))

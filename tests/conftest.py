@@ -24,3 +24,18 @@ def lab_inv():
     from pdops.inventory import load_inventory
 
     return load_inventory(REPO / "inventory" / "lab")
+
+
+@pytest.fixture
+def local_record(tmp_path, monkeypatch):
+    """`pdops.deploy.state_for` answering with a shared record whose state host is this machine
+    (the real host script, run locally), its state dir and operator dir under tmp_path."""
+    from pdops import deploy as dep
+    from pdops.record import LocalTransport, SharedRecord
+
+    def state_for(inv, **kw):
+        return SharedRecord(inv.cluster, tmp_path / "operator", "localhost", str(tmp_path / "shared"),
+                            LocalTransport(), **kw)
+
+    monkeypatch.setattr(dep, "state_for", state_for)
+    return state_for

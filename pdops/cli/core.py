@@ -89,7 +89,7 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False):
     from pdops.status import collect_status, format_status
 
     inv = load_inventory(inventory)
-    doc = collect_status(inv, dep.state_for(inv))
+    doc = collect_status(inv, dep.state_for(inv, cached_ok=True))
     print(_json.dumps(doc, indent=2, default=str) if json else format_status(doc))
 
 

@@ -75,7 +75,7 @@ def history(c, inventory=None, json=False):
     from pdops.history import format_history, history_rows
     from pdops.inventory import load_inventory
 
-    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY))
+    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
     print(_json.dumps(history_rows(state), indent=2) if json else format_history(state))
 
 
@@ -94,6 +94,6 @@ def diff(c, a=None, b=None, inventory=None, json=False):
 
     if a is None or b is None:
         raise InvalidInput("diff", "needs two revision numbers", fix="e.g. `inv diff 3 4` (see `inv history`)")
-    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY))
+    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
     d = diff_revisions(state, a, b)
     print(_json.dumps(d, indent=2) if json else format_diff(d))

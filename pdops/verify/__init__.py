@@ -15,7 +15,7 @@ from pdops.state import StateDir
 SUITE = Path(__file__).resolve().parent / "test_deployed.py"
 
 
-def run_verify(inv: Inventory, state: StateDir, *, quiet: bool = True) -> str:
+def run_verify(inv: Inventory, state, *, quiet: bool = True) -> str:
     """Run the suite on every host of the current revision; Unverified with the failures if any fails."""
     if len(inv.files) != 1:
         raise Refused(f"testinfra takes one inventory file; {inv.path} has {len(inv.files)}",
@@ -24,7 +24,8 @@ def run_verify(inv: Inventory, state: StateDir, *, quiet: bool = True) -> str:
     if rev_n is None:
         raise Refused(f"{inv.cluster} has no current revision to verify", fix="deploy first (inv deploy)")
     bindir = Path(sys.executable).parent
-    env = dict(os.environ, PDOPS_VERIFY_REVISION=str(state.revision_file(rev_n)),
+    rev_file = revision_file(state, rev_n)
+    env = dict(os.environ, PDOPS_VERIFY_REVISION=str(rev_file),
                PATH=f"{bindir}:{os.environ.get('PATH', '')}", ANSIBLE_CONFIG=str(
                    Path(__file__).resolve().parents[2] / "playbooks" / "ansible.cfg"))
     if inv.virtual_hardware:
@@ -50,7 +51,25 @@ def run_verify(inv: Inventory, state: StateDir, *, quiet: bool = True) -> str:
     return f"{last}; gateway: every worker of revision {rev_n} healthy and ready, none unknown"
 
 
-def observed_findings(inv: Inventory, state: StateDir) -> list[str]:
+def revision_file(state, n: int) -> Path:
+    """A file holding revision `n` as recorded (the suite reads it): the local record's own file,
+    or a 0600 copy of the shared record's under this machine's dir."""
+    if hasattr(state, "revision_file"):
+        return state.revision_file(n)
+    import json
+    from dataclasses import asdict
+
+    from pdops.state import atomic_write
+
+    d = state.path / "verify"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = d / f"revision-{int(n):04d}.json"
+    atomic_write(path, json.dumps(asdict(state.read_revision(n)), indent=2, sort_keys=True) + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def observed_findings(inv: Inventory, state) -> list[str]:
     """What runs now against the current revision (pdops.observe): units, MainPIDs, the gateway's
     workers (each healthy and ready, none the revision does not know) and its start-up list."""
     from pdops.hosts import connections

@@ -9,16 +9,18 @@ from pathlib import Path
 
 import yaml
 from pdops.inventory import single_file_doc
+from pdops.lab import own_record
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def derived_inventory(lab, where: Path, *, mutate=None, profile: dict | None = None) -> Path:
-    """A copy of the lab's inventory with its own state dir (and an optional change).
+    """A copy of the lab's inventory with its own record (a state dir of its own on the gateway
+    host, and an operator dir of its own here), and an optional change.
     `profile` updates the lab-sim profile (e.g. {"env": {"PDOPS_SIM_DECODE_STEP_MS": "50"}})."""
     doc = single_file_doc(Path(lab.inventory))
     where.mkdir(parents=True, exist_ok=True)
-    doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+    own_record(doc, where)
     if profile is not None:
         base = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
         base.update(profile)
@@ -31,10 +33,56 @@ def derived_inventory(lab, where: Path, *, mutate=None, profile: dict | None = N
     return where
 
 
-def inv_cmd(*args, timeout=600) -> subprocess.CompletedProcess:
-    """Run `inv <args>` from the repository, as an operator would."""
+class _Fresh:
+    """The shared record, read afresh from the state host at every use (a SharedRecord keeps one
+    snapshot per process, as one pdops command needs; a test reads before and after commands)."""
+
+    def __init__(self, inv_dir: Path):
+        self.inv_dir = inv_dir
+
+    def __getattr__(self, name):
+        from pdops.deploy import state_for
+        from pdops.inventory import load_inventory
+
+        return getattr(state_for(load_inventory(self.inv_dir)), name)
+
+
+def record(inv_dir: Path):
+    """The cluster's shared record as pdops reads it (over SSH, from the state host)."""
+    return _Fresh(inv_dir)
+
+
+def sshd(lab, host: str, verb: str) -> None:
+    """Stop or start a lab host's sshd from outside it (nsenter into the host's systemd).
+    Stopping also ends the live sessions (children of that sshd, by PID): the SSH connections
+    to the host drop as they would when its network goes away."""
+    import psutil
+
+    from pdops import lab as lab_api
+
+    outer = psutil.Process({s.name: s.pid for s in lab_api.status()}[host])
+    init = next(p for p in [outer, *outer.children(recursive=True)]
+                if p.name() == "systemd" and "--system" in p.cmdline())
+    sessions = []
+    if verb == "stop":
+        listener = next(p for p in init.children(recursive=True)
+                        if p.name() == "sshd" and "listener" in " ".join(p.cmdline()))
+        sessions = listener.children(recursive=True)
+    subprocess.run(["nsenter", "-t", str(init.pid), "-m", "-p", "-r", "-w", "--", "systemctl", verb,
+                    lab_api.SSHD_UNIT], check=True, capture_output=True, timeout=30)
+    for p in sessions:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `inv <args>` from the repository, as an operator would (`env`: added to the environment)."""
+    import os
+
     return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+                          timeout=timeout, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
 def stop_all(lab) -> None:

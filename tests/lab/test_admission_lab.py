@@ -154,8 +154,10 @@ def _verify_admission_only(inv, inv_dir) -> subprocess.CompletedProcess:
     """The verify suite's admission check alone, with -rA so its outcome per host is visible."""
     from pdops.verify import SUITE
 
+    from pdops.verify import revision_file
+
     state = state_for(inv)
-    env = dict(os.environ, PDOPS_VERIFY_REVISION=str(state.revision_file(state.current())),
+    env = dict(os.environ, PDOPS_VERIFY_REVISION=str(revision_file(state, state.current())),
                PDOPS_VERIFY_VIRTUAL="1", ANSIBLE_HOST_KEY_CHECKING="False",
                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
                ANSIBLE_CONFIG=str(REPO / "playbooks" / "ansible.cfg"))
@@ -263,6 +265,7 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
     # journalled under its own op, every step ok, only key ids
     recs_j = state_for(inv).journal().records()
     op = [r for r in recs_j if r["op_id"].startswith("admission-keys")]
-    assert [r["step"] for r in op] == ["plan", "check-unit", "deliver", "reload", "verify", "verdict"], op
+    assert [r["step"] for r in op] == ["lock.held", "plan", "check-unit", "deliver", "reload", "verify",
+                                       "verdict"], op
     assert all(r["status"] == "ok" for r in op)
     assert KEY_A not in str(op) and KEY_B not in str(op)

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
 
 from pdops import ansible
 from pdops.gateway import GatewayClient
 from pdops.inventory import load_inventory
 from pdops.load import send
-from pdops.state import StateDir
 
 pytestmark = pytest.mark.lab
 
@@ -36,7 +35,7 @@ def test_unit_that_fails_to_start_stops_the_deploy_with_its_journal(lab, fresh):
     assert "deploy failed" in proc.stderr and "did not start" in proc.stderr
     assert "no-such-sglang-flag" in proc.stderr  # the journal tail is in the error
     assert "current revision unchanged: none" in proc.stderr
-    state = StateDir("lab", inv / "state")
+    state = record(inv)
     assert state.current() is None
     # nothing that was not verified was registered
     gw = load_inventory(inv).gateway
@@ -53,7 +52,7 @@ def test_unreachable_host_changes_nothing(lab, fresh):
     proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(inv))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "cannot reach lab02" in proc.stderr
-    assert StateDir("lab", inv / "state").current() is None
+    assert record(inv).current() is None
     assert "] render" not in proc.stdout and "] deliver" not in proc.stdout  # stopped before delivering anything
 
 
@@ -76,7 +75,7 @@ def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab,
     assert "] render" not in refused.stdout and "] deliver" not in refused.stdout
     assert forced.returncode == 7, forced.stdout + forced.stderr
     assert "gateway pdops-gateway.service on lab01 did not answer" in forced.stderr
-    state = StateDir("lab", inv / "state")
+    state = record(inv)
     assert state.current() is None
     pre = [r for r in state.journal().records() if r["step"] == "preflight"]
     assert pre and pre[-1]["evidence"]["skipped_by_operator"]["checks"] == ["ports"]
@@ -135,7 +134,7 @@ def test_redeploying_the_same_topology_is_a_noop(live):
     # decided from what runs, not from the record: the verdict names what was observed
     assert "no change: revision 1 (2p1d) is live with identical rendered files; observed: 3 unit(s) of 3 " \
            "instance(s) active with their recorded MainPIDs, 3 worker(s) healthy and ready" in proc.stdout, proc.stdout
-    assert StateDir("lab", inv_dir / "state").revision_numbers() == [1]
+    assert record(inv_dir).revision_numbers() == [1]
 
 
 def test_a_different_topology_is_refused_with_a_pointer_to_scale(live):
@@ -159,7 +158,7 @@ def test_a_changed_inventory_is_refused(live, tmp_path):
 
 def test_a_concurrent_operation_is_refused(lab, live, fresh):
     other = derived_inventory(lab, fresh / "concurrent")
-    state = StateDir("lab", other / "state")
+    state = record(other)
     with state.lock("drain", operator="alice@laptop"):
         proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(other))
     assert proc.returncode == 4, proc.stdout + proc.stderr
@@ -176,7 +175,7 @@ def test_ansible_playbooks_are_idempotent(live):
 
     inv_dir, _ = live
     inv = load_inventory(inv_dir)
-    state = StateDir("lab", inv_dir / "state")
+    state = record(inv_dir)
     rev = state.current_revision()
     pl = Placement.from_dict(rev.placement)
     files = render_files(inv, pl)

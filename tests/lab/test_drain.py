@@ -19,8 +19,7 @@ from pdops.hosts import http_json
 from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.placement import Placement
-from pdops.state import StateDir
-from tests.lab.clusters import REPO, derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import REPO, derived_inventory, inv_cmd, record, sshd, stop_all
 
 pytestmark = pytest.mark.lab
 
@@ -45,7 +44,7 @@ def cluster(lab, tmp_path_factory):
 
 
 def _placement(inv_dir) -> Placement:
-    return Placement.from_dict(StateDir("lab", inv_dir / "state").current_revision().placement)
+    return Placement.from_dict(record(inv_dir).current_revision().placement)
 
 
 def _running(url: str, key: str = "running") -> int:
@@ -81,10 +80,10 @@ def _drain(inv_dir, *args) -> subprocess.Popen:
 
 
 def test_refusals_change_nothing(cluster):
-    before = StateDir("lab", cluster / "state").current()
+    before = record(cluster).current()
     proc = inv_cmd("drain", "-i", str(cluster), "--instance", "p07")
     assert proc.returncode == 2 and "no instance 'p07'" in proc.stderr and "p01, p02, d01, d02" in proc.stderr
-    assert StateDir("lab", cluster / "state").current() == before
+    assert record(cluster).current() == before
 
 
 def test_drain_decode_with_20_streams_in_flight(lab, cluster):
@@ -127,7 +126,7 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
     assert "verified: no open request ID and all queues 0, twice" in out
     assert "verified: cgroup empty, every recorded PID gone or reused, ports closed" in out
     assert "not verified: GPU processes: skipped: no nvidia-smi on this host" in out
-    state = StateDir("lab", cluster / "state")
+    state = record(cluster)
     rev = state.current_revision()
     assert rev.topology == "2p1d" and "d02" not in rev.instances
     assert rev.extra["rollback"]["restore"] == "d02"
@@ -174,41 +173,16 @@ def test_stop_of_an_engine_that_ignores_sigterm_needs_sigkill(lab, cluster):
 
 
 def test_draining_the_last_decode_is_refused(cluster):
-    before = StateDir("lab", cluster / "state").current()
+    before = record(cluster).current()
     proc = inv_cmd("drain", "-i", str(cluster), "--instance", "d01")
     assert proc.returncode == 4 and "last decode instance" in proc.stderr and "--force" in proc.stderr
-    assert StateDir("lab", cluster / "state").current() == before
-
-
-def _sshd(lab, host: str, verb: str) -> None:
-    """Stop or start a lab host's sshd from outside it (nsenter into the host's systemd).
-    Stopping also ends the live sessions (children of that sshd, by PID): the drain's SSH
-    connection drops as it would when a host's network goes away."""
-    import psutil
-
-    from pdops import lab as lab_api
-
-    outer = psutil.Process({s.name: s.pid for s in lab_api.status()}[host])
-    init = next(p for p in [outer, *outer.children(recursive=True)]
-                if p.name() == "systemd" and "--system" in p.cmdline())
-    sessions = []
-    if verb == "stop":
-        listener = next(p for p in init.children(recursive=True)
-                        if p.name() == "sshd" and "listener" in " ".join(p.cmdline()))
-        sessions = listener.children(recursive=True)
-    subprocess.run(["nsenter", "-t", str(init.pid), "-m", "-p", "-r", "-w", "--", "systemctl", verb,
-                    lab_api.SSHD_UNIT], check=True, capture_output=True, timeout=30)
-    for p in sessions:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    assert record(cluster).current() == before
 
 
 def test_ssh_lost_mid_drain_gives_a_clear_verdict_and_the_drain_resumes(lab, cluster):
     d01 = _placement(cluster).get("d01")
     host = d01.units[0][0]
-    state = StateDir("lab", cluster / "state")
+    state = record(cluster)
     before = state.current()
     drain = _drain(cluster, "--instance", "d01", "--force", "--interval", "8")
     lines = []
@@ -216,12 +190,12 @@ def test_ssh_lost_mid_drain_gives_a_clear_verdict_and_the_drain_resumes(lab, clu
         for line in drain.stdout:
             lines.append(line)
             if "empty-check 1 passed" in line:
-                _sshd(lab, host, "stop")  # the SSH session of the drain dies with it
+                sshd(lab, host, "stop")  # the SSH session of the drain dies with it
                 break
         out = "".join(lines) + drain.stdout.read()
         rc = drain.wait(timeout=120)
     finally:
-        _sshd(lab, host, "start")
+        sshd(lab, host, "start")
     assert rc == 3, out
     assert "d01 is NOT recorded as stopped" in out and "Re-run the same command to resume" in out
     assert state.current() == before

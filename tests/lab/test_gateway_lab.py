@@ -19,9 +19,8 @@ from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.placement import Placement
 from pdops.render import GATEWAY_UNIT
-from pdops.state import StateDir
 from pdops import lab as lab_api
-from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
 
@@ -41,7 +40,7 @@ def cluster(lab, tmp_path_factory):
 
 
 def _state(inv_dir) -> StateDir:
-    return StateDir("lab", inv_dir / "state")
+    return record(inv_dir)
 
 
 def _placement(inv_dir) -> Placement:

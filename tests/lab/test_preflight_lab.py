@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pdops import lab as lab_api
 from pdops.inventory import single_file_doc
 
 pytestmark = pytest.mark.lab
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 def derived(lab, where: Path, mutate=None) -> Path:
     doc = single_file_doc(Path(lab.inventory))
     where.mkdir(parents=True, exist_ok=True)
-    doc["all"]["vars"]["pdops_state_dir"] = str(where / "state")
+    lab_api.own_record(doc, where)
     if mutate:
         mutate(doc)
     (where / "hosts.yml").write_text(yaml.safe_dump(doc, sort_keys=False))

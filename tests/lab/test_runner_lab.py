@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from pdops.state import StateDir
-from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
 
@@ -33,11 +32,12 @@ def dry_run_ids(out: str) -> list:
     return seq
 
 
-def journal_ids(state: StateDir, kind: str) -> tuple[list[str], list[str]]:
-    """(steps of the newest operation of `kind` as journalled, minus plan/verdict; the plan record's ids)."""
+def journal_ids(state, kind: str) -> tuple[list[str], list[str]]:
+    """(steps of the newest operation of `kind` as journalled, minus the lock's, plan and verdict; the plan
+    record's ids)."""
     j = state.journal()
     op = [o for o in j.operations() if o.startswith(kind + "-")][-1]
-    recs = j.read(op)
+    recs = [r for r in j.read(op) if not r["step"].startswith("lock.")]
     return [r["step"] for r in recs if r["step"] not in ("plan", "verdict")], recs[0]["evidence"]["steps"]
 
 
@@ -77,6 +77,6 @@ def test_the_journal_of_a_real_run_walks_exactly_the_dry_run(inv, kind, args):
     assert printed, dry.stdout
     real = inv_cmd(*args, "-i", str(inv))
     assert real.returncode == 0, real.stdout + real.stderr
-    walked, planned = journal_ids(StateDir("lab", inv / "state"), kind)
+    walked, planned = journal_ids(record(inv), kind)
     assert matches(printed, walked), (printed, walked)
     assert planned == walked  # the plan record names the same steps, in the same order

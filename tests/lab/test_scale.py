@@ -18,12 +18,11 @@ import time
 
 import pytest
 
-from tests.lab.clusters import REPO, derived_inventory, stop_all
+from tests.lab.clusters import REPO, derived_inventory, record, stop_all
 
 from pdops.gateway import GatewayClient
 from pdops.inventory import load_inventory
 from pdops.load import send
-from pdops.state import StateDir
 
 pytestmark = pytest.mark.lab
 
@@ -46,7 +45,11 @@ class Cluster:
         self.root = root
         self.inv_dir = inv_dir
         self.inv = load_inventory(inv_dir)
-        self.state = StateDir("lab", inv_dir / "state")
+
+    @property
+    def state(self):
+        """The shared record, read afresh from the state host."""
+        return record(self.inv_dir)
 
     def cli(self, *args, timeout=600) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(self.root / "cli"),

@@ -30,8 +30,7 @@ from pdops.gateway import GatewayClient
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
 from pdops.placement import Placement
-from pdops.state import StateDir
-from tests.lab.clusters import REPO, derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import REPO, derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
 
@@ -72,7 +71,7 @@ def test_health_gate_an_instance_that_never_turns_healthy(lab, fresh):
     assert "d01 did not answer" in proc.stderr and "/health within 8s" in proc.stderr
     assert "p01" not in proc.stderr.split("did not start:")[1].splitlines()[0]  # only d01 is named
     assert "verdict: deployed" not in proc.stdout
-    assert StateDir("lab", inv / "state").current() is None
+    assert record(inv).current() is None
     assert workers == []  # nothing registered: the canary and registration never ran
 
 
@@ -87,7 +86,7 @@ def test_canary_names_exactly_the_pair_whose_transfer_fails_and_registers_nothin
     assert "canary failed for p02 x d01" in proc.stderr
     assert "p01 x d01" not in proc.stderr  # the working pair is not blamed
     assert workers == []  # canaries run before registration: nothing unverified is registered
-    state = StateDir("lab", inv / "state")
+    state = record(inv)
     assert state.current() is None
     canary = [r for r in state.journal().records() if r["step"] == "canary"]
     assert canary and canary[-1]["status"] == "failed" and "p02 x d01" in canary[-1]["evidence"]["error"]
@@ -105,7 +104,7 @@ def test_registration_the_gateway_never_shows_healthy(lab, fresh):
     assert "d01 not registered healthy" in proc.stderr
     assert "not healthy in the gateway by the deadline" in proc.stderr
     assert workers == [], [w.url for w in workers]  # p01 was registered, then removed: no revision describes it
-    state = StateDir("lab", inv / "state")
+    state = record(inv)
     assert state.current() is None
     undo = [r for r in state.journal().records() if r["step"] == "undo-register"]
     assert undo and any(x.startswith("p01") for x in undo[-1]["evidence"]["removed"])
@@ -134,7 +133,7 @@ def test_verdict_lists_skipped_checks_as_not_verified_never_as_verified(cluster)
 
 
 def _placement(inv_dir) -> Placement:
-    return Placement.from_dict(StateDir("lab", inv_dir / "state").current_revision().placement)
+    return Placement.from_dict(record(inv_dir).current_revision().placement)
 
 
 def _direct_request(p, d, tokens: int) -> tuple:
@@ -157,7 +156,7 @@ def test_empty_check_2_catches_work_that_arrived_after_check_1(lab, cluster):
     inv, _ = cluster
     pl = _placement(inv)
     p01, d02 = pl.get("p01"), pl.get("d02")
-    state = StateDir("lab", inv / "state")
+    state = record(inv)
     before = state.current()
     drain = subprocess.Popen([sys.executable, "-m", "invoke", "drain", "-i", str(inv), "--instance", "d02",
                               "--interval", "4"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -194,7 +193,7 @@ def test_empty_check_2_catches_work_that_arrived_after_check_1(lab, cluster):
 def test_stop_with_an_escaped_process_holding_the_ports_is_not_verified_until_it_is_ended(lab, cluster):
     inv, _ = cluster
     p02 = _placement(inv).get("p02")
-    state = StateDir("lab", inv / "state")
+    state = record(inv)
     before = state.current()
     status, faults = http_json("POST", f"{p02.url}/_sim/faults", {"escape_cgroup": True}, timeout=5)
     assert status == 200 and faults["escape_cgroup"] is True

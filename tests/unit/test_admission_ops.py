@@ -42,7 +42,7 @@ def test_refuses_a_key_file_readable_by_others_before_touching_a_host(tmp_path):
         ops.rotate_keys(_inv(tmp_path, {"api_keys_file": str(kf)}), say=lambda s: None, pool=None)
 
 
-def test_refuses_a_cluster_never_deployed(tmp_path):
+def test_refuses_a_cluster_never_deployed(tmp_path, local_record):
     kf = tmp_path / "k"
     kf.write_text(KEYS[0] + "\n")
     kf.chmod(0o600)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from pdops import history as hist
@@ -34,13 +36,15 @@ def revs(lab_inv, tmp_path):
 
 def test_history_lists_every_revision_with_the_current_marked(revs):
     rows = hist.history_rows(revs)
-    assert [(r["revision"], r["topology"], r["outcome"], r["operator"]) for r in rows] == [
-        (1, "2p1d", "deployed", "bob@ops"), (2, "3p1d", "deployed", "bob@ops"), (3, "2p1d", "deployed", "bob@ops")]
+    here = socket.gethostname()  # each revision records the machine it was made from
+    assert [(r["revision"], r["topology"], r["outcome"], r["operator"], r["machine"]) for r in rows] == [
+        (1, "2p1d", "deployed", "bob@ops", here), (2, "3p1d", "deployed", "bob@ops", here),
+        (3, "2p1d", "deployed", "bob@ops", here)]
     assert [r["current"] for r in rows] == ["", "", "*"]
     assert [r["change"] for r in rows] == ["deploy", "scale from 1 +p03", "rollback to 1 (from 2)"]
     assert rows[1]["op_id"] == "op-2" and rows[0]["created"]
     text = hist.format_history(revs)
-    assert "REVISION" in text and "OPERATOR" in text and "(* = current)" in text
+    assert "REVISION" in text and "OPERATOR" in text and "MACHINE" in text and "(* = current" in text
 
 
 def test_history_of_an_empty_state_dir(tmp_path):
@@ -86,3 +90,11 @@ def test_diff_of_unknown_revision_is_invalid_input(revs):
         hist.diff_revisions(revs, 1, 7)
     with pytest.raises(InvalidInput, match="not a revision number"):
         hist.diff_revisions(revs, "one", 2)
+
+
+def test_a_revision_from_before_the_shared_record_shows_its_operator_and_machine_apart():
+    from pdops.state import Revision
+
+    old = Revision.from_dict({"number": 1, "topology": "1p1d", "inventory_hash": "h", "placement": {},
+                              "manifest": {}, "instances": {}, "operator": "alice@laptop-a", "created": "t"})
+    assert hist._who(old) == ("alice", "laptop-a")
