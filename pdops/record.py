@@ -503,6 +503,8 @@ class SharedLock:
             return
         try:
             sess.request({"op": "release"})
+            if rec._snap is not None:
+                rec._snap["lock"] = None  # ours, now released
         except PdopsError:
             pass  # the session is gone: the flock went with it; the lock file says the operation was cut
         sess.close()

@@ -57,6 +57,8 @@ def test_two_operators_at_once_exactly_one_holds_the_lock_the_other_is_refused_n
         assert e.value.exit_code == 4
         assert "locked by alice on" in e.value.message and "'drain'" in e.value.message
         assert "alive" in e.value.message
+    assert alice.lock_holder() is None  # what alice's own record says after her release, as a fresh read does
+    assert rec(tmp_path, "carol").lock_holder() is None
     # freed on release: bob gets it now
     deploy(rec(tmp_path, "bob"))
 
