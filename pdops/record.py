@@ -215,6 +215,16 @@ def _last_json(stdout: str, host: str) -> dict:
 
 # ---------------------------------------------------------------- the shared record
 
+def lock_line(h: dict | None) -> str:
+    """The lock as `inv status`, `inv history` and `inv state.show` show it."""
+    if not h:
+        return "lock: free"
+    if h.get("holder_alive") is False:
+        return (f"lock: free; left by {describe_holder(h)}: the next change takes it and reports that "
+                "operation as interrupted")
+    return f"lock: held by {describe_holder(h)}"
+
+
 def describe_holder(h: dict) -> str:
     alive = h.get("holder_alive")
     seen = h.get("last_seen_s")
@@ -248,6 +258,7 @@ class SharedRecord(RecordReads):
         self._snap: dict | None = None
         self._session: Session | None = None
         self._check_local_record = True
+        self.cache_error: str | None = None
         weakref.finalize(self, transport.close)  # the state host's own connection goes with the record
 
     @property
@@ -307,13 +318,17 @@ class SharedRecord(RecordReads):
         return doc
 
     def _write_cache(self, doc: dict) -> None:
-        d = self.cache_file.parent
-        d.mkdir(parents=True, exist_ok=True)
-        os.chmod(d, 0o700)
+        """Best effort: a machine that cannot keep the copy still reads and changes the record."""
         body = {k: v for k, v in doc.items() if k != "journal"}
-        atomic_write(self.cache_file, json.dumps({"fetched_at": now_iso(), "location": self.location,
-                                                  "snapshot": body}, sort_keys=True) + "\n")
-        os.chmod(self.cache_file, 0o600)
+        try:
+            d = self.cache_file.parent
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+            atomic_write(self.cache_file, json.dumps({"fetched_at": now_iso(), "location": self.location,
+                                                      "snapshot": body}, sort_keys=True) + "\n")
+            os.chmod(self.cache_file, 0o600)
+        except OSError as e:
+            self.cache_error = f"{self.cache_file}: {e.strerror}"
 
     def _from_cache(self, reason: str) -> dict:
         try:
@@ -580,11 +595,16 @@ def _is_record(line: str) -> bool:
 
 def unlock(record: SharedRecord, *, force: bool, reason: str | None, say: Say = print) -> dict:
     """`inv unlock`: show who holds the lock and the evidence; with --force --reason, end the
-    holder's process on the state host (by recorded PID and start time) and journal it."""
+    holder's process on the state host (by recorded PID and start time), clear the lock and
+    journal who did it and why."""
     holder = record.lock_holder()
     if not force:
         if holder is None:
             return {"locked": False, "message": f"cluster '{record.cluster}' is not locked"}
+        if holder.get("holder_alive") is False:
+            return {"locked": False, "message": f"cluster '{record.cluster}' is not locked; the lock was left by "
+                    f"{describe_holder(holder)}. The next change takes it and journals that operation as "
+                    f"interrupted; `inv journal --op {holder.get('op_id')}` shows how far it got"}
         raise Refused(f"cluster '{record.cluster}' is locked by {describe_holder(holder)}",
                       fix="if that operation is dead (its operator's machine gone, its lock process hung): "
                           "`inv unlock --force --reason '...'`; nothing was changed",
@@ -595,12 +615,14 @@ def unlock(record: SharedRecord, *, force: bool, reason: str | None, say: Say = 
     op = new_op_id("unlock")
     ans = record.answer(record.transport.call(record.args("unlock", "--by", json.dumps(by), "--reason", reason,
                                                           "--op-id", op)))
-    was = ans.get("was")
-    msg = (f"cluster '{record.cluster}' was not locked; recorded the forced unlock in the journal ({op})" if not was
-           else f"took the lock of cluster '{record.cluster}' from {describe_holder(was)}"
-           + (f"; ended its lock process {ans['ended']['pid']} on {record.host}" if ans.get("ended") else "")
-           + f"; journalled as {op}")
-    return {"locked": bool(was), "was": was, "ended": ans.get("ended"), "op_id": op, "message": msg}
+    was, ended = ans.get("was"), ans.get("ended")
+    if not was:
+        msg = f"cluster '{record.cluster}' was not locked; the forced unlock is journalled ({op})"
+    else:
+        msg = (f"took the lock of cluster '{record.cluster}' over from {describe_holder(was)}"
+               + (f", ending its lock process {ended['pid']} on {record.host}" if ended else "")
+               + f", and released it; journalled as {op} with your reason")
+    return {"locked": bool(was), "was": was, "ended": ended, "op_id": op, "message": msg}
 
 
 def operations(journal: Journal) -> list[dict]:

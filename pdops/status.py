@@ -83,7 +83,7 @@ def collect_status(inv: Inventory, state) -> dict:
 
 def record_lines(record: dict | None) -> list[str]:
     """The record's lines of `inv status` and `inv history`: the cached-copy banner, the lock."""
-    from pdops.record import describe_holder
+    from pdops.record import lock_line
 
     if not record:
         return []
@@ -93,7 +93,7 @@ def record_lines(record: dict | None) -> list[str]:
         out.append(f"READ-ONLY CACHED COPY of the record (fetched {c['fetched_at']}): the state host cannot be "
                    f"reached ({c['reason']}); no change can run until it can")
     if record.get("lock"):
-        out.append(f"lock: held by {describe_holder(record['lock'])}")
+        out.append(lock_line(record["lock"]))
     return out
 
 

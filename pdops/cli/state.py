@@ -78,7 +78,7 @@ def show(c, inventory=None, json=False):
     """Where the record lives, who holds the lock, what this machine keeps (cache, an unpushed record)."""
     import json as _json
 
-    from pdops.record import describe_holder
+    from pdops.record import lock_line
 
     state = _record(inventory, cached_ok=True)
     state._check_local_record = False
@@ -90,7 +90,7 @@ def show(c, inventory=None, json=False):
         return
     print(f"record of {state.cluster}: {doc['location']}" + (" (READ-ONLY CACHED COPY)" if doc["cached"] else ""))
     print(f"  current: {doc['current']}; revisions: {', '.join(map(str, doc['revisions'])) or 'none'}")
-    print(f"  lock: {describe_holder(doc['lock']) if doc['lock'] else 'free'}")
+    print(f"  {lock_line(doc['lock'])}")
     print(f"  this machine: {doc['local_dir']} (cache {doc['cache_file']})")
     if doc["local_record"]:
         print(f"  this machine also holds a record of its own (revisions {doc['local_record']}): `inv state.push`")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable
-from pdops.record import SCRIPT, LocalTransport, SharedRecord, operations, push_local, unlock
+from pdops.record import SCRIPT, LocalTransport, SharedRecord, lock_line, operations, push_local, unlock
 from pdops.state import StateDir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +109,9 @@ def test_sigkill_of_the_holder_frees_the_lock_and_the_next_operation_reports_it(
     p.wait(10)
     _wait_pid_gone(lock["state_pid"])  # its lock process on the state host saw its input end
     monkeypatch.setenv("PDOPS_OPERATOR", "bob")
+    left = unlock(rec(tmp_path, "bob"), force=False, reason=None)  # nothing to force: shown, exit 0
+    assert not left["locked"] and "left by alice" in left["message"] and op in left["message"]
+    assert lock_line(rec(tmp_path, "bob").lock_holder()).startswith("lock: free; left by alice")
     said: list[str] = []
     bob = rec(tmp_path, "bob")
     with bob.lock("drain", say=said.append) as lk:
@@ -142,7 +145,7 @@ def test_unlock_shows_the_holder_and_force_takes_it_over_journalled(tmp_path, mo
     with pytest.raises(InvalidInput, match="--reason"):
         unlock(rec(tmp_path, "bob"), force=True, reason=" ")
     res = unlock(rec(tmp_path, "bob"), force=True, reason="alice's laptop died mid-drain")
-    assert res["ended"] and "took the lock" in res["message"]
+    assert res["ended"] and "took the lock of cluster 'lab' over from alice" in res["message"]
     with pytest.raises(Unreachable, match="lost the cluster lock"):  # alice's next write
         alice.journal().step(lk.op_id, "stop", "ok")
     lk.release()
