@@ -597,6 +597,8 @@ def unlock(record: SharedRecord, *, force: bool, reason: str | None, say: Say = 
     """`inv unlock`: show who holds the lock and the evidence; with --force --reason, end the
     holder's process on the state host (by recorded PID and start time), clear the lock and
     journal who did it and why."""
+    if force and (not reason or not reason.strip()):  # before any host is contacted
+        raise InvalidInput("--reason", "missing", fix="say why, e.g. --reason 'alice's laptop died mid-drain'")
     holder = record.lock_holder()
     if not force:
         if holder is None:
@@ -609,8 +611,6 @@ def unlock(record: SharedRecord, *, force: bool, reason: str | None, say: Say = 
                       fix="if that operation is dead (its operator's machine gone, its lock process hung): "
                           "`inv unlock --force --reason '...'`; nothing was changed",
                       evidence=json.dumps(holder, indent=2, sort_keys=True))
-    if not reason or not reason.strip():
-        raise InvalidInput("--reason", "missing", fix="say why, e.g. --reason 'alice's laptop died mid-drain'")
     by = {"operator": default_operator(), "machine": default_machine(), "at": now_iso()}
     op = new_op_id("unlock")
     ans = record.answer(record.transport.call(record.args("unlock", "--by", json.dumps(by), "--reason", reason,

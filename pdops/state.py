@@ -1,6 +1,10 @@
-"""Per-cluster state: numbered revisions, the ``current`` pointer, the journal, the lock.
+"""A cluster's record: numbered revisions, the ``current`` pointer, the journal, the lock.
 
-Layout under the state dir (``$PDOPS_STATE_DIR`` or ``/var/lib/pdops-operator/<cluster>``)::
+This module holds the formats (:class:`Revision`, journal lines), what every record answers
+(:class:`RecordReads`) and :class:`StateDir`, a record in a local directory. The cluster's
+record itself lives on its state host (:mod:`pdops.record`, docs/state.md); a StateDir is what
+an operator machine held before that (moved by ``inv state.push``) and what unit tests use.
+The same layout is kept on the state host::
 
     revisions/0001/revision.json   one immutable record per deployed topology
     current                        the number of the revision in force (moved only by set_current)

@@ -27,6 +27,8 @@ def journal(c, inventory=None, op=None, last="20", json=False):
     from pdops.planning import format_table
     from pdops.record import operations
 
+    if not str(last).isdigit() or int(last) < 1:
+        raise InvalidInput("--last", f"{last!r} is not a positive number of operations", fix="e.g. --last 50")
     state = _record(inventory)
     j = state.journal()
     if op:
@@ -41,8 +43,6 @@ def journal(c, inventory=None, op=None, last="20", json=False):
             ev = _json.dumps(s.get("evidence") or {}, sort_keys=True, default=str)
             print(f"{s.get('ts')}  {s.get('status'):<11} {s.get('step')}  {ev[:400]}")
         return
-    if not str(last).isdigit() or int(last) < 1:
-        raise InvalidInput("--last", f"{last!r} is not a positive number of operations", fix="e.g. --last 50")
     n = int(last)
     rows = operations(j)[-n:]
     if json:

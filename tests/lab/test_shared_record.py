@@ -153,3 +153,36 @@ def test_the_state_dir_on_the_state_host_is_root_only(lab, cluster):
     rows = [ln.split(" ", 3) for ln in out if ln]
     assert rows and all(u == "root" for _, u, _, _ in rows)
     assert all(m == ("700" if y == "d" else "600") for m, _, y, _ in rows), rows
+
+
+def test_a_record_kept_on_one_laptop_is_pushed_to_the_state_host_once(lab, tmp_path):
+    """A cluster whose record is only in an operator machine's dir (as before the shared record):
+    refused with the offer to push; pushed over SSH; then another machine reads it."""
+    from pdops.state import StateDir
+
+    inv_dir = derived_inventory(lab, tmp_path / "inv")
+    alice = {"PDOPS_OPERATOR": "alice", "PDOPS_STATE_DIR": str(tmp_path / "laptop-alice")}
+    old = StateDir("lab", tmp_path / "laptop-alice")
+    for n, topo in enumerate(("1p1d", "2p1d"), 1):
+        r = old.write_revision(topology=topo, inventory_hash="h", placement={}, manifest={}, instances={},
+                               outcome="deployed", op_id=f"deploy-old-{n}", operator="alice@laptop-a")
+        doc = json.loads(old.revision_file(r.number).read_text())
+        del doc["machine"]  # as an older pdops wrote it: `user@machine` in one field
+        old.revision_file(r.number).write_text(json.dumps(doc))
+        old.set_current(r.number)
+        old.journal().step(f"deploy-old-{n}", "verdict", "ok", {"revision": r.number})
+    refused = inv_cmd("history", "-i", str(inv_dir), env=alice)
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    assert "is only on this machine" in refused.stderr and "inv state.push" in refused.stderr
+    pushed = inv_cmd("state.push", "-i", str(inv_dir), env=alice)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert "now holds revisions 1..2 (current 2) and 2 journal lines" in pushed.stdout
+    assert old.revision_numbers() == []  # moved aside on the laptop, once read back equal
+    bob = {"PDOPS_OPERATOR": "bob", "PDOPS_STATE_DIR": str(tmp_path / "laptop-bob")}
+    h = inv_cmd("history", "--json", "-i", str(inv_dir), env=bob)
+    assert h.returncode == 0, h.stderr
+    assert [(r["revision"], r["topology"], r["operator"], r["machine"], r["current"]) for r in json.loads(h.stdout)] \
+        == [(1, "1p1d", "alice", "laptop-a", ""), (2, "2p1d", "alice", "laptop-a", "*")]
+    ops = {r["op_id"]: r for r in json.loads(inv_cmd("journal", "--json", "-i", str(inv_dir), env=bob).stdout)}
+    assert ops["deploy-old-2"]["verdict"] == "ok"
+    assert any(r["operation"] == "state-push" and r["operator"] == "alice" for r in ops.values())

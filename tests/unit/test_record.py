@@ -257,3 +257,17 @@ def test_two_records_that_disagree_are_both_shown_and_nothing_is_guessed(tmp_pat
     assert "3p1d" in e.value.evidence and "2p1d" in e.value.evidence
     assert [x.topology for x in rec(tmp_path, "bob").history()] == ["3p1d"]  # nothing touched
     assert StateDir("lab", tmp_path / "alice").revision_numbers() == [1, 2]
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["unlock", "--force"], "--reason: missing"),
+    (["unlock", "--force", "--reason", "  "], "--reason: missing"),
+    (["journal", "--last", "0"], "--last: '0' is not a positive number"),
+])
+def test_operator_mistakes_on_the_record_commands_contact_no_host(args, expect, tmp_path):
+    """Against an inventory whose hosts do not exist: exit 2 with the field, never 3 (unreachable)."""
+    proc = subprocess.run([sys.executable, "-m", "invoke", *args, "-i", str(REPO / "inventory" / "rtx6000d")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PDOPS_STATE_DIR": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("invalid input: ") and expect in proc.stderr
