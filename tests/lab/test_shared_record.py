@@ -160,6 +160,7 @@ def test_a_record_kept_on_one_laptop_is_pushed_to_the_state_host_once(lab, tmp_p
     refused with the offer to push; pushed over SSH; then another machine reads it."""
     from pdops.state import StateDir
 
+    lab.ensure_up()
     inv_dir = derived_inventory(lab, tmp_path / "inv")
     alice = {"PDOPS_OPERATOR": "alice", "PDOPS_STATE_DIR": str(tmp_path / "laptop-alice")}
     old = StateDir("lab", tmp_path / "laptop-alice")
