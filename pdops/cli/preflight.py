@@ -31,7 +31,7 @@ def preflight(c, inventory=DEFAULT_INVENTORY, topology=None, json=False, skip_ch
     topo = parse_topology(topology) if topology else None
     previous = None
     if topo is not None:
-        current = dep.state_for(inv).current_revision()
+        current = dep.state_for(inv, cached_ok=True).current_revision()  # read-only: the cache will do
         if current is not None:
             previous = Placement.from_dict(current.placement)
     with HostPool(inv) as pool:
