@@ -546,29 +546,30 @@ def push_local(record: SharedRecord, say: Say = print) -> dict:
     if not nums:
         return {"pushed": 0, "message": f"nothing to push: no record of '{record.cluster}' in {local.path}"}
     mine = {n: asdict(local.read_revision(n)) for n in nums}
+    cur = local.current()  # read before the local copy is moved aside
     record._check_local_record = False
     with record.lock("state-push", say=say) as lk:
         sess = record._session
         theirs = _docs(record.snapshot().get("revisions") or {})
         if theirs and (theirs != _docs({str(n): d for n, d in mine.items()})
-                       or record.current() != local.current()):
+                       or record.current() != cur):
             raise Refused(f"the shared record on {record.location} already holds revisions that differ from this "
                           f"machine's ({local.path}); pdops will not guess which is right",
                           fix="compare both with what runs (`inv status`); nothing was changed",
-                          evidence=_summary(f"this machine ({local.path})", mine, local.current()) + "\n"
+                          evidence=_summary(f"this machine ({local.path})", mine, cur) + "\n"
                           + _summary(f"the state host ({record.location})", theirs, record.current()))
         lines = local.journal()._lines()
         if not theirs:
             for n in nums:
                 sess.request({"op": "put-revision", "doc": mine[n], "number": n})
-            if local.current() is not None:
-                sess.request({"op": "set-current", "number": local.current()})
+            if cur is not None:
+                sess.request({"op": "set-current", "number": cur})
             good = [ln for ln in lines if _is_record(ln)]
             for i in range(0, len(good), 200):
                 sess.request({"op": "journal", "lines": good[i:i + 200]})
         after = record.refresh()
         if _docs(after.get("revisions") or {}) != _docs({str(n): d for n, d in mine.items()}) \
-                or after.get("current") != local.current():
+                or after.get("current") != cur:
             raise Unverified(f"the record read back from {record.location} differs from this machine's; the local "
                              f"record in {local.path} is left where it is")
         aside = local.path / f"pushed-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
@@ -577,12 +578,12 @@ def push_local(record: SharedRecord, say: Say = print) -> dict:
             if (local.path / name).exists():
                 shutil.move(str(local.path / name), str(aside / name))
         ev = {"from_machine": default_machine(), "local_dir": str(local.path), "revisions": nums,
-              "current": local.current(), "journal_lines": len(lines), "already_there": bool(theirs),
+              "current": cur, "journal_lines": len(lines), "already_there": bool(theirs),
               "moved_aside_to": str(aside)}
         record.journal().step(lk.op_id, "state.push", "ok", ev)
     return {"pushed": len(nums), **ev,
             "message": (f"the shared record on {record.location} now holds revisions {nums[0]}..{nums[-1]} "
-                        f"(current {local.current()}) and {len(lines)} journal lines; this machine's copy is "
+                        f"(current {cur}) and {len(lines)} journal lines; this machine's copy is "
                         f"in {aside}")}
 
 

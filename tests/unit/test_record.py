@@ -236,7 +236,8 @@ def test_a_record_only_on_this_machine_is_refused_until_pushed_then_moved(tmp_pa
     assert "inv state.push" in e.value.fix and "2p1d" in e.value.evidence
     assert not (tmp_path / "shared").exists()  # a read creates nothing
     res = push_local(rec(tmp_path, "alice"), say=lambda s: None)
-    assert res["pushed"] == 2 and res["journal_lines"] == 2
+    assert res["pushed"] == 2 and res["journal_lines"] == 2 and res["current"] == 2
+    assert "revisions 1..2 (current 2) and 2 journal lines" in res["message"]
     r = rec(tmp_path, "alice")
     assert r.current() == 2 and [x.topology for x in r.history()] == ["1p1d", "2p1d"]
     assert StateDir("lab", tmp_path / "alice").revision_numbers() == []  # moved aside
