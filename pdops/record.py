@@ -537,10 +537,20 @@ class SharedLock:
 
 # ---------------------------------------------------------------- operator commands
 
-def push_local(record: SharedRecord, say: Say = print) -> dict:
+def _push_conflict(record: SharedRecord, local: StateDir, mine: dict, cur, theirs: dict) -> None:
+    """Refuse when the shared record already holds something other than this machine's."""
+    if theirs and (theirs != _docs({str(n): d for n, d in mine.items()}) or record.current() != cur):
+        raise Refused(f"the shared record on {record.location} already holds revisions that differ from this "
+                      f"machine's ({local.path}); pdops will not guess which is right",
+                      fix="compare both with what runs (`inv status`); nothing was changed",
+                      evidence=_summary(f"this machine ({local.path})", mine, cur) + "\n"
+                      + _summary(f"the state host ({record.location})", theirs, record.current()))
+
+
+def push_local(record: SharedRecord, say: Say = print, *, dry_run: bool = False) -> dict:
     """`inv state.push`: move this machine's record to the state host, under the cluster lock.
     Refuses when the shared record holds something else; the local record is moved aside only
-    once the shared one reads back equal to it."""
+    once the shared one reads back equal to it. `dry_run`: say what it would do, change nothing."""
     local = record.local_record()
     nums = local.revision_numbers()
     if not nums:
@@ -548,16 +558,19 @@ def push_local(record: SharedRecord, say: Say = print) -> dict:
     mine = {n: asdict(local.read_revision(n)) for n in nums}
     cur = local.current()  # read before the local copy is moved aside
     record._check_local_record = False
+    if dry_run:
+        theirs = _docs(record.snapshot().get("revisions") or {})
+        _push_conflict(record, local, mine, cur, theirs)
+        lines = local.journal()._lines()
+        return {"pushed": 0, "message": (
+            f"would copy revisions {nums[0]}..{nums[-1]} (current {cur}) and {len(lines)} journal lines from "
+            f"{local.path} to {record.location}" + (" (it holds the same revisions already)" if theirs else "")
+            + f", under the cluster lock; then move {local.path}'s copy aside\n"
+            + _summary(f"this machine ({local.path})", mine, cur))}
     with record.lock("state-push", say=say) as lk:
         sess = record._session
         theirs = _docs(record.snapshot().get("revisions") or {})
-        if theirs and (theirs != _docs({str(n): d for n, d in mine.items()})
-                       or record.current() != cur):
-            raise Refused(f"the shared record on {record.location} already holds revisions that differ from this "
-                          f"machine's ({local.path}); pdops will not guess which is right",
-                          fix="compare both with what runs (`inv status`); nothing was changed",
-                          evidence=_summary(f"this machine ({local.path})", mine, cur) + "\n"
-                          + _summary(f"the state host ({record.location})", theirs, record.current()))
+        _push_conflict(record, local, mine, cur, theirs)
         lines = local.journal()._lines()
         if not theirs:
             for n in nums:

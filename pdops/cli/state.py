@@ -63,13 +63,13 @@ def unlock(c, inventory=None, force=False, reason=None):
     print(res["message"])
 
 
-@task(help={"inventory": "inventory dir or file"})
+@task(help={"inventory": "inventory dir or file", "dry_run": "say what would be copied; change nothing"})
 @cli_errors
-def push(c, inventory=None):
+def push(c, inventory=None, dry_run=False):
     """Move this machine's record of the cluster (from before the shared record) to the state host."""
     from pdops.record import push_local
 
-    print(push_local(_record(inventory))["message"])
+    print(push_local(_record(inventory), dry_run=dry_run)["message"])
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})

@@ -235,6 +235,9 @@ def test_a_record_only_on_this_machine_is_refused_until_pushed_then_moved(tmp_pa
         rec(tmp_path, "alice").current()
     assert "inv state.push" in e.value.fix and "2p1d" in e.value.evidence
     assert not (tmp_path / "shared").exists()  # a read creates nothing
+    dry = push_local(rec(tmp_path, "alice"), dry_run=True)
+    assert dry["message"].startswith("would copy revisions 1..2 (current 2) and 2 journal lines")
+    assert not (tmp_path / "shared").exists() and StateDir("lab", tmp_path / "alice").revision_numbers() == [1, 2]
     res = push_local(rec(tmp_path, "alice"), say=lambda s: None)
     assert res["pushed"] == 2 and res["journal_lines"] == 2 and res["current"] == 2
     assert "revisions 1..2 (current 2) and 2 journal lines" in res["message"]
@@ -253,6 +256,8 @@ def test_two_records_that_disagree_are_both_shown_and_nothing_is_guessed(tmp_pat
     with pytest.raises(Refused, match="disagree") as e:
         rec(tmp_path, "alice").current()
     assert "3p1d" in e.value.evidence and "2p1d" in e.value.evidence
+    with pytest.raises(Refused, match="differ"):
+        push_local(rec(tmp_path, "alice"), dry_run=True)
     with pytest.raises(Refused, match="differ") as e:
         push_local(rec(tmp_path, "alice"), say=lambda s: None)
     assert "3p1d" in e.value.evidence and "2p1d" in e.value.evidence
