@@ -106,30 +106,35 @@ class DeployPlan:
         return self.plan.render()
 
 
-def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None) -> DeployPlan:
-    """Pure apart from reading the state dir: what a deploy of `topo` will do, or why not."""
+def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None, *,
+                max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False):
+    """Pure apart from reading the record: what a deploy of `topo` will do, or why not. On a live
+    cluster: the live revision's placement and files (a DeployPlan whose repairs are decided from
+    observation, plan_reconcile), or any other difference as a rolling change (pdops.scale.plan_apply:
+    keep, replace, add, remove)."""
+    from pdops.placement import place_change
     from pdops.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
     current = state.current_revision()
     previous = Placement.from_dict(current.placement) if current else None
     if current is not None:
-        if current.topology != str(topo):
-            raise Refused(f"{inv.cluster} is live at revision {current.number} ({current.topology}); "
-                          f"deploy does not change a live topology",
-                          fix=f"use `inv scale --topology {topo}` to plan the change from {current.topology}")
-        if current.inventory_hash != inv.digest:
-            raise Refused(f"the inventory changed since revision {current.number} was deployed "
-                          f"(digest {current.inventory_hash[:12]} -> {inv.digest[:12]})",
-                          fix="restore the inventory of the running revision, or plan the change with `inv scale`")
+        from pdops import scale as sc
+
+        pl = place_change(inv, topo, previous, avoid=frozenset(sc.cordoned_hosts(current)))
+        files = render_files(inv, pl)
+        if pl == previous and current.manifest == manifest(files):
+            # same placement, same files: whether anything is to be done is read from the hosts and
+            # the gateway (plan_reconcile), not assumed from the record
+            return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
+                              previous=previous, live=current, state=state, basis=current.number)
+        plan = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
+                             force=force, allow_capacity_dip=allow_capacity_dip)
+        plan.state = state
+        return plan
     pl = place(inv, topo, previous)
     files = render_files(inv, pl)
     hosts = sorted({f.host for f in files})
-    if current is not None and current.manifest == manifest(files):
-        # same topology, same files: whether anything is to be done is read from the hosts and the
-        # gateway (plan_reconcile), not assumed from the record
-        return DeployPlan(inv, pl, files, [], hosts=hosts, skip_checks=skip_checks, previous=previous, live=current,
-                          state=state, basis=current.number)
     fresh = current is None
     steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
     steps += delivery_steps(inv, pl, files)
@@ -145,6 +150,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps.append(canary_step("canary", pairs, retry_once=False,
                              why="sent straight to each pair before anything is registered"))
     steps += register_steps(inv, pl.instances, group="register")
+    steps.append(verify_running_step(pl, inv))
     steps.append(Step("record", None, "write the revision, move `current` to it, release the lock"))
     return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, state=state,
                       basis=current.number if current else None)
@@ -163,6 +169,14 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
     if not findings:
         return replace(plan, noop=f"revision {rev.number} ({pl.topology}) is live with identical rendered files; "
                                   f"{obs.summary()}")
+    stale = {o.id: "its process runs other files: " + "; ".join(o.stale) for o in obs.instances if o.stale}
+    if stale and not any(o.down for o in obs.instances) and not obs.gateway_down:
+        # processes started from other files than the revision's: replaced, rolling, as any change
+        from pdops import scale as sc
+
+        change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale)
+        change.state = plan.state
+        return change
     steps = [connect_step(plan.hosts)]
     if obs.gateway_down:
         restart = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
@@ -449,9 +463,7 @@ def canary_pair(p: Instance, d: Instance, timeout: float = 60) -> dict:
             "sampling_params": {"max_new_tokens": 4, "temperature": 0},
             "bootstrap_host": p.head.data_addr, "bootstrap_port": p.bootstrap_port,
             "bootstrap_room": random.getrandbits(62)}
-    res = run_parallel(["prefill", "decode"], lambda role: http_json(
-        "POST", f"{(p if role == 'prefill' else d).url}/generate", body, timeout=timeout,
-        headers={"x-request-id": rid}))
+    res = _both_sides(p, d, body, rid, timeout)
     out = {"rid": rid}
     for role, r in res.items():
         if isinstance(r, Exception):
@@ -465,6 +477,35 @@ def canary_pair(p: Instance, d: Instance, timeout: float = 60) -> dict:
         raise Unverified(f"canary {p.id} x {d.id}: decode produced no tokens", evidence=str(res["decode"][1])[-400:])
     out["completion_tokens"] = meta.get("completion_tokens")
     return out
+
+
+def _both_sides(p: Instance, d: Instance, body: dict, rid: str, timeout: float) -> dict:
+    """POST the canary to the prefill and the decode at once. When the decode fails first (its
+    bootstrap or transfer failed), the prefill would hold the room until its own timeout: it is told
+    to drop it (POST /abort_request with the canary's rid), so a failed canary fails in seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(inst: Instance):
+        return http_json("POST", f"{inst.url}/generate", body, timeout=timeout, headers={"x-request-id": rid})
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        fp, fd = ex.submit(post, p), ex.submit(post, d)
+        res: dict = {}
+        try:
+            res["decode"] = fd.result()
+        except Exception as e:  # noqa: BLE001 - reported with the pair below
+            res["decode"] = e
+        dec = res["decode"]
+        if isinstance(dec, Exception) or dec[0] != 200:
+            try:
+                http_json("POST", f"{p.url}/abort_request", {"rid": rid}, timeout=5)
+            except PdopsError:
+                pass  # the prefill's own answer (or timeout) says the rest
+        try:
+            res["prefill"] = fp.result()
+        except Exception as e:  # noqa: BLE001
+            res["prefill"] = e
+    return {"prefill": res["prefill"], "decode": res["decode"]}
 
 
 def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once: bool = False,
@@ -610,17 +651,72 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
     rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
                                    placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
-                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"])})
+                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"]),
+                                          "configs": configs_of(ctx.data["running"])})
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
     return Outcome(evidence={"revision": rev.number},
                    verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
 
 
+def verify_running_step(pl: Placement, inv: Inventory) -> Step:
+    n = sum(len(i.units) for i in pl.instances) + 1
+    return Step("verify-running", None, f"every unit of the revision ({n}, the gateway's too) active, and its "
+                "MainPID started from this revision's files (PDOPS_CONFIG in /proc/<pid>/environ)", 60,
+                kind="verify-running", verifies="the running processes use the revision's files")
+
+
+def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[RenderedFile]) -> dict:
+    """{"host:unit": {main_pid, config}} for every unit of `pl` and the gateway, each checked against
+    the config id its rendered env file carries; Unverified naming every unit that differs."""
+    from pdops.observe import with_configs
+    from pdops.render import config_ids
+
+    want = config_ids(files)
+    by_host: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
+    for inst in pl.instances:
+        for h, u in inst.units:
+            by_host.setdefault(h, []).append(u)
+    res = run_parallel(list(by_host), lambda h: with_configs(pool, h, by_host[h]))
+    out, bad = {}, []
+    for h, units in by_host.items():
+        r = res[h]
+        if isinstance(r, Exception):
+            bad.append(f"{h}: unreadable: {getattr(r, 'message', r)}")
+            continue
+        states, configs = r
+        for u in units:
+            k, st = f"{h}:{u}", states.get(u)
+            if st is None or st.active_state != "active" or not st.main_pid:
+                bad.append(f"{k} is {st.active_state + '/' + st.sub_state if st else 'not reported'}")
+                continue
+            out[k] = {"main_pid": st.main_pid, "config": configs.get(u)}
+            if k in want and configs.get(u) != want[k]:
+                bad.append(f"{k} (MainPID {st.main_pid}) runs files {configs.get(u) or 'without a config id'}, "
+                           f"this revision's are {want[k]}")
+    if bad:
+        raise Unverified("not every process runs this revision's files: " + "; ".join(bad),
+                         fix="nothing was recorded; `inv deploy` again plans a replace of what runs other files")
+    return out
+
+
+def do_verify_running(ctx: RunContext, step: Step) -> Outcome:
+    files = ctx.data.get("files") or ctx.data["deploy_plan"].files
+    ev = running_evidence(ctx.pool, ctx.inv, ctx.data["target"], files)
+    ctx.data["running"] = ev
+    return Outcome(evidence={"units": ev}, verified=[f"{len(ev)} unit(s) active, each MainPID started from this "
+                                                     "revision's files (config id in its environment)"])
+
+
+def configs_of(running: dict) -> dict[str, str]:
+    return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
+
+
 # one executor per step kind; scale and rollback use the same ones
 EXECUTORS = {"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
              "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
-             "register": do_register, "gateway-list": do_gateway_list, "record-repair": do_record_repair}
+             "register": do_register, "gateway-list": do_gateway_list, "record-repair": do_record_repair,
+             "verify-running": do_verify_running}
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
@@ -635,7 +731,7 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     op = new_op_id("deploy")
     with state.lock("deploy", op_id=op):
         state.check_basis(plan.basis)
-        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan})
+        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan, "target": pl})
         try:
             verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_deploy})
         except PdopsError as exc:

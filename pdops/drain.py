@@ -99,13 +99,13 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
 
 def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s: float, interval_s: float,
                 force_after: bool = False, gateway: bool = True, prefix: str = "", in_change: bool = False,
-                check_ports: bool = True, resume: bool = True) -> list[Step]:
+                check_ports: bool = True, resume: bool = True, extra: dict | None = None) -> list[Step]:
     """Rule 4 for one instance as steps: the one drain sub-plan that drain, scale and rollback
     embed (`prefix` names the instance in the step ids when an operation has several drains).
     `gateway=False`: the verified stop alone (`inv stop`); `check_ports=False` for an instance
     that never listened (its port may be someone else's); `resume=False` (undoing an add): always
     stop, never accept units found stopped as the work of an earlier drain."""
-    p = {"instance": inst.id, "in_change": in_change, "check_ports": check_ports, "resume": resume}
+    p = {"instance": inst.id, "in_change": in_change, "check_ports": check_ports, "resume": resume, **(extra or {})}
     steps = []
     if gateway:
         steps += [
@@ -641,6 +641,9 @@ def _drain_state(ctx: RunContext, inst: Instance, step: Step) -> dict:
 
 
 def _instance(ctx: RunContext, step: Step) -> Instance:
+    """The instance a drain step names; for a replacement (`old`), its running process's placement."""
+    if step.params.get("old"):
+        return ctx.data["old_placement"].get(step.instance)
     return ctx.data["placement"].get(step.instance)
 
 
@@ -760,7 +763,7 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
         out = Outcome(evidence=stop_evidence(inst, res), verified=verified,
                       unverified=sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")}))
     if step.params.get("in_change"):
-        ctx.data.setdefault("drained", []).append(inst.id)
+        ctx.data.setdefault("replaced_out" if step.params.get("old") else "drained", []).append(inst.id)
         ctx.data["failed_drain"] = None
     return out
 

@@ -158,7 +158,8 @@ class Inventory:
         span = ports.stride * max(max_slots(self.hosts, self.profile) - 1, 0) + 1
         return {
             "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
-            "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span),
+            # each slot has two bootstrap ports: a replaced prefill takes the one its predecessor did not use
+            "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span + 1),
             "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
             "Mooncake's RPC range": MOONCAKE_RPC_PORTS,
         }
@@ -540,7 +541,7 @@ def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile:
         http_base=_port(pv.get("http_base"), "pdops_ports.http_base"),
         bootstrap_base=_port(pv.get("bootstrap_base"), "pdops_ports.bootstrap_base"),
         dist_init_base=_port(pv.get("dist_init_base"), "pdops_ports.dist_init_base"),
-        stride=int(pv.get("stride", 10)),
+        stride=_stride(pv.get("stride", 10)),
     )
     gv = _req(all_vars, "pdops_gateway", "all.vars", (dict,), "set pdops_gateway: {host, port, prometheus_port, ...}")
     gw_host = _req(gv, "host", "pdops_gateway", (str,), "name the inventory host that runs the gateway")
@@ -673,13 +674,21 @@ def max_slots(hosts: tuple[Host, ...], profile: Profile) -> int:
     return max((h.gpu_count // g if g <= h.gpu_count else 1) for h in hosts)
 
 
+def _stride(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+        raise InvalidInput("pdops_ports.stride", f"{v!r} is not a whole number of at least 2",
+                           fix="each slot takes base + stride * slot, and a prefill slot two bootstrap ports: "
+                               "use the default 10")
+    return v
+
+
 def _check_port_plan(hosts: tuple[Host, ...], ports: Ports, gateway: Gateway, profile: Profile) -> None:
     """Port ranges of instance slots must not overlap each other, the gateway or Mooncake's RPC range."""
     slots = max_slots(hosts, profile)
     span = ports.stride * max(slots - 1, 0) + 1
     ranges = {
         "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
-        "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span),
+        "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span + 1),
         # SGLang takes a few ports above the dist-init port for its own sockets.
         "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
     }

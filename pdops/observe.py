@@ -30,6 +30,10 @@ class InstanceObservation:
     recorded_pids: dict[str, int]  # "host:unit" -> MainPID recorded with the revision ({} for old records)
     worker: Worker | None
     in_list: bool | None  # in the gateway's start-up list; None: the list could not be read
+    # "host:unit" -> the config id its MainPID carries (PDOPS_CONFIG in /proc/<pid>/environ; None:
+    # none), and the one the revision rendered ({} for records older than config ids)
+    running: dict[str, str | None] = field(default_factory=dict)
+    expected: dict[str, str] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -52,6 +56,13 @@ class InstanceObservation:
         return out
 
     @property
+    def stale(self) -> list[str]:
+        """Running units whose process was started from other files than the revision's."""
+        return [f"{k} runs files {self.running[k] or 'without a config id'}, the revision's are {want} "
+                "(the files changed on disk; the process was not restarted)"
+                for k, want in self.expected.items() if k in self.running and self.running[k] != want]
+
+    @property
     def main_pids(self) -> dict[str, int | None]:
         return {k: s.main_pid for k, s in self.units.items() if isinstance(s, UnitState)}
 
@@ -64,7 +75,7 @@ class InstanceObservation:
         return None
 
     def findings(self) -> list[str]:
-        out = [f"unit {d}" for d in self.down] + self.restarted
+        out = [f"unit {d}" for d in self.down] + self.restarted + self.stale
         if self.gateway_problem:
             out.append(self.gateway_problem)
         if not self.in_list and self.in_list is not None:
@@ -81,6 +92,15 @@ class Observation:
     start_list: list[str] | None  # instance ids in the gateway's start-up list; None: unreadable
     instances: list[InstanceObservation] = field(default_factory=list)
     start_list_error: str | None = None
+    gateway_running: str | None = None  # the gateway process's config id
+    gateway_expected: str | None = None
+
+    @property
+    def gateway_stale(self) -> str | None:
+        if self.gateway_expected is None or self.gateway_down or self.gateway_running == self.gateway_expected:
+            return None
+        return (f"gateway {GATEWAY_UNIT} runs files {self.gateway_running or 'without a config id'}, the revision's "
+                f"are {self.gateway_expected} (not restarted since its files changed)")
 
     @property
     def gateway_down(self) -> bool:
@@ -99,6 +119,8 @@ class Observation:
             u = self.gateway_unit
             state = f"{u.active_state}/{u.sub_state}" if isinstance(u, UnitState) else u
             out.append(f"gateway {GATEWAY_UNIT}: {state}" + (f"; {self.gateway_error}" if self.gateway_error else ""))
+        if self.gateway_stale:
+            out.append(self.gateway_stale)
         if self.start_list_error:
             out.append(f"the gateway's start-up list {membership.PATH} unreadable: {self.start_list_error}")
         for o in self.instances:
@@ -111,7 +133,9 @@ class Observation:
         """One line of what was seen, for a verdict that says "no change"."""
         n = len(self.instances)
         units = sum(len(o.units) for o in self.instances)
-        return (f"observed: {units} unit(s) of {n} instance(s) active with their recorded MainPIDs, {n} worker(s) "
+        return (f"observed: {units} unit(s) of {n} instance(s) active with their recorded MainPIDs"
+                + (", each process started from this revision's files" if any(o.expected for o in self.instances)
+                   else "") + f", {n} worker(s) "
                 f"healthy and ready in the gateway, none unknown, the gateway's start-up list = revision "
                 f"{self.revision}'s instances")
 
@@ -123,13 +147,21 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClien
     for inst in pl.instances:
         for h, u in inst.units:
             by_host.setdefault(h, []).append(u)
-    unit_res = run_parallel(list(by_host), lambda h: pool.unit_states(h, by_host[h]))
+    unit_res = run_parallel(list(by_host), lambda h: with_configs(pool, h, by_host[h]))
 
     def state_of(host: str, unit: str) -> UnitState | str:
         r = unit_res.get(host)
         if isinstance(r, Exception):
             return f"unreadable: {getattr(r, 'message', r)}"
-        return r.get(unit) or "not reported by systemd"
+        return r[0].get(unit) or "not reported by systemd"
+
+    def running_of(host: str, units) -> dict[str, str | None]:
+        r = unit_res.get(host)
+        if isinstance(r, Exception):
+            return {}
+        return {f"{host}:{u}": r[1][u] for u in units if u in r[1]}
+
+    expected = (rev.extra or {}).get("configs") or {}
 
     try:
         workers, gw_error = gateway.list_workers(), None
@@ -140,11 +172,40 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClien
     except PdopsError as exc:
         start_list, list_error = None, exc.message
     by_url = {w.url.rstrip("/"): w for w in workers}
+    gw_key = f"{inv.gateway.host}:{GATEWAY_UNIT}"
     obs = Observation(rev.number, state_of(inv.gateway.host, GATEWAY_UNIT), gw_error, workers, start_list,
-                      start_list_error=list_error)
+                      start_list_error=list_error, gateway_expected=expected.get(gw_key),
+                      gateway_running=running_of(inv.gateway.host, [GATEWAY_UNIT]).get(gw_key))
     for inst in pl.instances:
         recorded = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
         obs.instances.append(InstanceObservation(
             inst, {f"{h}:{u}": state_of(h, u) for h, u in inst.units}, {k: int(v) for k, v in recorded.items() if v},
-            by_url.get(inst.url.rstrip("/")), None if start_list is None else inst.id in start_list))
+            by_url.get(inst.url.rstrip("/")), None if start_list is None else inst.id in start_list,
+            running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()},
+            expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected}))
     return obs
+
+
+def with_configs(pool: HostPool, host: str, units: list[str]) -> tuple[dict[str, UnitState], dict[str, str | None]]:
+    """Units' states and, for each running one, the config id its MainPID carries; one SSH round trip
+    for the config ids of every unit on the host."""
+    states = pool.unit_states(host, units)
+    pids = {u: s.main_pid for u, s in states.items() if s.active_state == "active" and s.main_pid}
+    return states, running_configs(pool, host, pids)
+
+
+def running_configs(pool: HostPool, host: str, pids: dict[str, int]) -> dict[str, str | None]:
+    """{unit: PDOPS_CONFIG of its MainPID's environment, or None} (pdops.render.CONFIG_VAR)."""
+    from pdops.render import CONFIG_VAR
+
+    if not pids:
+        return {}
+    script = "; ".join(f"printf '%s ' {int(p)}; (tr '\\0' '\\n' < /proc/{int(p)}/environ 2>/dev/null | "
+                       f"grep -m1 '^{CONFIG_VAR}=' || echo -) | head -n1" for p in pids.values())
+    out = pool.run(host, script).stdout
+    by_pid = {}
+    for line in out.splitlines():
+        pid, _, val = line.strip().partition(" ")
+        if pid.isdigit():
+            by_pid[int(pid)] = val.split("=", 1)[1] if val.startswith(CONFIG_VAR + "=") else None
+    return {u: by_pid.get(p) for u, p in pids.items()}

@@ -138,16 +138,95 @@ def _slots(inv: Inventory) -> list[tuple[tuple[Host, ...], int, tuple[int, ...]]
     return out
 
 
-def _make(inv: Inventory, role: str, n: int, slot: tuple[tuple[Host, ...], int, tuple[int, ...]]) -> Instance:
+def _make(inv: Inventory, role: str, n: int, slot: tuple[tuple[Host, ...], int, tuple[int, ...]],
+          alt: bool = False) -> Instance:
+    """The instance `role` n on `slot`. `alt`: a prefill on the slot's second bootstrap port (base + 1):
+    a replacement takes the port its predecessor did not use, so that no decode holds a cached route
+    to the old process at that address (SGLang's decode keys its bootstrap cache by host:port)."""
     hosts, s, gpus = slot
     p = inv.ports
     ranks = tuple(Rank(k, h.name, h.data_addr, gpus) for k, h in enumerate(hosts))
     return Instance(
         id=instance_id(role, n), role=role, ranks=ranks, slot=s,
         http_port=p.http_base + p.stride * s,
-        bootstrap_port=(p.bootstrap_base + p.stride * s) if role == "prefill" else None,
+        bootstrap_port=(p.bootstrap_base + p.stride * s + (1 if alt else 0)) if role == "prefill" else None,
         dist_init_port=(p.dist_init_base + p.stride * s) if len(hosts) > 1 else None,
     )
+
+
+def uses_alt_port(inv: Inventory, inst: Instance) -> bool:
+    return inst.bootstrap_port is not None and inst.bootstrap_port == inv.ports.bootstrap_base + inv.ports.stride * inst.slot + 1
+
+
+def remake(inv: Inventory, inst: Instance, *, alt: bool | None = None) -> Instance:
+    """`inst` as the inventory places it now (same id and slot; addresses and ports from the inventory);
+    InvalidInput when its hosts or slot are gone from the inventory."""
+    by_key = {(tuple(h.name for h in hs), s): (hs, s, gpus) for hs, s, gpus in _slots(inv)}
+    key = _slot_key(inst)
+    if key not in by_key:
+        gone = [h for h in inst.hosts if h not in {x.name for x in inv.hosts}]
+        raise InvalidInput("inventory", f"{inst.id} ({inst.role}) runs on {'/'.join(inst.hosts)} slot {inst.slot}, which "
+                           "this inventory no longer has" + (f" ({', '.join(gone)} removed)" if gone else ""),
+                           fix=f"move it first: `inv drain --host {inst.hosts[0]}` (or a topology without it), then "
+                               "remove the host")
+    return _make(inv, inst.role, int(inst.id[1:]), by_key[key], uses_alt_port(inv, inst) if alt is None else alt)
+
+
+def place_change(inv: Inventory, topo: Topology, current: Placement, avoid: frozenset[str] = frozenset(),
+                 fresh_ports: frozenset[str] = frozenset()) -> Placement:
+    """The smallest change from `current` to `topo`: every instance of `current` keeps its id and slot
+    (ids need not be contiguous); a role with too many loses those on `avoid` hosts (cordoned) first,
+    then the highest-numbered; a role with too few gets the lowest unused ids on free slots off the
+    `avoid` hosts, slots no instance of `current` holds first (so they start before anything drains).
+    An added prefill on a slot `current` uses takes the other bootstrap port, as does every prefill
+    in `fresh_ports` (replacements)."""
+    slots = _slots(inv)
+    held = {_slot_key(i): i for i in current.instances}
+    out: list[Instance] = []
+    for role in ROLES:
+        mine = [remake(inv, i) for i in current.role(role)]
+        extra = len(mine) - topo.count(role)
+        if extra > 0:
+            drop = sorted(mine, key=lambda i: (not set(i.hosts) & avoid, -int(i.id[1:])))[:extra]
+            mine = [i for i in mine if i not in drop]
+        out += mine
+    used = {_slot_key(i) for i in out}
+    free = [sl for sl in slots if (tuple(h.name for h in sl[0]), sl[1]) not in used
+            and not {h.name for h in sl[0]} & avoid]
+    free.sort(key=lambda sl: (tuple(h.name for h in sl[0]), sl[1]) in held)  # stable: free-now slots first
+    for role in ROLES:
+        have = [i for i in out if i.role == role]
+        taken = {int(i.id[1:]) for i in have}
+        n = 0
+        for _ in range(topo.count(role) - len(have)):
+            if not free:
+                g, _nh = _shape(inv)
+                raise InvalidInput("--topology", f"{topo} needs {topo.prefill + topo.decode} instances of {g} GPUs; "
+                                   f"the inventory has room for {len(slots)}"
+                                   + (f", {', '.join(sorted(avoid))} cordoned" if avoid else ""),
+                                   fix="choose a smaller topology, or add hosts to the inventory")
+            n += 1
+            while n in taken:
+                n += 1
+            sl = free.pop(0)
+            key = (tuple(h.name for h in sl[0]), sl[1])
+            prev = held.get(key)
+            alt = role == "prefill" and prev is not None and prev.role == "prefill" and not uses_alt_port(inv, prev)
+            out.append(_make(inv, role, n, sl, alt))
+    final = []
+    for i in out:
+        if i.id in fresh_ports and i.role == "prefill":
+            i = _make(inv, i.role, int(i.id[1:]), _slot_of(inv, i), not uses_alt_port(inv, i))
+        final.append(i)
+    final.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    return Placement(topo, tuple(final))
+
+
+def _slot_of(inv: Inventory, inst: Instance):
+    for sl in _slots(inv):
+        if (tuple(h.name for h in sl[0]), sl[1]) == _slot_key(inst):
+            return sl
+    raise InvalidInput("inventory", f"{inst.id}: slot {inst.slot} on {'/'.join(inst.hosts)} is not in the inventory")
 
 
 def _slot_key(inst: Instance) -> tuple[tuple[str, ...], int]:

@@ -207,8 +207,9 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
     tpl = _env()
     files: list[RenderedFile] = []
     hosts_used = sorted({r.host for i in pl.instances for r in i.ranks} | {inv.gateway.host})
+    slice_text = tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster)
     for h in hosts_used:
-        files.append(RenderedFile(h, f"{UNIT_DIR}/{SLICE_UNIT}", tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
+        files.append(RenderedFile(h, f"{UNIT_DIR}/{SLICE_UNIT}", slice_text, 0o644))
     for inst in pl.instances:
         for rank in inst.ranks:
             unit = inst.unit(rank.node_rank)
@@ -216,23 +217,29 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
             script = f"{BIN_DIR}/{stem}.sh"
             env_file = f"{ENV_DIR}/{stem}.env"
             what = f"{inst.role} {inst.id} node {rank.node_rank}/{inst.nnodes}"
-            files.append(RenderedFile(rank.host, f"{UNIT_DIR}/{unit}", tpl.get_template("engine.service.j2").render(
+            unit_text = tpl.get_template("engine.service.j2").render(
                 role=inst.role, instance=inst.id, nnodes=inst.nnodes, node_rank=rank.node_rank, engine=inv.engine,
                 launch_script=script, env_file=env_file, timeout_stop_sec=inv.stop_timeout_s,
-                **_unit_common(inv)), 0o644))
-            files.append(RenderedFile(rank.host, script, _launch_script(
-                inv, what, engine_argv(inv, pl, inst, rank), None, None), 0o755))
-            files.append(RenderedFile(rank.host, env_file, _env_file(inv, what, engine_env(inv, inst, rank)), 0o600))
+                **_unit_common(inv))
+            script_text = _launch_script(inv, what, engine_argv(inv, pl, inst, rank), None, None)
+            env = engine_env(inv, inst, rank)
+            env[CONFIG_VAR] = config_id(unit_text, script_text, _env_file(inv, what, env), slice_text)
+            files.append(RenderedFile(rank.host, f"{UNIT_DIR}/{unit}", unit_text, 0o644))
+            files.append(RenderedFile(rank.host, script, script_text, 0o755))
+            files.append(RenderedFile(rank.host, env_file, _env_file(inv, what, env), 0o600))
     gw = inv.gateway
-    files.append(RenderedFile(gw.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", tpl.get_template("gateway.service.j2").render(
+    gw_unit = tpl.get_template("gateway.service.j2").render(
         smg_version=SMG_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
         env_file=f"{ENV_DIR}/gateway.env", exec_start_post=membership.exec_start_post(inv),
-        workers_file=membership.PATH, **{**_unit_common(inv), **GATEWAY_RESTART}), 0o644))
+        workers_file=membership.PATH, **{**_unit_common(inv), **GATEWAY_RESTART})
+    gw_script = _launch_script(inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file)
+    gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}
+    gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,
+                                   membership.SCRIPT)
+    files.append(RenderedFile(gw.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", gw_unit, 0o644))
     files.append(RenderedFile(gw.host, membership.SCRIPT_PATH, membership.SCRIPT, 0o755))
-    files.append(RenderedFile(gw.host, f"{BIN_DIR}/pdops-gateway.sh", _launch_script(
-        inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file), 0o755))
-    files.append(RenderedFile(gw.host, f"{ENV_DIR}/gateway.env", _env_file(
-        inv, "model gateway", {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}), 0o600))
+    files.append(RenderedFile(gw.host, f"{BIN_DIR}/pdops-gateway.sh", gw_script, 0o755))
+    files.append(RenderedFile(gw.host, f"{ENV_DIR}/gateway.env", _env_file(inv, "model gateway", gw_env), 0o600))
     adm = admission_config(inv)
     if adm is not None:
         if adm.host not in hosts_used:
@@ -240,6 +247,32 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
                                       tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
         files += render_admission_files(inv, adm)
     return files
+
+
+# Every unit's env file names the files it was rendered with: a digest of its unit, launch script,
+# env file (without this line) and slice. Its process carries it in /proc/<pid>/environ, so what
+# a process runs is read from the process, not assumed from the files on disk (pdops.observe).
+CONFIG_VAR = "PDOPS_CONFIG"
+
+
+def config_id(*texts: str) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(hashlib.sha256(t.encode()).digest())
+    return h.hexdigest()[:16]
+
+
+def config_ids(files: list[RenderedFile]) -> dict[str, str]:
+    """{"host:unit": config id} of every unit whose env file carries one (engines, gateway)."""
+    out = {}
+    for f in files:
+        if f.path.startswith(ENV_DIR + "/") and f.path.endswith(".env"):
+            for line in f.content.splitlines():
+                if line.startswith(CONFIG_VAR + "="):
+                    stem = f.path.rsplit("/", 1)[-1].removesuffix(".env")
+                    unit = GATEWAY_UNIT if stem == "gateway" else f"{stem}.service"
+                    out[f"{f.host}:{unit}"] = line.split("=", 1)[1].strip().strip("'\"")
+    return dict(sorted(out.items()))
 
 
 def admission_config(inv: Inventory) -> adm_mod.AdmissionConfig | None:

@@ -52,7 +52,7 @@ ROLES = ("prefill", "decode")
 class ScaleStep:
     """One step of a change: add (start, health-gate, canary, register) or drain an instance."""
 
-    kind: str  # "add" | "drain"
+    kind: str  # "add" | "drain" | "replace-out" | "replace-in"
     instance: Instance
     capacity: tuple[int, int]  # (prefill, decode) serving after this step
     why: str = ""
@@ -63,6 +63,10 @@ class ScaleStep:
         if self.kind == "add":
             return (f"add {i.id} ({i.role}) on {where}: start, wait {i.url}/health, canary its new P x D pairs, "
                     "register with the gateway")
+        if self.kind == "replace-out":
+            return f"replace {i.id} ({i.role}, {self.why}): drain the running process"
+        if self.kind == "replace-in":
+            return f"replace {i.id} ({i.role}, {self.why}): start from the new files, canary, register"
         return f"drain {i.id} ({i.role}) on {where}: leave the gateway, wait empty, two empty checks, verified stop"
 
 
@@ -83,6 +87,12 @@ class ScalePlan:
     skip_checks: set[str] = field(default_factory=set)
     kept_files: int = 0
     run: list = field(default_factory=list)  # the runner's steps (pdops.runner.Step), made by plan_change
+    replaced: list[Instance] = field(default_factory=list)  # as they will run (same id and slot)
+    why: dict[str, str] = field(default_factory=dict)  # replaced id -> what differs
+    waves: list[list[str]] = field(default_factory=list)
+    surge: list[tuple[str, str]] = field(default_factory=list)  # (old id, the new id that replaces it)
+    max_unavailable: int = 1
+    state: object = field(default=None, repr=False, compare=False)  # the record it was read from
 
     @property
     def start_capacity(self) -> tuple[int, int]:
@@ -94,6 +104,8 @@ class ScalePlan:
         return Plan(op, self.render().splitlines()[0], self.run,
                     head={"from": self.current.number, "to": str(self.target.topology), "rollback_of": self.rollback_of,
                           "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
+                          "replaced": {i.id: self.why[i.id] for i in self.replaced}, "waves": self.waves,
+                          "surge": self.surge, "max_unavailable": self.max_unavailable,
                           "kept": [i.id for i in self.kept], "dip": self.dip})
 
     @property
@@ -119,13 +131,26 @@ class ScalePlan:
                                                 f"{_gpu_range(i.head.gpus)}, {i.url}" for i in self.added) or "none"))
         lines.append("  removed: " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
                                                 f"{_gpu_range(i.head.gpus)} (drained)" for i in self.removed) or "none"))
+        old_by_id = {i.id: i for i in self.current_placement.instances}
+        for i in self.replaced:
+            o = old_by_id[i.id]
+            port = (f"; bootstrap port {o.bootstrap_port} -> {i.bootstrap_port} (a port no decode has a cached "
+                    "route to)" if o.bootstrap_port != i.bootstrap_port else "")
+            lines.append(f"  replaced: {i.id} ({i.role}) on {'/'.join(i.hosts)}: {self.why[i.id]}{port}")
+        for o, n in self.surge:
+            lines.append(f"  surge:   {o} is replaced by {n} ({self.target.get(n).url}), started before {o} drains")
+        if self.waves:
+            lines.append(f"  rolling: {len(self.waves)} wave(s), at most {max(self.max_unavailable, 1)} per role out "
+                         "at once: " + "; ".join(", ".join(w) for w in self.waves))
         lines.append("  kept:    " + (", ".join(i.id for i in self.kept) or "none")
                      + f" (untouched: {self.kept_files} rendered files identical to revision {cur.number})")
         p0, d0 = self.start_capacity
         lines.append(f"  serving now: {p0} prefill, {d0} decode; under the cluster lock, the steps:")
         cap_after = {}
         for st in self.steps:
-            last = f"register {st.instance.id}" if st.kind == "add" else f"drain {st.instance.id}: verify-stop"
+            last = {"add": f"register {st.instance.id}", "drain": f"drain {st.instance.id}: verify-stop",
+                    "replace-out": f"replace {st.instance.id}: verify-stop",
+                    "replace-in": f"register {st.instance.id}"}[st.kind]
             cap_after[last] = st.capacity
         for n, st in enumerate(self.run, 1):
             cap = cap_after.get(st.name)
@@ -225,50 +250,102 @@ def _current(inv: Inventory, state: StateDir, what: str) -> Revision:
 
 
 def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
-                skip_checks: set[str] | None = None, rollback_of: int | None = None) -> ScalePlan:
-    """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure)."""
+                skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
+                force: bool = False, replace_ids: dict[str, str] | None = None) -> ScalePlan:
+    """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
+    is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
+    in `replace_ids`, what its processes were observed to run differ: drained, then started from the
+    new files, a prefill on its slot's other bootstrap port), added or removed. Replacements roll in
+    waves of at most `max_unavailable` per role; a role that would be left with no serving instance
+    surges into a free slot (new id, started before the old one drains) or is refused unless `force`."""
     from pdops.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
+    if isinstance(max_unavailable, bool) or not isinstance(max_unavailable, int) or max_unavailable < 0:
+        raise InvalidInput("--max-unavailable", f"{max_unavailable!r} is not a whole number >= 0",
+                           fix="instances per role out at once during a rolling change: 1 (default), or 0 to surge "
+                               "every replacement into free GPUs")
+    replace_ids = dict(replace_ids or {})
     cur_pl = Placement.from_dict(cur.placement)
     cur_by_id = {i.id: i for i in cur_pl.instances}
     tgt_ids = {i.id for i in target_pl.instances}
-    added = [i for i in target_pl.instances if i.id not in cur_by_id]
-    removed = [i for i in cur_pl.instances if i.id not in tgt_ids]
-    kept = [i for i in target_pl.instances if i.id in cur_by_id]
-    moved = [i.id for i in kept if cur_by_id[i.id] != i]
-    if moved:
-        raise Refused(f"{', '.join(moved)} would move to other hosts, GPUs or ports; a topology change adds and "
-                      "removes whole instances, it never moves a running one",
-                      fix="drain the instance first, then add it back")
     files = render_files(inv, target_pl)
     new_mf = manifest(files)
-    changes: list[str] = []
-    n_kept_files = 0
-    for i in kept:
-        old, new = instance_files(cur.manifest, i.id), instance_files(new_mf, i.id)
-        n_kept_files += len(new)
-        changes += _file_changes(old, new)
-    # files shared by the instances (gateway, slices) that exist in both and would change
+    # which kept ids run other files or another placement now: replaced
+    why: dict[str, str] = {}
+    for i in target_pl.instances:
+        if i.id not in cur_by_id:
+            continue
+        old = cur_by_id[i.id]
+        changes = _file_changes(instance_files(cur.manifest, i.id), instance_files(new_mf, i.id))
+        if old.ranks != i.ranks or old.http_port != i.http_port or old.dist_init_port != i.dist_init_port:
+            why[i.id] = f"moves: {'/'.join(old.hosts)} {old.url} -> {'/'.join(i.hosts)} {i.url}"
+        elif changes:
+            why[i.id] = f"{len(changes)} file(s) changed: " + "; ".join(c.split(" (sha256")[0] for c in changes)
+        elif i.id in replace_ids:
+            why[i.id] = replace_ids[i.id]
+    # shared files (the gateway's, the admission layer's) must not change under a change plan
     old_sh = _shared_files(cur.manifest, set(cur_by_id))
     new_sh = _shared_files(new_mf, tgt_ids)
-    changes += [c for c in _file_changes(old_sh, {k: v for k, v in new_sh.items() if k in old_sh})
-                if not c.endswith("would be removed")]
-    if changes:
-        raise Refused(f"the change would rewrite files of running parts of revision {cur.number}; a topology change "
-                      "leaves kept instances and the gateway untouched",
-                      evidence="\n".join(changes),
-                      fix="deploy those changes as their own revision first (same topology), then scale")
-    if not added and not removed:
+    shared = [c for c in _file_changes(old_sh, {k: v for k, v in new_sh.items() if k in old_sh})
+              if not c.endswith("would be removed")]
+    if shared:
+        raise Refused(f"the change would rewrite files of the gateway or the admission layer of revision "
+                      f"{cur.number}; restarting the gateway within a rolling change is not supported yet",
+                      evidence="\n".join(shared),
+                      fix="keep the gateway's settings (pdops_gateway, pdops_admission) as revision "
+                          f"{cur.number} has them for this change; change them with a fresh `inv deploy` after "
+                          "`inv stop`, or in a maintenance window")
+    # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
+    if any(cur_by_id[i].role == "prefill" for i in why):
+        from pdops.placement import remake, uses_alt_port
+
+        target_pl = Placement(target_pl.topology, tuple(
+            remake(inv, i, alt=not uses_alt_port(inv, cur_by_id[i.id])) if i.id in why and i.role == "prefill" else i
+            for i in target_pl.instances))
+        files = render_files(inv, target_pl)
+        new_mf = manifest(files)
+    # surge: a role whose every instance is replaced with nothing left serving, or --max-unavailable 0
+    surge: list[tuple[str, str]] = []
+    role_n = {r: len(target_pl.role(r)) for r in ROLES}
+    replaced_by_role = {r: [i for i in target_pl.role(r) if i.id in why] for r in ROLES}
+    for role in ROLES:
+        reps = replaced_by_role[role]
+        if not reps:
+            continue
+        existing = [i for i in target_pl.role(role) if i.id in cur_by_id]
+        if max_unavailable >= 1 and (len(existing) > 1 or force):
+            continue
+        target_pl, made = _surge(inv, target_pl, reps, cur_pl, role)
+        if made is None:
+            if max_unavailable == 0:
+                raise Refused(f"--max-unavailable 0: every {role} replacement must start before its old instance "
+                              f"drains, and the inventory has no free slot for {len(reps)} more {role} instance(s)",
+                              fix="add a host (or free GPUs), or allow one out at a time: --max-unavailable 1")
+            raise Refused(f"replacing {', '.join(i.id for i in reps)} would leave no serving {role} instance and "
+                          "there is no free slot to start a replacement first (surge)",
+                          fix="add a host to the inventory so the new instance starts beside the old one, or "
+                              "--force to accept serving no " + role + " during the replacement")
+        for old_i, new_i in made:
+            surge.append((old_i.id, new_i.id))
+            why.pop(old_i.id, None)
+        files = render_files(inv, target_pl)
+        new_mf = manifest(files)
+        tgt_ids = {i.id for i in target_pl.instances}
+    added = [i for i in target_pl.instances if i.id not in cur_by_id]
+    removed = [i for i in cur_pl.instances if i.id not in tgt_ids]
+    replaced = [i for i in target_pl.instances if i.id in why]
+    kept = [i for i in target_pl.instances if i.id in cur_by_id and i.id not in why]
+    n_kept_files = sum(len(instance_files(new_mf, i.id)) for i in kept)
+    if not added and not removed and not replaced:
         return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
-                         noop=f"revision {cur.number} is already {cur.topology} with this placement: nothing to add "
-                              "or drain; `inv status` shows its health", rollback_of=rollback_of,
+                         noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
+                              "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
                          skip_checks=skip_checks)
     # Which removals must come before which adds (the add needs GPUs or ports a removed instance holds)
     needs: dict[str, list[Instance]] = {}
     for a in added:
-        held = [r for r in removed if _gpu_set(a) & _gpu_set(r) or
-                (_slot_key(a) == _slot_key(r))]
+        held = [r for r in removed if _gpu_set(a) & _gpu_set(r) or (_slot_key(a) == _slot_key(r))]
         if held:
             needs[a.id] = held
     p, d = len(cur_pl.role("prefill")), len(cur_pl.role("decode"))
@@ -276,13 +353,31 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     steps: list[ScaleStep] = []
     drained: set[str] = set()
 
-    def step(kind: str, inst: Instance, why: str = "") -> None:
-        cap[inst.role] += 1 if kind == "add" else -1
-        steps.append(ScaleStep(kind, inst, (cap["prefill"], cap["decode"]), why))
+    def step(kind: str, inst: Instance, why_: str = "", delta: int | None = None) -> None:
+        cap[inst.role] += (1 if kind == "add" else -1) if delta is None else delta
+        steps.append(ScaleStep(kind, inst, (cap["prefill"], cap["decode"]), why_))
 
     for a in added:
         if a.id not in needs:
-            step("add", a)
+            step("add", a, f"surge replacement of {dict((n, o) for o, n in surge)[a.id]}"
+                 if a.id in {n for _, n in surge} else "")
+    # replacement waves: at most max_unavailable per role out at once (at least one: --force or surge)
+    # per role: at most max_unavailable, and never all of a role's instances at once (one keeps serving)
+    k = {r: min(max(max_unavailable, 1), max(sum(i.id in cur_by_id for i in target_pl.role(r)) - 1, 1))
+         for r in ROLES}
+    waves: list[list[Instance]] = []
+    by_role = {r: [i for i in replaced if i.role == r] for r in ROLES}
+    while any(by_role.values()):
+        wave = []
+        for r in ROLES:
+            take, by_role[r] = by_role[r][:k[r]], by_role[r][k[r]:]
+            wave += take
+        waves.append(wave)
+    for n, wave in enumerate(waves, 1):
+        for i in wave:
+            step("replace-out", i, f"wave {n}", delta=-1)
+        for i in wave:
+            step("replace-in", i, f"wave {n}", delta=+1)
     dip: list[str] = []
     for a in added:
         if a.id not in needs:
@@ -303,17 +398,25 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         if r.id not in drained:
             step("drain", r)
             drained.add(r.id)
-    # a role below the smaller of its old and new counts is a dip too (cannot happen with this order;
-    # kept as the rule's check)
     new_count = {"prefill": len(target_pl.role("prefill")), "decode": len(target_pl.role("decode"))}
     old_count = {"prefill": p, "decode": d}
+    zero = []
     for role_i, role in enumerate(ROLES):
-        low = min(s.capacity[role_i] for s in steps)
+        # a rolling replacement's own dip (at most max_unavailable) is the plan's, not a capacity dip
+        low = min((s.capacity[role_i] for s in steps if not s.kind.startswith("replace")), default=old_count[role])
         if low < min(old_count[role], new_count[role]):
             dip.append(f"{role} capacity drops to {low} (old {old_count[role]}, new {new_count[role]})")
+        if min(s.capacity[role_i] for s in steps) < 1:
+            zero.append(role)
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
-                     rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files)
+                     rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
+                     replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
+                     max_unavailable=max_unavailable)
     plan.run = runner_steps(plan)
+    if zero and not force:
+        raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
+                      fix="add hosts so replacements start beside the old instances, or --force to accept it",
+                      evidence=plan.render())
     if dip and not allow_capacity_dip:
         raise Refused(f"{cur.topology} -> {target_pl.topology} cannot add before it drains: "
                       + "; ".join(dip),
@@ -323,16 +426,54 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     return plan
 
 
-def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
-               skip_checks: set[str] | None = None) -> ScalePlan:
-    """What `inv scale --topology target` will do, or why not. Reads only the state dir."""
-    cur = _current(inv, state, "scale")
-    _refuse_changed_inventory(inv, cur)
+def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: Placement, role: str):
+    """Each of `reps` replaced by a new instance (the lowest unused id) on a free slot, or (pl, None)
+    when the inventory has too few free slots."""
+    from pdops.placement import _slots
+
+    used = {_slot_key(i) for i in target_pl.instances} | {_slot_key(i) for i in cur_pl.instances}
+    free = [sl for sl in _slots(inv) if (tuple(h.name for h in sl[0]), sl[1]) not in used]
+    if len(free) < len(reps):
+        return target_pl, None
+    taken = {int(i.id[1:]) for i in target_pl.role(role)} | {int(i.id[1:]) for i in cur_pl.role(role)}
+    made, n = [], 0
+    insts = [i for i in target_pl.instances if i not in reps]
+    for old in reps:
+        n += 1
+        while n in taken:
+            n += 1
+        taken.add(n)
+        new = _make(inv, role, n, free.pop(0))
+        made.append((old, new))
+        insts.append(new)
+    insts.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    return Placement(target_pl.topology, tuple(insts)), made
+
+
+def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+               skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
+               replace_ids: dict[str, str] | None = None, avoid: frozenset[str] | None = None) -> ScalePlan:
+    """What `inv deploy --topology T` (or `inv scale`) does on a live cluster: the smallest change from
+    the current revision to what the inventory, `target` and this pdops render now. Reads only the record."""
+    from pdops.placement import place_change
+
+    cur = _current(inv, state, "change")
     cur_pl = Placement.from_dict(cur.placement)
-    if str(target) == cur.topology:
-        return plan_change(inv, cur, cur_pl, skip_checks=skip_checks)
-    return plan_change(inv, cur, place_for_scale(inv, target, cur_pl), allow_capacity_dip=allow_capacity_dip,
-                       skip_checks=skip_checks)
+    cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
+    target_pl = place_change(inv, target, cur_pl, avoid=cordoned)
+    return plan_change(inv, cur, target_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+                       max_unavailable=max_unavailable, force=force, replace_ids=replace_ids)
+
+
+def cordoned_hosts(rev: Revision) -> list[str]:
+    return list((rev.extra or {}).get("cordoned", []))
+
+
+def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+               skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False) -> ScalePlan:
+    """`inv scale --topology T`: the same planner as `inv deploy` of a live cluster (plan_apply)."""
+    return plan_apply(inv, target, state, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+                      max_unavailable=max_unavailable, force=force)
 
 
 def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[str]:
@@ -352,7 +493,9 @@ def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[st
                 changed.append(f"host {r.host} of {i.id}: data address {r.data_addr} -> {h.data_addr}")
     if not changed:
         try:
-            again = place(inv, tgt_pl.topology, tgt_pl)
+            from pdops.placement import place_change
+
+            again = place_change(inv, tgt_pl.topology, tgt_pl)
             if again != tgt_pl:
                 changed.append(f"revision {tgt.number}'s placement no longer follows from the inventory")
         except InvalidInput as exc:
@@ -414,11 +557,16 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     inv, cur, tgt = plan.inv, plan.current, plan.target
     # instances that take GPUs a removed one holds are checked after that one is drained (its ports
     # and GPUs are busy now, by design): preflight checks the others
-    later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why}
+    later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why and not s.why.startswith("surge")}
+    later |= {i.id for i in plan.replaced}  # their ports are the running processes' until the wave drains them
     pre = tuple(i for i in tgt.instances if i.id not in later)
     pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
     out = [connect_step(plan.hosts), preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
     out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
+    if plan.replaced:
+        out[-1].params["hold"] = [i.id for i in plan.replaced]
+        out[-1].description += (f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
+                                "own files in its wave, after its old process stopped")
     live = {i.id for i in plan.current_placement.instances}
     interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
     i, batch_no = 0, 0
@@ -440,26 +588,96 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                 out += register_steps(inv, [x], group=None)
                 live.add(x.id)
             continue
+        if plan.steps[i].kind == "replace-out":
+            wave = []
+            while i < len(plan.steps) and plan.steps[i].kind.startswith("replace"):
+                if plan.steps[i].kind == "replace-out":
+                    wave.append(plan.steps[i].instance)
+                i += 1
+                if i < len(plan.steps) and plan.steps[i].kind == "replace-out" and \
+                        plan.steps[i - 1].kind == "replace-in":
+                    break  # the next wave
+            out += wave_steps(plan, wave, live)
+            continue
         s = plan.steps[i]
         i += 1
         wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
         out += drain_steps(inv, s.instance, wid, wait_s=float(inv.drain_budget_s), interval_s=interval,
                            prefix=f"drain {s.instance.id}: ", in_change=True)
         live.discard(s.instance.id)
+    from pdops.deploy import verify_running_step
+
+    out.append(verify_running_step(tgt, inv))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it"))
     return out
 
 
+def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[Step]:
+    """One wave of a rolling replacement: drain the wave's running processes side by side (the drain
+    sub-plan of each, step for step in parallel), deliver their new files, start them, canary every
+    pair through them, register them. `live` (ids serving) is updated."""
+    from pdops.deploy import canary_step, register_steps, start_steps
+    from pdops.drain import drain_steps
+
+    inv, cur = plan.inv, plan.current
+    old = {i.id: i for i in plan.current_placement.instances}
+    ids = [i.id for i in wave]
+    tag = "+".join(ids)
+    interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
+    subs = [drain_steps(inv, old[i.id], (cur.instances.get(i.id) or {}).get("worker_id"),
+                        wait_s=float(inv.drain_budget_s), interval_s=interval, prefix=f"replace {i.id}: ",
+                        in_change=True, extra={"old": True}) for i in wave]
+    out: list[Step] = []
+    for n, row in enumerate(zip(*subs)):
+        for st in row:
+            st.group = f"out {tag} {n}" if len(row) > 1 else None
+            out.append(st)
+    live -= set(ids)
+    out.append(Step(f"deliver {tag}", None, f"the new files of {', '.join(ids)} (units, launch scripts, 0600 env "
+                    "files) with Ansible; daemon-reload; enable", kind="deliver-wave", params={"instances": ids}))
+    out += start_steps(inv, wave, restart=False, group=f"start {tag}" if len(wave) > 1 else None)
+    pairs = []
+    for p in plan.target.role("prefill"):
+        for d in plan.target.role("decode"):
+            if {p.id, d.id} & set(ids) and {p.id, d.id} <= live | set(ids):
+                pairs.append((p.id, d.id))
+    if pairs:
+        out.append(canary_step(f"canary {tag}", pairs, retry_once=True, instance=ids[0] if len(ids) == 1 else None,
+                               why="straight to each pair before registration (no decode knows the new bootstrap "
+                                   "address; one retry per pair all the same)"))
+    out += register_steps(inv, wave, group=f"register {tag}" if len(wave) > 1 else None)
+    live |= set(ids)
+    return out
+
+
 def _union(plan: ScalePlan) -> Placement:
-    """Every instance a change names (kept, added and removed), for the executors' lookups."""
+    """Every instance a change names (kept, added and removed), for the executors' lookups; a replaced
+    one as it will run (its running process: `old_placement`)."""
     ids = {i.id for i in plan.target.instances}
     return Placement(plan.target.topology, plan.target.instances
                      + tuple(i for i in plan.current_placement.instances if i.id not in ids))
 
 
+def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
+    """The own files of a wave's instances (their old processes are stopped by now)."""
+    from pdops.deploy import deliver
+
+    plan: ScalePlan = ctx.data["scale_plan"]
+    ids = step.params["instances"]
+    own = set()
+    mf = manifest(plan.files)
+    for i in ids:
+        own |= set(instance_files(mf, i))
+    files = [f for f in plan.files if (f.host, f.path) in own]
+    sub = Placement(plan.target.topology, tuple(plan.target.get(i) for i in ids))
+    ev = deliver(ctx.inv, sub, files, ctx.data["build"], None, ctx.say)
+    return Outcome(evidence=ev, verified=[f"the new files of {', '.join(ids)} in place (Ansible)"])
+
+
 def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
     plan: ScalePlan = ctx.data["scale_plan"]
-    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data["build"], ctx.data.get("main_pids"))
+    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data["build"], ctx.data.get("main_pids"),
+                  ctx.data.get("running"))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
     return Outcome(evidence={"revision": rev.number},
@@ -472,7 +690,7 @@ def executors() -> dict:
     from pdops import deploy as dep
     from pdops import drain as dr
 
-    return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale}
+    return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale, "deliver-wave": do_deliver_wave}
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -485,7 +703,9 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
     op = new_op_id(kind)
     with state.lock(kind, op_id=op):
         state.check_basis(plan.current.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan})
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan,
+                                                                   "old_placement": plan.current_placement,
+                                                                   "target": plan.target})
         try:
             verdict = walk(plan.plan, ctx, executors())
         except PdopsError as exc:
@@ -518,7 +738,7 @@ def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None
     out = {}
     main_pids = main_pids or {}
     for i in pl.instances:
-        if i.id in plan.current.instances:
+        if i.id in plan.current.instances and i.id not in plan.why:
             out[i.id] = dict(plan.current.instances[i.id])
             if i.id in workers:
                 out[i.id]["worker_id"] = workers[i.id]
@@ -530,12 +750,16 @@ def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None
     return out
 
 
-def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None) -> Revision:
+def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
+            running: dict | None = None) -> Revision:
+    from pdops.deploy import configs_of
+
     cur, tgt = plan.current, plan.target
     new_mf = manifest(plan.files)
     rollback = {
         "to_revision": cur.number, "to_topology": cur.topology,
         "restore": [i.id for i in plan.removed], "drain": [i.id for i in plan.added],
+        "replace": [i.id for i in plan.replaced],
         "how": "`inv rollback`: add back what was removed (start, health-gate, canary, register), then drain what "
                "was added",
         "holds_while": f"the inventory digest is {cur.inventory_hash[:12]} and the rendered files of the restored "
@@ -544,8 +768,10 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
         "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
     }
     extra = {"gateway": plan.inv.gateway.url, "build": str(build), "rollback": rollback,
+             "configs": configs_of(running or {}), "cordoned": cordoned_hosts(cur),
              "scale": {"from_revision": cur.number, "from_topology": cur.topology,
                        "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
+                       "replaced": {i.id: plan.why[i.id] for i in plan.replaced}, "surge": plan.surge,
                        "kept": [i.id for i in plan.kept], "capacity_dip": plan.dip}}
     if plan.rollback_of:
         extra["rollback_of"] = plan.rollback_of
@@ -566,10 +792,13 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
     left: list[str] = []
     kept_added: dict[str, Instance] = {}
     registered_ok = {x for x in workers}
+    replaced_out = list(ctx.data.get("replaced_out", []))
+    replaced_ids = {i.id for i in plan.replaced}
     for iid, inst in reversed(list(started.items())):
-        # an added instance that is registered and verified stays only if a drain already happened
-        # (then undoing it would drop capacity further); otherwise everything added is undone
-        if drained and iid in registered_ok:
+        # an added instance that is registered and verified stays only if a drain or a replacement
+        # already happened (then undoing it would drop capacity further); otherwise everything added is
+        # undone. A replaced instance registered with its new files serves on: halting keeps it.
+        if (drained or replaced_out or iid in replaced_ids) and iid in registered_ok:
             kept_added[iid] = inst
             continue
         try:
@@ -580,6 +809,8 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
         except PdopsError as e2:
             left.append(f"{iid}: undo failed: {e2.message}")
     drained = [d for d in drained if d in {i.id for i in plan.removed}]  # not the undone adds
+    if replaced_out:
+        return _fail_rolling(plan, ctx, exc, kept_added, drained, replaced_out, undone, left)
     if not drained:
         live = [i.id for i in plan.current_placement.instances]
         verdict = (f"verdict: the change stopped; current revision unchanged: {cur.number} ({cur.topology}); "
@@ -619,4 +850,66 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
         verdict += "; NOT undone: " + "; ".join(left)
     j.step(op, "verdict", "failed", {"error": exc.render(), "current": rev.number, "partial": True,
                                      "live": [i.id for i in live_insts], "undone": undone, "left": left})
+    return verdict
+
+
+def _fail_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, kept_added: dict, drained: list[str],
+                  replaced_out: list[str], undone: list[str], left: list[str]) -> str:
+    """The rollout halted after replacing (or taking out) some instances: record what is live as a
+    `partial` revision whose every instance is described by the files its process runs: the ones not
+    yet replaced by revision `current` (their files were never touched), the replaced ones by the new
+    files. `inv rollback` returns to revision `current`."""
+    from pdops.render import config_ids
+
+    state, op, cur = ctx.state, ctx.op, plan.current
+    cur_pl = plan.current_placement
+    done = [i for i in replaced_out if i in kept_added]
+    out_now = [i for i in replaced_out if i not in kept_added]
+    live_insts = [i for i in cur_pl.instances if i.id not in drained and i.id not in replaced_out]
+    live_insts += [plan.target.get(i) for i in kept_added]
+    live_insts.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    pl = Placement(Topology(sum(i.role == "prefill" for i in live_insts), sum(i.role == "decode" for i in live_insts)),
+                   tuple(live_insts))
+    new_mf, new_cfg = manifest(plan.files), config_ids(plan.files)
+    old_cfg = (cur.extra or {}).get("configs") or {}
+    mf: dict = {}
+    cfg: dict = {}
+    new_ids = set(kept_added)
+    for (h, p), m in _shared_files(new_mf, {i.id for i in plan.target.instances}).items():
+        mf.setdefault(h, {})[p] = m
+    for i in live_insts:
+        src_mf, src_cfg = (new_mf, new_cfg) if i.id in new_ids else (cur.manifest, old_cfg)
+        for (h, p), m in instance_files(src_mf, i.id).items():
+            mf.setdefault(h, {})[p] = m
+        for h, u in i.units:
+            if f"{h}:{u}" in src_cfg:
+                cfg[f"{h}:{u}"] = src_cfg[f"{h}:{u}"]
+    gw_key = next((k for k in old_cfg if k.endswith(":pdops-gateway.service")), None)
+    if gw_key:
+        cfg[gw_key] = old_cfg[gw_key]
+    workers = dict(ctx.data.get("workers", {}))
+    main_pids = ctx.data.get("main_pids", {})
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+                               manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
+                               instances=_instances_doc(plan, pl, workers, main_pids), outcome="partial", op_id=op,
+                               extra={"scale_failed": exc.message, "from_revision": cur.number,
+                                      "target": str(plan.target.topology), "drained": drained,
+                                      "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
+                                      "configs": dict(sorted(cfg.items())),
+                                      "rollback": {"to_revision": cur.number}})
+    state.set_current(rev.number)
+    not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
+    verdict = (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
+               f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "
+               f"still serving revision {cur.number}'s files, untouched: {', '.join(not_yet) or 'none'}; `current` "
+               f"moved to revision {rev.number} (partial, {pl.topology}) to describe what is live; `inv rollback` "
+               f"returns to revision {cur.number}")
+    if undone:
+        verdict += "; undone: " + ", ".join(undone)
+    if left:
+        verdict += "; NOT undone: " + "; ".join(left)
+    state.journal().step(op, "verdict", "failed", {"error": exc.render(), "current": rev.number, "partial": True,
+                                                   "live": [i.id for i in live_insts], "replaced": done,
+                                                   "out_of_service": out_now, "not_replaced": not_yet,
+                                                   "undone": undone, "left": left})
     return verdict

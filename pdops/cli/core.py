@@ -46,20 +46,30 @@ def demo(c, hosts="4"):
 
 @task(help={"topology": "NpMd, e.g. 2p1d", "inventory": "inventory dir or file",
             "dry_run": "print the plan only",
-            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)"},
+            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)",
+            "max_unavailable": "instances per role out at once while replacing (default 1; 0: surge every one)",
+            "force": "accept a plan that leaves a role with no serving instance at some step",
+            "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)"},
       iterable=["skip_check"])
 @cli_errors
-def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=None):
-    """Render, deliver (Ansible), start in order, health-gate, register, canary every P x D pair, record."""
+def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=None, max_unavailable=1,
+           force=False, allow_capacity_dip=False):
+    """Deploy a topology; on a live cluster, plan any difference (topology, inventory, profile, pdops's
+    templates) as a rolling change: keep, replace, add, remove; or repair what observation finds."""
     from pdops import deploy as dep
     from pdops.inventory import load_inventory
+    from pdops.scale import ScalePlan
     from pdops.topology import parse_topology
 
     topo = parse_topology(topology)
+    mu = _whole(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory)
-    plan = dep.plan_deploy(inv, topo, dep.state_for(inv), set(skip_check or ()))
+    plan = dep.plan_deploy(inv, topo, dep.state_for(inv), set(skip_check or ()), max_unavailable=mu, force=force,
+                           allow_capacity_dip=allow_capacity_dip)
     from pdops.hosts import connections
 
+    if isinstance(plan, ScalePlan):
+        return _run_change(inv, plan, dry_run)
     if plan.live is None:
         print(plan.render())
         if dry_run:
@@ -67,6 +77,14 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     with connections(inv) as conns:
         if plan.live is not None:  # the live topology and files: decide from what runs now
             plan = dep.plan_reconcile(plan, **conns)
+            if isinstance(plan, ScalePlan):
+                print(plan.render())
+                if dry_run:
+                    return
+                from pdops import scale as sc
+                from pdops.cli.scale import _print_verdict
+
+                return _print_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
             print(plan.render())
             if dry_run or plan.noop:
                 return
@@ -76,6 +94,30 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
                       f"repaired: {'; '.join(plan.findings)}.", v)
         return
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
+
+
+def _whole(v, flag: str) -> int:
+    from pdops.errors import InvalidInput
+
+    try:
+        n = int(str(v).strip())
+    except ValueError:
+        raise InvalidInput(flag, f"{v!r} is not a whole number", fix=f"e.g. {flag} 1") from None
+    if n < 0:
+        raise InvalidInput(flag, f"{n} is negative", fix=f"e.g. {flag} 1 (0: surge every replacement)")
+    return n
+
+
+def _run_change(inv, plan, dry_run: bool) -> None:
+    from pdops import scale as sc
+    from pdops.cli.scale import _print_verdict
+    from pdops.hosts import connections
+
+    print(plan.render())
+    if dry_run or plan.noop:
+        return
+    with connections(inv) as conns:
+        _print_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})

@@ -10,7 +10,8 @@ DEFAULT_INVENTORY = "inventory/lab"
 
 
 def _print_verdict(plan, verdict: dict) -> None:
-    what = f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else "scaled"
+    what = (f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else
+            "changed" if plan.replaced or plan.surge else "scaled")
     print_verdict(f"{what}: {plan.current.topology} -> {plan.target.topology} as revision {verdict['revision']}, "
                   "now current.", verdict)
 
@@ -18,27 +19,28 @@ def _print_verdict(plan, verdict: dict) -> None:
 @task(help={"inventory": "inventory dir or file", "topology": "target NpMd, e.g. 10p2d",
             "dry_run": "print the plan only",
             "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)",
-            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)"},
+            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)",
+            "max_unavailable": "instances per role out at once while replacing (default 1; 0: surge every one)",
+            "force": "accept a plan that leaves a role with no serving instance at some step"},
       iterable=["skip_check"])
 @cli_errors
-def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None):
-    """Plan the change from the current revision to a topology, then add, verify, register, drain, record."""
+def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
+          max_unavailable=1, force=False):
+    """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
     from pdops import deploy as dep
     from pdops import scale as sc
+    from pdops.cli.core import _run_change, _whole
     from pdops.inventory import load_inventory
     from pdops.topology import parse_topology
 
     topo = parse_topology(topology)
+    mu = _whole(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     state = dep.state_for(inv)
-    plan = sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()))
-    print(plan.render())
-    if dry_run or plan.noop:
-        return
-    from pdops.hosts import connections
-
-    with connections(inv) as conns:
-        _print_verdict(plan, sc.execute_scale(plan, state, **conns))
+    plan = sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()),
+                         max_unavailable=mu, force=force)
+    plan.state = state
+    _run_change(inv, plan, dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",

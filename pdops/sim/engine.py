@@ -53,8 +53,9 @@ class PdTimeouts:
     def __init__(self):
         self.bootstrap = env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
         self.waiting = env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
-        self.heartbeat_interval = env_float("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5)
-        self.heartbeat_max_failure = int(env_float("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2))
+        # as SGLang's decode: at least 2 s and at least 1 failure
+        self.heartbeat_interval = max(env_float("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5), 2.0)
+        self.heartbeat_max_failure = max(int(env_float("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1)
         self.route_retry_s = env_float("PDOPS_SIM_ROUTE_RETRY_S", 1.0)
         self.route_max_failures = 15
 
@@ -521,6 +522,7 @@ class Engine:
                             if r2.status == 200:
                                 info = await r2.json()
                                 self.routes[key] = (info["rank_ip"], int(info["rank_port"]))
+                                self._ensure_heartbeat(key[0], key[1])
                                 return self.routes[key]
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
                 pass
@@ -590,16 +592,19 @@ class Engine:
             self.heartbeats[key] = asyncio.create_task(self._heartbeat(key))
 
     async def _heartbeat(self, key: tuple) -> None:
-        """Heartbeat a prefill's bootstrap server while rooms with it are open; after
-        SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE misses, fail those rooms (500)."""
+        """As SGLang's decode (mooncake conn.py, heartbeat_checker): heartbeat every prefill bootstrap
+        server it has a cached route to, rooms open or not; after
+        SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE misses in a row forget the route and fail the
+        rooms open with it (500). A prefill restarted at the same address before that keeps the
+        stale route: the decode only learns on the next transfer."""
         misses = 0
         url = f"http://{key[0]}:{key[1]}/health"
         while True:
             await asyncio.sleep(self.to.heartbeat_interval)
-            mine = [r for r in self.reqs.values() if (r.bhost, r.bport and int(r.bport)) == key and r.phase in ("prealloc", "transfer")]
-            if not mine:
+            if key not in self.routes:
                 self.heartbeats.pop(key, None)
                 return
+            mine = [r for r in self.reqs.values() if (r.bhost, r.bport and int(r.bport)) == key and r.phase in ("prealloc", "transfer")]
             try:
                 async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=self.to.heartbeat_interval)) as r:
                     ok = r.status == 200

@@ -65,6 +65,23 @@ def test_mainpid_inside_the_units_cgroup(host, name):
         assert pid in procs, f"{unit}: MainPID {pid} not in {cg}"
 
 
+def test_running_processes_use_the_revisions_files(host, name):
+    """Each unit's MainPID carries the config id of the files the revision rendered for it
+    (PDOPS_CONFIG in /proc/<pid>/environ): files changed on disk under a process that did not
+    restart, or a process started from other files, fail here."""
+    configs = REVISION.get("extra", {}).get("configs")
+    if configs is None:
+        pytest.skip("this revision was recorded before pdops recorded what each process runs")
+    mine = {k.split(":", 1)[1]: v for k, v in configs.items() if k.split(":", 1)[0] == name}
+    for unit, want in sorted(mine.items()):
+        pid = int(host.check_output(f"systemctl show -p MainPID --value {unit}").strip() or 0)
+        assert pid > 0, f"{unit} has no MainPID"
+        env = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ | grep '^PDOPS_CONFIG=' || true").strip()
+        got = env.split("=", 1)[1] if env else None
+        assert got == want, (f"{unit} (MainPID {pid}) runs files {got or 'without a config id'}, the revision's are "
+                             f"{want}: the files on disk changed under a process that was not restarted")
+
+
 def test_env_files_are_0600(host, name):
     for path, meta in REVISION["manifest"].get(name, {}).items():
         if path.endswith(".env"):

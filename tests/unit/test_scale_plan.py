@@ -12,6 +12,9 @@ from pdops.render import manifest, render_files
 from pdops.state import StateDir
 from pdops.topology import parse_topology
 
+from pathlib import Path
+REPO = Path(__file__).resolve().parents[2]
+
 
 def deployed(inv, state: StateDir, topo: str, pl: Placement | None = None, outcome="deployed", make_current=True):
     """Record a revision as `inv deploy` (or a scale) would, without any host."""
@@ -154,20 +157,128 @@ def test_nothing_deployed_is_refused(lab_inv, state):
         sc.plan_rollback(lab_inv, state)
 
 
-def test_changed_inventory_is_refused(lab_inv, state, tmp_path, repo):
+def variant(repo, tmp_path, edit, name="inv"):
+    """The lab inventory with `edit(doc, dir)` applied, as an operator would edit it."""
     import yaml
 
-    deployed(lab_inv, state, "2p1d")
     doc = single_file_doc(repo / "inventory" / "lab")
-    doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 7
-    (tmp_path / "inv").mkdir()
-    (tmp_path / "inv" / "hosts.yml").write_text(yaml.safe_dump(doc))
-    changed = load_inventory(tmp_path / "inv")
-    with pytest.raises(Refused, match="inventory changed since revision 1"):
+    d = tmp_path / name
+    d.mkdir()
+    edit(doc, d)
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return load_inventory(d)
+
+
+def with_bundle(**bundle):
+    """An edit that points the inventory at a copy of the lab profile with other bundle values."""
+    import yaml
+
+    def edit(doc, d):
+        prof = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
+        prof["bundle"].update(bundle)
+        (d / "bundle.yml").write_text(yaml.safe_dump(prof))
+        doc["all"]["vars"]["pdops_profile"] = "bundle.yml"
+    return edit
+
+
+def test_a_gateway_setting_change_is_refused_naming_the_gateways_files(lab_inv, state, tmp_path, repo):
+    deployed(lab_inv, state, "2p1d")
+    changed = variant(repo, tmp_path, lambda doc, d: doc["all"]["vars"]["pdops_gateway"].update(
+        health_check_interval_secs=7))
+    with pytest.raises(Refused, match="files of the gateway") as e:
         sc.plan_scale(changed, parse_topology("3p1d"), state)
+    assert "pdops-gateway.sh changed" in e.value.render()
 
 
-def test_kept_instance_whose_files_would_change_is_refused(lab_inv, state):
+def test_a_bundle_change_replaces_every_instance_one_per_role_at_a_time(lab_inv, state, tmp_path, repo):
+    rev = deployed(lab_inv, state, "2p2d")
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=32))
+    plan = sc.plan_apply(inv, parse_topology("2p2d"), state)
+    assert ids(plan.replaced) == ["p01", "p02", "d01", "d02"] and not plan.added and not plan.removed
+    assert plan.waves == [["p01", "d01"], ["p02", "d02"]]
+    assert all("pdops-" in plan.why[i] and "changed" in plan.why[i] for i in plan.why)
+    assert plan.min_capacity() == (1, 1)  # one per role out at once, never zero
+    old = Placement.from_dict(rev.placement)
+    for i in plan.target.role("prefill"):  # each replacement on the port its predecessor did not use
+        assert i.bootstrap_port == old.get(i.id).bootstrap_port + 1 and i.http_port == old.get(i.id).http_port
+    batches = [[s.name for s in b] for b in plan.plan.batches()]
+    assert ["replace p01: leave-gateway", "replace d01: leave-gateway"] in batches
+    assert ["start p01", "start d01"] in batches
+    names = plan.plan.step_ids()
+    assert names.index("replace p01: verify-stop") < names.index("deliver p01+d01") < names.index("start p01")
+    assert names.index("register d01") < names.index("replace p02: leave-gateway")
+    canary = next(s for s in plan.run if s.name == "canary p01+d01")
+    assert sorted(canary.params["pairs"]) == [("p01", "d01"), ("p01", "d02"), ("p02", "d01")]
+    assert names[-2:] == ["verify-running", "record"]
+    # the first delivery holds the replaced instances' own files back until their wave
+    assert next(s for s in plan.run if s.name == "deliver").params["hold"] == ["p01", "p02", "d01", "d02"]
+    assert "--max-running-requests" in next(f.content for f in plan.files if f.path.endswith("pdops-p01.sh"))
+
+
+def test_max_unavailable_two_replaces_a_role_in_one_wave_only_when_it_keeps_one_serving(state, tmp_path, repo):
+    def edit(doc, d):
+        with_bundle(chunked_prefill_size=4096)(doc, d)
+    inv = variant(repo, tmp_path, edit)
+    base = variant(repo, tmp_path, lambda doc, d: None, name="base")
+    deployed(base, state, "3p1d")
+    # the lone decode has no free slot to surge into: --force accepts it; prefills: at most 2 of 3 at once
+    plan = sc.plan_apply(inv, parse_topology("3p1d"), state, max_unavailable=3, force=True)
+    assert plan.waves == [["p01", "p02", "d01"], ["p03"]]
+    assert plan.min_capacity() == (1, 0)
+    plan = sc.plan_apply(inv, parse_topology("3p1d"), state, max_unavailable=1, force=True)
+    assert plan.waves == [["p01", "d01"], ["p02"], ["p03"]] and plan.min_capacity() == (2, 0)
+
+
+def test_a_single_instance_role_surges_into_a_free_slot(lab_inv, state, tmp_path, repo):
+    deployed(lab_inv, state, "1p1d")
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=16))
+    plan = sc.plan_apply(inv, parse_topology("1p1d"), state)
+    assert plan.surge == [("p01", "p02"), ("d01", "d02")]
+    assert ids(plan.added) == ["p02", "d02"] and ids(plan.removed) == ["p01", "d01"] and not plan.replaced
+    assert plan.min_capacity() == (1, 1)
+    names = plan.plan.step_ids()
+    assert names.index("register p02") < names.index("drain p01: leave-gateway")
+
+
+def test_no_free_slot_to_surge_into_is_refused_before_any_host(lab_inv, state, tmp_path, repo):
+    deployed(lab_inv, state, "2p2d")
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=16))
+    with pytest.raises(Refused, match="--max-unavailable 0.*no free slot"):
+        sc.plan_apply(inv, parse_topology("2p2d"), state, max_unavailable=0)
+    with pytest.raises(InvalidInput, match="max-unavailable"):
+        sc.plan_apply(inv, parse_topology("2p2d"), state, max_unavailable=-1)
+
+
+def test_a_lone_instance_with_no_room_to_surge_needs_force(fleet, state, tmp_path, repo):
+    deployed(lab_inv_4(repo, tmp_path), state, "1p3d")
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=16), name="b")
+    with pytest.raises(Refused, match="no serving prefill"):
+        sc.plan_apply(inv, parse_topology("1p3d"), state)
+    plan = sc.plan_apply(inv, parse_topology("1p3d"), state, force=True)
+    assert plan.min_capacity()[0] == 0 and "p01" in ids(plan.replaced)
+
+
+def lab_inv_4(repo, tmp_path):
+    return variant(repo, tmp_path, lambda doc, d: None, name="a")
+
+
+def test_shrinking_drains_one_and_growing_takes_the_lowest_free_id(lab_inv, state):
+    from pdops.placement import place_change
+
+    pl3 = place(lab_inv, parse_topology("3p1d"))
+    # 3p1d holding p01, p03, p04 (p02 drained earlier): ids need not be contiguous
+    p = {i.id: i for i in pl3.instances}
+    from pdops.placement import _make, _slots
+    p04 = _make(lab_inv, "prefill", 4, _slots(lab_inv)[1])
+    holes = Placement(parse_topology("3p1d"), (p["p01"], p["p03"], p04, p["d01"]))
+    deployed(lab_inv, state, "3p1d", pl=holes)
+    plan = sc.plan_scale(lab_inv, parse_topology("2p1d"), state)
+    assert ids(plan.removed) == ["p04"] and not plan.added and not plan.replaced
+    grown = place_change(lab_inv, parse_topology("3p1d"), plan.target)
+    assert [i.id for i in grown.role("prefill")] == ["p01", "p02", "p03"]
+
+
+def test_kept_instance_whose_files_changed_is_replaced_naming_the_file(lab_inv, state):
     rev = deployed(lab_inv, state, "2p1d")
     # a revision recorded with other file contents for p01 (e.g. by another pdops version)
     mf = {h: dict(f) for h, f in rev.manifest.items()}
@@ -176,9 +287,28 @@ def test_kept_instance_whose_files_would_change_is_refused(lab_inv, state):
     r2 = state.write_revision(topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement,
                               manifest=mf, instances=rev.instances, outcome="deployed")
     state.set_current(r2.number)
-    with pytest.raises(Refused) as e:
-        sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
-    assert "pdops-p01.env changed" in e.value.render()
+    plan = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
+    assert ids(plan.replaced) == ["p01"] and ids(plan.added) == ["p03"]
+    assert "pdops-p01.env" in plan.why["p01"] and "replaced: p01" in plan.render()
+
+
+def test_removing_a_host_that_holds_an_instance_is_refused_naming_it(lab_inv, state, tmp_path, repo):
+    deployed(lab_inv, state, "2p2d")  # d02 on lab04
+    inv = variant(repo, tmp_path, lambda doc, d: doc["all"]["children"]["gpu_hosts"]["hosts"].pop("lab04"))
+    with pytest.raises(InvalidInput, match="d02 .*lab04.*no longer has") as e:
+        sc.plan_apply(inv, parse_topology("2p2d"), state)
+    assert "inv drain --host lab04" in e.value.render()
+
+
+def test_a_host_added_to_the_inventory_can_be_scaled_onto(state, tmp_path, repo):
+    def three(doc, d):
+        doc["all"]["children"]["gpu_hosts"]["hosts"].pop("lab04")
+    small = variant(repo, tmp_path, three, name="small")
+    deployed(small, state, "2p1d")
+    full = variant(repo, tmp_path, lambda doc, d: None, name="full")
+    plan = sc.plan_apply(full, parse_topology("3p1d"), state)
+    assert ids(plan.added) == ["p03"] and plan.target.get("p03").hosts == ("lab04",)
+    assert not plan.replaced and ids(plan.kept) == ["p01", "p02", "d01"]
 
 
 # ---------------------------------------------------------------- rollback
