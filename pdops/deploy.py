@@ -662,7 +662,8 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
 def verify_running_step(pl: Placement, inv: Inventory) -> Step:
     n = sum(len(i.units) for i in pl.instances) + 1
     return Step("verify-running", None, f"every unit of the revision ({n}, the gateway's too) active, and its "
-                "MainPID started from this revision's files (PDOPS_CONFIG in /proc/<pid>/environ)", 60,
+                "MainPID started from this revision's files (the PID and config id its launch script noted in "
+                "/run/pdops/<unit>/config before exec)", 60,
                 kind="verify-running", verifies="the running processes use the revision's files")
 
 
@@ -705,7 +706,7 @@ def do_verify_running(ctx: RunContext, step: Step) -> Outcome:
     ev = running_evidence(ctx.pool, ctx.inv, ctx.data["target"], files)
     ctx.data["running"] = ev
     return Outcome(evidence={"units": ev}, verified=[f"{len(ev)} unit(s) active, each MainPID started from this "
-                                                     "revision's files (config id in its environment)"])
+                                                     "revision's files (config id noted by its launch script)"])
 
 
 def configs_of(running: dict) -> dict[str, str]:

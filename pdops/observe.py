@@ -195,17 +195,23 @@ def with_configs(pool: HostPool, host: str, units: list[str]) -> tuple[dict[str,
 
 
 def running_configs(pool: HostPool, host: str, pids: dict[str, int]) -> dict[str, str | None]:
-    """{unit: PDOPS_CONFIG of its MainPID's environment, or None} (pdops.render.CONFIG_VAR)."""
-    from pdops.render import CONFIG_VAR
+    """{unit: the config id its MainPID was started with, or None}: the launch script writes
+    "<PID> <PDOPS_CONFIG>" into the unit's RuntimeDirectory before it execs (the PID survives the
+    exec), so the note counts only when its PID is the unit's MainPID now. Read from this note, not
+    /proc/<pid>/environ: a process that sets its title (smg does) overwrites its environ area."""
+    from pdops.facts import q
+    from pdops.render import RUN_DIR, runtime_dir
 
     if not pids:
         return {}
-    script = "; ".join(f"printf '%s ' {int(p)}; (tr '\\0' '\\n' < /proc/{int(p)}/environ 2>/dev/null | "
-                       f"grep -m1 '^{CONFIG_VAR}=' || echo -) | head -n1" for p in pids.values())
+    script = "; ".join(f"printf '%s ' {q(u)}; head -n1 {q(f'{RUN_DIR}/{runtime_dir(u)}/config')} 2>/dev/null || echo -"
+                       for u in pids)
     out = pool.run(host, script).stdout
-    by_pid = {}
+    seen: dict[str, str | None] = {}
     for line in out.splitlines():
-        pid, _, val = line.strip().partition(" ")
-        if pid.isdigit():
-            by_pid[int(pid)] = val.split("=", 1)[1] if val.startswith(CONFIG_VAR + "=") else None
-    return {u: by_pid.get(p) for u, p in pids.items()}
+        parts = line.split()
+        if len(parts) >= 3 and parts[0] in pids and parts[1].isdigit() and int(parts[1]) == pids[parts[0]]:
+            seen[parts[0]] = parts[2]
+        elif parts and parts[0] in pids:
+            seen.setdefault(parts[0], None)
+    return {u: seen.get(u) for u in pids}

@@ -177,7 +177,9 @@ def gateway_argv(inv: Inventory) -> list[str]:
 # ---------------------------------------------------------------- files
 
 def _launch_script(inv: Inventory, what: str, argv: list[str], secret_flag: str | None, key_file: str | None) -> str:
-    pre: list[str] = []
+    # which files this process starts from, for pdops.observe (the PID stays the same through exec)
+    pre: list[str] = [f'[ -z "${{RUNTIME_DIRECTORY:-}}" ] || printf \'%s %s\\n\' "$$" "${{{CONFIG_VAR}:-}}" '
+                      '> "$RUNTIME_DIRECTORY/config"']
     line = " ".join(shlex.quote(a) for a in argv)
     if secret_flag and key_file:
         # The key is read from its 0600 file at start; it is never in a rendered file or a log.
@@ -220,7 +222,7 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
             unit_text = tpl.get_template("engine.service.j2").render(
                 role=inst.role, instance=inst.id, nnodes=inst.nnodes, node_rank=rank.node_rank, engine=inv.engine,
                 launch_script=script, env_file=env_file, timeout_stop_sec=inv.stop_timeout_s,
-                **_unit_common(inv))
+                runtime_dir=runtime_dir(unit), **_unit_common(inv))
             script_text = _launch_script(inv, what, engine_argv(inv, pl, inst, rank), None, None)
             env = engine_env(inv, inst, rank)
             env[CONFIG_VAR] = config_id(unit_text, script_text, _env_file(inv, what, env), slice_text)
@@ -231,7 +233,7 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
     gw_unit = tpl.get_template("gateway.service.j2").render(
         smg_version=SMG_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
         env_file=f"{ENV_DIR}/gateway.env", exec_start_post=membership.exec_start_post(inv),
-        workers_file=membership.PATH, **{**_unit_common(inv), **GATEWAY_RESTART})
+        workers_file=membership.PATH, runtime_dir=runtime_dir(GATEWAY_UNIT), **{**_unit_common(inv), **GATEWAY_RESTART})
     gw_script = _launch_script(inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file)
     gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}
     gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,
@@ -250,9 +252,19 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
 
 
 # Every unit's env file names the files it was rendered with: a digest of its unit, launch script,
-# env file (without this line) and slice. Its process carries it in /proc/<pid>/environ, so what
-# a process runs is read from the process, not assumed from the files on disk (pdops.observe).
+# env file (without this line) and slice. Its launch script notes "<PID> <id>" in the unit's
+# RuntimeDirectory before it execs, so which files a process was started from is read from what
+# the process left at its start (checked against MainPID), not assumed from the files on disk
+# (pdops.observe). Not /proc/<pid>/environ: smg sets its process title over that area.
 CONFIG_VAR = "PDOPS_CONFIG"
+
+
+def runtime_dir(unit: str) -> str:
+    """The unit's RuntimeDirectory= (under /run), where its launch script notes its PID and config id."""
+    return "pdops/" + unit.removesuffix(".service")
+
+
+RUN_DIR = "/run"
 
 
 def config_id(*texts: str) -> str:

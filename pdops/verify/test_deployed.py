@@ -67,8 +67,9 @@ def test_mainpid_inside_the_units_cgroup(host, name):
 
 def test_running_processes_use_the_revisions_files(host, name):
     """Each unit's MainPID carries the config id of the files the revision rendered for it
-    (PDOPS_CONFIG in /proc/<pid>/environ): files changed on disk under a process that did not
-    restart, or a process started from other files, fail here."""
+    (its launch script notes "<PID> <PDOPS_CONFIG>" in /run/pdops/<unit>/config before it execs):
+    files changed on disk under a process that did not restart, or a process started from other
+    files, fail here."""
     configs = REVISION.get("extra", {}).get("configs")
     if configs is None:
         pytest.skip("this revision was recorded before pdops recorded what each process runs")
@@ -76,10 +77,13 @@ def test_running_processes_use_the_revisions_files(host, name):
     for unit, want in sorted(mine.items()):
         pid = int(host.check_output(f"systemctl show -p MainPID --value {unit}").strip() or 0)
         assert pid > 0, f"{unit} has no MainPID"
-        env = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ | grep '^PDOPS_CONFIG=' || true").strip()
-        got = env.split("=", 1)[1] if env else None
-        assert got == want, (f"{unit} (MainPID {pid}) runs files {got or 'without a config id'}, the revision's are "
-                             f"{want}: the files on disk changed under a process that was not restarted")
+        note = host.file(f"/run/pdops/{unit.removesuffix('.service')}/config")
+        parts = note.content_string.split() if note.exists else []
+        got = parts[1] if len(parts) >= 2 and parts[0] == str(pid) else None
+        assert got == want, (f"{unit} (MainPID {pid}) was started from files {got or 'without a config id'}, the "
+                             f"revision's are {want}: the files on disk changed under a process that was not restarted")
+        reload = host.check_output(f"systemctl show -p NeedDaemonReload --value {unit}").strip()
+        assert reload == "no", f"{unit}: its unit file changed on disk since systemd loaded it"
 
 
 def test_env_files_are_0600(host, name):

@@ -133,18 +133,21 @@ def test_redeploying_the_same_topology_is_a_noop(live):
     assert proc.returncode == 0, proc.stderr
     # decided from what runs, not from the record: the verdict names what was observed
     assert "no change: revision 1 (2p1d) is live with identical rendered files; observed: 3 unit(s) of 3 " \
-           "instance(s) active with their recorded MainPIDs, 3 worker(s) healthy and ready" in proc.stdout, proc.stdout
+           "instance(s) active with their recorded MainPIDs, each process started from this revision's files, 3 " \
+           "worker(s) healthy and ready" in proc.stdout, proc.stdout
     assert record(inv_dir).revision_numbers() == [1]
 
 
-def test_a_different_topology_is_refused_with_a_pointer_to_scale(live):
+def test_a_different_topology_is_planned_as_a_change(live):
     inv_dir, _ = live
-    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
-    assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "inv scale --topology 1p1d" in proc.stderr
+    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir), "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "from revision 1 (2p1d) to 1p1d" in proc.stdout and "removed: p02" in proc.stdout
+    assert "drain p02: leave-gateway" in proc.stdout
+    assert record(inv_dir).revision_numbers() == [1]  # a dry run changes nothing
 
 
-def test_a_changed_inventory_is_refused(live, tmp_path):
+def test_a_gateway_setting_change_is_refused_naming_its_files(live, tmp_path):
     inv_dir, _ = live
     doc = yaml.safe_load((inv_dir / "hosts.yml").read_text())
     doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 7
@@ -153,7 +156,8 @@ def test_a_changed_inventory_is_refused(live, tmp_path):
     (changed / "hosts.yml").write_text(yaml.safe_dump(doc))
     proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(changed))
     assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "the inventory changed since revision 1" in proc.stderr
+    assert "files of the gateway" in proc.stderr and "pdops-gateway.sh changed" in proc.stderr
+    assert "] connect" not in proc.stdout
 
 
 def test_a_concurrent_operation_is_refused(lab, live, fresh):
