@@ -531,7 +531,8 @@ def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once
         names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
         raise DeployFailed(f"canary failed for {names}", fix="the named pair cannot serve; check its transfer "
                            "settings (bootstrap port reachable, NIC/GID) with `inv preflight`",
-                           evidence="\n".join(str(e) for e in bad.values()))
+                           evidence="\n".join(f"{e}" + (f": {e.evidence}" if getattr(e, "evidence", None) else "")
+                                              for e in bad.values()))
     say(f"  canary ok through {len(pairs)} prefill x decode pair(s)")
     out = {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
     if retried:
@@ -608,9 +609,16 @@ def do_start(ctx: RunContext, step: Step) -> Outcome:
                                           f"{', '.join(map(str, ev['main_pids'].values()))})"])
 
 
+def serving(ctx: RunContext, iid: str) -> Instance:
+    """The instance as it serves at this point of the operation: a replaced one that is not started
+    yet still runs its old process (old ports; a prefill's old bootstrap port)."""
+    if iid in ctx.data.get("replacing", ()) and iid not in ctx.data.get("started_instances", {}):
+        return ctx.data["old_placement"].get(iid)
+    return _placement_of(ctx).get(iid)
+
+
 def do_canary(ctx: RunContext, step: Step) -> Outcome:
-    pl = _placement_of(ctx)
-    pairs = [(pl.get(p), pl.get(d)) for p, d in step.params["pairs"]]
+    pairs = [(serving(ctx, p), serving(ctx, d)) for p, d in step.params["pairs"]]
     ev = canary_pairs(pairs, ctx.say, retry_once=step.params["retry_once"], deadline_s=step.deadline)
     return Outcome(evidence=ev, verified=[f"a canary generation through each of {len(pairs)} prefill x decode "
                                           f"pair(s): {', '.join(f'{p.id} x {d.id}' for p, d in pairs)}"])

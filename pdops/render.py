@@ -166,8 +166,16 @@ def gateway_args(inv: Inventory) -> list[str]:
         # A worker queued before its engine answers (after a reboot) is probed again this often,
         # not every 30 s (smg's default), until --worker-startup-timeout-secs.
         "--worker-startup-check-interval", "2",
+        # On SIGTERM (a restart) smg answers 503 on readiness, keeps accepting for up to 5 s, then
+        # waits for every request in flight up to this long: a restart cuts no stream within it.
+        "--shutdown-grace-period-secs", str(gateway_grace_s(inv)),
     ] + [a for flag, val in (("--policy", gw.policy), ("--prefill-policy", gw.prefill_policy),
                              ("--decode-policy", gw.decode_policy)) if val for a in (flag, val)]
+
+
+def gateway_grace_s(inv: Inventory) -> int:
+    """How long a stopping gateway waits for the requests in flight: the drain budget, as an instance."""
+    return int(inv.drain_budget_s)
 
 
 def gateway_argv(inv: Inventory) -> list[str]:
@@ -233,7 +241,8 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
     gw_unit = tpl.get_template("gateway.service.j2").render(
         smg_version=SMG_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
         env_file=f"{ENV_DIR}/gateway.env", exec_start_post=membership.exec_start_post(inv),
-        workers_file=membership.PATH, runtime_dir=runtime_dir(GATEWAY_UNIT), **{**_unit_common(inv), **GATEWAY_RESTART})
+        workers_file=membership.PATH, runtime_dir=runtime_dir(GATEWAY_UNIT),
+        timeout_stop_sec=gateway_grace_s(inv) + 30, **{**_unit_common(inv), **GATEWAY_RESTART})
     gw_script = _launch_script(inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file)
     gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}
     gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,

@@ -27,6 +27,7 @@ slots), refused when its conditions no longer hold (inventory or rendered files 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,6 +93,7 @@ class ScalePlan:
     waves: list[list[str]] = field(default_factory=list)
     surge: list[tuple[str, str]] = field(default_factory=list)  # (old id, the new id that replaces it)
     max_unavailable: int = 1
+    gateway_restart: list[str] = field(default_factory=list)  # the gateway's files that change (restart it)
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
 
     @property
@@ -139,6 +141,11 @@ class ScalePlan:
             lines.append(f"  replaced: {i.id} ({i.role}) on {'/'.join(i.hosts)}: {self.why[i.id]}{port}")
         for o, n in self.surge:
             lines.append(f"  surge:   {o} is replaced by {n} ({self.target.get(n).url}), started before {o} drains")
+        if self.gateway_restart:
+            lines.append(f"  gateway: restarted after the instances ({len(self.gateway_restart)} of its files change: "
+                         + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "
+                         "finishes first, requests arriving while it restarts are refused, every worker registered "
+                         "again from its start-up list")
         if self.waves:
             lines.append(f"  rolling: {len(self.waves)} wave(s), at most {max(self.max_unavailable, 1)} per role out "
                          "at once: " + "; ".join(", ".join(w) for w in self.waves))
@@ -289,13 +296,15 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     new_sh = _shared_files(new_mf, tgt_ids)
     shared = [c for c in _file_changes(old_sh, {k: v for k, v in new_sh.items() if k in old_sh})
               if not c.endswith("would be removed")]
-    if shared:
-        raise Refused(f"the change would rewrite files of the gateway or the admission layer of revision "
-                      f"{cur.number}; restarting the gateway within a rolling change is not supported yet",
-                      evidence="\n".join(shared),
-                      fix="keep the gateway's settings (pdops_gateway, pdops_admission) as revision "
-                          f"{cur.number} has them for this change; change them with a fresh `inv deploy` after "
-                          "`inv stop`, or in a maintenance window")
+    from pdops.admission import UNIT as ADMISSION_UNIT
+
+    adm_changes = [c for c in shared if "admission" in c or "haproxy" in c]
+    if adm_changes:
+        raise Refused(f"the change would rewrite files of the admission layer of revision {cur.number}; a rolling "
+                      "change does not restart it", evidence="\n".join(adm_changes),
+                      fix=f"change the admission layer on its own (`inv admission.*`; {ADMISSION_UNIT}), then "
+                          "deploy the rest")
+    gateway_restart = [c for c in shared if c not in adm_changes]
     # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
     if any(cur_by_id[i].role == "prefill" for i in why):
         from pdops.placement import remake, uses_alt_port
@@ -337,7 +346,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     replaced = [i for i in target_pl.instances if i.id in why]
     kept = [i for i in target_pl.instances if i.id in cur_by_id and i.id not in why]
     n_kept_files = sum(len(instance_files(new_mf, i.id)) for i in kept)
-    if not added and not removed and not replaced:
+    if not added and not removed and not replaced and not gateway_restart:
         return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
                          noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
                               "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
@@ -406,12 +415,12 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         low = min((s.capacity[role_i] for s in steps if not s.kind.startswith("replace")), default=old_count[role])
         if low < min(old_count[role], new_count[role]):
             dip.append(f"{role} capacity drops to {low} (old {old_count[role]}, new {new_count[role]})")
-        if min(s.capacity[role_i] for s in steps) < 1:
+        if min((s.capacity[role_i] for s in steps), default=old_count[role]) < 1:
             zero.append(role)
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
-                     max_unavailable=max_unavailable)
+                     max_unavailable=max_unavailable, gateway_restart=gateway_restart)
     plan.run = runner_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
@@ -606,7 +615,14 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                            prefix=f"drain {s.instance.id}: ", in_change=True)
         live.discard(s.instance.id)
     from pdops.deploy import verify_running_step
+    from pdops.render import GATEWAY_UNIT, gateway_grace_s
 
+    if plan.gateway_restart:
+        out.append(Step("gateway-restart", inv.gateway.host, f"systemctl restart {GATEWAY_UNIT}: smg finishes what is "
+                        f"in flight (up to {gateway_grace_s(inv)}s), the new process starts from the new files and "
+                        "registers every worker of its start-up list; wait until /workers lists each healthy and ready",
+                        gateway_grace_s(inv) + 120, kind="gateway-restart",
+                        params={"instances": [i.id for i in tgt.instances]}))
     out.append(verify_running_step(tgt, inv))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it"))
     return out
@@ -658,6 +674,33 @@ def _union(plan: ScalePlan) -> Placement:
                      + tuple(i for i in plan.current_placement.instances if i.id not in ids))
 
 
+def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
+    """Restart the gateway on its new files; every instance of the target back in its /workers."""
+    from pdops.facts import q
+    from pdops.gateway import deadline_in
+    from pdops.render import GATEWAY_UNIT
+
+    inv, pool, gw = ctx.inv, ctx.pool, ctx.gateway
+    old_pid = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
+    t0 = time.monotonic()
+    pool.run(inv.gateway.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
+    restarted_s = round(time.monotonic() - t0, 2)
+    st = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+    if st.active_state != "active" or st.main_pid == old_pid:
+        raise Unverified(f"gateway {GATEWAY_UNIT} is {st.active_state}/{st.sub_state} (MainPID {st.main_pid}, was "
+                         f"{old_pid}) after the restart", evidence=pool.journal_tail(inv.gateway.host, GATEWAY_UNIT))
+    deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
+    pl = ctx.data["placement"]
+    for iid in step.params["instances"]:
+        gw.wait_worker_healthy(pl.get(iid).url, deadline)
+    ctx.say(f"  gateway restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
+            f"{len(step.params['instances'])} worker(s) healthy and ready again")
+    return Outcome(evidence={"old_main_pid": old_pid, "main_pid": st.main_pid, "restart_s": restarted_s,
+                             "ready_s": round(time.monotonic() - t0, 2)},
+                   verified=[f"gateway restarted from the new files (MainPID {st.main_pid}); every instance listed "
+                             "healthy and ready by /workers again"])
+
+
 def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
     """The own files of a wave's instances (their old processes are stopped by now)."""
     from pdops.deploy import deliver
@@ -690,7 +733,8 @@ def executors() -> dict:
     from pdops import deploy as dep
     from pdops import drain as dr
 
-    return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale, "deliver-wave": do_deliver_wave}
+    return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale, "deliver-wave": do_deliver_wave,
+            "gateway-restart": do_gateway_restart}
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -705,6 +749,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
         state.check_basis(plan.current.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan,
                                                                    "old_placement": plan.current_placement,
+                                                                   "replacing": {i.id for i in plan.replaced},
                                                                    "target": plan.target})
         try:
             verdict = walk(plan.plan, ctx, executors())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -95,3 +96,54 @@ def stop_all(lab) -> None:
             c.run("systemctl stop " + " ".join(units) + " ; systemctl reset-failed " + " ".join(units),
                   hide=True, warn=True)
         c.close()
+
+
+class Load:
+    """Requests through the gateway (every other one streamed) in small batches until stopped; every
+    request is counted in its ledger row."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.rows = []
+        self._stop = threading.Event()
+        self._error = None
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from pdops.load import send
+
+        n = 0
+        try:
+            while not self._stop.is_set():
+                self.rows += send(self.url, requests=6, concurrency=3, max_new_tokens=8, stream_every=2,
+                                  rid_prefix=f"scale-load-{n}", timeout=60)
+                n += 1
+        except Exception as exc:  # noqa: BLE001 - reported by stop()
+            self._error = exc
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=120)
+
+    def refused(self) -> list:
+        """Requests turned away before anything was served: the connection refused, or an HTTP 503
+        with no token (the gateway restarting, or not yet routing to its workers)."""
+        turned_away = ("connect call failed", "cannot connect", "can not write request body", "refused")
+        return [r for r in self.rows if not r.ok and r.first_token is None and
+                (r.http_status == 503 or (r.http_status is None and
+                                          any(t in str(r.error or "").lower() for t in turned_away)))]
+
+    def assert_clean(self, at_least: int = 6, *, allow_refused: bool = False):
+        """Every request sent got its whole answer (none lost), each request ID once (none replayed).
+        `allow_refused`: requests turned away before anything was served are counted, not failures."""
+        assert self._error is None, self._error
+        refused = {r.rid for r in self.refused()} if allow_refused else set()
+        bad = [r.to_dict() for r in self.rows if not r.ok and r.rid not in refused]
+        assert not bad, bad[:3]
+        assert len(self.rows) >= at_least
+        rids = [r.rid for r in self.rows]
+        assert len(rids) == len(set(rids))

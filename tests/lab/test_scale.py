@@ -13,16 +13,14 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from tests.lab.clusters import REPO, derived_inventory, record, stop_all
+from tests.lab.clusters import REPO, Load, derived_inventory, record, stop_all
 
 from pdops.gateway import GatewayClient
 from pdops.inventory import load_inventory
-from pdops.load import send
 
 pytestmark = pytest.mark.lab
 
@@ -60,41 +58,6 @@ class Cluster:
         proc = self.cli("status", "--json")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return json.loads(proc.stdout)
-
-
-class Load:
-    """Requests through the gateway in small batches until stopped; every row is kept."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.rows = []
-        self._stop = threading.Event()
-        self._error = None
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        n = 0
-        try:
-            while not self._stop.is_set():
-                self.rows += send(self.url, requests=6, concurrency=3, max_new_tokens=8, stream_every=2,
-                                  rid_prefix=f"scale-load-{n}", timeout=60)
-                n += 1
-        except Exception as exc:  # noqa: BLE001 - reported by stop()
-            self._error = exc
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join(timeout=120)
-
-    def assert_clean(self, at_least: int = 6):
-        assert self._error is None, self._error
-        bad = [r.to_dict() for r in self.rows if not r.ok]
-        assert not bad, bad[:3]
-        assert len(self.rows) >= at_least
 
 
 @pytest.fixture(scope="module")

@@ -181,13 +181,18 @@ def with_bundle(**bundle):
     return edit
 
 
-def test_a_gateway_setting_change_is_refused_naming_the_gateways_files(lab_inv, state, tmp_path, repo):
+def test_a_gateway_setting_change_restarts_the_gateway_after_the_instances(lab_inv, state, tmp_path, repo):
     deployed(lab_inv, state, "2p1d")
     changed = variant(repo, tmp_path, lambda doc, d: doc["all"]["vars"]["pdops_gateway"].update(
         health_check_interval_secs=7))
-    with pytest.raises(Refused, match="files of the gateway") as e:
-        sc.plan_scale(changed, parse_topology("3p1d"), state)
-    assert "pdops-gateway.sh changed" in e.value.render()
+    plan = sc.plan_scale(changed, parse_topology("3p1d"), state)
+    assert ids(plan.added) == ["p03"] and not plan.replaced  # the engines' files do not change
+    assert any("pdops-gateway.sh changed" in c for c in plan.gateway_restart)
+    names = plan.plan.step_ids()
+    assert names.index("register p03") < names.index("gateway-restart") < names.index("verify-running")
+    assert "gateway: restarted after the instances" in plan.render()
+    same = sc.plan_scale(changed, parse_topology("2p1d"), state)
+    assert not same.noop and same.plan.step_ids()[-3:] == ["gateway-restart", "verify-running", "record"]
 
 
 def test_a_bundle_change_replaces_every_instance_one_per_role_at_a_time(lab_inv, state, tmp_path, repo):
