@@ -710,7 +710,7 @@ def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[
 
 
 def do_verify_running(ctx: RunContext, step: Step) -> Outcome:
-    files = ctx.data.get("files") or ctx.data["deploy_plan"].files
+    files = ctx.data.get("files") or (ctx.data.get("scale_plan") or ctx.data["deploy_plan"]).files
     ev = running_evidence(ctx.pool, ctx.inv, ctx.data["target"], files)
     ctx.data["running"] = ev
     return Outcome(evidence={"units": ev}, verified=[f"{len(ev)} unit(s) active, each MainPID started from this "

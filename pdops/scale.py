@@ -94,6 +94,7 @@ class ScalePlan:
     surge: list[tuple[str, str]] = field(default_factory=list)  # (old id, the new id that replaces it)
     max_unavailable: int = 1
     gateway_restart: list[str] = field(default_factory=list)  # the gateway's files that change (restart it)
+    cordoned: list[str] = field(default_factory=list)  # hosts placement avoids after this change
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
 
     @property
@@ -141,6 +142,10 @@ class ScalePlan:
             lines.append(f"  replaced: {i.id} ({i.role}) on {'/'.join(i.hosts)}: {self.why[i.id]}{port}")
         for o, n in self.surge:
             lines.append(f"  surge:   {o} is replaced by {n} ({self.target.get(n).url}), started before {o} drains")
+        was = sorted(cordoned_hosts(cur))
+        if self.cordoned != was:
+            lines.append(f"  cordoned: {', '.join(self.cordoned) or 'none'} (was {', '.join(was) or 'none'}): placement "
+                         "avoids these hosts until `inv uncordon --host H`")
         if self.gateway_restart:
             lines.append(f"  gateway: restarted after the instances ({len(self.gateway_restart)} of its files change: "
                          + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "
@@ -258,7 +263,8 @@ def _current(inv: Inventory, state: StateDir, what: str) -> Revision:
 
 def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
                 skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
-                force: bool = False, replace_ids: dict[str, str] | None = None) -> ScalePlan:
+                force: bool = False, replace_ids: dict[str, str] | None = None,
+                cordoned: list[str] | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -346,7 +352,9 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     replaced = [i for i in target_pl.instances if i.id in why]
     kept = [i for i in target_pl.instances if i.id in cur_by_id and i.id not in why]
     n_kept_files = sum(len(instance_files(new_mf, i.id)) for i in kept)
-    if not added and not removed and not replaced and not gateway_restart:
+    cordoned = sorted(cordoned_hosts(cur) if cordoned is None else cordoned)
+    cordon_change = cordoned != sorted(cordoned_hosts(cur))
+    if not added and not removed and not replaced and not gateway_restart and not cordon_change:
         return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
                          noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
                               "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
@@ -420,7 +428,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
-                     max_unavailable=max_unavailable, gateway_restart=gateway_restart)
+                     max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned)
     plan.run = runner_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
@@ -476,6 +484,59 @@ def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capac
 
 def cordoned_hosts(rev: Revision) -> list[str]:
     return list((rev.extra or {}).get("cordoned", []))
+
+
+def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool = False,
+                    skip_checks: set[str] | None = None) -> ScalePlan:
+    """`inv drain --host H` (maintenance): every instance with a rank on H leaves it. Where free
+    slots off the cordoned hosts allow, each is replaced there first (a new id, started and
+    registered before the old one drains); else it is drained and the role shrinks, refused when a
+    role would be left with no serving instance unless `force`. H is cordoned in the revision."""
+    from pdops.placement import _slots
+
+    inv.host(host)  # InvalidInput naming the hosts when unknown
+    cur = _current(inv, state, "drain")
+    cur_pl = Placement.from_dict(cur.placement)
+    cordoned = sorted(set(cordoned_hosts(cur)) | {host})
+    leaving = [i for i in cur_pl.instances if host in i.hosts]
+    staying = [i for i in cur_pl.instances if host not in i.hosts]
+    used = {_slot_key(i) for i in cur_pl.instances}
+    free = [sl for sl in _slots(inv) if (tuple(h.name for h in sl[0]), sl[1]) not in used
+            and not {h.name for h in sl[0]} & set(cordoned)]
+    out = list(staying)
+    moved = []
+    for old in leaving:
+        if not free:
+            continue
+        taken = {int(i.id[1:]) for i in out + leaving if i.role == old.role}
+        n = 1
+        while n in taken:
+            n += 1
+        new = _make(inv, old.role, n, free.pop(0))
+        out.append(new)
+        moved.append((old.id, new.id))
+    out.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    target = Placement(Topology(sum(i.role == "prefill" for i in out), sum(i.role == "decode" for i in out)), tuple(out))
+    zero = [r for r in ROLES if not target.role(r)]
+    if zero and not force:
+        raise Refused(f"draining {host} ({', '.join(i.id for i in leaving)}) would leave no serving "
+                      f"{' and no '.join(zero)} instance, and no free slot off the cordoned hosts takes its place",
+                      fix="add a host (or uncordon one) so the instance moves there first, or --force")
+    plan = plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
+                       allow_capacity_dip=True)
+    plan.surge = moved
+    return plan
+
+
+def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
+    """`inv uncordon --host H`: placement may use H again (nothing starts there by itself)."""
+    inv.host(host)
+    cur = _current(inv, state, "uncordon")
+    was = cordoned_hosts(cur)
+    if host not in was:
+        raise Refused(f"{host} is not cordoned in revision {cur.number} (cordoned: {', '.join(was) or 'none'})",
+                      fix="`inv status` shows the cordoned hosts")
+    return plan_change(inv, cur, Placement.from_dict(cur.placement), cordoned=[h for h in was if h != host])
 
 
 def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
@@ -564,6 +625,13 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     from pdops.drain import drain_steps
 
     inv, cur, tgt = plan.inv, plan.current, plan.target
+    if not plan.steps and not plan.gateway_restart:
+        # only the cordons change: what runs is checked, then the revision records them
+        from pdops.deploy import verify_running_step
+
+        return [verify_running_step(tgt, inv),
+                Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
+                     f"{', '.join(plan.cordoned) or 'none'}; move `current` to it")]
     # instances that take GPUs a removed one holds are checked after that one is drained (its ports
     # and GPUs are busy now, by design): preflight checks the others
     later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why and not s.why.startswith("surge")}
@@ -719,7 +787,7 @@ def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
 
 def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
     plan: ScalePlan = ctx.data["scale_plan"]
-    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data["build"], ctx.data.get("main_pids"),
+    rev = _record(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data.get("build"), ctx.data.get("main_pids"),
                   ctx.data.get("running"))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
@@ -812,8 +880,8 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
         "inventory_hash": cur.inventory_hash,
         "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
     }
-    extra = {"gateway": plan.inv.gateway.url, "build": str(build), "rollback": rollback,
-             "configs": configs_of(running or {}), "cordoned": cordoned_hosts(cur),
+    extra = {"gateway": plan.inv.gateway.url, "build": str(build) if build else None, "rollback": rollback,
+             "configs": configs_of(running or {}), "cordoned": list(plan.cordoned),
              "scale": {"from_revision": cur.number, "from_topology": cur.topology,
                        "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
                        "replaced": {i.id: plan.why[i.id] for i in plan.replaced}, "surge": plan.surge,

@@ -78,7 +78,7 @@ def collect_status(inv: Inventory, state) -> dict:
                "state": f"{gst.active_state}/{gst.sub_state}" if gst else "unknown",
                "main_pid": gst.main_pid if gst else None, "workers": len(workers), "error": gw_error}
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
-            "gateway": gateway, "record": record}
+            "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", []))}
 
 
 def record_lines(record: dict | None) -> list[str]:
@@ -120,5 +120,7 @@ def format_status(doc: dict) -> str:
             f"{g['state']}, MainPID {g['main_pid']}, {g['workers']} workers" + (f" (error: {g['error']})" if g["error"] else ""))
     healthy = sum(1 for r in doc["instances"] if r["healthy"])
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
+    if doc.get("cordoned"):
+        tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"
     where = f"record: {doc['record']['location']}" if doc.get("record") else ""
     return "\n".join(banner + [head, format_table(rows), tail] + ([where] if where else []))

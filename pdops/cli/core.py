@@ -178,16 +178,47 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
 
 
 @task(help={"instance": "instance to drain, e.g. p07", "inventory": "inventory dir or file",
+            "host": "host for maintenance: move or drain every instance with a rank on it, then cordon it",
             "dry_run": "print the plan only", "force": "allow draining the last instance of a role",
             "wait": "seconds to wait for in-flight work (default: the inventory's drain budget)",
             "interval": "seconds between the two empty-state checks",
             "force_after": "at the deadline, stop anyway (the loss is recorded in the journal)"})
 @cli_errors
 def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, wait=None, interval=None,
-          force_after=False):
-    """Take an instance out of the gateway, wait out its in-flight work, stop it by identity, prove it."""
+          force_after=False, host=None):
+    """Take an instance out of the gateway, wait out its in-flight work, stop it by identity, prove it.
+    `--host H`: every instance on H, each moved to a free slot first where there is one; H cordoned."""
+    if host is not None:
+        if instance is not None:
+            raise InvalidInput("--host", "given with --instance", fix="drain either one instance or one host")
+        from pdops import scale as sc
+
+        return _host_op(host, inventory, dry_run, lambda inv, state: sc.plan_drain_host(inv, state, host, force=force))
     _drain_or_stop(instance, inventory, dry_run, force, seconds(wait, "--wait"), seconds(interval, "--interval"),
                    force_after, False)
+
+
+@task(help={"host": "a host cordoned by `inv drain --host`", "inventory": "inventory dir or file",
+            "dry_run": "print the plan only"})
+@cli_errors
+def uncordon(c, host=None, inventory=DEFAULT_INVENTORY, dry_run=False):
+    """Let placement use a host again after maintenance (nothing starts there until a change needs it)."""
+    from pdops import scale as sc
+
+    _host_op(host, inventory, dry_run, lambda inv, state: sc.plan_uncordon(inv, state, host))
+
+
+def _host_op(host, inventory, dry_run, make_plan) -> None:
+    from pdops import deploy as dep
+    from pdops.inventory import load_inventory
+
+    if not host:
+        raise InvalidInput("--host", "missing", fix="name an inventory host, e.g. --host lab04")
+    inv = load_inventory(inventory)
+    state = dep.state_for(inv)
+    plan = make_plan(inv, state)
+    plan.state = state
+    _run_change(inv, plan, dry_run)
 
 
 @task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",

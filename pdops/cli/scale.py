@@ -11,7 +11,10 @@ DEFAULT_INVENTORY = "inventory/lab"
 
 def _print_verdict(plan, verdict: dict) -> None:
     what = (f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else
-            "changed" if plan.replaced or plan.surge else "scaled")
+            "changed" if plan.replaced or plan.surge or plan.gateway_restart or
+            plan.cordoned != list((plan.current.extra or {}).get("cordoned", [])) else "scaled")
+    if plan.cordoned:
+        what += f" (cordoned: {', '.join(plan.cordoned)})"
     print_verdict(f"{what}: {plan.current.topology} -> {plan.target.topology} as revision {verdict['revision']}, "
                   "now current.", verdict)
 

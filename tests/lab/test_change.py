@@ -198,3 +198,32 @@ def test_a_host_added_to_the_inventory_is_scaled_onto(lab, tmp_path):
     after = main_pids(inv_dir)
     assert {i: after[i] for i in before} == before  # p01, p02, d01 untouched
     stop_all(lab)
+
+
+def test_drain_host_for_maintenance_then_uncordon(lab, tmp_path):
+    stop_all(lab)
+    inv_dir = derived_inventory(lab, tmp_path / "maint")
+    proc = cli(inv_dir, "deploy", "--topology", "2p1d")  # p01 lab01, p02 lab02, d01 lab03; lab04 free
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out, _ = changed(inv_dir, "drain", "--host", "lab02")
+    assert "surge:   p02 is replaced by p03" in out
+    rev = record(inv_dir).current_revision()
+    assert rev.extra["cordoned"] == ["lab02"]
+    pl = Placement.from_dict(rev.placement)
+    assert [i.id for i in pl.instances] == ["p01", "p03", "d01"] and pl.get("p03").hosts == ("lab04",)
+    c = lab.connection("lab02")
+    active = c.run("systemctl list-units --state=active --plain --no-legend 'pdops-p*' | awk '{print $1}'",
+                   hide=True, warn=True).stdout.split()
+    c.close()
+    assert active == []  # nothing of pdops serves on the host in maintenance
+    st = cli(inv_dir, "status")
+    assert "cordoned (placement avoids them" in st.stdout and "lab02" in st.stdout
+    full = cli(inv_dir, "scale", "--topology", "3p1d")
+    assert full.returncode == 2 and "lab02 cordoned" in full.stderr  # placement avoids it
+    un = cli(inv_dir, "uncordon", "--host", "lab02")
+    assert un.returncode == 0, un.stdout + un.stderr
+    assert record(inv_dir).current_revision().extra["cordoned"] == []
+    out, _ = changed(inv_dir, "scale", "--topology", "3p1d")
+    pl = Placement.from_dict(record(inv_dir).current_revision().placement)
+    assert pl.get("p02").hosts == ("lab02",)  # the lowest free id, on the host back from maintenance
+    stop_all(lab)

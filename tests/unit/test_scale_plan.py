@@ -401,3 +401,37 @@ def test_concurrent_operation_is_refused_before_any_host(lab_inv, state):
         with pytest.raises(Refused, match="alice@laptop"):
             sc.execute_scale(plan, state, say=lambda s: None, pool=None, gateway=None)
     assert state.current() == 1 and state.revision_numbers() == [1]
+
+
+def test_drain_host_moves_its_instance_to_a_free_slot_first_and_cordons_it(lab_inv, state):
+    deployed(lab_inv, state, "2p1d")  # p01 lab01, p02 lab02, d01 lab03; lab04 free
+    plan = sc.plan_drain_host(lab_inv, state, "lab02")
+    assert plan.surge == [("p02", "p03")] and ids(plan.added) == ["p03"] and ids(plan.removed) == ["p02"]
+    assert plan.target.get("p03").hosts == ("lab04",) and plan.cordoned == ["lab02"]
+    names = plan.plan.step_ids()
+    assert names.index("register p03") < names.index("drain p02: leave-gateway")
+    assert plan.min_capacity() == (2, 1) and "cordoned: lab02" in plan.render()
+
+
+def test_drain_host_without_room_shrinks_the_role_and_refuses_its_last_instance(lab_inv, state):
+    deployed(lab_inv, state, "3p1d")  # every slot used
+    plan = sc.plan_drain_host(lab_inv, state, "lab02")
+    assert ids(plan.removed) == ["p02"] and not plan.added and str(plan.target.topology) == "2p1d"
+    with pytest.raises(Refused, match="no serving decode"):
+        sc.plan_drain_host(lab_inv, state, plan.target.get("d01").hosts[0])
+    with pytest.raises(InvalidInput, match="unknown host"):
+        sc.plan_drain_host(lab_inv, state, "lab09")
+
+
+def test_a_cordoned_host_is_avoided_until_uncordoned(lab_inv, state):
+    rev = deployed(lab_inv, state, "2p1d")
+    r2 = state.write_revision(topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement,
+                              manifest=rev.manifest, instances=rev.instances, outcome="deployed",
+                              extra={"cordoned": ["lab04"]})
+    state.set_current(r2.number)
+    with pytest.raises(InvalidInput, match="room for 4.*lab04 cordoned"):
+        sc.plan_apply(lab_inv, parse_topology("3p1d"), state)
+    un = sc.plan_uncordon(lab_inv, state, "lab04")
+    assert un.cordoned == [] and un.plan.step_ids() == ["verify-running", "record"]
+    with pytest.raises(Refused, match="not cordoned"):
+        sc.plan_uncordon(lab_inv, state, "lab03")
