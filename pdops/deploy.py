@@ -22,7 +22,8 @@ from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, place
 from pdops.admission import UNIT as ADMISSION_UNIT
-from pdops.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, write_build
+from pdops.render import (GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, snapshot_of,
+                          write_build)
 from pdops.runner import Outcome, Plan, RunContext, Step, failures, run_parallel, walk
 from pdops.facts.systemd import UnitState
 from pdops.state import Revision, StateDir, new_op_id
@@ -193,6 +194,7 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
                                  why="through every pair of a started or restarted instance, before registration"))
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
+    steps.append(verify_running_step(pl, inv))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
                       "and topology); move `current` to it", kind="record-repair"))
     return replace(plan, steps=steps, findings=findings)
@@ -217,7 +219,10 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
     rev = ctx.state.write_revision(topology=live.topology, inventory_hash=live.inventory_hash,
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
-                                   extra={**live.extra, "repair_of": live.number, "repaired": plan.findings})
+                                   extra={**live.extra, "repair_of": live.number, "repaired": plan.findings,
+                                          **({"configs": configs_of(ctx.data["running"])} if "running" in ctx.data
+                                             else {})},
+                                   snapshot=ctx.state.revision_snapshot(live.number))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
     return Outcome(evidence={"revision": rev.number, "main_pids": seen},
@@ -660,7 +665,8 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                    placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"]),
-                                          "configs": configs_of(ctx.data["running"])})
+                                          "configs": configs_of(ctx.data["running"])},
+                                   snapshot=snapshot_of(ctx.inv, plan.files))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
     return Outcome(evidence={"revision": rev.number},

@@ -364,6 +364,12 @@ class SharedRecord(RecordReads):
     def lock_holder(self) -> dict | None:
         return self.snapshot().get("lock")
 
+    def revision_snapshot(self, n: int) -> dict | None:
+        """The files and inventory recorded with revision `n` (None: recorded before snapshots)."""
+        if self._session is not None:
+            return self._session.request({"op": "snapshot-of", "number": int(n)}).get("snapshot")
+        return self.answer(self.transport.call(self.args("revision-snapshot", "--number", str(int(n))))).get("snapshot")
+
     # -- the operator machine's record from before the shared one
     def local_record(self) -> StateDir:
         return StateDir(self.cluster, self.path)
@@ -399,13 +405,17 @@ class SharedRecord(RecordReads):
 
     def write_revision(self, *, topology: str, inventory_hash: str, placement: dict, manifest: dict,
                        instances: dict, operator: str | None = None, outcome: str = "pending",
-                       op_id: str | None = None, extra: dict | None = None) -> Revision:
-        """Record a new revision under the next free number. Does NOT move ``current``."""
+                       op_id: str | None = None, extra: dict | None = None, snapshot: dict | None = None) -> Revision:
+        """Record a new revision under the next free number. Does NOT move ``current``. `snapshot`:
+        what a rollback needs to return to it (pdops.snapshot), kept beside it on the state host (0600)."""
         sess = self._held("writing a revision")
         rev = self.new_revision(0, topology=topology, inventory_hash=inventory_hash, placement=placement,
                                 manifest=manifest, instances=instances, operator=operator, outcome=outcome,
                                 op_id=op_id, extra=extra)
-        rev.number = sess.request({"op": "put-revision", "doc": asdict(rev), "number": None})["number"]
+        req = {"op": "put-revision", "doc": asdict(rev), "number": None}
+        if snapshot is not None:
+            req["snapshot"] = snapshot
+        rev.number = sess.request(req)["number"]
         self._snap["revisions"][str(rev.number)] = asdict(rev)
         return rev
 

@@ -296,6 +296,40 @@ def config_ids(files: list[RenderedFile]) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+SNAPSHOT_FORMAT = 1
+
+
+def snapshot_of(inv: Inventory, files: list[RenderedFile]) -> dict:
+    """What a revision keeps to be returned to without re-rendering: every rendered file but the
+    admission layer's (its key map holds keys; a change never rewrites it), the inventory files as
+    they were on disk, and the model profile as loaded."""
+    from dataclasses import asdict
+
+    adm = admission_config(inv)
+    skip = {(f.host, f.path) for f in render_admission_files(inv, adm)} if adm is not None else set()
+    texts = {}
+    for path in inv.files:
+        try:
+            texts[str(path)] = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            texts[str(path)] = f"(unreadable: {exc.strerror})"
+    return {"format": SNAPSHOT_FORMAT, "inventory_files": texts, "profile": asdict(inv.profile),
+            "files": [{"host": f.host, "path": f.path, "mode": f.mode, "content": f.content} for f in files
+                      if (f.host, f.path) not in skip]}
+
+
+def snapshot_subset(snapshot: dict | None, manifest: dict) -> dict | None:
+    """`snapshot` with only the files `manifest` names (a drain's revision keeps the rest as they were)."""
+    if snapshot is None:
+        return None
+    keep = {(h, p) for h, files in manifest.items() for p in files}
+    return {**snapshot, "files": [f for f in snapshot["files"] if (f["host"], f["path"]) in keep]}
+
+
+def files_of(snapshot: dict) -> list[RenderedFile]:
+    return [RenderedFile(f["host"], f["path"], f["content"], int(f["mode"])) for f in snapshot["files"]]
+
+
 def admission_config(inv: Inventory) -> adm_mod.AdmissionConfig | None:
     """The admission layer of this inventory (validated at load, keys read from the operator's 0600 file), or None."""
     return inv.admission

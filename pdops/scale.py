@@ -36,7 +36,7 @@ from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, _make, _slots, place
-from pdops.render import RenderedFile, manifest, render_files
+from pdops.render import RenderedFile, files_of, manifest, render_files, snapshot_of, snapshot_subset
 from pdops.runner import Outcome, Plan, RunContext, Step, run_steps, walk
 from pdops.state import Revision, StateDir, new_op_id
 from pdops.topology import Topology
@@ -95,6 +95,8 @@ class ScalePlan:
     max_unavailable: int = 1
     gateway_restart: list[str] = field(default_factory=list)  # the gateway's files that change (restart it)
     cordoned: list[str] = field(default_factory=list)  # hosts placement avoids after this change
+    base_snapshot: dict | None = field(default=None, repr=False)  # a rollback's target: its files and inventory
+    rollback_inventory_hash: str | None = None
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
 
     @property
@@ -264,7 +266,7 @@ def _current(inv: Inventory, state: StateDir, what: str) -> Revision:
 def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
                 skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
                 force: bool = False, replace_ids: dict[str, str] | None = None,
-                cordoned: list[str] | None = None) -> ScalePlan:
+                cordoned: list[str] | None = None, snapshot: dict | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -282,7 +284,9 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     cur_pl = Placement.from_dict(cur.placement)
     cur_by_id = {i.id: i for i in cur_pl.instances}
     tgt_ids = {i.id for i in target_pl.instances}
-    files = render_files(inv, target_pl)
+    # a rollback returns to the files recorded with its target (its snapshot), not to what the
+    # inventory on disk renders now
+    files = files_of(snapshot) if snapshot is not None else render_files(inv, target_pl)
     new_mf = manifest(files)
     # which kept ids run other files or another placement now: replaced
     why: dict[str, str] = {}
@@ -312,7 +316,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                           "deploy the rest")
     gateway_restart = [c for c in shared if c not in adm_changes]
     # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
-    if any(cur_by_id[i].role == "prefill" for i in why):
+    if snapshot is None and any(cur_by_id[i].role == "prefill" for i in why):
         from pdops.placement import remake, uses_alt_port
 
         target_pl = Placement(target_pl.topology, tuple(
@@ -331,6 +335,12 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         existing = [i for i in target_pl.role(role) if i.id in cur_by_id]
         if max_unavailable >= 1 and (len(existing) > 1 or force):
             continue
+        if snapshot is not None:
+            if force or max_unavailable >= 1 and len(existing) > 1:
+                continue
+            raise Refused(f"returning to the recorded files replaces {', '.join(i.id for i in reps)}, the only "
+                          f"{role} instance(s): that would leave no serving {role}",
+                          fix="--force to accept it for the time of the replacement")
         target_pl, made = _surge(inv, target_pl, reps, cur_pl, role)
         if made is None:
             if max_unavailable == 0:
@@ -428,7 +438,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
-                     max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned)
+                     max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
+                     base_snapshot=snapshot)
     plan.run = runner_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
@@ -586,8 +597,11 @@ def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[st
 
 
 def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
-                  skip_checks: set[str] | None = None) -> ScalePlan:
-    """A change back to the previous deployed revision (or revision `to`), or Refused naming what changed."""
+                  skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False) -> ScalePlan:
+    """A change back to the previous deployed revision (or revision `to`): to its recorded placement
+    and the files recorded with it (its snapshot), whatever the inventory on disk renders now; only
+    its hosts must still be in the inventory (to be reached). A revision recorded before snapshots:
+    returned to only while the inventory and the rendering are unchanged (Refused naming what changed)."""
     cur = _current(inv, state, "roll back")
     if to is None:
         tgt = state.previous()
@@ -606,6 +620,19 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
         if tgt.outcome != "deployed":
             raise Refused(f"revision {n} ended '{tgt.outcome}': only a deployed revision can be returned to",
                           fix="choose a revision whose outcome is deployed (`inv history`)")
+    snap = state.revision_snapshot(tgt.number)
+    if snap is not None:
+        tgt_pl = Placement.from_dict(tgt.placement)
+        known = {h.name for h in inv.hosts}
+        gone = sorted({h for i in tgt_pl.instances for h in i.hosts} - known)
+        if gone:
+            raise Refused(f"cannot roll back to revision {tgt.number}: its hosts {', '.join(gone)} are not in the "
+                          "inventory, so they cannot be reached", fix="add them back to the inventory (the files and "
+                          f"placement of revision {tgt.number} are recorded; only the hosts' addresses are read from it)")
+        plan = plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+                           rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force)
+        plan.rollback_inventory_hash = tgt.inventory_hash
+        return plan
     _refuse_changed_inventory(inv, cur)
     changed = rollback_conditions(inv, cur, tgt)
     if changed:
@@ -888,10 +915,15 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
                        "kept": [i.id for i in plan.kept], "capacity_dip": plan.dip}}
     if plan.rollback_of:
         extra["rollback_of"] = plan.rollback_of
-    return state.write_revision(topology=str(tgt.topology), inventory_hash=plan.inv.digest,
+    if plan.base_snapshot is not None:  # a rollback: what runs is the target's rendering
+        snap = {**plan.base_snapshot, "files": snapshot_of(plan.inv, plan.files)["files"]}
+        inv_hash = plan.rollback_inventory_hash or plan.inv.digest
+    else:
+        snap, inv_hash = snapshot_of(plan.inv, plan.files), plan.inv.digest
+    return state.write_revision(topology=str(tgt.topology), inventory_hash=inv_hash,
                                 placement=tgt.to_dict(), manifest=new_mf,
                                 instances=_instances_doc(plan, tgt, workers, main_pids), outcome="deployed", op_id=op,
-                                extra=extra)
+                                extra=extra, snapshot=snap)
 
 
 def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, healthy: set, posted: set,

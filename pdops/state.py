@@ -198,9 +198,10 @@ class StateDir(RecordReads):
     def write_revision(
         self, *, topology: str, inventory_hash: str, placement: dict, manifest: dict,
         instances: dict, operator: str | None = None, outcome: str = "pending",
-        op_id: str | None = None, extra: dict | None = None,
+        op_id: str | None = None, extra: dict | None = None, snapshot: dict | None = None,
     ) -> Revision:
-        """Record a new revision under the next free number. Does NOT move ``current``."""
+        """Record a new revision under the next free number. Does NOT move ``current``.
+        `snapshot`: what a rollback needs to return to it (pdops.snapshot), kept beside it (0600)."""
         self.ensure()
         taken = {int(d.name) for d in self.revisions_dir.iterdir() if d.name.isdigit()}
         n = max(taken, default=0) + 1
@@ -213,8 +214,18 @@ class StateDir(RecordReads):
         rev = self.new_revision(n, topology=topology, inventory_hash=inventory_hash, placement=placement,
                                 manifest=manifest, instances=instances, operator=operator, outcome=outcome,
                                 op_id=op_id, extra=extra)
+        if snapshot is not None:
+            path = self.revisions_dir / f"{n:04d}" / "snapshot.json"
+            atomic_write(path, json.dumps(snapshot, sort_keys=True) + "\n")
+            os.chmod(path, 0o600)
         atomic_write(self.revision_file(n), json.dumps(asdict(rev), indent=2, sort_keys=True) + "\n")
         return rev
+
+    def revision_snapshot(self, n: int) -> dict | None:
+        try:
+            return json.loads((self.revisions_dir / f"{int(n):04d}" / "snapshot.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
 
     def read_revision(self, n: int) -> Revision:
         path = self.revision_file(n)

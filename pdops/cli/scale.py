@@ -49,25 +49,26 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
 @task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",
             "dry_run": "print the plan only",
             "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)",
-            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)"},
+            "skip_check": "a preflight check to skip (repeatable; recorded in the journal)",
+            "max_unavailable": "instances per role out at once while replacing (default 1)",
+            "force": "accept a plan that leaves a role with no serving instance at some step"},
       iterable=["skip_check"])
 @cli_errors
-def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False, skip_check=None):
-    """Return to the previous revision (or --to N) as a planned, verified change."""
+def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
+             max_unavailable=1, force=False):
+    """Return to the previous revision (or --to N), its recorded files and placement, as a rolling change."""
     from pdops import deploy as dep
     from pdops import scale as sc
+    from pdops.cli.core import _run_change, _whole
     from pdops.inventory import load_inventory
 
+    mu = _whole(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     state = dep.state_for(inv)
-    plan = sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()))
-    print(plan.render())
-    if dry_run or plan.noop:
-        return
-    from pdops.hosts import connections
-
-    with connections(inv) as conns:
-        _print_verdict(plan, sc.execute_scale(plan, state, **conns))
+    plan = sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()),
+                            max_unavailable=mu, force=force)
+    plan.state = state
+    _run_change(inv, plan, dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})

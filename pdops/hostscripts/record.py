@@ -203,7 +203,12 @@ def append_journal(d, line):
         os.close(fd)
 
 
-def put_revision(d, doc, number):
+def read_snapshot(d, number):
+    path = os.path.join(d, "revisions", "%04d" % int(number), "snapshot.json")
+    return read_json(path) if os.path.isfile(path) else None
+
+
+def put_revision(d, doc, number, snap=None):
     rdir = os.path.join(d, "revisions")
     os.makedirs(rdir, mode=0o700, exist_ok=True)
     if number is None:  # a new revision: mkdir is the atomic claim of the next number
@@ -218,6 +223,8 @@ def put_revision(d, doc, number):
     else:
         os.makedirs(os.path.join(rdir, "%04d" % int(number)), mode=0o700, exist_ok=True)
     doc["number"] = int(number)
+    if snap is not None:  # before revision.json: a revision is complete once that exists
+        atomic_write(os.path.join(rdir, "%04d" % int(number), "snapshot.json"), json.dumps(snap, sort_keys=True) + "\n")
     atomic_write(os.path.join(rdir, "%04d" % int(number), "revision.json"),
                  json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return int(number)
@@ -277,7 +284,9 @@ def hold(a):
                         append_journal(d, ln)
                     reply({"ok": True})
                 elif op == "put-revision":
-                    reply({"ok": True, "number": put_revision(d, req["doc"], req.get("number"))})
+                    reply({"ok": True, "number": put_revision(d, req["doc"], req.get("number"), req.get("snapshot"))})
+                elif op == "snapshot-of":
+                    reply({"ok": True, "snapshot": read_snapshot(d, req["number"])})
                 elif op == "set-current":
                     set_current(d, req["number"])
                     reply({"ok": True})
@@ -340,10 +349,12 @@ def unlock(a):
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("snapshot", "hold", "unlock"):
+    for name in ("snapshot", "hold", "unlock", "revision-snapshot"):
         s = sub.add_parser(name)
         s.add_argument("--dir", required=True)
         s.add_argument("--cluster", required=True)
+        if name == "revision-snapshot":
+            s.add_argument("--number", type=int, required=True)
         if name == "snapshot":
             s.add_argument("--journal", action="store_true")
         if name == "hold":
@@ -362,6 +373,12 @@ def main():
                 return
             check_format(a.dir, a.cluster, write=False)
             reply(snapshot(a.dir, a.journal))
+        elif a.cmd == "revision-snapshot":
+            if not check_dir(a.dir, create=False):
+                reply({"ok": True, "snapshot": None})
+                return
+            check_format(a.dir, a.cluster, write=False)
+            reply({"ok": True, "snapshot": read_snapshot(a.dir, a.number)})
         elif a.cmd == "hold":
             hold(a)
         else:

@@ -227,3 +227,46 @@ def test_drain_host_for_maintenance_then_uncordon(lab, tmp_path):
     pl = Placement.from_dict(record(inv_dir).current_revision().placement)
     assert pl.get("p02").hosts == ("lab02",)  # the lowest free id, on the host back from maintenance
     stop_all(lab)
+
+
+def test_a_bundle_that_fails_to_start_halts_and_rollback_restores_the_recorded_files(lab, tmp_path):
+    """The first wave's new processes fail (a flag SGLang rejects): the rollout halts, the instances
+    not yet replaced keep serving the old revision (same MainPIDs), the journal and a `partial`
+    revision name what changed; `inv rollback` returns to the previous revision's recorded files even
+    though the inventory on disk still names the bad bundle."""
+    stop_all(lab)
+    inv_dir = derived_inventory(lab, tmp_path / "halt", profile={})
+    proc = cli(inv_dir, "deploy", "--topology", "2p2d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = record(inv_dir).current()
+    before = main_pids(inv_dir)
+    p = inv_dir / "profiles" / "p.yml"
+    prof = yaml.safe_load(p.read_text())
+    prof["extra_args"] = ["--no-such-sglang-flag"]
+    p.write_text(yaml.safe_dump(prof))
+    inv = load_inventory(inv_dir)
+    with Load(inv.gateway.url) as load:
+        bad = cli(inv_dir, "deploy", "--topology", "2p2d")
+    assert bad.returncode != 0
+    assert "the rollout halted" in bad.stderr and "still serving revision" in bad.stderr
+    load.assert_clean()
+    st = record(inv_dir)
+    rev = st.current_revision()
+    assert rev.outcome == "partial" and sorted(rev.instances) == ["d02", "p02"]
+    after = main_pids(inv_dir)
+    assert after == {"p02": before["p02"], "d02": before["d02"]}  # never touched
+    last = st.journal().read(st.journal().operations()[-1])
+    assert any(r["step"] == "start p01" and r["status"] == "failed" for r in last)
+    with Load(inv.gateway.url) as load:
+        back = cli(inv_dir, "rollback")
+    assert back.returncode == 0, back.stdout + back.stderr
+    load.assert_clean()
+    assert {d["max_running_requests"] for d in server_info(inv_dir).values()} == {64}
+    now = record(inv_dir).current_revision()
+    assert sorted(now.instances) == ["d01", "d02", "p01", "p02"] and now.extra.get("rollback_of") == first
+    verify = cli(inv_dir, "verify")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    # the inventory still asks for the bad bundle: the next deploy plans that change again
+    again = cli(inv_dir, "deploy", "--topology", "2p2d", "--dry-run")
+    assert again.returncode == 0 and "replaced: p01" in again.stdout
+    stop_all(lab)

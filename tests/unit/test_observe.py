@@ -97,7 +97,8 @@ def test_a_down_unit_a_restarted_engine_and_a_missing_worker_are_each_repaired(l
     assert f"p01: {ph}:{pu} MainPID 555, recorded 100 (restarts: 1)" in p.findings
     assert "d02: not in the gateway's /workers" in p.findings
     ids = [s.name for s in p.steps]
-    assert ids == ["connect", "start d01", "canary", "register d01", "register d02", "gateway-list", "record"]
+    assert ids == ["connect", "start d01", "canary", "register d01", "register d02", "gateway-list", "verify-running",
+                   "record"]
     canary = next(s for s in p.steps if s.name == "canary")
     assert canary.params["pairs"] == [("p01", "d01"), ("p01", "d02")]  # every pair of p01 (restarted), d01 (started)
     assert "plan: repair revision 1 (1p2d)" in p.render()
@@ -122,7 +123,7 @@ def test_an_unknown_worker_and_a_list_that_lacks_one_are_findings(live):
     p = plan(inv, state, units, workers, start_list)
     assert "d02: not in the gateway's start-up list" in p.findings
     assert any("http://127.0.0.9:1234" in f and "does not know" in f for f in p.findings)
-    assert [s.name for s in p.steps] == ["connect", "register d02", "gateway-list d02", "record"]
+    assert [s.name for s in p.steps] == ["connect", "register d02", "gateway-list d02", "verify-running", "record"]
 
 
 def test_not_ready_in_the_gateway_is_a_finding(live):

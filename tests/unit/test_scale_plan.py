@@ -435,3 +435,25 @@ def test_a_cordoned_host_is_avoided_until_uncordoned(lab_inv, state):
     assert un.cordoned == [] and un.plan.step_ids() == ["verify-running", "record"]
     with pytest.raises(Refused, match="not cordoned"):
         sc.plan_uncordon(lab_inv, state, "lab03")
+
+
+def test_rollback_returns_to_the_recorded_files_even_after_the_inventory_was_edited(lab_inv, state, tmp_path, repo):
+    from pdops.render import snapshot_of
+
+    pl = place(lab_inv, parse_topology("2p2d"))
+    files = render_files(lab_inv, pl)
+    r1 = state.write_revision(topology="2p2d", inventory_hash=lab_inv.digest, placement=pl.to_dict(),
+                              manifest=manifest(files), instances={i.id: {"role": i.role} for i in pl.instances},
+                              outcome="deployed", snapshot=snapshot_of(lab_inv, files))
+    state.set_current(r1.number)
+    edited = variant(repo, tmp_path, with_bundle(max_running_requests=16))
+    change = sc.plan_apply(edited, parse_topology("2p2d"), state)
+    r2 = state.write_revision(topology="2p2d", inventory_hash=edited.digest, placement=change.target.to_dict(),
+                              manifest=manifest(change.files), instances={i.id: {"role": i.role} for i in pl.instances},
+                              outcome="deployed", snapshot=snapshot_of(edited, change.files))
+    state.set_current(r2.number)
+    back = sc.plan_rollback(edited, state)  # the inventory on disk still names the new bundle
+    assert back.rollback_of == r1.number and ids(back.replaced) == ["p01", "p02", "d01", "d02"]
+    assert manifest(back.files) == r1.manifest  # revision 1's files, not a rendering of the edited inventory
+    assert back.rollback_inventory_hash == lab_inv.digest
+    assert back.target == pl  # and its placement (prefills back on their first bootstrap ports)
