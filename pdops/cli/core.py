@@ -52,7 +52,7 @@ def demo(c, hosts="4"):
             "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)"},
       iterable=["skip_check"])
 @cli_errors
-def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=None, max_unavailable=1,
+def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=None, max_unavailable=None,
            force=False, allow_capacity_dip=False):
     """Deploy a topology; on a live cluster, plan any difference (topology, inventory, profile, pdops's
     templates) as a rolling change: keep, replace, add, remove; or repair what observation finds."""
@@ -96,9 +96,11 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
 
 
-def _whole(v, flag: str) -> int:
+def _whole(v, flag: str, default: int = 1) -> int:
     from pdops.errors import InvalidInput
 
+    if v is None:
+        return default
     try:
         n = int(str(v).strip())
     except ValueError:

@@ -28,7 +28,7 @@ def _print_verdict(plan, verdict: dict) -> None:
       iterable=["skip_check"])
 @cli_errors
 def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
-          max_unavailable=1, force=False):
+          max_unavailable=None, force=False):
     """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
     from pdops import deploy as dep
     from pdops import scale as sc
@@ -55,7 +55,7 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
       iterable=["skip_check"])
 @cli_errors
 def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
-             max_unavailable=1, force=False):
+             max_unavailable=None, force=False):
     """Return to the previous revision (or --to N), its recorded files and placement, as a rolling change."""
     from pdops import deploy as dep
     from pdops import scale as sc
