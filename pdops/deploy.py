@@ -20,7 +20,7 @@ from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
-from pdops.placement import Instance, Placement, place
+from pdops.placement import Instance, Placement, last_bootstrap_ports, place
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.render import (GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, snapshot_of,
                           write_build)
@@ -665,7 +665,8 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                    placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"]),
-                                          "configs": configs_of(ctx.data["running"])},
+                                          "configs": configs_of(ctx.data["running"]),
+                                          "last_bootstrap": last_bootstrap_ports({}, pl)},
                                    snapshot=snapshot_of(ctx.inv, plan.files))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}

@@ -814,11 +814,14 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                 "holds_while": "its hosts and rendered files are unchanged",
                 "files": {h: f for h, f in removed_files.items() if f},
                 "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
+    from pdops.placement import last_bootstrap_ports
     from pdops.render import snapshot_subset
 
     units = {f"{h}:{u}" for h, u in inst.units}
     carried = {"configs": {k: v for k, v in (plan.rev.extra.get("configs") or {}).items() if k not in units},
-               "cordoned": list(plan.rev.extra.get("cordoned") or [])}
+               "cordoned": list(plan.rev.extra.get("cordoned") or []),
+               # the slot remembers its last prefill's bootstrap port: a re-add takes the other one
+               "last_bootstrap": last_bootstrap_ports(plan.rev.extra.get("last_bootstrap") or {}, plan.placement)}
     rev = ctx.state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
                                    placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
                                    outcome="deployed", op_id=ctx.op,

@@ -172,14 +172,28 @@ def remake(inv: Inventory, inst: Instance, *, alt: bool | None = None) -> Instan
     return _make(inv, inst.role, int(inst.id[1:]), by_key[key], uses_alt_port(inv, inst) if alt is None else alt)
 
 
+def slot_name(inst: Instance) -> str:
+    return f"{'/'.join(inst.hosts)}#{inst.slot}"
+
+
+def last_bootstrap_ports(previous: dict, pl: Placement) -> dict[str, int]:
+    """{slot: the bootstrap port its last prefill used}: `previous` (a revision's record of it)
+    updated with the prefills of `pl`."""
+    out = dict(previous or {})
+    for i in pl.role("prefill"):
+        out[slot_name(i)] = i.bootstrap_port
+    return dict(sorted(out.items()))
+
+
 def place_change(inv: Inventory, topo: Topology, current: Placement, avoid: frozenset[str] = frozenset(),
-                 fresh_ports: frozenset[str] = frozenset()) -> Placement:
+                 fresh_ports: frozenset[str] = frozenset(), last_ports: dict | None = None) -> Placement:
     """The smallest change from `current` to `topo`: every instance of `current` keeps its id and slot
     (ids need not be contiguous); a role with too many loses those on `avoid` hosts (cordoned) first,
     then the highest-numbered; a role with too few gets the lowest unused ids on free slots off the
     `avoid` hosts, slots no instance of `current` holds first (so they start before anything drains).
-    An added prefill on a slot `current` uses takes the other bootstrap port, as does every prefill
-    in `fresh_ports` (replacements)."""
+    An added prefill takes the bootstrap port its slot's last prefill did not use (`last_ports`, as
+    recorded; else the one of the instance `current` has there), as does every prefill in
+    `fresh_ports` (replacements): a decode may still hold a route to the old process at that port."""
     slots = _slots(inv)
     held = {_slot_key(i): i for i in current.instances}
     out: list[Instance] = []
@@ -211,7 +225,11 @@ def place_change(inv: Inventory, topo: Topology, current: Placement, avoid: froz
             sl = free.pop(0)
             key = (tuple(h.name for h in sl[0]), sl[1])
             prev = held.get(key)
-            alt = role == "prefill" and prev is not None and prev.role == "prefill" and not uses_alt_port(inv, prev)
+            base = inv.ports.bootstrap_base + inv.ports.stride * sl[1]
+            last = (last_ports or {}).get(f"{'/'.join(key[0])}#{key[1]}")
+            if last is None and prev is not None and prev.role == "prefill":
+                last = prev.bootstrap_port
+            alt = role == "prefill" and last == base
             out.append(_make(inv, role, n, sl, alt))
     final = []
     for i in out:

@@ -35,7 +35,7 @@ from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleF
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
-from pdops.placement import Instance, Placement, _make, _slots, place
+from pdops.placement import Instance, Placement, _make, _slots, last_bootstrap_ports, place
 from pdops.render import RenderedFile, files_of, manifest, render_files, snapshot_of, snapshot_subset
 from pdops.runner import Outcome, Plan, RunContext, Step, run_steps, walk
 from pdops.state import Revision, StateDir, new_op_id
@@ -488,7 +488,7 @@ def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capac
     cur = _current(inv, state, "change")
     cur_pl = Placement.from_dict(cur.placement)
     cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
-    target_pl = place_change(inv, target, cur_pl, avoid=cordoned)
+    target_pl = place_change(inv, target, cur_pl, avoid=cordoned, last_ports=(cur.extra or {}).get("last_bootstrap"))
     return plan_change(inv, cur, target_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
                        max_unavailable=max_unavailable, force=force, replace_ids=replace_ids)
 
@@ -909,6 +909,8 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
     }
     extra = {"gateway": plan.inv.gateway.url, "build": str(build) if build else None, "rollback": rollback,
              "configs": configs_of(running or {}), "cordoned": list(plan.cordoned),
+             "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
+                                                    last_bootstrap_ports({}, plan.current_placement), tgt),
              "scale": {"from_revision": cur.number, "from_topology": cur.topology,
                        "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
                        "replaced": {i.id: plan.why[i.id] for i in plan.replaced}, "surge": plan.surge,
@@ -1040,7 +1042,10 @@ def _fail_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, kept_added:
                                extra={"scale_failed": exc.message, "from_revision": cur.number,
                                       "target": str(plan.target.topology), "drained": drained,
                                       "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
-                                      "configs": dict(sorted(cfg.items())),
+                                      "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
+                                      "last_bootstrap": last_bootstrap_ports(
+                                          (cur.extra or {}).get("last_bootstrap") or
+                                          last_bootstrap_ports({}, cur_pl), pl),
                                       "rollback": {"to_revision": cur.number}})
     state.set_current(rev.number)
     not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]

@@ -457,3 +457,22 @@ def test_rollback_returns_to_the_recorded_files_even_after_the_inventory_was_edi
     assert manifest(back.files) == r1.manifest  # revision 1's files, not a rendering of the edited inventory
     assert back.rollback_inventory_hash == lab_inv.digest
     assert back.target == pl  # and its placement (prefills back on their first bootstrap ports)
+
+
+def test_a_prefill_re_added_on_a_slot_takes_the_port_its_last_prefill_did_not_use(lab_inv, state):
+    from pdops.placement import last_bootstrap_ports, slot_name
+
+    full = place(lab_inv, parse_topology("3p1d"))
+    p03 = full.get("p03")
+    two = Placement(parse_topology("2p1d"), tuple(i for i in full.instances if i.id != "p03"))
+    # revision 2p1d after p03 was drained: the slot remembers p03's port
+    rev = deployed(lab_inv, state, "2p1d", pl=two)
+    r2 = state.write_revision(topology="2p1d", inventory_hash=rev.inventory_hash, placement=rev.placement,
+                              manifest=rev.manifest, instances=rev.instances, outcome="deployed",
+                              extra={"last_bootstrap": last_bootstrap_ports({}, full)})
+    state.set_current(r2.number)
+    plan = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
+    new = plan.target.get("p03")
+    assert slot_name(new) == slot_name(p03) and new.bootstrap_port == p03.bootstrap_port + 1
+    assert f"--disaggregation-bootstrap-port {new.bootstrap_port}" in next(
+        f.content for f in plan.files if f.path.endswith("pdops-p03.sh"))
