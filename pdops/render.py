@@ -22,7 +22,7 @@ from pdops.errors import InvalidInput
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, Rank
 from pdops import membership
-from pdops.versions import SMG_VERSION
+from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -135,6 +135,10 @@ def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
         "PDOPS_INSTANCE": inst.id,
         "PDOPS_ROLE": inst.role,
         "PDOPS_NODE_RANK": str(rank.node_rank),
+        # the pinned engine versions: an upgrade changes every engine's config id, so a change
+        # replaces (rolls) every instance onto it
+        "PDOPS_SGLANG_VERSION": SGLANG_VERSION,
+        "PDOPS_MOONCAKE_VERSION": MOONCAKE_VERSION,
     }
     if inv.profile.transfer_backend == "nixl":
         env["UCX_NET_DEVICES"] = ",".join(f"{n.device}:1" for n in nics)
@@ -244,7 +248,7 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
         workers_file=membership.PATH, runtime_dir=runtime_dir(GATEWAY_UNIT),
         timeout_stop_sec=gateway_grace_s(inv) + 30, **{**_unit_common(inv), **GATEWAY_RESTART})
     gw_script = _launch_script(inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file)
-    gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster}
+    gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster, "PDOPS_SMG_VERSION": SMG_VERSION}
     gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,
                                    membership.SCRIPT)
     files.append(RenderedFile(gw.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", gw_unit, 0o644))

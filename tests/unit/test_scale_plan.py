@@ -476,3 +476,22 @@ def test_a_prefill_re_added_on_a_slot_takes_the_port_its_last_prefill_did_not_us
     assert slot_name(new) == slot_name(p03) and new.bootstrap_port == p03.bootstrap_port + 1
     assert f"--disaggregation-bootstrap-port {new.bootstrap_port}" in next(
         f.content for f in plan.files if f.path.endswith("pdops-p03.sh"))
+
+
+def test_an_sglang_upgrade_rolls_every_instance(lab_inv, state, monkeypatch):
+    deployed(lab_inv, state, "2p2d")
+    import pdops.render as render
+
+    monkeypatch.setattr(render, "SGLANG_VERSION", "0.5.24")
+    plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state)
+    assert ids(plan.replaced) == ["p01", "p02", "d01", "d02"] and not plan.gateway_restart
+    assert plan.waves == [["p01", "d01"], ["p02", "d02"]]
+
+
+def test_a_gateway_upgrade_restarts_the_gateway_alone(lab_inv, state, monkeypatch):
+    deployed(lab_inv, state, "2p2d")
+    import pdops.render as render
+
+    monkeypatch.setattr(render, "SMG_VERSION", "1.14.0")
+    plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state)
+    assert not plan.replaced and any("gateway" in c for c in plan.gateway_restart)
