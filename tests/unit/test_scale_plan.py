@@ -495,3 +495,21 @@ def test_a_gateway_upgrade_restarts_the_gateway_alone(lab_inv, state, monkeypatc
     monkeypatch.setattr(render, "SMG_VERSION", "1.14.0")
     plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state)
     assert not plan.replaced and any("gateway" in c for c in plan.gateway_restart)
+
+
+def test_a_multi_node_instance_is_replaced_as_a_whole(fleet, state):
+    import dataclasses
+
+    two_node = dataclasses.replace(fleet, profile=dataclasses.replace(fleet.profile, tp=8, pp=2))
+    deployed(two_node, state, "2p2d")
+    bundle = dict(two_node.profile.bundle, max_running_requests=7)
+    changed = dataclasses.replace(two_node, profile=dataclasses.replace(two_node.profile, bundle=bundle))
+    plan = sc.plan_apply(changed, parse_topology("2p2d"), state)
+    p01 = plan.target.get("p01")
+    assert p01.nnodes == 2 and ids(plan.replaced) == ["p01", "p02", "d01", "d02"]
+    run = {s.name: s for s in plan.run}
+    # every rank's unit is drained and stopped with the instance, every rank's files delivered in its wave
+    assert run["replace p01: stop"].params["instance"] == "p01"
+    own = sc.instance_files(manifest(plan.files), "p01")
+    assert {h for h, _ in own} == set(p01.hosts) and any("-r1." in p for _, p in own)
+    assert all(f"{h}:{u}" in run["start p01"].description for h, u in p01.units)
