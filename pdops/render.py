@@ -359,7 +359,7 @@ def render_admission_files(inv: Inventory, cfg: adm_mod.AdmissionConfig) -> list
     env = adm_mod.GATEWAY_KEY_ENV if key_file else None
     text = haproxy_config(cfg, gateway_key_env=env, stats_socket="/run/pdops-admission/admin.sock")
     unit = _env().get_template("admission.service.j2").render(
-        cluster=inv.cluster, haproxy=adm_mod.HAPROXY_BIN, config=adm_mod.CONFIG_PATH, slice=SLICE_UNIT, cap=cfg.cap,
+        cluster=inv.cluster, haproxy=adm_mod.HAPROXY_BIN, config=adm_mod.CONFIG_PATH, slice=SLICE_UNIT,
         gateway_key_file=key_file, gateway_key_env=adm_mod.GATEWAY_KEY_ENV)
     return [
         RenderedFile(cfg.host, adm_mod.CONFIG_PATH, text, 0o644),

@@ -95,6 +95,7 @@ class ScalePlan:
     max_unavailable: int = 1
     gateway_restart: list[str] = field(default_factory=list)  # the gateway's files that change (restart it)
     cordoned: list[str] = field(default_factory=list)  # hosts placement avoids after this change
+    admission_reload: list[str] = field(default_factory=list)  # its config files that change (a graceful reload)
     base_snapshot: dict | None = field(default=None, repr=False)  # a rollback's target: its files and inventory
     rollback_inventory_hash: str | None = None
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
@@ -153,6 +154,9 @@ class ScalePlan:
                          + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "
                          "finishes first, requests arriving while it restarts are refused, every worker registered "
                          "again from its start-up list")
+        if self.admission_reload:
+            lines.append("  admission layer: reloaded gracefully at the end (HAProxy's master stays, old workers "
+                         "finish their streams): " + "; ".join(c.split(' (sha256')[0] for c in self.admission_reload))
         if self.waves:
             lines.append(f"  rolling: {len(self.waves)} wave(s), at most {max(self.max_unavailable, 1)} per role out "
                          "at once: " + "; ".join(", ".join(w) for w in self.waves))
@@ -308,12 +312,19 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
               if not c.endswith("would be removed")]
     from pdops.admission import UNIT as ADMISSION_UNIT
 
-    adm_changes = [c for c in shared if "admission" in c or "haproxy" in c]
-    if adm_changes:
-        raise Refused(f"the change would rewrite files of the admission layer of revision {cur.number}; a rolling "
-                      "change does not restart it", evidence="\n".join(adm_changes),
-                      fix=f"change the admission layer on its own (`inv admission.*`; {ADMISSION_UNIT}), then "
-                          "deploy the rest")
+    adm_paths = set()
+    if inv.admission is not None:
+        from pdops.render import render_admission_files
+
+        adm_paths = {f"{f.host}:{f.path}" for f in render_admission_files(inv, inv.admission)}
+    adm_changes = [c for c in shared if c.split(" ", 1)[0] in adm_paths]
+    unit_changes = [c for c in adm_changes if ADMISSION_UNIT in c]
+    if unit_changes:
+        raise Refused(f"the change would rewrite the admission layer's unit ({ADMISSION_UNIT}) of revision "
+                      f"{cur.number}: applying it means a restart, which cuts every stream through it",
+                      evidence="\n".join(unit_changes),
+                      fix="keep the settings that render the unit as they are for this change, or restart the "
+                          "admission layer in a maintenance window")
     gateway_restart = [c for c in shared if c not in adm_changes]
     # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
     if snapshot is None and any(cur_by_id[i].role == "prefill" for i in why):
@@ -364,7 +375,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     n_kept_files = sum(len(instance_files(new_mf, i.id)) for i in kept)
     cordoned = sorted(cordoned_hosts(cur) if cordoned is None else cordoned)
     cordon_change = cordoned != sorted(cordoned_hosts(cur))
-    if not added and not removed and not replaced and not gateway_restart and not cordon_change:
+    if not added and not removed and not replaced and not gateway_restart and not cordon_change and not adm_changes:
         return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
                          noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
                               "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
@@ -439,7 +450,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
-                     base_snapshot=snapshot)
+                     base_snapshot=snapshot, admission_reload=adm_changes)
     plan.run = runner_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
@@ -652,7 +663,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     from pdops.drain import drain_steps
 
     inv, cur, tgt = plan.inv, plan.current, plan.target
-    if not plan.steps and not plan.gateway_restart:
+    if not plan.steps and not plan.gateway_restart and not plan.admission_reload:
         # only the cordons change: what runs is checked, then the revision records them
         from pdops.deploy import verify_running_step
 
@@ -718,6 +729,14 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                         "registers every worker of its start-up list; wait until /workers lists each healthy and ready",
                         gateway_grace_s(inv) + 120, kind="gateway-restart",
                         params={"instances": [i.id for i in tgt.instances]}))
+    if plan.admission_reload:
+        from pdops.admission import UNIT as ADMISSION_UNIT
+
+        host = inv.admission.host
+        out.append(Step("admission-check", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
+                        kind="admission-check"))
+        out.append(Step("admission-reload", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: old "
+                        "workers finish their streams); the master MainPID must stay", 60, kind="admission-reload"))
     out.append(verify_running_step(tgt, inv))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it"))
     return out
@@ -828,7 +847,10 @@ def executors() -> dict:
     from pdops import deploy as dep
     from pdops import drain as dr
 
-    return {**dep.EXECUTORS, **dr.EXECUTORS, "record": do_record_scale, "deliver-wave": do_deliver_wave,
+    from pdops import admission_ops
+
+    return {**dep.EXECUTORS, **dr.EXECUTORS, **admission_ops.EXECUTORS, "record": do_record_scale,
+            "deliver-wave": do_deliver_wave,
             "gateway-restart": do_gateway_restart}
 
 

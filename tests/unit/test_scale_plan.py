@@ -513,3 +513,18 @@ def test_a_multi_node_instance_is_replaced_as_a_whole(fleet, state):
     own = sc.instance_files(manifest(plan.files), "p01")
     assert {h for h, _ in own} == set(p01.hosts) and any("-r1." in p for _, p in own)
     assert all(f"{h}:{u}" in run["start p01"].description for h, u in p01.units)
+
+
+def test_an_admission_cap_change_is_a_graceful_reload_at_the_end(state, tmp_path, repo):
+    kf = tmp_path / "keys"
+    kf.write_text("pdops-key-one-0123456789\n")
+    kf.chmod(0o600)
+    base = variant(repo, tmp_path, lambda doc, d: doc["all"]["vars"].update(
+        pdops_admission={"api_keys_file": str(kf), "cap": 16}), name="base")
+    deployed(base, state, "2p1d")
+    more = variant(repo, tmp_path, lambda doc, d: doc["all"]["vars"].update(
+        pdops_admission={"api_keys_file": str(kf), "cap": 24}), name="more")
+    plan = sc.plan_apply(more, parse_topology("2p1d"), state)
+    assert not plan.replaced and not plan.gateway_restart and plan.admission_reload
+    assert plan.plan.step_ids()[-4:] == ["admission-check", "admission-reload", "verify-running", "record"]
+    assert "admission layer: reloaded gracefully" in plan.render()
