@@ -352,11 +352,11 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             raise Refused(f"returning to the recorded files replaces {', '.join(i.id for i in reps)}, the only "
                           f"{role} instance(s): that would leave no serving {role}",
                           fix="--force to accept it for the time of the replacement")
-        target_pl, made = _surge(inv, target_pl, reps, cur_pl, role)
+        target_pl, made = _surge(inv, target_pl, reps, cur_pl, role, chained=bool(surge))
         if made is None:
             if max_unavailable == 0:
                 raise Refused(f"--max-unavailable 0: every {role} replacement must start before its old instance "
-                              f"drains, and the inventory has no free slot for {len(reps)} more {role} instance(s)",
+                              f"drains, and the inventory has no free slot for a {role} instance to start on",
                               fix="add a host (or free GPUs), or allow one out at a time: --max-unavailable 1")
             raise Refused(f"replacing {', '.join(i.id for i in reps)} would leave no serving {role} instance and "
                           "there is no free slot to start a replacement first (surge)",
@@ -428,9 +428,12 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             where = "; ".join(f"{h} GPUs {_gpu_range(tuple(g for hh, g in gpus if hh == h))}" for h in hosts)
             step("drain", r, f"frees {where} for {a.id}")
             drained.add(r.id)
-            dip.append(f"{a.id} ({a.role}) needs {where}, held by {r.id} ({r.role}): {r.id} is drained first; "
-                       f"serving drops to {cap['prefill']} prefill + {cap['decode']} decode "
-                       f"({cap['prefill'] + cap['decode']} instances) until {a.id} is registered")
+            # a surge chain drains the old instance its earlier replacement already covers: no dip
+            if a.id not in {n for _, n in surge} or \
+                    cap[r.role] < min(len(cur_pl.role(r.role)), len(target_pl.role(r.role))):
+                dip.append(f"{a.id} ({a.role}) needs {where}, held by {r.id} ({r.role}): {r.id} is drained first; "
+                           f"serving drops to {cap['prefill']} prefill + {cap['decode']} decode "
+                           f"({cap['prefill'] + cap['decode']} instances) until {a.id} is registered")
         step("add", a, f"on the GPUs freed by {', '.join(r.id for r in needs[a.id])}")
     for r in removed:
         if r.id not in drained:
@@ -465,15 +468,30 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     return plan
 
 
-def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: Placement, role: str):
-    """Each of `reps` replaced by a new instance (the lowest unused id) on a free slot, or (pl, None)
-    when the inventory has too few free slots."""
+def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: Placement, role: str,
+           chained: bool = False):
+    """Each of `reps` replaced by a new instance (the lowest unused id), started before the old one
+    drains: on a free slot, then on the slot the previous surge's old instance frees (a chain: one
+    free slot is enough; the planner orders each drain before the add that needs its GPUs). A
+    prefill on a slot an instance of `cur_pl` holds takes the other bootstrap port. (pl, None):
+    no free slot at all."""
     from pdops.placement import _slots
 
-    used = {_slot_key(i) for i in target_pl.instances} | {_slot_key(i) for i in cur_pl.instances}
-    free = [sl for sl in _slots(inv) if (tuple(h.name for h in sl[0]), sl[1]) not in used]
-    if len(free) < len(reps):
+    in_target = {_slot_key(i) for i in target_pl.instances if i not in reps}
+    tgt_ids = {i.id for i in target_pl.instances if i not in reps}
+    held_now = {_slot_key(i) for i in cur_pl.instances}
+    key = lambda sl: (tuple(h.name for h in sl[0]), sl[1])  # noqa: E731
+    free = [sl for sl in _slots(inv) if key(sl) not in in_target and key(sl) not in held_now]
+    # slots an instance leaving the placement holds: free once it drained (an earlier surge in this
+    # change covers it), the chain's next links
+    freed = [sl for sl in _slots(inv) if key(sl) not in in_target and key(sl) in held_now and
+             all(i.id not in tgt_ids for i in cur_pl.instances if _slot_key(i) == key(sl))
+             and not any(_slot_key(r) == key(sl) for r in reps)]
+    if not free and not (chained and freed):
         return target_pl, None
+    free += freed
+    by_key = {(tuple(h.name for h in sl[0]), sl[1]): sl for sl in _slots(inv)}
+    held = {_slot_key(i): i for i in cur_pl.instances}
     taken = {int(i.id[1:]) for i in target_pl.role(role)} | {int(i.id[1:]) for i in cur_pl.role(role)}
     made, n = [], 0
     insts = [i for i in target_pl.instances if i not in reps]
@@ -482,9 +500,14 @@ def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: P
         while n in taken:
             n += 1
         taken.add(n)
-        new = _make(inv, role, n, free.pop(0))
+        sl = free.pop(0)
+        prev = held.get((tuple(h.name for h in sl[0]), sl[1]))
+        alt = role == "prefill" and prev is not None and prev.role == "prefill" and \
+            prev.bootstrap_port == inv.ports.bootstrap_base + inv.ports.stride * sl[1]
+        new = _make(inv, role, n, sl, alt)
         made.append((old, new))
         insts.append(new)
+        free.append(by_key[_slot_key(old)])  # freed once `old` drains
     insts.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
     return Placement(target_pl.topology, tuple(insts)), made
 

@@ -528,3 +528,19 @@ def test_an_admission_cap_change_is_a_graceful_reload_at_the_end(state, tmp_path
     assert not plan.replaced and not plan.gateway_restart and plan.admission_reload
     assert plan.plan.step_ids()[-4:] == ["admission-check", "admission-reload", "verify-running", "record"]
     assert "admission layer: reloaded gracefully" in plan.render()
+
+
+def test_max_unavailable_0_surges_every_replacement_through_one_free_slot(lab_inv, state, tmp_path, repo):
+    rev = deployed(lab_inv, state, "2p1d")  # p01 lab01, p02 lab02, d01 lab03; lab04 free
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=16))
+    plan = sc.plan_apply(inv, parse_topology("2p1d"), state, max_unavailable=0)
+    assert plan.surge == [("p01", "p03"), ("p02", "p04"), ("d01", "d02")] and not plan.replaced and not plan.dip
+    t = plan.target
+    assert [t.get(i).hosts for i in ("p03", "p04", "d02")] == [("lab04",), ("lab01",), ("lab02",)]
+    old_p01 = Placement.from_dict(rev.placement).get("p01")
+    assert t.get("p04").bootstrap_port == old_p01.bootstrap_port + 1  # not the port p01 had there
+    names = plan.plan.step_ids()
+    assert names.index("register p03") < names.index("drain p01: leave-gateway") < names.index("start p04")
+    assert names.index("register p04") < names.index("drain p02: leave-gateway") < names.index("start d02")
+    assert names.index("register d02") < names.index("drain d01: leave-gateway")
+    assert plan.min_capacity() == (2, 1)  # never below what serves now
