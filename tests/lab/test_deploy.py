@@ -147,17 +147,18 @@ def test_a_different_topology_is_planned_as_a_change(live):
     assert record(inv_dir).revision_numbers() == [1]  # a dry run changes nothing
 
 
-def test_a_gateway_setting_change_is_refused_naming_its_files(live, tmp_path):
+def test_a_gateway_setting_change_is_planned_as_a_gateway_restart(live, tmp_path):
     inv_dir, _ = live
     doc = yaml.safe_load((inv_dir / "hosts.yml").read_text())
     doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 7
     changed = tmp_path / "changed"
     changed.mkdir()
     (changed / "hosts.yml").write_text(yaml.safe_dump(doc))
-    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(changed))
-    assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "files of the gateway" in proc.stderr and "pdops-gateway.sh changed" in proc.stderr
-    assert "] connect" not in proc.stdout
+    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(changed), "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gateway: restarted after the instances" in proc.stdout and "pdops-gateway.sh" in proc.stdout
+    assert "replaced:" not in proc.stdout  # the engines' files do not change
+    assert "] connect" not in proc.stdout and record(inv_dir).revision_numbers() == [1]
 
 
 def test_a_concurrent_operation_is_refused(lab, live, fresh):
