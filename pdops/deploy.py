@@ -411,9 +411,22 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
 
 
 def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float = 60) -> str:
-    """POST the instance to the gateway and wait until /workers lists it healthy."""
+    """POST the instance to the gateway and wait until /workers lists it healthy. A worker still
+    draining at this URL (the previous process at this address, drained moments ago: smg keeps it
+    about 5 s) is waited out first: a POST now would answer 409 with that worker, which then goes."""
+    from pdops.facts.gateway import DRAINING
+
+    deadline = deadline_in(timeout_s)
+    try:
+        stale = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")
+                 and w.status == DRAINING]
+    except PdopsError:
+        stale = []  # the POST below says what is wrong with the gateway
+    for w in stale:
+        say(f"  {inst.id}: the gateway still drains worker {w.id} at {inst.url}; waiting until it is gone")
+        client.wait_worker_gone(w.id, deadline)
     worker_id = client.add_worker(inst.url, inst.role, inst.bootstrap_port)
-    w = client.wait_worker_healthy(inst.url, deadline_in(timeout_s))
+    w = client.wait_worker_healthy(inst.url, deadline)
     say(f"  {inst.id} registered: worker {w.id} healthy")
     return w.id or worker_id
 

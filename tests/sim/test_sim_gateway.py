@@ -169,3 +169,31 @@ def test_smg_exports_the_metrics_docs_gateway_names(pd_cluster):
                  "smg_pd_prefill_duration_seconds_count", "smg_worker_health", "smg_worker_requests_active",
                  "smg_worker_pool_size", "smg_worker_cb_state", "smg_engine_running_requests"):
         assert name in names, f"{name} not exported by smg ({len(names)} names)"
+
+
+def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
+    """An instance added at the address of one drained moments ago (a scale 3p1d -> 2p2d puts d02
+    where p03 was): smg keeps the old worker `draining` about 5 s and answers a POST of the same
+    URL with 409 and that worker. pdops.deploy.register waits until it is gone, then registers."""
+    from pdops.deploy import register
+    from pdops.gateway import GatewayClient, deadline_in
+    from pdops.placement import Instance, Rank
+    from pdops.sim.testing import start_gateway
+
+    p = sims(["--disaggregation-mode", "prefill"])
+    d = sims(["--disaggregation-mode", "decode"])
+    g = start_gateway([p], [d], ["--policy", "round_robin"])
+    try:
+        client = GatewayClient(g.url, timeout=3, poll_interval=0.05)
+        [w] = [w for w in client.list_workers() if w.url == d.url]
+        client.remove_worker(w.id)
+        assert client.wait_worker_out(w.id, deadline_in(2)) == "draining"
+        host, port = d.url.removeprefix("http://").rsplit(":", 1)
+        inst = Instance("d02", "decode", (Rank(0, "h", host, (0,)),), 0, int(port), None, None)
+        said: list = []
+        new_id = register(client, inst, said.append, timeout_s=30)
+        assert new_id != w.id and any("still drains" in s for s in said)
+        [now] = [x for x in client.list_workers() if x.url == d.url]
+        assert now.id == new_id and now.routable
+    finally:
+        g.stop()
