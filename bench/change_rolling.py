@@ -65,13 +65,19 @@ def change(inv, state, topo: str, **kw) -> float:
     return time.time() - t0
 
 
-def re_added_prefill() -> None:
-    where = cluster(5, "bench-change-readd")
+def deployed(hosts: int, name: str, topo: str):
+    """A fresh lab cluster of `hosts` hosts with `topo` deployed: (its dir, inventory, record)."""
+    where = cluster(hosts, name)
     inv = load_inventory(where)
     state = dep.state_for(inv)
     with connections(inv) as conns:
-        dep.execute_deploy(dep.plan_deploy(inv, parse_topology("4p1d"), state), **QUIET, **conns)
+        dep.execute_deploy(dep.plan_deploy(inv, parse_topology(topo), state), **QUIET, **conns)
     state.refresh()
+    return where, inv, state
+
+
+def re_added_prefill() -> None:
+    where, inv, state = deployed(5, "bench-change-readd", "4p1d")
     # traffic through every pair, so d01 holds a route to p04's bootstrap address
     send(inv.gateway.url, requests=16, concurrency=8, max_new_tokens=8, rid_prefix="bench-warm")
     change(inv, state, "3p1d")
@@ -94,12 +100,7 @@ def re_added_prefill() -> None:
 
 
 def rolling_4p4d() -> None:
-    where = cluster(8, "bench-change-rolling")
-    inv = load_inventory(where)
-    state = dep.state_for(inv)
-    with connections(inv) as conns:
-        dep.execute_deploy(dep.plan_deploy(inv, parse_topology("4p4d"), state), **QUIET, **conns)
-    state.refresh()
+    where, inv, state = deployed(8, "bench-change-rolling", "4p4d")
     prof = yaml.safe_load((where / "p.yml").read_text())
     prof["bundle"]["max_running_requests"] = 48
     (where / "p.yml").write_text(yaml.safe_dump(prof))
