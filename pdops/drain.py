@@ -99,19 +99,24 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
 
 def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s: float, interval_s: float,
                 force_after: bool = False, gateway: bool = True, prefix: str = "", in_change: bool = False,
-                check_ports: bool = True, resume: bool = True, extra: dict | None = None) -> list[Step]:
+                check_ports: bool = True, resume: bool = True, extra: dict | None = None,
+                wait: bool = True) -> list[Step]:
     """Rule 4 for one instance as steps: the one drain sub-plan that drain, scale and rollback
     embed (`prefix` names the instance in the step ids when an operation has several drains).
     `gateway=False`: the verified stop alone (`inv stop`); `check_ports=False` for an instance
     that never listened (its port may be someone else's); `resume=False` (undoing an add): always
-    stop, never accept units found stopped as the work of an earlier drain."""
+    stop, never accept units found stopped as the work of an earlier drain. `wait=False` (repairing
+    an instance observed down: nothing of it runs to wait for): leave the gateway, then the verified
+    stop, without the wait and the empty checks."""
     p = {"instance": inst.id, "in_change": in_change, "check_ports": check_ports, "resume": resume, **(extra or {})}
     steps = []
     if gateway:
-        steps += [
+        steps.append(
             Step(f"{prefix}leave-gateway", inv.gateway.host, f"out of the gateway's start-up worker list, then DELETE "
                  f"/workers/{worker_id}; verify the gateway lists it draining (no new request) or not at all; "
-                 "requests already routed to it keep running", 30, params={**p, "worker_id": worker_id}),
+                 "requests already routed to it keep running", 30, params={**p, "worker_id": worker_id}))
+    if gateway and wait:
+        steps += [
             Step(f"{prefix}wait-empty", inst.head.host, "until no request ID is open in its request log and every "
                  "queue (running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
                  "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"

@@ -98,6 +98,8 @@ class ScalePlan:
     admission_reload: list[str] = field(default_factory=list)  # its config files that change (a graceful reload)
     base_snapshot: dict | None = field(default=None, repr=False)  # a rollback's target: its files and inventory
     rollback_inventory_hash: str | None = None
+    # `inv repair`: {"instance", "state", "reasons", "down", "force_after", "since"} (pdops.repair)
+    repair: dict | None = None
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
 
     @property
@@ -105,8 +107,12 @@ class ScalePlan:
         return (len(self.current_placement.role("prefill")), len(self.current_placement.role("decode")))
 
     @property
+    def operation(self) -> str:
+        return "repair" if self.repair else "rollback" if self.rollback_of else "scale"
+
+    @property
     def plan(self) -> Plan:
-        op = "rollback" if self.rollback_of else "scale"
+        op = self.operation
         return Plan(op, self.render().splitlines()[0], self.run,
                     head={"from": self.current.number, "to": str(self.target.topology), "rollback_of": self.rollback_of,
                           "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
@@ -130,6 +136,10 @@ class ScalePlan:
         verb = f"rollback to revision {self.rollback_of}" if self.rollback_of else "scale"
         head = (f"plan: {verb}: {self.inv.cluster} from revision {cur.number} ({cur.topology}) "
                 f"to {self.target.topology}")
+        if self.repair:
+            r = self.repair
+            head = (f"plan: repair {r['instance']} of {self.inv.cluster} (revision {cur.number}, {cur.topology}): "
+                    f"observed {r['state']}: {'; '.join(r['reasons']) or 'ok (--force)'}")
         if self.noop:
             return head + f"\nno change: {self.noop}"
         lines = [head]
@@ -777,10 +787,17 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     ids = [i.id for i in wave]
     tag = "+".join(ids)
     interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
+    rep = plan.repair or {}
     subs = [drain_steps(inv, old[i.id], (cur.instances.get(i.id) or {}).get("worker_id"),
                         wait_s=float(inv.drain_budget_s), interval_s=interval, prefix=f"replace {i.id}: ",
-                        in_change=True, extra={"old": True}) for i in wave]
+                        in_change=True, extra={"old": True}, force_after=bool(rep.get("force_after")),
+                        wait=not (rep.get("down") and rep.get("instance") == i.id)) for i in wave]
     out: list[Step] = []
+    for i in wave:
+        if rep.get("instance") == i.id:
+            from pdops.repair import lost_work_step
+
+            out.append(lost_work_step(old[i.id], rep))
     for n, row in enumerate(zip(*subs)):
         for st in row:
             st.group = f"out {tag} {n}" if len(row) > 1 else None
@@ -872,7 +889,10 @@ def executors() -> dict:
 
     from pdops import admission_ops
 
+    from pdops.repair import do_lost_work
+
     return {**dep.EXECUTORS, **dr.EXECUTORS, **admission_ops.EXECUTORS, "record": do_record_scale,
+            "lost-work": do_lost_work,
             "deliver-wave": do_deliver_wave,
             "gateway-restart": do_gateway_restart}
 
@@ -883,7 +903,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
     Raises ScaleFailed with a verdict on failure, after undoing what it can."""
     if plan.noop:
         raise Refused(f"nothing to do: {plan.noop}")
-    kind = "rollback" if plan.rollback_of else "scale"
+    kind = plan.operation
     op = new_op_id(kind)
     with state.lock(kind, op_id=op):
         state.check_basis(plan.current.number)
@@ -962,6 +982,8 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
                        "kept": [i.id for i in plan.kept], "capacity_dip": plan.dip}}
     if plan.rollback_of:
         extra["rollback_of"] = plan.rollback_of
+    if plan.repair:
+        extra["repair"] = {k: plan.repair.get(k) for k in ("instance", "state", "reasons", "lost", "failed")}
     if plan.base_snapshot is not None:  # a rollback: what runs is the target's rendering
         snap = {**plan.base_snapshot, "files": snapshot_of(plan.inv, plan.files)["files"]}
         inv_hash = plan.rollback_inventory_hash or plan.inv.digest

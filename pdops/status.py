@@ -1,15 +1,43 @@
-"""`inv status`: what runs where, is it registered, healthy, busy. Read-only."""
+"""`inv status`: what runs where and what happened to it, each row ending in a state word and
+the command to run. Read-only.
+
+Decided from observation (pdops.observe: systemd on every host, the gateway's /workers and its
+start-up list), each engine's /v1/loads and /metrics, and the processes in each unit's cgroup,
+compared with the identity the current revision recorded:
+
+- ``down``: a unit is not active (failed, stopped, or between systemd's automatic restarts);
+- ``restarted``: a unit's MainPID is not the recorded one: the process pdops started and
+  verified is gone, systemd started another (its peers and the gateway may hold stale state);
+- ``not registered``: the gateway does not list it (or the gateway is down);
+- ``degraded``: it runs and is registered, but the gateway marks it unhealthy or not ready, its
+  PD failure counters rose since the last look, its process runs other files than the
+  revision's, a process in its cgroup is not under MainPID, or its engine does not answer;
+- ``ok``: none of these.
+
+Failure counters "since the last look" are kept per instance and MainPID in this operator
+machine's cache (``cache/status-look.json``); a first look at a process counts from its start.
+`inv repair` decides from the same baseline the last `inv status` compared with.
+"""
 
 from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdops.errors import PdopsError
 from pdops.facts import engine as engine_facts
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
-from pdops.placement import Placement
 from pdops.render import GATEWAY_UNIT
 from pdops.runner import run_parallel
+
+STATES = ("ok", "restarted", "degraded", "down", "not registered")
+FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
+                    "transfer_failed": "sglang:num_transfer_failed_reqs_total"}
+QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
 
 
 def record_doc(state) -> dict:
@@ -18,67 +46,189 @@ def record_doc(state) -> dict:
             "lock": state.lock_holder() if hasattr(state, "lock_holder") else None}
 
 
-def collect_status(inv: Inventory, state) -> dict:
-    """Read every source (systemd on each host, the gateway's /workers, each engine's /v1/loads)."""
+@dataclass
+class InstanceHealth:
+    """What one instance's row says, from its observation; pure, so each state word is tested."""
+
+    state: str
+    reasons: list[str] = field(default_factory=list)
+    action: str | None = None
+
+
+def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str, int],
+          strays: list[str]) -> InstanceHealth:
+    """The state word of one instance (pdops.observe.InstanceObservation `o`), the evidence for
+    it, and the command to run. `failures`: counter name -> increase since the last look."""
+    repair = f"inv repair --instance {o.id}"
+    if o.down:
+        return InstanceHealth("down", [f"unit {d}" for d in o.down], repair)
+    if o.restarted:
+        return InstanceHealth("restarted", o.restarted + ["the process pdops started and verified is gone; "
+                                                          "peers and the gateway may hold its old state"], repair)
+    if gateway_down:
+        return InstanceHealth("not registered", ["the gateway is down"], "see the gateway row")
+    if o.worker is None:
+        return InstanceHealth("not registered", ["not in the gateway's /workers"], repair)
+    reasons = []
+    if o.gateway_problem:
+        reasons.append(o.gateway_problem)
+    if o.in_list is False:
+        reasons.append("not in the gateway's start-up list (a gateway restart would drop it)")
+    reasons += [f"{n} +{d} since the last look" for n, d in failures.items() if d > 0]
+    reasons += [f"stray process in its cgroup, not under MainPID: {s}" for s in strays]
+    if loads_error:
+        reasons.append(f"engine does not answer /v1/loads: {loads_error}")
+    if reasons:
+        return InstanceHealth("degraded", reasons, repair)
+    if o.stale:
+        return InstanceHealth("degraded", list(o.stale), "inv deploy --topology <the current one> (replaces it)")
+    return InstanceHealth("ok")
+
+
+def _look_path(inv: Inventory) -> Path:
+    from pdops.deploy import local_dir
+
+    return local_dir(inv) / "cache" / "status-look.json"
+
+
+def _counter_deltas(inv: Inventory, seen: dict[str, dict], *, write: bool = True) -> dict[str, dict[str, int]]:
+    """{instance: {counter: increase since the last look at the same MainPID (else since its start)}};
+    then (`write`) this look becomes the last one. Without `write` (`inv repair` deciding) the
+    baseline is the one the last look compared with: what that `inv status` showed still counts."""
+    path = _look_path(inv)
+    try:
+        last = json.loads(path.read_text())
+    except (OSError, ValueError):
+        last = {}
+    out = {}
+    for iid, now in seen.items():
+        before = (last.get(iid) or {}) if write else ((last.get(iid) or {}).get("prev") or {})
+        same = before.get("pid") == now["pid"]
+        out[iid] = {k: max(0, int(now["counters"][k] - (before.get("counters", {}).get(k, 0) if same else 0)))
+                    for k in now["counters"]}
+    if not write:
+        return out
+    new = {**last, **{iid: {**now, "prev": {k: v for k, v in (last.get(iid) or {}).items() if k != "prev"}}
+                      for iid, now in seen.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(new))
+        tmp.replace(path)
+    except OSError:
+        pass  # read-only use: the next look counts from the process start again
+    return out
+
+
+def _engine_reads(inst) -> tuple[engine_facts.EngineLoads, dict[str, float]]:
+    status, doc = http_json("GET", f"{inst.url}{engine_facts.LOADS_PATH}", timeout=5)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}")
+    loads = engine_facts.parse_loads(doc)
+    counters = {}
+    status, text = http_json("GET", f"{inst.url}{engine_facts.METRICS_PATH}", timeout=5)
+    if status == 200 and isinstance(text, str):
+        metrics = engine_facts.parse_metrics(text)
+        counters = {k: engine_facts.counter(metrics, name) for k, name in FAILURE_COUNTERS.items()}
+    return loads, counters
+
+
+def _strays(pool: HostPool, o) -> list[str]:
+    """Processes in a running unit's cgroup that are not its MainPID or MainPID's descendants."""
+    from pdops.drain import record_identity
+
+    out = []
+    for key, st in o.units.items():
+        host, unit = key.split(":", 1)
+        if getattr(st, "active_state", None) == "active":
+            out += [f"{host}:{unit} {s}" for s in record_identity(pool, host, unit).strays]
+    return out
+
+
+def collect_status(inv: Inventory, state, *, remember: bool = True) -> dict:
+    """Read every source and judge each instance and the gateway (see the module's doc).
+    `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
+    from pdops.observe import observe
+
     rev = state.current_revision()
     record = record_doc(state)
     if rev is None:
         return {"cluster": inv.cluster, "revision": None, "instances": [], "gateway": None, "record": record,
-                "note": "nothing deployed yet (no current revision)"}
-    pl = Placement.from_dict(rev.placement)
-    by_host: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
-    for inst in pl.instances:
-        for h, u in inst.units:
-            by_host.setdefault(h, []).append(u)
-    with HostPool(inv) as pool:
-        unit_res = run_parallel(list(by_host), lambda h: pool.unit_states(h, by_host[h]))
+                "note": "nothing deployed yet (no current revision)", "ok": True}
     client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
-    try:
-        workers = {w.url: w for w in client.list_workers()}
-        gw_error = None
-    except PdopsError as exc:
-        workers, gw_error = {}, exc.message
-
-    def loads(inst):
-        status, doc = http_json("GET", f"{inst.url}{engine_facts.LOADS_PATH}", timeout=5)
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}")
-        return engine_facts.parse_loads(doc)
-
-    load_res = run_parallel(list(pl.instances), loads)
+    with HostPool(inv) as pool:
+        obs = observe(inv, rev, pool, client)
+        by_id = {o.id: o for o in obs.instances}
+        stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
+    reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
+    seen = {}
+    for o in obs.instances:
+        r = reads.get(o.instance)
+        if isinstance(r, tuple) and r[1]:
+            seen[o.id] = {"pid": o.main_pids.get(f"{o.instance.head.host}:{o.instance.units[0][1]}"),
+                          "counters": r[1], "at": time.time()}
+    deltas = _counter_deltas(inv, seen, write=remember)
     rows = []
-    for inst in pl.instances:
-        units = []
-        for h, u in inst.units:
-            r = unit_res.get(h)
-            st = r.get(u) if isinstance(r, dict) else None
-            units.append({"host": h, "unit": u, "state": f"{st.active_state}/{st.sub_state}" if st else f"unknown ({r})",
-                          "main_pid": st.main_pid if st else None})
-        w = workers.get(inst.url)
-        lr = load_res.get(inst)
+    for o in obs.instances:
+        r = reads.get(o.instance)
+        loads_error = None if isinstance(r, tuple) else str(getattr(r, "message", r))
         q = {}
-        if isinstance(lr, engine_facts.EngineLoads):
-            for name in ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc",
-                         "decode_transfer"):
+        if isinstance(r, tuple):
+            for name in QUEUES:
                 try:
-                    q[name] = lr.total(name)
+                    q[name] = r[0].total(name)
                 except Exception:  # noqa: BLE001 - a field this engine does not report
                     q[name] = None
+        sr = stray_res.get(o.id)
+        strays = sr if isinstance(sr, list) else []
+        h = judge(o, gateway_down=obs.gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
+                  strays=strays)
+        if not isinstance(sr, list):
+            h.reasons.append(f"its cgroup could not be read: {getattr(sr, 'message', sr)}")
+        inst, w = o.instance, o.worker
+        units = []
+        for hst, u in inst.units:
+            st = o.units.get(f"{hst}:{u}")
+            units.append({"host": hst, "unit": u,
+                          "state": f"{st.active_state}/{st.sub_state}" if hasattr(st, "active_state") else
+                          f"unknown ({st})", "main_pid": getattr(st, "main_pid", None),
+                          "recorded_pid": o.recorded_pids.get(f"{hst}:{u}"),
+                          "n_restarts": getattr(st, "n_restarts", None)})
         rows.append({
             "instance": inst.id, "role": inst.role, "hosts": list(inst.hosts), "ranks": inst.nnodes,
             "units": units, "url": inst.url,
             "worker_id": w.id if w else None, "registered": w is not None,
             "healthy": bool(w and w.routable), "gateway_status": w.status if w else None,
             "recorded_worker_id": (rev.instances.get(inst.id) or {}).get("worker_id"),
-            "queues": q, "loads_error": None if isinstance(lr, engine_facts.EngineLoads) else str(lr),
+            "queues": q, "loads_error": loads_error,
+            "failures": (seen.get(inst.id) or {}).get("counters", {}), "failures_since_last_look": deltas.get(inst.id, {}),
+            "state": h.state, "reasons": h.reasons, "action": h.action,
         })
-    g = unit_res.get(inv.gateway.host)
-    gst = g.get(GATEWAY_UNIT) if isinstance(g, dict) else None
+    gu = obs.gateway_unit
+    greasons = []
+    if obs.gateway_down:
+        gstate = "down"
+        greasons.append(f"unit {gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else str(gu))
+        if obs.gateway_error:
+            greasons.append(obs.gateway_error)
+    else:
+        greasons += [x for x in (obs.gateway_stale,) if x]
+        greasons += [f"routes to {w.describe()}, which revision {rev.number} does not know" for w in obs.unknown_workers]
+        if obs.start_list_error:
+            greasons.append(f"start-up list unreadable: {obs.start_list_error}")
+        gstate = "degraded" if greasons else "ok"
+    gaction = {"down": f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
+                       "gateway-crashed)",
+               "degraded": f"inv deploy --topology {rev.topology}"}.get(gstate)
     gateway = {"host": inv.gateway.host, "url": inv.gateway.url,
-               "state": f"{gst.active_state}/{gst.sub_state}" if gst else "unknown",
-               "main_pid": gst.main_pid if gst else None, "workers": len(workers), "error": gw_error}
+               "unit_state": f"{gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else "unknown",
+               "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),
+               "workers": len(obs.workers), "error": obs.gateway_error,
+               "state": gstate, "reasons": greasons, "action": gaction}
+    ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
-            "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", []))}
+            "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
+            "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def record_lines(record: dict | None) -> list[str]:
@@ -106,21 +256,35 @@ def format_status(doc: dict) -> str:
     rows = []
     for r in doc["instances"]:
         q = r["queues"]
+        f = r.get("failures") or {}
         rows.append({
             "instance": r["instance"], "role": r["role"], "hosts": ",".join(r["hosts"]),
             "unit": ",".join(u["state"] for u in r["units"]),
             "mainpid": ",".join(str(u["main_pid"]) for u in r["units"]),
+            "restarts": ",".join(str(u.get("n_restarts", "?")) for u in r["units"]),
             "worker": (r["worker_id"] or "-")[:12], "gw_health": "healthy" if r["healthy"] else
-            (r.get("gateway_status") or "unhealthy" if r["registered"] else "NOT REGISTERED"),
+            (r.get("gateway_status") or "unhealthy" if r["registered"] else "-"),
             "run": q.get("running", "?"), "wait": q.get("waiting", "?"),
             "kv_in_flight": (q.get("prefill_inflight") or 0) + (q.get("decode_transfer") or 0) if q else "?",
+            "fail_boot/xfer": f"{int(f.get('bootstrap_failed', 0))}/{int(f.get('transfer_failed', 0))}" if f else "?",
+            "state": r["state"],
         })
     g = doc["gateway"]
     head = (f"{doc['cluster']}: revision {doc['revision']} ({doc['topology']}); gateway {g['url']} on {g['host']}: "
-            f"{g['state']}, MainPID {g['main_pid']}, {g['workers']} workers" + (f" (error: {g['error']})" if g["error"] else ""))
+            f"{g['unit_state']}, MainPID {g['main_pid']}, {g['workers']} workers: {g['state']}"
+            + (f" (error: {g['error']})" if g["error"] else ""))
+    lines = banner + [head, format_table(rows)]
+    for r in doc["instances"]:
+        if r["state"] != "ok":
+            lines.append(f"{r['instance']} {r['state']}: {'; '.join(r['reasons'])}"
+                         + (f"\n  -> {r['action']}" if r.get("action") else ""))
+    if g["state"] != "ok":
+        lines.append(f"gateway {g['state']}: {'; '.join(g['reasons'])}" + (f"\n  -> {g['action']}" if g["action"] else ""))
     healthy = sum(1 for r in doc["instances"] if r["healthy"])
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
+    bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + ([] if g["state"] == "ok" else ["gateway"])
+    tail += f"; not ok: {', '.join(bad)}" if bad else "; all ok"
     if doc.get("cordoned"):
         tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"
     where = f"record: {doc['record']['location']}" if doc.get("record") else ""
-    return "\n".join(banner + [head, format_table(rows), tail] + ([where] if where else []))
+    return "\n".join(lines + [tail] + ([where] if where else []))

@@ -122,19 +122,40 @@ def _run_change(inv, plan, dry_run: bool) -> None:
         _print_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
 
 
-@task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})
+@task(help={"inventory": "inventory dir or file", "json": "machine-readable output (the same rows and state words)",
+            "watch": "refresh every N seconds (default 5) until interrupted"},
+      optional=["watch"])
 @cli_errors
-def status(c, inventory=DEFAULT_INVENTORY, json=False):
-    """One row per instance: unit state, MainPID, gateway worker and health, queues; plus the gateway."""
+def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None):
+    """One row per instance ending in a state word (ok, restarted, degraded, down, not registered) and
+    the command to run; the gateway's too. Exit status 1 when anything is not ok (for cron or a check)."""
     import json as _json
+    import time
+
+    from invoke.exceptions import Exit
 
     from pdops import deploy as dep
     from pdops.inventory import load_inventory
     from pdops.status import collect_status, format_status
 
+    every = None if watch is None else (5.0 if watch is True else seconds(watch, "--watch"))
+    if every is not None and every <= 0:
+        raise InvalidInput("--watch", f"{watch!r} is not a positive number of seconds", fix="e.g. --watch 5")
     inv = load_inventory(inventory)
-    doc = collect_status(inv, dep.state_for(inv, cached_ok=True))
-    print(_json.dumps(doc, indent=2, default=str) if json else format_status(doc))
+    while True:
+        doc = collect_status(inv, dep.state_for(inv, cached_ok=True))
+        out = _json.dumps(doc, indent=2, default=str) if json else format_status(doc)
+        if every is None:
+            print(out)
+            break
+        print(("\x1b[H\x1b[2J" if not json else "") + f"every {every:g}s, {doc.get('at', '')} (Ctrl-C ends)\n{out}",
+              flush=True)
+        try:
+            time.sleep(every)
+        except KeyboardInterrupt:
+            break
+    if not doc.get("ok", True):
+        raise Exit(code=1)
 
 
 @task(help={"inventory": "inventory dir or file"})
@@ -221,6 +242,40 @@ def _host_op(host, inventory, dry_run, make_plan) -> None:
     plan = make_plan(inv, state)
     plan.state = state
     _run_change(inv, plan, dry_run)
+
+
+@task(help={"instance": "the instance to repair, e.g. d01 (see `inv status`)", "inventory": "inventory dir or file",
+            "dry_run": "print the plan only",
+            "force": "restart an instance observed ok, or the last serving one of its role",
+            "force_after": "at the drain's deadline, stop anyway (the loss is recorded in the journal)"})
+@cli_errors
+def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, force_after=False):
+    """A verified restart of one instance that `inv status` does not call ok: name its lost work, leave
+    the gateway, drain, verified stop, start, health, canary its P x D pairs, register, record."""
+    from pdops import deploy as dep
+    from pdops import scale as sc
+    from pdops.hosts import connections
+    from pdops.inventory import load_inventory
+    from pdops.repair import check_instance_id, plan_repair
+    from pdops.status import collect_status
+
+    iid = check_instance_id(instance)
+    inv = load_inventory(inventory)
+    state = dep.state_for(inv)
+    plan = plan_repair(inv, state, iid, collect_status(inv, state, remember=False), force=force,
+                       force_after=force_after)
+    if isinstance(plan, str):
+        print(f"no change: {plan}")
+        return
+    print(plan.render())
+    if dry_run:
+        return
+    with connections(inv) as conns:
+        v = sc.execute_scale(plan, state, **conns)
+    r = plan.repair
+    lost = r.get("lost") or []
+    print_verdict(f"repaired {iid} (observed {r['state']}) as revision {v['revision']}, now current; "
+                  f"{len(lost)} request(s) lost with its ended process" + (f": {', '.join(lost)}" if lost else ""), v)
 
 
 @task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",

@@ -58,3 +58,43 @@ def parse(output: str) -> RequestLog:
                 fr = ((doc.get("out") or {}).get("meta_info") or {}).get("finish_reason")
                 log.finished[r] = (fr.get("type") if isinstance(fr, dict) else str(fr)) if fr else "unknown"
     return log
+
+
+def invocations_command(unit: str, since_epoch: float) -> str:
+    """The unit's journal since `since_epoch`, every invocation, as JSON lines carrying each
+    message's invocation ID (so what one process received can be told from the next one's)."""
+    return (f"journalctl -u {q(unit)} --since @{int(since_epoch)} -o json "
+            "--output-fields=MESSAGE,_SYSTEMD_INVOCATION_ID --no-pager")
+
+
+def by_invocation(output: str) -> dict[str, RequestLog]:
+    """{invocation ID: its RequestLog}, in the order the journal shows them. A MESSAGE journald
+    stored as bytes (a list of ints) is decoded; lines that are not JSON are ignored."""
+    texts: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(doc, dict):
+            continue
+        msg = doc.get("MESSAGE")
+        if isinstance(msg, list):
+            msg = bytes(x for x in msg if isinstance(x, int) and 0 <= x < 256).decode("utf-8", "replace")
+        if not isinstance(msg, str):
+            continue
+        texts.setdefault(str(doc.get("_SYSTEMD_INVOCATION_ID") or ""), []).append(msg)
+    return {k: parse("\n".join(v)) for k, v in texts.items()}
+
+
+def lost_work(logs: dict[str, RequestLog], current: str | None) -> tuple[list[str], list[str]]:
+    """(lost, failed): request IDs received by a process that has ended (any invocation but
+    `current`, the running one) and never finished: in flight when it ended; and request IDs any of
+    these processes finished with an abort (failed, answered with an error)."""
+    lost: list[str] = []
+    failed: list[str] = []
+    for inv_id, log in logs.items():
+        if inv_id != current:
+            lost += [r for r in log.open if r not in lost]
+        failed += [r for r, why in log.finished.items() if why == "abort" and r not in failed]
+    return lost, failed

@@ -550,6 +550,11 @@ class Engine:
 
     async def _receive_kv(self, req: Req, reader, writer) -> None:
         req.phase = "transfer"
+        if self.faults.dead_session:
+            # the decode's transfer session is gone: it drops the connection, so the prefill fails
+            # the room too (sglang#13054: every request fails until the decode restarts)
+            self._close_kv(req)
+            raise RequestFailed(f"KV transfer failed for request rid={req.rid}: session not alive", 500, "transfer")
         t_wait = time.monotonic()
         try:
             line = await asyncio.wait_for(reader.readline(), self.to.waiting)

@@ -17,6 +17,10 @@ PDOPS_SIM_FAULTS is a comma list of ``name`` or ``name=value``:
   and moves itself out of the unit's cgroup (into ``pdops-sim-escaped`` at the cgroup
   root, on cgroup2 and the name=systemd hierarchy): systemd's stop cannot reach it, as
   with a reparented SGLang scheduler (sglang#23627). It lives PDOPS_SIM_STRAY_SECONDS.
+- ``dead_session``       on a decode: its KV transfer session is dead, as after the one transient
+  transfer error of sglang#13054: every request it takes fails at the transfer ("session not
+  alive", 500 on both sides, counted in num_transfer_failed_reqs_total), fast, until the process
+  restarts (a fault set at run time is gone with the process)
 - ``unhealthy_after=N``  /health (and /health_generate, /ready) answer 503 once they have
   answered 200 N times: 0 never turns healthy (a model that never loads); 1 passes
   pdops's health gate once and is never healthy for the gateway (an engine that wedges
@@ -28,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KNOWN = ("fail_transfer", "hang_room", "ignore_sigterm", "crash_child", "stray_grandchild", "escape_cgroup",
-         "unhealthy_after")
+         "unhealthy_after", "dead_session")
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Faults:
     stray_grandchild: bool = False
     escape_cgroup: bool = False
     unhealthy_after: int | None = None  # healthy answers before /health turns 503 for good
+    dead_session: bool = False  # decode: every transfer fails until the process restarts
     extra: dict = field(default_factory=dict)
 
     def hangs(self, room: int) -> bool:
@@ -56,6 +61,7 @@ class Faults:
             "stray_grandchild": self.stray_grandchild,
             "escape_cgroup": self.escape_cgroup,
             "unhealthy_after": self.unhealthy_after,
+            "dead_session": self.dead_session,
         }
 
     def update(self, values: dict) -> None:

@@ -115,9 +115,11 @@ def test_status_shows_three_healthy_registered_instances(live):
     for r in doc["instances"]:
         assert r["healthy"] and r["registered"] and r["worker_id"] == r["recorded_worker_id"]
         assert r["units"][0]["state"] == "active/running" and r["units"][0]["main_pid"]
-    assert doc["gateway"]["state"] == "active/running" and doc["gateway"]["workers"] == 3
+        assert r["state"] == "ok" and r["action"] is None, r
+    assert doc["gateway"]["unit_state"] == "active/running" and doc["gateway"]["workers"] == 3
+    assert doc["gateway"]["state"] == "ok" and doc["ok"] is True
     text = inv_cmd("status", "-i", str(inv_dir)).stdout
-    assert "3/3 instances registered and healthy" in text
+    assert "3/3 instances registered and healthy; all ok" in text
 
 
 def test_testinfra_verify_suite_passes_on_every_host(live):

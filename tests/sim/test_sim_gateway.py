@@ -115,6 +115,27 @@ def test_injected_transfer_failure_gives_500_on_both_sides(pd_cluster):
     assert http("POST", g.url + "/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 2}})[0] == 200
 
 
+def test_dead_session_fails_every_request_fast_until_the_decode_restarts(pd_cluster):
+    """sglang#13054 as the sim's `dead_session` fault: the decode fails each request at the transfer,
+    fast (no hang on either side), counted as a transfer failure; clearing it (what a restart does)
+    serves again."""
+    g, d, ps = pd_cluster["gateway"], pd_cluster["decode"], pd_cluster["prefills"]
+    failed_d = metric(d, "sglang:num_transfer_failed_reqs_total")
+    assert d.post("/_sim/faults", {"dead_session": True})[0] == 200
+    try:
+        for n in range(3):
+            t0 = time.monotonic()
+            s, body = http("POST", g.url + "/generate", {"text": make_prompt(50, n), "sampling_params": {"max_new_tokens": 4}})
+            assert s == 500 and "session not alive" in str(body), body
+            assert time.monotonic() - t0 < 10
+        assert metric(d, "sglang:num_transfer_failed_reqs_total") == failed_d + 3
+        wait_until(lambda: not d.state()["in_flight"] and not any(p.state()["in_flight"] for p in ps), 10,
+                   "both sides released the failed rooms")
+    finally:
+        d.post("/_sim/faults", {"dead_session": False})
+    assert http("POST", g.url + "/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
 def test_smg_routes_nothing_to_a_worker_once_its_removal_is_accepted(sims):
     """pdops's drain relies on this: after `DELETE /workers/{id}` answers 202 the worker is
     `draining` (then gone); a stream already on it finishes; no new request reaches it."""

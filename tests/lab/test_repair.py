@@ -1,0 +1,234 @@
+"""When something breaks (runbook "instance crashed or restarted", "KV transfer failures"): each fault
+below is injected into a live 1p2d lab cluster; `inv status` must name it (state word, the command,
+exit status 1), `inv repair` must restore service with proof, and a client that counts every
+request must see exactly the loss the repair's journal names, with every stream ended within its
+deadline (no hang) and nothing sent again.
+
+The lab has 4 hosts x 8 virtual GPUs and the lab-sim profile is TP8: one instance per host.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
+
+from pdops.hosts import http_json
+from pdops.inventory import load_inventory
+from pdops.placement import Placement
+
+pytestmark = pytest.mark.lab
+
+STREAM_DEADLINE_S = 60
+
+
+def cli(inv_dir: Path, *args, timeout=600):
+    return inv_cmd(*args, "-i", str(inv_dir), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def live(lab, tmp_path_factory):
+    lab.ensure_up()
+    stop_all(lab)
+    root = tmp_path_factory.mktemp("repair")
+    # decode steps of 10 ms: a 600-token stream runs ~6 s, long enough to be cut mid-stream; KV at
+    # 2 MB/s: a 2000-token prompt's KV (2 MB) is in flight ~1 s, a short prompt's a few ms
+    inv_dir = derived_inventory(lab, root / "c", profile={"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1",
+                                                                  "PDOPS_SIM_DECODE_STEP_MS": "10",
+                                                                  "PDOPS_SIM_KV_BANDWIDTH_GBPS": "0.002"}})
+    proc = cli(inv_dir, "deploy", "--topology", "1p2d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        yield inv_dir
+    finally:
+        stop_all(lab)
+
+
+def status(inv_dir: Path) -> tuple[int, dict]:
+    proc = cli(inv_dir, "status", "--json")
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def row(doc: dict, iid: str) -> dict:
+    return next(r for r in doc["instances"] if r["instance"] == iid)
+
+
+def inst(inv_dir: Path, iid: str):
+    return Placement.from_dict(record(inv_dir).current_revision().placement).get(iid)
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def queue(url: str, name: str = "running") -> int:
+    """One queue of an engine, summed over its ranks, as `inv status` reads it (0 when it does not answer)."""
+    from pdops.facts import engine as engine_facts
+
+    try:
+        s, doc = http_json("GET", f"{url}{engine_facts.LOADS_PATH}", timeout=5)
+    except Exception:  # noqa: BLE001 - restarting
+        return 0
+    return int(engine_facts.parse_loads(doc).total(name) or 0) if s == 200 else 0
+
+
+class Batch:
+    """A fixed batch of streams through the gateway, all started at once (no request is sent after the
+    fault, so the loss is exactly what was in flight); every row counted."""
+
+    def __init__(self, url: str, n: int, tokens: int, prefix: str, prompt_words: int = 0):
+        from pdops.load import send
+        from pdops.sim.tokens import make_prompt
+
+        self.rows: list = []
+        prompt_for = (lambda i: make_prompt(prompt_words, i)) if prompt_words else None
+        self._t = threading.Thread(target=lambda: self.rows.extend(
+            send(url, requests=n, concurrency=n, max_new_tokens=tokens, stream_every=1, rid_prefix=prefix,
+                 timeout=STREAM_DEADLINE_S, prompt_for=prompt_for)), daemon=True)
+        self._t.start()
+
+    def join(self) -> None:
+        self._t.join(STREAM_DEADLINE_S + 30)
+        assert not self._t.is_alive(), "a stream did not end within its deadline"
+        for r in self.rows:  # every stream ended within its deadline, none hung
+            assert r.end is not None and r.end - r.start < STREAM_DEADLINE_S + 5, r.to_dict()
+
+    def failed(self) -> set[str]:
+        return {r.rid for r in self.rows if not r.ok}
+
+
+def last_repair(inv_dir: Path) -> tuple[list[dict], dict]:
+    j = record(inv_dir).journal()
+    op = [o for o in j.operations() if o.startswith("repair-")][-1]
+    recs = j.read(op)
+    lw = next(r for r in recs if r["step"].startswith("lost-work "))
+    return recs, lw["evidence"]
+
+
+def repaired(inv_dir: Path, iid: str, *extra) -> str:
+    proc = cli(inv_dir, "repair", "--instance", iid, *extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"verdict: repaired {iid}" in proc.stdout, proc.stdout
+    rc, doc = status(inv_dir)
+    assert rc == 0 and doc["ok"], [(r["instance"], r["state"], r["reasons"]) for r in doc["instances"]]
+    return proc.stdout
+
+
+def test_a_healthy_instance_and_an_unknown_one_are_refused_plainly(live):
+    before = record(live).current()
+    ok = cli(live, "repair", "--instance", "d02")
+    assert ok.returncode == 0 and "no change: d02 is ok" in ok.stdout and "--force" in ok.stdout
+    unknown = cli(live, "repair", "--instance", "d09")
+    assert unknown.returncode == 2 and "d09 is not an instance of revision" in unknown.stderr
+    assert record(live).current() == before
+
+
+def test_a_decode_killed_mid_stream_is_named_restarted_repaired_and_its_lost_work_named(lab, live):
+    """Runbook "instance crashed or restarted": SIGKILL of d01's MainPID with streams in flight."""
+    inv = load_inventory(live)
+    d01 = inst(live, "d01")
+    _, doc = status(live)
+    pid = row(doc, "d01")["units"][0]["main_pid"]
+    batch = Batch(inv.gateway.url, 16, 600, "kill-d01", prompt_words=20)
+    wait_for(lambda: queue(d01.url) >= 1, 30,
+             f"streams running on d01 (d02 runs {queue(inst(live, 'd02').url)})")
+    c = lab.connection(d01.head.host)
+    c.run(f"kill -KILL {int(pid)}", hide=True)
+    c.close()
+    batch.join()
+    lost_by_client = batch.failed()
+    assert lost_by_client, "the kill cut no stream: nothing was in flight on d01"
+    # systemd restarted it behind pdops's back; status says so and names the command
+    wait_for(lambda: (row(status(live)[1], "d01")["units"][0]["main_pid"] or pid) != pid, 30, "systemd's restart")
+    rc, doc = status(live)
+    r = row(doc, "d01")
+    assert rc == 1 and not doc["ok"]
+    assert r["state"] == "restarted" and r["action"] == "inv repair --instance d01", r
+    assert f"recorded {pid}" in r["reasons"][0]
+    text = cli(live, "status").stdout
+    assert "d01 restarted:" in text and "-> inv repair --instance d01" in text and "not ok: d01" in text
+    out = repaired(live, "d01")
+    _, ev = last_repair(live)
+    assert set(ev["lost"]) == lost_by_client, (ev, lost_by_client)  # exactly the loss the client saw
+    assert ev["lost_status"] == "failed (not replayed)"
+    assert f"{len(lost_by_client)} request(s) lost with its ended process" in out
+    rev = record(live).current_revision()
+    assert rev.extra["repair"]["instance"] == "d01" and set(rev.extra["repair"]["lost"]) == lost_by_client
+    # nothing was sent again: every request ID the client sent appears once in d01's and d02's logs at most
+    rows = Batch(inv.gateway.url, 6, 8, "after-d01")
+    rows.join()
+    assert not rows.failed()
+
+
+def test_a_prefill_child_crash_with_kv_in_flight_is_repaired_on_its_other_bootstrap_port(live):
+    """A scheduler child of p01 exits with KV in flight; the tree goes down, systemd restarts it. p01 is
+    the only prefill: while it serves again, the repair is refused without --force."""
+    inv = load_inventory(live)
+    p01 = inst(live, "p01")
+    _, doc = status(live)
+    pid = row(doc, "p01")["units"][0]["main_pid"]
+    batch = Batch(inv.gateway.url, 8, 50, "crash-p01", prompt_words=2000)
+    wait_for(lambda: queue(p01.url, "prefill_inflight") >= 1, 30, "KV in flight from p01")
+    assert http_json("POST", f"{p01.url}/_sim/faults", {"crash_child": True}, timeout=5)[0] == 200
+    batch.join()
+    wait_for(lambda: row(status(live)[1], "p01")["state"] == "restarted" and row(status(live)[1], "p01")["healthy"],
+             60, "p01 restarted and healthy in the gateway again")
+    refused = cli(live, "repair", "--instance", "p01")
+    assert refused.returncode == 4 and "last serving prefill" in refused.stderr and "--force" in refused.stderr
+    port = p01.bootstrap_port
+    out = repaired(live, "p01", "--force")
+    assert "a port no decode has a cached route to" in out
+    assert inst(live, "p01").bootstrap_port != port
+    _, ev = last_repair(live)
+    assert batch.failed() and set(ev["lost"]) == batch.failed(), (ev, batch.failed())
+    assert row(status(live)[1], "p01")["units"][0]["main_pid"] != pid
+
+
+def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(live):
+    """sglang#13054: every request through d02 fails at the transfer until it restarts."""
+    inv = load_inventory(live)
+    d02 = inst(live, "d02")
+    status(live)  # the last look: counters from here
+    assert http_json("POST", f"{d02.url}/_sim/faults", {"dead_session": True}, timeout=5)[0] == 200
+    batch = Batch(inv.gateway.url, 8, 8, "dead-d02")
+    batch.join()
+    failed = batch.failed()
+    assert failed and all(r.end - r.start < 10 for r in batch.rows if not r.ok)  # fast 500s, no hang
+    rc, doc = status(live)
+    r = row(doc, "d02")
+    assert rc == 1 and r["state"] == "degraded" and r["action"] == "inv repair --instance d02", r
+    assert any(x.startswith(f"transfer_failed +{len(failed)} since the last look") for x in r["reasons"]), r
+    repaired(live, "d02")
+    _, ev = last_repair(live)
+    assert ev["lost"] == [] and set(ev["failed_with_error"]) == failed  # named, none sent again
+    after = Batch(inv.gateway.url, 8, 8, "after-d02")
+    after.join()
+    assert not after.failed()
+
+
+def test_a_stray_process_in_a_decode_cgroup_is_named_and_stopped_by_the_repair(lab, live):
+    d01 = inst(live, "d01")
+    assert http_json("POST", f"{d01.url}/_sim/faults", {"stray_grandchild": True}, timeout=5)[0] == 200
+    stray = wait_for(lambda: (http_json("GET", f"{d01.url}/_sim/state", timeout=5)[1].get("strays") or [None])[0],
+                     10, "the stray's pid")
+    rc, doc = status(live)
+    r = row(doc, "d01")
+    assert rc == 1 and r["state"] == "degraded" and any(f"PID {stray}" in x and "not under MainPID" in x
+                                                        for x in r["reasons"]), r
+    out = repaired(live, "d01")
+    assert "stray process(es) found in the cgroup and stopped with it" in out and f"PID {stray}" in out
+    c = lab.connection(d01.head.host)
+    assert c.run(f"test -d /proc/{int(stray)}", warn=True, hide=True).failed
+    c.close()

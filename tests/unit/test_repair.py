@@ -1,0 +1,180 @@
+"""`inv status`'s state words and `inv repair`'s plan, decided from observation; no host: the
+observation is built here as pdops.observe makes it, the status document as collect_status does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdops import repair as rp
+from pdops.errors import InvalidInput, Refused
+from pdops.facts import requestlog
+from pdops.facts.gateway import Worker
+from pdops.facts.systemd import parse_by_id
+from pdops.observe import InstanceObservation
+from pdops.placement import place
+from pdops.render import manifest, render_files
+from pdops.state import StateDir
+from pdops.status import judge
+from pdops.topology import parse_topology
+
+
+def unit(active="active", sub="running", pid=100, restarts=0):
+    text = (f"Id=u\nLoadState=loaded\nActiveState={active}\nSubState={sub}\nMainPID={pid if active == 'active' else 0}\n"
+            f"NRestarts={restarts}\nResult=success\nUnitFileState=enabled\n\n")
+    return parse_by_id(text)["u"]
+
+
+def obs(inst, *, state=None, recorded=100, worker="ready", healthy=True, in_list=True, running=None, expected=None):
+    key = f"{inst.head.host}:{inst.units[0][1]}"
+    w = None if worker is None else Worker(id="w1", url=inst.url, model_id="m", worker_type=inst.role,
+                                           status=worker, is_healthy=healthy, load=0)
+    return InstanceObservation(inst, {key: state or unit()}, {key: recorded} if recorded else {}, w, in_list,
+                               running=running or {}, expected=expected or {})
+
+
+@pytest.fixture
+def d01(lab_inv):
+    return place(lab_inv, parse_topology("1p2d")).get("d01")
+
+
+def word(o, **kw):
+    args = {"gateway_down": False, "loads_error": None, "failures": {}, "strays": []}
+    args.update(kw)
+    return judge(o, **args)
+
+
+def test_each_state_word_from_what_was_observed(d01):
+    assert word(obs(d01)).state == "ok" and word(obs(d01)).action is None
+    down = word(obs(d01, state=unit("activating", "auto-restart")))
+    assert down.state == "down" and "auto-restart" in down.reasons[0] and down.action == "inv repair --instance d01"
+    r = word(obs(d01, state=unit(pid=222, restarts=1)))
+    assert r.state == "restarted" and "MainPID 222, recorded 100 (restarts: 1)" in r.reasons[0]
+    assert word(obs(d01, worker=None)).state == "not registered"
+    assert word(obs(d01), gateway_down=True).state == "not registered"
+    assert word(obs(d01, worker="not_ready", healthy=False)).state == "degraded"
+    f = word(obs(d01), failures={"transfer_failed": 3, "bootstrap_failed": 0})
+    assert f.state == "degraded" and f.reasons == ["transfer_failed +3 since the last look"]
+    s = word(obs(d01), strays=["lab03:u PID 7 (sglang::stray)"])
+    assert s.state == "degraded" and "not under MainPID" in s.reasons[0]
+    assert word(obs(d01), loads_error="timed out").state == "degraded"
+    k = f"{d01.head.host}:{d01.units[0][1]}"
+    st = word(obs(d01, running={k: "aaa"}, expected={k: "bbb"}))
+    assert st.state == "degraded" and st.action.startswith("inv deploy")
+
+
+def _journal(*entries):
+    return "\n".join(json.dumps({"MESSAGE": m, "_SYSTEMD_INVOCATION_ID": inv}) for inv, m in entries)
+
+
+def test_lost_work_is_what_an_ended_process_received_and_never_finished():
+    rec = lambda rid: json.dumps({"event": "request.received", "rid": rid})  # noqa: E731
+    fin = lambda rid, t="length": json.dumps({"event": "request.finished", "rid": rid,  # noqa: E731
+                                              "out": {"meta_info": {"finish_reason": {"type": t}}}})
+    out = _journal(("A", rec("r1")), ("A", rec("r2")), ("A", fin("r1")), ("A", "other log line"),
+                   ("A", rec("r3")), ("A", fin("r3", "abort")), ("B", rec("r4")))
+    logs = requestlog.by_invocation(out + "\nnot json")
+    assert list(logs) == ["A", "B"]
+    lost, failed = requestlog.lost_work(logs, current="B")
+    assert lost == ["r2"] and failed == ["r3"]  # r4 is in flight on the running process: the drain's
+    assert requestlog.lost_work(logs, current=None)[0] == ["r2", "r4"]  # unit down: every process ended
+    # journald keeps a message with odd bytes as a list of ints
+    raw = json.dumps({"MESSAGE": list(rec("r9").encode()), "_SYSTEMD_INVOCATION_ID": "C"})
+    assert requestlog.by_invocation(raw)["C"].open == ["r9"]
+
+
+@pytest.fixture
+def live(lab_inv, tmp_path):
+    state = StateDir("lab", tmp_path / "state")
+    pl = place(lab_inv, parse_topology("1p2d"))
+    rev = state.write_revision(topology="1p2d", inventory_hash=lab_inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(render_files(lab_inv, pl)),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
+                               outcome="deployed")
+    state.set_current(rev.number)
+    return state
+
+
+def doc(**states):
+    rows = []
+    for iid, role in (("p01", "prefill"), ("d01", "decode"), ("d02", "decode")):
+        s = states.get(iid, "ok")
+        rows.append({"instance": iid, "role": role, "state": s, "reasons": [] if s == "ok" else [f"{iid} {s}"],
+                     "registered": s not in ("down", "not registered"), "healthy": s in ("ok", "restarted")})
+    return {"instances": rows}
+
+
+def test_bad_instance_ids_are_refused_before_anything_is_read(lab_inv, live):
+    for bad in (None, "", "x1", "d01; rm -rf /", "p1"):
+        with pytest.raises(InvalidInput) as e:
+            rp.check_instance_id(bad)
+        assert "--instance" in e.value.render()
+    with pytest.raises(InvalidInput) as e:
+        rp.plan_repair(lab_inv, live, "d07", doc())
+    assert "d07 is not an instance of revision 1" in e.value.message and "p01, d01, d02" in e.value.fix
+
+
+def test_a_healthy_instance_is_a_no_op_that_says_so_unless_forced(lab_inv, live):
+    said = rp.plan_repair(lab_inv, live, "d01", doc())
+    assert isinstance(said, str) and "d01 is ok" in said and "--force" in said
+    forced = rp.plan_repair(lab_inv, live, "d01", doc(), force=True)
+    assert [i.id for i in forced.replaced] == ["d01"]
+
+
+def test_the_last_serving_instance_of_its_role_is_refused_without_force(lab_inv, live):
+    with pytest.raises(Refused) as e:
+        rp.plan_repair(lab_inv, live, "p01", doc(p01="restarted"))
+    assert "last serving prefill" in e.value.message and "--force" in e.value.fix
+    assert rp.plan_repair(lab_inv, live, "p01", doc(p01="restarted"), force=True).repair["instance"] == "p01"
+    # a prefill that is down serves nothing: repairing it takes nothing away
+    assert rp.plan_repair(lab_inv, live, "p01", doc(p01="down")).repair["down"] is True
+
+
+def test_a_repair_plan_restarts_that_one_instance_and_names_its_lost_work_first(lab_inv, live):
+    plan = rp.plan_repair(lab_inv, live, "d01", doc(d01="restarted"))
+    assert plan.operation == "repair" and not plan.added and not plan.removed
+    assert [i.id for i in plan.kept] == ["p01", "d02"]
+    names = [s.name for s in plan.run]
+    lw = names.index("lost-work d01")
+    assert lw < names.index("replace d01: leave-gateway") < names.index("replace d01: wait-empty") \
+        < names.index("replace d01: verify-stop") < names.index("start d01") < names.index("canary d01") \
+        < names.index("register d01") < names.index("verify-running") < names.index("record")
+    assert plan.render().startswith("plan: repair d01 of lab (revision 1, 1p2d): observed restarted")
+
+
+def test_a_down_instance_is_not_waited_for_and_a_prefill_takes_its_other_bootstrap_port(lab_inv, live):
+    plan = rp.plan_repair(lab_inv, live, "p01", doc(p01="down"))
+    names = [s.name for s in plan.run]
+    assert "replace p01: leave-gateway" in names and "replace p01: verify-stop" in names
+    assert not any(n.startswith("replace p01: wait-empty") or "empty-check" in n for n in names)
+    old = plan.current_placement.get("p01")
+    assert plan.target.get("p01").bootstrap_port != old.bootstrap_port
+    assert "a port no decode has a cached route to" in plan.render()
+
+
+def test_a_repair_refuses_an_inventory_that_renders_other_files(lab_inv, live, tmp_path):
+    from tests.unit.test_change_input import edited
+
+    from pdops.inventory import load_inventory
+
+    def edit(doc):
+        doc["all"]["vars"]["pdops_drain"]["budget_s"] = 33
+    inv2 = load_inventory(edited(tmp_path, edit))
+    with pytest.raises(Refused) as e:
+        rp.plan_repair(inv2, live, "d01", doc(d01="restarted"))
+    assert "renders other files than revision 1" in e.value.message and "inv deploy --topology 1p2d" in e.value.fix
+
+
+def test_failures_count_since_the_last_look_and_repair_sees_what_that_look_showed(lab_inv, tmp_path, monkeypatch):
+    from pdops import status as st
+
+    monkeypatch.setattr(st, "_look_path", lambda inv: tmp_path / "look.json")
+    look = lambda n, pid=7, write=True: st._counter_deltas(  # noqa: E731
+        lab_inv, {"d01": {"pid": pid, "counters": {"transfer_failed": n}}}, write=write)["d01"]["transfer_failed"]
+    assert look(2) == 2  # first look at this process: since its start
+    assert look(5) == 3 and look(5) == 0  # since the last look
+    assert look(5, write=False) == 0
+    assert look(9) == 4
+    assert look(9, write=False) == 4  # repair: still the failures the last `inv status` showed
+    assert look(1, pid=8) == 1  # another process: counted from its start
