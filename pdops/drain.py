@@ -701,6 +701,7 @@ def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
             if step.params.get("force_after"):
                 ctx.say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
                         "(recorded in the journal as accepted loss)")
+                ctx.data[("accepted_loss", inst.id)] = list(r.open_rids)
                 return Outcome("accepted-loss", {"open_rids": r.open_rids, "reading": desc},
                                unverified=[f"{inst.id}: {len(r.open_rids)} request(s) still open at the deadline "
                                            "(--force-after: accepted loss)"])
@@ -719,6 +720,9 @@ def do_empty_check(ctx: RunContext, step: Step) -> Outcome:
     if resumed:
         return resumed
     n, pause = step.params["n"], step.params["pause"]
+    if ("accepted_loss", inst.id) in ctx.data:
+        return Outcome.noop(f"--force-after: {inst.id} is stopped with its open work at the deadline accepted as "
+                            "lost (named by wait-empty); not checked for emptiness")
     time.sleep(pause)
     r = read_emptiness(ctx.pool, inst)
     if not r.empty:

@@ -49,7 +49,7 @@ def _epoch(iso: str) -> float:
 
 
 def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, force: bool = False,
-                force_after: bool = False):
+                force_after: bool = False, wait_s: float | None = None):
     """The repair plan of one instance, decided from `status_doc` (pdops.status.collect_status, read
     now). Returns a ScalePlan, or a str saying why there is nothing to do."""
     from pdops import scale as sc
@@ -93,7 +93,8 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
         raise Refused(f"repairing {iid} would change more than {iid}",
                       evidence=plan.render(), fix=f"`inv deploy --topology {rev.topology}` plans the whole difference")
     plan.repair = {"instance": iid, "state": row["state"], "reasons": list(row["reasons"]),
-                   "down": row["state"] == "down", "force_after": bool(force_after), "since": _epoch(rev.created)}
+                   "down": row["state"] == "down", "force_after": bool(force_after), "since": _epoch(rev.created),
+                   "wait_s": wait_s}
     plan.run = sc.runner_steps(plan)
     plan.state = state
     return plan

@@ -139,7 +139,7 @@ class ScalePlan:
         if self.repair:
             r = self.repair
             head = (f"plan: repair {r['instance']} of {self.inv.cluster} (revision {cur.number}, {cur.topology}): "
-                    f"observed {r['state']}: {'; '.join(r['reasons']) or 'ok (--force)'}")
+                    f"observed {r['state']}" + (f": {'; '.join(r['reasons'])}" if r["reasons"] else " (--force)"))
         if self.noop:
             return head + f"\nno change: {self.noop}"
         lines = [head]
@@ -789,8 +789,9 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
     rep = plan.repair or {}
     subs = [drain_steps(inv, old[i.id], (cur.instances.get(i.id) or {}).get("worker_id"),
-                        wait_s=float(inv.drain_budget_s), interval_s=interval, prefix=f"replace {i.id}: ",
-                        in_change=True, extra={"old": True}, force_after=bool(rep.get("force_after")),
+                        wait_s=float(rep.get("wait_s") or inv.drain_budget_s), interval_s=interval,
+                        prefix=f"replace {i.id}: ", in_change=True, extra={"old": True},
+                        force_after=bool(rep.get("force_after")),
                         wait=not (rep.get("down") and rep.get("instance") == i.id)) for i in wave]
     out: list[Step] = []
     for i in wave:

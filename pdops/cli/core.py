@@ -247,9 +247,10 @@ def _host_op(host, inventory, dry_run, make_plan) -> None:
 @task(help={"instance": "the instance to repair, e.g. d01 (see `inv status`)", "inventory": "inventory dir or file",
             "dry_run": "print the plan only",
             "force": "restart an instance observed ok, or the last serving one of its role",
+            "wait": "seconds the drain waits for in-flight work (default: the inventory's drain budget)",
             "force_after": "at the drain's deadline, stop anyway (the loss is recorded in the journal)"})
 @cli_errors
-def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, force_after=False):
+def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, force_after=False, wait=None):
     """A verified restart of one instance that `inv status` does not call ok: name its lost work, leave
     the gateway, drain, verified stop, start, health, canary its P x D pairs, register, record."""
     from pdops import deploy as dep
@@ -260,10 +261,11 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
     from pdops.status import collect_status
 
     iid = check_instance_id(instance)
+    wait_s = seconds(wait, "--wait")
     inv = load_inventory(inventory)
     state = dep.state_for(inv)
     plan = plan_repair(inv, state, iid, collect_status(inv, state, remember=False), force=force,
-                       force_after=force_after)
+                       force_after=force_after, wait_s=wait_s)
     if isinstance(plan, str):
         print(f"no change: {plan}")
         return

@@ -121,9 +121,19 @@ def repaired(inv_dir: Path, iid: str, *extra) -> str:
     proc = cli(inv_dir, "repair", "--instance", iid, *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"verdict: repaired {iid}" in proc.stdout, proc.stdout
+    all_ok(inv_dir, iid)
+    return proc.stdout
+
+
+def all_ok(inv_dir: Path, repaired_id: str) -> None:
+    """After a repair every row is ok, except that the first look may still show the failures the fault
+    caused on the repaired instance's peers (counted since the last look); the next look is clean."""
+    rc, doc = status(inv_dir)
+    bad = {r["instance"]: r["reasons"] for r in doc["instances"] if r["state"] != "ok"}
+    assert repaired_id not in bad and doc["gateway"]["state"] == "ok", (bad, doc["gateway"])
+    assert all(all(" since the last look" in x for x in rs) for rs in bad.values()), bad
     rc, doc = status(inv_dir)
     assert rc == 0 and doc["ok"], [(r["instance"], r["state"], r["reasons"]) for r in doc["instances"]]
-    return proc.stdout
 
 
 def test_a_healthy_instance_and_an_unknown_one_are_refused_plainly(live):
@@ -202,7 +212,7 @@ def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(li
     d02 = inst(live, "d02")
     status(live)  # the last look: counters from here
     assert http_json("POST", f"{d02.url}/_sim/faults", {"dead_session": True}, timeout=5)[0] == 200
-    batch = Batch(inv.gateway.url, 8, 8, "dead-d02")
+    batch = Batch(inv.gateway.url, 16, 8, "dead-d02", prompt_words=20)
     batch.join()
     failed = batch.failed()
     assert failed and all(r.end - r.start < 10 for r in batch.rows if not r.ok)  # fast 500s, no hang
@@ -213,7 +223,7 @@ def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(li
     repaired(live, "d02")
     _, ev = last_repair(live)
     assert ev["lost"] == [] and set(ev["failed_with_error"]) == failed  # named, none sent again
-    after = Batch(inv.gateway.url, 8, 8, "after-d02")
+    after = Batch(inv.gateway.url, 16, 8, "after-d02", prompt_words=20)
     after.join()
     assert not after.failed()
 
@@ -232,3 +242,26 @@ def test_a_stray_process_in_a_decode_cgroup_is_named_and_stopped_by_the_repair(l
     c = lab.connection(d01.head.host)
     assert c.run(f"test -d /proc/{int(stray)}", warn=True, hide=True).failed
     c.close()
+
+
+def test_requests_stuck_in_a_queue_are_shown_then_ended_by_a_repair_with_force_after(live):
+    """Runbook "requests stuck in a queue": p01 never sends the KV of its rooms; the requests sit in
+    its in-flight queue and the decodes' transfer queue. A repair with --force-after stops it at the
+    drain's deadline, naming the requests it ends; their clients get an error, none waits forever."""
+    inv = load_inventory(live)
+    p01 = inst(live, "p01")
+    assert http_json("POST", f"{p01.url}/_sim/faults", {"hang_room": True}, timeout=5)[0] == 200
+    batch = Batch(inv.gateway.url, 2, 8, "stuck")
+    wait_for(lambda: queue(p01.url, "prefill_inflight") >= 2, 30, "the stuck KV on p01")
+    _, doc = status(live)
+    assert row(doc, "p01")["queues"]["prefill_inflight"] == 2
+    assert sum(row(doc, d)["queues"]["decode_transfer"] for d in ("d01", "d02")) == 2
+    proc = cli(live, "repair", "--instance", "p01", "--force", "--force-after", "--wait", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "request(s) still open at the deadline (--force-after: accepted loss)" in proc.stdout, proc.stdout
+    batch.join()
+    recs, _ = last_repair(live)
+    wait = next(r for r in recs if r["step"] == "replace p01: wait-empty")
+    assert wait["status"] == "accepted-loss" and set(wait["evidence"]["open_rids"]) == batch.failed(), wait
+    assert len(batch.failed()) == 2
+    all_ok(live, "p01")

@@ -19,6 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
     (["lab.up", "--hosts", "65"], "--hosts: 65 is out of range"),
     (["demo", "--hosts", "0"], "--hosts: 0 is out of range"),
     (["deploy", "--topology", "0p4d", "-i", "inventory/lab"], "needs at least one prefill"),
+    (["status", "-i", "inventory/lab", "--watch", "0"], "--watch: '0' is not a positive number of seconds"),
+    (["status", "-i", "inventory/lab", "--watch", "soon"], "--watch: 'soon' is not a number of seconds"),
+    (["repair", "-i", "inventory/lab"], "--instance: missing"),
+    (["repair", "-i", "inventory/lab", "--instance", "d01;reboot"], "is not an instance id"),
+    (["repair", "-i", "inventory/lab", "--instance", "d01", "--wait", "-5"], "--wait: '-5' is not a non-negative"),
 ])
 def test_bad_option_values_are_refused_without_a_traceback(args, needle):
     proc = subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
