@@ -37,6 +37,10 @@ from pdops.runner import run_parallel
 STATES = ("ok", "restarted", "degraded", "down", "not registered")
 FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
                     "transfer_failed": "sglang:num_transfer_failed_reqs_total"}
+# the gateway's own, where its /metrics has them (smg 1.13; absent series are left out, not zero)
+GATEWAY_COUNTERS = {"bootstrap_failed": "smg_pd_bootstrap_failures_total",
+                    "transfer_failed": "smg_pd_kv_transfer_failures_total",
+                    "worker_errors": "smg_worker_errors_total"}
 QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
 
 
@@ -133,6 +137,16 @@ def _engine_reads(inst) -> tuple[engine_facts.EngineLoads, dict[str, float]]:
     return loads, counters
 
 
+def _gateway_counters(inv: Inventory) -> dict[str, float]:
+    """The gateway's PD failure counters from its Prometheus endpoint, those it exports."""
+    gw = inv.gateway
+    status, text = http_json("GET", f"http://{gw.addr}:{gw.prometheus_port}/metrics", timeout=5)
+    if status != 200 or not isinstance(text, str):
+        raise RuntimeError(f"HTTP {status}")
+    metrics = engine_facts.parse_metrics(text)
+    return {k: engine_facts.counter(metrics, name) for k, name in GATEWAY_COUNTERS.items() if name in metrics}
+
+
 def _strays(pool: HostPool, o) -> list[str]:
     """Processes in a running unit's cgroup that are not its MainPID or MainPID's descendants."""
     from pdops.drain import record_identity
@@ -161,12 +175,18 @@ def collect_status(inv: Inventory, state, *, remember: bool = True) -> dict:
         by_id = {o.id: o for o in obs.instances}
         stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
     reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
+    try:
+        gw_counters, gw_counters_error = _gateway_counters(inv), None
+    except Exception as exc:  # noqa: BLE001 - shown, not fatal: the gateway row says what it could read
+        gw_counters, gw_counters_error = {}, str(getattr(exc, "message", exc))
     seen = {}
     for o in obs.instances:
         r = reads.get(o.instance)
         if isinstance(r, tuple) and r[1]:
             seen[o.id] = {"pid": o.main_pids.get(f"{o.instance.head.host}:{o.instance.units[0][1]}"),
                           "counters": r[1], "at": time.time()}
+    if gw_counters:
+        seen["gateway"] = {"pid": getattr(obs.gateway_unit, "main_pid", None), "counters": gw_counters, "at": time.time()}
     deltas = _counter_deltas(inv, seen, write=remember)
     rows = []
     for o in obs.instances:
@@ -224,6 +244,8 @@ def collect_status(inv: Inventory, state, *, remember: bool = True) -> dict:
                "unit_state": f"{gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else "unknown",
                "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),
                "workers": len(obs.workers), "error": obs.gateway_error,
+               "failures": gw_counters, "failures_since_last_look": deltas.get("gateway", {}),
+               "failures_error": gw_counters_error,
                "state": gstate, "reasons": greasons, "action": gaction}
     ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
@@ -273,6 +295,9 @@ def format_status(doc: dict) -> str:
     head = (f"{doc['cluster']}: revision {doc['revision']} ({doc['topology']}); gateway {g['url']} on {g['host']}: "
             f"{g['unit_state']}, MainPID {g['main_pid']}, {g['workers']} workers: {g['state']}"
             + (f" (error: {g['error']})" if g["error"] else ""))
+    rose = {k: v for k, v in (g.get("failures_since_last_look") or {}).items() if v}
+    if rose:
+        head += "; gateway counted since the last look: " + ", ".join(f"{k} +{v}" for k, v in rose.items())
     lines = banner + [head, format_table(rows)]
     for r in doc["instances"]:
         if r["state"] != "ok":

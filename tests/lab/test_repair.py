@@ -220,6 +220,10 @@ def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(li
     r = row(doc, "d02")
     assert rc == 1 and r["state"] == "degraded" and r["action"] == "inv repair --instance d02", r
     assert any(x.startswith(f"transfer_failed +{len(failed)} since the last look") for x in r["reasons"]), r
+    g = doc["gateway"]
+    assert g["failures_error"] is None, g  # the gateway's own counters were read (those smg exports)
+    print(f"gateway counters after {len(failed)} transfer failures: {g['failures']} "
+          f"(since the last look: {g['failures_since_last_look']})")
     repaired(live, "d02")
     _, ev = last_repair(live)
     assert ev["lost"] == [] and set(ev["failed_with_error"]) == failed  # named, none sent again
