@@ -42,7 +42,7 @@ GATEWAY_KEY_ENV = "PDOPS_GATEWAY_KEY"
 
 DEFAULTS = {"port": 8080, "cap": 16, "queue": 32, "queue_timeout_s": 30, "overflow_status": 429,
             "api_keys_file": "/etc/pdops/admission.keys"}
-KNOWN = set(DEFAULTS) | {"host", "listen_addr"}
+KNOWN = set(DEFAULTS) | {"host", "listen_addr", "metrics_port"}
 OVERFLOW_STATUSES = (429, 503)
 # Keys: a charset that can never close a quote, start a comment or split a map line.
 KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,256}")
@@ -66,6 +66,12 @@ class AdmissionConfig:
     gateway_addr: str
     gateway_port: int
     keys: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    # HAProxy's own Prometheus exporter (GET /metrics) on listen_addr; None: not served
+    metrics_port: int | None = None
+
+    @property
+    def metrics_addr(self) -> str:
+        return "127.0.0.1" if self.listen_addr in ("0.0.0.0", "::") else self.listen_addr
 
     @property
     def url(self) -> str:
@@ -189,10 +195,19 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
             what = f"{name} ({r.start}-{r.stop - 1})" if len(r) > 1 else name
             raise InvalidInput(f"{VAR}.port", f"port {port} on {host_name} collides with {what}",
                                fix="pick a port no other pdops service uses on that host")
+    mport = raw.get("metrics_port")
+    if mport is not None:
+        if isinstance(mport, bool) or not isinstance(mport, int) or not 1024 <= mport <= 65535:
+            raise InvalidInput(f"{VAR}.metrics_port", f"{mport!r} is not a port in 1024-65535",
+                               fix="pick an unprivileged port for HAProxy's Prometheus exporter, or leave it out")
+        for name, r in {**taken, f"{VAR}.port": range(port, port + 1)}.items():
+            if mport in r:
+                raise InvalidInput(f"{VAR}.metrics_port", f"port {mport} on {host_name} collides with {name}",
+                                   fix="pick a port no other pdops service uses on that host")
     keys = read_keys(kf)
     return AdmissionConfig(host=host_name, listen_addr=listen, port=port, cap=cap, queue=queue,
                            queue_timeout_s=qto, overflow_status=overflow, api_keys_file=kf,
-                           gateway_addr=gw.addr, gateway_port=gw.port, keys=keys)
+                           gateway_addr=gw.addr, gateway_port=gw.port, keys=keys, metrics_port=mport)
 
 
 # ---------------------------------------------------------------- rendering

@@ -225,9 +225,12 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
                                    snapshot=ctx.state.revision_snapshot(live.number))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
-    return Outcome(evidence={"revision": rev.number, "main_pids": seen},
+    from pdops.observability import targets_after_record
+
+    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
+    return Outcome(evidence={"revision": rev.number, "main_pids": seen, **tev},
                    verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
-                             "active, MainPIDs as read from systemd now"])
+                             "active, MainPIDs as read from systemd now"] + tok, unverified=tno)
 
 
 # ---------------------------------------------------------------- step builders (shared by deploy and scale)
@@ -683,8 +686,11 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                    snapshot=snapshot_of(ctx.inv, plan.files))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
-    return Outcome(evidence={"revision": rev.number},
-                   verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
+    from pdops.observability import targets_after_record
+
+    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
+    return Outcome(evidence={"revision": rev.number, **tev},
+                   verified=[f"revision {rev.number} ({pl.topology}) recorded and current"] + tok, unverified=tno)
 
 
 def verify_running_step(pl: Placement, inv: Inventory) -> Step:

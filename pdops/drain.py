@@ -838,8 +838,11 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                                           "gateway": plan.rev.extra.get("gateway"), **carried},
                                    snapshot=snapshot_subset(ctx.state.revision_snapshot(plan.rev.number), hosts_files))
     ctx.state.set_current(rev.number)
-    return Outcome(evidence={"revision": rev.number, "rollback": rollback},
-                   verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
+    from pdops.observability import targets_after_record
+
+    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
+    return Outcome(evidence={"revision": rev.number, "rollback": rollback, **tev},
+                   verified=[f"revision {rev.number} ({new_pl.topology}) is current"] + tok, unverified=tno)
 
 
 EXECUTORS = {"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,

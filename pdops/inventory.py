@@ -78,6 +78,8 @@ class Profile:
     model_shape: dict
     extra_args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    # service objectives the alert rules use (pdops.observability), e.g. {"ttft_p99_s": 5}
+    slo: dict = field(default_factory=dict)
 
     @property
     def gpus_per_instance(self) -> int:
@@ -149,6 +151,8 @@ class Inventory:
     sim_faults: dict = field(default_factory=dict, compare=False)
     # the admission layer (pdops.admission.AdmissionConfig), validated once at load; None: none
     admission: Any = field(default=None, compare=False, repr=False)
+    # where Prometheus reads the target file (pdops.observability.PrometheusConfig); None: nowhere
+    prometheus: Any = field(default=None, compare=False, repr=False)
     # where the shared record and lock live (`pdops_state`); None only for inventories built by hand
     state: StateLocation | None = field(default=None, compare=False)
 
@@ -455,6 +459,13 @@ def load_profile(name: str, base_dir: Path | None = None) -> Profile:
     if backend not in TRANSFER_BACKENDS:
         raise InvalidInput(f"{where}.transfer_backend", f"{backend!r} is not one of {TRANSFER_BACKENDS}",
                            fix="use mooncake (default) or nixl")
+    slo = d.get("slo") or {}
+    if not isinstance(slo, dict) or set(slo) - {"ttft_p99_s"}:
+        raise InvalidInput(f"{where}.slo", f"{slo!r} is not a mapping of known objectives", fix="slo: {ttft_p99_s: 5}")
+    t = slo.get("ttft_p99_s")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+        raise InvalidInput(f"{where}.slo.ttft_p99_s", f"{t!r} is not a positive number of seconds",
+                           fix="slo: {ttft_p99_s: 5}")
     policy = d.get("decode_allocation_policy", "early")
     if policy not in ("early", "prefill_complete"):
         raise InvalidInput(f"{where}.decode_allocation_policy", f"{policy!r} is not early or prefill_complete",
@@ -468,6 +479,7 @@ def load_profile(name: str, base_dir: Path | None = None) -> Profile:
         model_shape=dict(d.get("model_shape") or {}),
         extra_args=tuple(str(a) for a in d.get("extra_args") or ()),
         env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
+        slo=dict(slo),
     )
 
 
@@ -591,7 +603,10 @@ def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile:
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
         vars=all_vars, sim_faults=sim_faults, state=state,
     )
-    return dataclasses.replace(inv, admission=parse_admission(all_vars, inv))
+    from pdops.observability import parse_prometheus
+
+    return dataclasses.replace(inv, admission=parse_admission(all_vars, inv),
+                               prometheus=parse_prometheus(all_vars, [h.name for h in hosts]))
 
 
 def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:

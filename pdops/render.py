@@ -350,6 +350,7 @@ def haproxy_config(cfg: adm_mod.AdmissionConfig, *, keys_map_path: str = adm_mod
         bind=f"{bind}:{cfg.port}", server=f"{gw}:{cfg.gateway_port}", keys_map=keys_map_path,
         errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
         stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
+        metrics_bind=(f"{bind}:{cfg.metrics_port}" if cfg.metrics_port else None),
     )
 
 

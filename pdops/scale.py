@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed
+from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed, Unverified
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
@@ -878,10 +878,21 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
                   ctx.data.get("running"))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
-    return Outcome(evidence={"revision": rev.number},
+    from pdops.observability import targets_after_record
+
+    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
+    return Outcome(evidence={"revision": rev.number, **tev},
                    verified=[f"revision {rev.number} ({plan.target.topology}) recorded and current; kept "
                              f"{', '.join(i.id for i in plan.kept) or 'none'} untouched "
-                             f"({plan.kept_files} rendered files identical)"])
+                             f"({plan.kept_files} rendered files identical)"] + tok, unverified=tno)
+
+
+def _partial_targets(ctx: RunContext, rev: Revision) -> None:
+    """A halted change's partial revision describes what is live: the targets follow it too."""
+    from pdops.observability import targets_after_record
+
+    ev, ok, no = targets_after_record(ctx.pool, ctx.inv, rev)
+    ctx.journal.step(ctx.op, "prometheus-targets", "ok" if ok else "unverified", {**ev, "notes": ok + no})
 
 
 def executors() -> dict:
@@ -1057,6 +1068,7 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
                                       "gateway": plan.inv.gateway.url,
                                       "rollback": {"to_revision": cur.number}})
     state.set_current(rev.number)
+    _partial_targets(ctx, rev)
     verdict = (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
                f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}"
                + (f" ({failed_drain} is out of the gateway but was not stopped)" if failed_drain else "")
@@ -1116,6 +1128,7 @@ def _fail_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, kept_added:
                                           last_bootstrap_ports({}, cur_pl), pl),
                                       "rollback": {"to_revision": cur.number}})
     state.set_current(rev.number)
+    _partial_targets(ctx, rev)
     not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
     verdict = (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
                f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "

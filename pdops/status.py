@@ -26,12 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdops.errors import PdopsError
 from pdops.facts import engine as engine_facts
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
-from pdops.render import GATEWAY_UNIT
 from pdops.runner import run_parallel
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered")
@@ -147,6 +145,31 @@ def _gateway_counters(inv: Inventory) -> dict[str, float]:
     return {k: engine_facts.counter(metrics, name) for k, name in GATEWAY_COUNTERS.items() if name in metrics}
 
 
+def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
+    """{instance: {"tpm_5m", "failures_per_s_5m"}} from a Prometheus that loads pdops's rules: the last
+    5 minutes' TPM (input on prefills, output on decodes) and PD failure rate per instance."""
+    import urllib.parse
+
+    from pdops.errors import Unreachable
+
+    c = cluster.replace("\\", "\\\\").replace('"', '\\"')
+    queries = {
+        "tpm_5m": f'60 * sum by (instance) (rate(sglang:prompt_tokens_total{{cluster="{c}",role="prefill"}}[5m]) or '
+                  f'rate(sglang:generation_tokens_total{{cluster="{c}",role="decode"}}[5m]))',
+        "failures_per_s_5m": f'sum by (instance) (rate(sglang:num_bootstrap_failed_reqs_total{{cluster="{c}"}}[5m]) '
+                             f'+ rate(sglang:num_transfer_failed_reqs_total{{cluster="{c}"}}[5m]))',
+    }
+    out: dict[str, dict[str, float]] = {}
+    for key, expr in queries.items():
+        status, doc = http_json("GET", f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
+                                timeout=10)
+        if status != 200 or not isinstance(doc, dict) or doc.get("status") != "success":
+            raise Unreachable(f"Prometheus {url} answered {status} to {expr!r}: {str(doc)[:200]}")
+        for s in doc["data"]["result"]:
+            out.setdefault(s["metric"].get("instance", "?"), {})[key] = float(s["value"][1])
+    return out
+
+
 def _strays(pool: HostPool, o) -> list[str]:
     """Processes in a running unit's cgroup that are not its MainPID or MainPID's descendants."""
     from pdops.drain import record_identity
@@ -159,7 +182,7 @@ def _strays(pool: HostPool, o) -> list[str]:
     return out
 
 
-def collect_status(inv: Inventory, state, *, remember: bool = True) -> dict:
+def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
     """Read every source and judge each instance and the gateway (see the module's doc).
     `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
     from pdops.observe import observe
@@ -247,6 +270,14 @@ def collect_status(inv: Inventory, state, *, remember: bool = True) -> dict:
                "failures": gw_counters, "failures_since_last_look": deltas.get("gateway", {}),
                "failures_error": gw_counters_error,
                "state": gstate, "reasons": greasons, "action": gaction}
+    if prometheus:
+        try:
+            rates, perr = prometheus_rates(prometheus, inv.cluster), None
+        except Exception as exc:  # noqa: BLE001 - an optional source: said, not fatal
+            rates, perr = {}, str(getattr(exc, "message", exc))
+        for r in rows:
+            r["prometheus"] = rates.get(r["instance"], {})
+        gateway["prometheus_error"] = perr
     ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
             "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
@@ -269,6 +300,10 @@ def record_lines(record: dict | None) -> list[str]:
     return out
 
 
+def _num(v, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def format_status(doc: dict) -> str:
     from pdops.planning import format_table
 
@@ -289,6 +324,8 @@ def format_status(doc: dict) -> str:
             "run": q.get("running", "?"), "wait": q.get("waiting", "?"),
             "kv_in_flight": (q.get("prefill_inflight") or 0) + (q.get("decode_transfer") or 0) if q else "?",
             "fail_boot/xfer": f"{int(f.get('bootstrap_failed', 0))}/{int(f.get('transfer_failed', 0))}" if f else "?",
+            **({"tpm_5m": _num(r["prometheus"].get("tpm_5m")),
+                "fail/s_5m": _num(r["prometheus"].get("failures_per_s_5m"), 3)} if "prometheus" in r else {}),
             "state": r["state"],
         })
     g = doc["gateway"]

@@ -3,7 +3,7 @@
 # Installs only what is missing; never starts a service on the machine itself.
 set -euo pipefail
 need=()
-for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps; do
+for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 [ ${#need[@]} -eq 0 ] && exit 0

@@ -123,10 +123,11 @@ def _run_change(inv, plan, dry_run: bool) -> None:
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output (the same rows and state words)",
-            "watch": "refresh every N seconds (default 5) until interrupted"},
+            "watch": "refresh every N seconds (default 5) until interrupted",
+            "prometheus": "a Prometheus URL: add each instance's TPM and PD failure rate of the last 5 minutes"},
       optional=["watch"])
 @cli_errors
-def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None):
+def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=None):
     """One row per instance ending in a state word (ok, restarted, degraded, down, not registered) and
     the command to run; the gateway's too. Exit status 1 when anything is not ok (for cron or a check)."""
     import json as _json
@@ -141,9 +142,11 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None):
     every = None if watch is None else (5.0 if watch is True else seconds(watch, "--watch"))
     if every is not None and every <= 0:
         raise InvalidInput("--watch", f"{watch!r} is not a positive number of seconds", fix="e.g. --watch 5")
+    if prometheus is not None and not str(prometheus).startswith(("http://", "https://")):
+        raise InvalidInput("--prometheus", f"{prometheus!r} is not an http(s) URL", fix="e.g. --prometheus http://mon01:9090")
     inv = load_inventory(inventory)
     while True:
-        doc = collect_status(inv, dep.state_for(inv, cached_ok=True))
+        doc = collect_status(inv, dep.state_for(inv, cached_ok=True), prometheus=prometheus)
         out = _json.dumps(doc, indent=2, default=str) if json else format_status(doc)
         if every is None:
             print(out)

@@ -81,6 +81,7 @@ class Req:
         self.bport = bport
         self.created = time.time()
         self.first_token_t: float | None = None
+        self.last_token_t: float = 0.0
         self.tokens = 0
         self.phase = "new"
         self.finish_reason: dict | None = None
@@ -142,7 +143,9 @@ class KVConn:
 class Histogram:
     BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 
-    def __init__(self):
+    def __init__(self, buckets: tuple | None = None):
+        if buckets is not None:
+            self.BUCKETS = buckets
         self.counts = {}  # is_streaming -> [bucket counts], sum, count
 
     def observe(self, key: str, v: float) -> None:
@@ -190,6 +193,9 @@ class Engine:
         self.c_transfer_failed = 0
         self.h_ttft = Histogram()
         self.h_e2e = Histogram()
+        # SGLang's sglang:inter_token_latency_seconds (its finer buckets for per-token gaps)
+        self.h_itl = Histogram((0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0,
+                                2.0, float("inf")))
         self.seen_first_request = asyncio.Event()
         self._decode_task = None
 
@@ -383,6 +389,9 @@ class Engine:
                 if r.first_token_t is None:
                     r.first_token_t = now
                     self.h_ttft.observe("true" if r.stream else "false", now - r.created)
+                else:
+                    self.h_itl.observe("true" if r.stream else "false", now - r.last_token_t)
+                r.last_token_t = now
                 if r.tokens >= r.max_new:
                     done.append(r)
                 r.progress.set()

@@ -232,6 +232,7 @@ class SimServer:
         counter("num_transfer_failed_reqs", e.c_transfer_failed, "Number of transfer failed requests.", labels=sl, split=False)
         hist("time_to_first_token_seconds", e.h_ttft, "Histogram of time to first token in seconds.")
         hist("e2e_request_latency_seconds", e.h_e2e, "Histogram of End-to-end request latency in seconds")
+        hist("inter_token_latency_seconds", e.h_itl, "Histogram of inter-token latency in seconds.")
         return web.Response(text="\n".join(out) + "\n", content_type="text/plain", charset="utf-8")
 
     # ---------------------------------------------------------------- generation

@@ -6,9 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
+from pdops.hosts import http_json
 from pdops.inventory import single_file_doc
 from pdops.lab import own_record
 
@@ -147,3 +149,26 @@ class Load:
         assert len(self.rows) >= at_least
         rids = [r.rid for r in self.rows]
         assert len(rids) == len(set(rids))
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    """Poll `pred` until it returns something true (returned), or fail naming `what` and the last value."""
+    t0 = time.monotonic()
+    v = None
+    while time.monotonic() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {v!r})")
+
+
+def queue(url: str, name: str = "running") -> int:
+    """One queue of an engine, summed over its ranks, as `inv status` reads it (0 when it does not answer)."""
+    from pdops.facts import engine as engine_facts
+
+    try:
+        s, doc = http_json("GET", f"{url}{engine_facts.LOADS_PATH}", timeout=5)
+    except Exception:  # noqa: BLE001 - restarting
+        return 0
+    return int(engine_facts.parse_loads(doc).total(name) or 0) if s == 200 else 0

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import derived_inventory, inv_cmd, queue, record, stop_all, wait_for
 
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
@@ -61,27 +60,6 @@ def row(doc: dict, iid: str) -> dict:
 
 def inst(inv_dir: Path, iid: str):
     return Placement.from_dict(record(inv_dir).current_revision().placement).get(iid)
-
-
-def wait_for(pred, timeout: float, what: str, every: float = 0.2):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def queue(url: str, name: str = "running") -> int:
-    """One queue of an engine, summed over its ranks, as `inv status` reads it (0 when it does not answer)."""
-    from pdops.facts import engine as engine_facts
-
-    try:
-        s, doc = http_json("GET", f"{url}{engine_facts.LOADS_PATH}", timeout=5)
-    except Exception:  # noqa: BLE001 - restarting
-        return 0
-    return int(engine_facts.parse_loads(doc).total(name) or 0) if s == 200 else 0
 
 
 class Batch:

@@ -218,3 +218,13 @@ def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
         assert now.id == new_id and now.routable
     finally:
         g.stop()
+
+
+def test_decode_exports_inter_token_latency_as_sglang_names_it(pd_cluster):
+    """sglang:inter_token_latency_seconds: one observation per token after the first, per request."""
+    g, d = pd_cluster["gateway"], pd_cluster["decode"]
+    before = metric(d, "sglang:inter_token_latency_seconds_count")
+    s, _ = http("POST", g.url + "/generate", {"text": "a b c", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
+    assert s == 200
+    assert metric(d, "sglang:inter_token_latency_seconds_count") == before + 4
+    assert metric(d, "sglang:inter_token_latency_seconds_bucket", le="+Inf") >= before + 4

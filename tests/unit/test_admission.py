@@ -64,7 +64,8 @@ def test_defaults(fleet, tmp_path):
     {"cap": 256, "queue": 1000, "queue_timeout_s": 600, "overflow_status": 429, "port": 9443},
     {"listen_addr": "0.0.0.0"},
     {"listen_addr": "::1"},
-], ids=["defaults", "no-queue-503", "big", "wildcard", "ipv6"])
+    {"metrics_port": 8405},
+], ids=["defaults", "no-queue-503", "big", "wildcard", "ipv6", "metrics"])
 def test_every_rendered_config_passes_haproxy_check(inv_name, settings, tmp_path):
     inv = load_inventory(REPO / "inventory" / inv_name)
     cfg = cfg_for(inv, tmp_path, **settings)
@@ -81,6 +82,7 @@ def test_every_rendered_config_passes_haproxy_check(inv_name, settings, tmp_path
     assert "set-header X-Request-ID %[uuid] unless { req.hdr(x-request-id) -m found }" in text
     assert "rid=%[var(txn.rid)]" in text and "log stdout format raw local0" in text
     assert by_path[adm.ERRORFILE_PATH].content.startswith(f"HTTP/1.1 {cfg.overflow_status} ")
+    assert ("use-service prometheus-exporter" in text) == bool(settings.get("metrics_port"))
     for k in cfg.keys:
         assert k not in text and k not in by_path[f"/etc/systemd/system/{adm.UNIT}"].content
         assert f"{k} {adm.key_id(k)}\n" in by_path[adm.KEYS_MAP_PATH].content

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
     (["deploy", "--topology", "0p4d", "-i", "inventory/lab"], "needs at least one prefill"),
     (["status", "-i", "inventory/lab", "--watch", "0"], "--watch: '0' is not a positive number of seconds"),
     (["status", "-i", "inventory/lab", "--watch", "soon"], "--watch: 'soon' is not a number of seconds"),
+    (["status", "-i", "inventory/lab", "--prometheus", "mon01:9090"], "--prometheus: 'mon01:9090' is not an http(s) URL"),
     (["repair", "-i", "inventory/lab"], "--instance: missing"),
     (["repair", "-i", "inventory/lab", "--instance", "d01;reboot"], "is not an instance id"),
     (["repair", "-i", "inventory/lab", "--instance", "d01", "--wait", "-5"], "--wait: '-5' is not a non-negative"),

@@ -1,0 +1,188 @@
+"""A real Prometheus (Debian's `prometheus`, started here on a loopback port and stopped by its PID)
+scrapes a deployed lab cluster through the file_sd target file pdops writes after every change: the
+dashboard's queries and the recording rules return series for every instance after traffic; a
+drained instance's target is gone within one refresh; a decode killed mid-stream makes its
+instance-down alert go pending."""
+
+from __future__ import annotations
+
+import json
+import os
+import math
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.lab.clusters import derived_inventory, inv_cmd, queue, record, stop_all, wait_for
+
+from pdops import observability as obs
+from pdops.inventory import load_inventory
+from pdops.placement import Placement
+
+pytestmark = [pytest.mark.lab,
+              pytest.mark.skipif(shutil.which("prometheus") is None and not os.environ.get("CI"),
+                                 reason="prometheus not installed (Debian package: scripts/setup-system.sh)")]
+
+
+def cli(inv_dir: Path, *args, timeout=600):
+    return inv_cmd(*args, "-i", str(inv_dir), timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api(base: str, path: str, **params):
+    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        doc = json.loads(r.read())
+    assert doc["status"] == "success", doc
+    return doc["data"]
+
+
+@pytest.fixture(scope="module")
+def cluster(lab, tmp_path_factory):
+    lab.ensure_up()
+    stop_all(lab)
+    root = tmp_path_factory.mktemp("observe")
+    inv_dir = derived_inventory(lab, root / "c")
+    proc = cli(inv_dir, "deploy", "--topology", "1p2d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Prometheus targets follow revision" in proc.stdout
+    try:
+        yield inv_dir, root
+    finally:
+        stop_all(lab)
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster):
+    inv_dir, root = cluster
+    inv = load_inventory(inv_dir)
+    targets_file = obs.local_targets_path(inv)
+    assert targets_file.is_file()  # written by the deploy's record step
+    (root / "rules.yml").write_text(obs.rules_text(inv))
+    job = obs.scrape_config(inv, str(targets_file))["scrape_configs"][0]
+    job["file_sd_configs"][0]["refresh_interval"] = "1s"
+    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+           "rule_files": [str(root / "rules.yml")], "scrape_configs": [job]}
+    (root / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = open(root / "prometheus.log", "w")
+    proc = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(base), 60, "prometheus ready")
+        yield base, inv_dir, targets_file
+    finally:
+        proc.terminate()  # by its PID: the process this fixture started
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def active(base: str) -> dict[str, str]:
+    return {t["labels"]["instance"]: t["health"] for t in api(base, "/api/v1/targets")["activeTargets"]}
+
+
+def query(base: str, expr: str) -> list[dict]:
+    return api(base, "/api/v1/query", query=expr)["result"]
+
+
+def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(prometheus):
+    from pdops.load import send
+
+    base, inv_dir, _ = prometheus
+    inv = load_inventory(inv_dir)
+    pl = Placement.from_dict(record(inv_dir).current_revision().placement)
+    want = {i.id for i in pl.instances} | {"gateway"}
+    wait_for(lambda: set(active(base)) == want and all(h == "up" for h in active(base).values()), 60,
+             "every target of the file up")
+    rows = send(inv.gateway.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2)
+    assert all(r.ok for r in rows)
+    rev = str(record(inv_dir).current())
+
+    def empty_panels() -> list[str]:
+        out = []
+        for title, q in obs.panel_queries(inv.cluster, rev):
+            vals = [float(s["value"][1]) for s in query(base, q)]
+            if not vals or all(math.isnan(v) for v in vals):
+                out.append(f"{title}: {q}")
+        return out
+    try:
+        wait_for(lambda: not empty_panels(), 60, "data for every panel")
+    except AssertionError:
+        raise AssertionError(f"panels without data: {empty_panels()}") from None
+    prefills = {i.id for i in pl.role("prefill")}
+    decodes = {i.id for i in pl.role("decode")}
+    assert {s["metric"]["instance"] for s in query(base, "pdops:input_tpm:instance > 0")} == prefills
+    assert {s["metric"]["instance"] for s in query(base, "pdops:output_tpm:instance > 0")} == decodes
+    assert {s["metric"]["instance"] for s in query(base, f'sglang:num_running_reqs{{cluster="{inv.cluster}"}}')} == \
+        prefills | decodes
+    assert query(base, "pdops:total_tpm:cluster > 0")
+    # inv status --prometheus: the last 5 minutes' TPM per instance, from this Prometheus
+    doc = json.loads(cli(inv_dir, "status", "--json", "--prometheus", base).stdout)
+    assert doc["gateway"]["prometheus_error"] is None
+    assert all(r["prometheus"].get("tpm_5m", 0) > 0 for r in doc["instances"]), [r["prometheus"] for r in doc["instances"]]
+
+
+def test_a_drained_instance_leaves_the_targets_within_one_refresh(prometheus):
+    base, inv_dir, targets_file = prometheus
+    proc = cli(inv_dir, "drain", "--instance", "d02")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = time.monotonic()
+    doc = json.loads(targets_file.read_text())
+    assert "d02" not in {t["labels"]["instance"] for t in doc}
+    assert {t["labels"]["revision"] for t in doc} == {str(record(inv_dir).current())}
+    wait_for(lambda: "d02" not in active(base), 10, "d02's target gone")
+    print(f"d02's target gone from Prometheus {time.monotonic() - done:.1f}s after the drain's verdict")
+
+
+def test_a_decode_killed_mid_stream_makes_its_instance_down_alert_go_pending(lab, prometheus):
+    import threading
+
+    from pdops.load import send
+
+    base, inv_dir, _ = prometheus
+    inv = load_inventory(inv_dir)
+    d01 = Placement.from_dict(record(inv_dir).current_revision().placement).get("d01")
+    status = json.loads(cli(inv_dir, "status", "--json").stdout)
+    pid = next(r for r in status["instances"] if r["instance"] == "d01")["units"][0]["main_pid"]
+    rows: list = []
+    t = threading.Thread(target=lambda: rows.extend(send(inv.gateway.url, requests=4, concurrency=4,
+                                                         max_new_tokens=2000, stream_every=1, timeout=60)))
+    t.start()
+    wait_for(lambda: queue(d01.url) >= 1, 30, "streams running on d01 (the only decode now)")
+    c = lab.connection(d01.head.host)
+    c.run(f"kill -KILL {int(pid)}", hide=True)
+    c.close()
+
+    def pending():
+        return [a for a in api(base, "/api/v1/alerts")["alerts"]
+                if a["labels"].get("alertname") == "PdopsInstanceDown" and a["labels"].get("instance") == "d01"
+                and a["state"] in ("pending", "firing")]
+    alert = wait_for(pending, 20, "PdopsInstanceDown pending for d01", every=0.1)
+    assert alert[0]["labels"]["role"] == "decode" and alert[0]["labels"]["cluster"] == inv.cluster
+    t.join(90)
+    assert not t.is_alive() and any(not r.ok for r in rows)  # the kill cut streams; none hung
