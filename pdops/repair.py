@@ -66,6 +66,9 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
                            fix=f"one of: {', '.join(ids)}")
     rows = {r["instance"]: r for r in status_doc["instances"]}
     row = rows[iid]
+    if row["state"] == "unknown":
+        raise Refused(f"{iid} cannot be judged: {'; '.join(row['reasons'])}",
+                      fix=row.get("action") or "restore SSH to its hosts, then `inv status` again")
     if row["state"] == "ok" and not force:
         return (f"{iid} is ok (unit active with its recorded MainPID, registered and healthy in the gateway, no PD "
                 "failure since the last look, no stray process): nothing to repair; --force restarts it anyway")

@@ -12,6 +12,7 @@ compared with the identity the current revision recorded:
 - ``degraded``: it runs and is registered, but the gateway marks it unhealthy or not ready, its
   PD failure counters rose since the last look, its process runs other files than the
   revision's, a process in its cgroup is not under MainPID, or its engine does not answer;
+- ``unknown``: systemd on one of its hosts could not be read (SSH): nothing is concluded;
 - ``ok``: none of these.
 
 Failure counters "since the last look" are kept per instance and MainPID in this operator
@@ -32,7 +33,7 @@ from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
 from pdops.runner import run_parallel
 
-STATES = ("ok", "restarted", "degraded", "down", "not registered")
+STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
 FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
                     "transfer_failed": "sglang:num_transfer_failed_reqs_total"}
 # the gateway's own, where its /metrics has them (smg 1.13; absent series are left out, not zero)
@@ -62,6 +63,10 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
     """The state word of one instance (pdops.observe.InstanceObservation `o`), the evidence for
     it, and the command to run. `failures`: counter name -> increase since the last look."""
     repair = f"inv repair --instance {o.id}"
+    unread = [f"{k}: {s}" for k, s in o.units.items() if isinstance(s, str)]
+    if unread:
+        hosts = sorted({k.split(":", 1)[0] for k in unread})
+        return InstanceHealth("unknown", unread, f"check SSH to {', '.join(hosts)}, then `inv status` again")
     if o.down:
         return InstanceHealth("down", [f"unit {d}" for d in o.down], repair)
     if o.restarted:
@@ -211,6 +216,11 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
     if gw_counters:
         seen["gateway"] = {"pid": getattr(obs.gateway_unit, "main_pid", None), "counters": gw_counters, "at": time.time()}
     deltas = _counter_deltas(inv, seen, write=remember)
+    gu = obs.gateway_unit
+    gu_read = hasattr(gu, "active_state")
+    # the gateway is down for its workers when /workers does not answer or systemd says so; a unit
+    # that cannot be read (SSH) is not evidence of either
+    gateway_down = obs.gateway_error is not None or (gu_read and gu.active_state != "active")
     rows = []
     for o in obs.instances:
         r = reads.get(o.instance)
@@ -224,7 +234,7 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
                     q[name] = None
         sr = stray_res.get(o.id)
         strays = sr if isinstance(sr, list) else []
-        h = judge(o, gateway_down=obs.gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
+        h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
                   strays=strays)
         if not isinstance(sr, list):
             h.reasons.append(f"its cgroup could not be read: {getattr(sr, 'message', sr)}")
@@ -247,13 +257,15 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
             "failures": (seen.get(inst.id) or {}).get("counters", {}), "failures_since_last_look": deltas.get(inst.id, {}),
             "state": h.state, "reasons": h.reasons, "action": h.action,
         })
-    gu = obs.gateway_unit
     greasons = []
-    if obs.gateway_down:
+    if gateway_down:
         gstate = "down"
-        greasons.append(f"unit {gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else str(gu))
+        greasons.append(f"unit {gu.active_state}/{gu.sub_state}" if gu_read else str(gu))
         if obs.gateway_error:
             greasons.append(obs.gateway_error)
+    elif not gu_read:
+        gstate = "unknown"
+        greasons.append(f"its unit: {gu}; /workers answers ({len(obs.workers)} workers)")
     else:
         greasons += [x for x in (obs.gateway_stale,) if x]
         greasons += [f"routes to {w.describe()}, which revision {rev.number} does not know" for w in obs.unknown_workers]
@@ -262,7 +274,8 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
         gstate = "degraded" if greasons else "ok"
     gaction = {"down": f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
                        "gateway-crashed)",
-               "degraded": f"inv deploy --topology {rev.topology}"}.get(gstate)
+               "degraded": f"inv deploy --topology {rev.topology}",
+               "unknown": f"check SSH to {inv.gateway.host}, then `inv status` again"}.get(gstate)
     gateway = {"host": inv.gateway.host, "url": inv.gateway.url,
                "unit_state": f"{gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else "unknown",
                "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),

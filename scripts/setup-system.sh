@@ -25,6 +25,7 @@ apt-get update -q
 apt-get install -y -q --no-install-recommends "${need[@]}"
 # Prometheus is only a tool here (the lab test starts its own, on a loopback port): the
 # package's own service stays disabled, so no boot (a lab host's included) starts it.
-if printf '%s\n' "${need[@]}" | grep -qx prometheus && command -v deb-systemd-helper >/dev/null; then
-  deb-systemd-helper disable prometheus.service >/dev/null 2>&1 || true
+if printf '%s\n' "${need[@]}" | grep -qx prometheus; then
+  systemctl disable prometheus.service >/dev/null 2>&1 ||
+    rm -f /etc/systemd/system/multi-user.target.wants/prometheus.service
 fi

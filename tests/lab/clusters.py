@@ -134,16 +134,21 @@ class Load:
     def refused(self) -> list:
         """Requests turned away before anything was served: the connection refused, or an HTTP 503
         with no token (the gateway restarting, or not yet routing to its workers)."""
-        turned_away = ("connect call failed", "cannot connect", "can not write request body", "refused")
+        turned_away = ("connect call failed", "cannot connect", "can not write request body", "refused",
+                       "server disconnected")
         return [r for r in self.rows if not r.ok and r.first_token is None and
                 (r.http_status == 503 or (r.http_status is None and
                                           any(t in str(r.error or "").lower() for t in turned_away)))]
 
-    def assert_clean(self, at_least: int = 6, *, allow_refused: bool = False):
+    def assert_clean(self, at_least: int = 6, *, allow_refused: bool = False, received: set[str] | None = None):
         """Every request sent got its whole answer (none lost), each request ID once (none replayed).
-        `allow_refused`: requests turned away before anything was served are counted, not failures."""
+        `allow_refused`: requests turned away before anything was served are counted, not failures;
+        `received` (the request IDs the engines' logs show): one of those is not "turned away"."""
         assert self._error is None, self._error
         refused = {r.rid for r in self.refused()} if allow_refused else set()
+        if received is not None:
+            reached = refused & received
+            assert not reached, f"cut after an engine received them: {sorted(reached)}"
         bad = [r.to_dict() for r in self.rows if not r.ok and r.rid not in refused]
         assert not bad, bad[:3]
         assert len(self.rows) >= at_least
@@ -172,3 +177,26 @@ def queue(url: str, name: str = "running") -> int:
     except Exception:  # noqa: BLE001 - restarting
         return 0
     return int(engine_facts.parse_loads(doc).total(name) or 0) if s == 200 else 0
+
+
+def received_rids(inv_dir: Path, rids: set[str]) -> set[str]:
+    """Which of `rids` an engine of the cluster received, by its request log in the journal (every
+    invocation of every instance unit any revision names)."""
+    from pdops.facts import requestlog
+    from pdops.hosts import HostPool
+    from pdops.inventory import load_inventory
+    from pdops.placement import Placement
+
+    if not rids:
+        return set()
+    inv = load_inventory(inv_dir)
+    st = record(inv_dir)
+    units = set()
+    for n in st.revision_numbers():
+        rev = st.read_revision(n)
+        units |= {(h, u) for i in Placement.from_dict(rev.placement).instances for h, u in i.units}
+    seen: set[str] = set()
+    with HostPool(inv) as pool:
+        for h, u in sorted(units):
+            seen |= set(requestlog.parse(pool.run(h, requestlog.command(u), timeout=60).stdout).received)
+    return seen & rids

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, Load, derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import REPO, Load, derived_inventory, inv_cmd, received_rids, record, stop_all
 
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
@@ -51,9 +51,10 @@ def changed(inv_dir: Path, *args, gateway_restart: bool = False) -> tuple[str, L
     with Load(inv.gateway.url) as load:
         proc = cli(inv_dir, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    load.assert_clean(allow_refused=gateway_restart)
+    ref = load.refused() if gateway_restart else []
+    load.assert_clean(allow_refused=gateway_restart,
+                      received=received_rids(inv_dir, {r.rid for r in ref}) if gateway_restart else None)
     if gateway_restart:
-        ref = load.refused()
         window = (max(r.end or r.start for r in ref) - min(r.start for r in ref)) if ref else 0.0
         print(f"gateway restart under load: {len(load.rows)} requests; turned away while it restarted: {len(ref)} "
               f"(a closed loop retrying at once) within {window:.1f}s; every other one served in full")

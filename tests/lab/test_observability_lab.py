@@ -119,7 +119,11 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     want = {i.id for i in pl.instances} | {"gateway"}
     wait_for(lambda: set(active(base)) == want and all(h == "up" for h in active(base).values()), 60,
              "every target of the file up")
-    rows = send(inv.gateway.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2)
+    from pdops.sim.tokens import make_prompt
+
+    # distinct prompts: the gateway's cache-aware policy spreads them over both decodes
+    rows = send(inv.gateway.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2,
+                prompt_for=lambda i: make_prompt(30, i))
     assert all(r.ok for r in rows)
     rev = str(record(inv_dir).current())
 

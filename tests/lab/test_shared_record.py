@@ -126,8 +126,12 @@ def test_state_host_unreachable_refuses_with_exit_3_and_changes_nothing(lab, clu
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stderr.startswith("unreachable: the cluster's record is on lab01:/var/lib/pdops/state/"), proc.stderr
     assert "Nothing was changed" in proc.stderr and "plan:" not in proc.stdout
+    assert hist.returncode == 0, hist.stdout + hist.stderr
+    # status read what it could: lab01's systemd not at all (unknown, exit 1), the gateway's /workers yes
+    assert st.returncode == 1, st.stdout + st.stderr
+    assert "p01 unknown:" in st.stdout and "-> check SSH to lab01" in st.stdout
+    assert "gateway unknown:" in st.stdout and "not registered" not in st.stdout
     for shown in (st, hist):
-        assert shown.returncode == 0, shown.stdout + shown.stderr
         assert "READ-ONLY CACHED COPY of the record" in shown.stdout
     assert f"revision {before}" in st.stdout
     # nothing changed: the record, the gateway's workers, p01's unit and its MainPID

@@ -59,6 +59,11 @@ def test_each_state_word_from_what_was_observed(d01):
     s = word(obs(d01), strays=["lab03:u PID 7 (sglang::stray)"])
     assert s.state == "degraded" and "not under MainPID" in s.reasons[0]
     assert word(obs(d01), loads_error="timed out").state == "degraded"
+    k0 = f"{d01.head.host}:{d01.units[0][1]}"
+    unread = obs(d01, state="unreadable: lab02: connection failed")
+    unread.units[k0] = "unreadable: lab02: connection failed"
+    u = word(unread)
+    assert u.state == "unknown" and u.action.startswith("check SSH to lab02")
     k = f"{d01.head.host}:{d01.units[0][1]}"
     st = word(obs(d01, running={k: "aaa"}, expected={k: "bbb"}))
     assert st.state == "degraded" and st.action.startswith("inv deploy")
