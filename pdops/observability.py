@@ -118,7 +118,9 @@ def scrape_config(inv, targets_file: str | None = None) -> dict:
     job = {"job_name": f"pdops-{inv.cluster}", "file_sd_configs": [{"files": [path]}],
            # each target's own `job` label (pdops-engine, -gateway, -admission) wins over job_name
            "honor_labels": False}
-    key_file = inv.vars.get("pdops_engine_api_key_file") or inv.gateway.api_key_file
+    # pdops starts engines without a key; where the gateway has one, the scrape presents it from
+    # its file (an endpoint that does not check it ignores the header)
+    key_file = inv.gateway.api_key_file
     if key_file:
         job["authorization"] = {"type": "Bearer", "credentials_file": str(key_file)}
     return {"scrape_configs": [job]}

@@ -237,7 +237,9 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
         h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
                   strays=strays)
         if not isinstance(sr, list):
-            h.reasons.append(f"its cgroup could not be read: {getattr(sr, 'message', sr)}")
+            why = f"its cgroup could not be read: {getattr(sr, 'message', sr)}"
+            h = InstanceHealth("unknown", [why], f"check SSH to {o.instance.head.host}, then `inv status` again") \
+                if h.state == "ok" else InstanceHealth(h.state, h.reasons + [why], h.action)
         inst, w = o.instance, o.worker
         units = []
         for hst, u in inst.units:

@@ -145,18 +145,18 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=No
     if prometheus is not None and not str(prometheus).startswith(("http://", "https://")):
         raise InvalidInput("--prometheus", f"{prometheus!r} is not an http(s) URL", fix="e.g. --prometheus http://mon01:9090")
     inv = load_inventory(inventory)
-    while True:
-        doc = collect_status(inv, dep.state_for(inv, cached_ok=True), prometheus=prometheus)
-        out = _json.dumps(doc, indent=2, default=str) if json else format_status(doc)
-        if every is None:
-            print(out)
-            break
-        print(("\x1b[H\x1b[2J" if not json else "") + f"every {every:g}s, {doc.get('at', '')} (Ctrl-C ends)\n{out}",
-              flush=True)
-        try:
+    doc = collect_status(inv, dep.state_for(inv, cached_ok=True), prometheus=prometheus)
+    if every is None:
+        print(_json.dumps(doc, indent=2, default=str) if json else format_status(doc))
+    try:
+        while every is not None:
+            out = _json.dumps(doc, indent=2, default=str) if json else format_status(doc)
+            print(("\x1b[H\x1b[2J" if not json else "") + f"every {every:g}s, {doc.get('at', '')} (Ctrl-C ends)\n{out}",
+                  flush=True)
             time.sleep(every)
-        except KeyboardInterrupt:
-            break
+            doc = collect_status(inv, dep.state_for(inv, cached_ok=True), prometheus=prometheus)
+    except KeyboardInterrupt:  # the watch ends; the last look decides the exit status
+        pass
     if not doc.get("ok", True):
         raise Exit(code=1)
 

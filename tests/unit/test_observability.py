@@ -197,8 +197,7 @@ def test_each_alert_fires_on_its_series_and_not_on_the_others(lab_inv, tmp_path)
                 a = alerts[name]
                 exp = [{"exp_labels": {**labels, **a["labels"]},
                         "exp_annotations": {k: _render(v, labels) for k, v in a["annotations"].items()}}]
-            tests.append({"interval": "15s" if name != "PdopsTransferFailuresRising" else "15s",
-                          "input_series": series,
+            tests.append({"interval": "15s", "input_series": series,
                           "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": exp}]})
     # the recording rules as the dashboard reads them: TPM as the ledger defines it
     tests.append({"interval": "15s", "input_series": [

@@ -14,7 +14,6 @@ from pdops.facts.gateway import Worker
 from pdops.facts.systemd import parse_by_id
 from pdops.observe import InstanceObservation
 from pdops.placement import place
-from pdops.render import manifest, render_files
 from pdops.state import StateDir
 from pdops.status import judge
 from pdops.topology import parse_topology
@@ -91,13 +90,10 @@ def test_lost_work_is_what_an_ended_process_received_and_never_finished():
 
 @pytest.fixture
 def live(lab_inv, tmp_path):
+    from tests.unit.test_scale_plan import deployed
+
     state = StateDir("lab", tmp_path / "state")
-    pl = place(lab_inv, parse_topology("1p2d"))
-    rev = state.write_revision(topology="1p2d", inventory_hash=lab_inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(lab_inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed")
-    state.set_current(rev.number)
+    deployed(lab_inv, state, "1p2d")
     return state
 
 
