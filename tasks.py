@@ -6,11 +6,11 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import admission, admission_ops, bench, core, lab, observe, preflight, scale, state
+from pdops.cli import admission, admission_ops, bench, core, lab, observe, preflight, probe, scale, state
 
 ns = Collection.from_module(core)
 for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight, scale.scale, scale.rollback,
-          scale.history, scale.diff, state.journal, state.unlock):
+          scale.history, scale.diff, state.journal, state.unlock, probe.probe):
     ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
 ns.add_collection(Collection(state.push, state.show), name="state")

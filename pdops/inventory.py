@@ -80,6 +80,8 @@ class Profile:
     env: dict = field(default_factory=dict)
     # service objectives the alert rules use (pdops.observability), e.g. {"ttft_p99_s": 5}
     slo: dict = field(default_factory=dict)
+    # memory of one GPU of the instances' hosts (GiB); the sim's memory model runs against it
+    gpu_memory_gib: float | None = None
 
     @property
     def gpus_per_instance(self) -> int:
@@ -149,6 +151,9 @@ class Inventory:
     vars: dict = field(default_factory=dict, compare=False, repr=False)
     # engine sim only: {instance id: PDOPS_SIM_FAULTS value} (docs/sim.md), for lab tests
     sim_faults: dict = field(default_factory=dict, compare=False)
+    # {instance id: ((flag, value or None), ...)}: SGLang flags that replace or add to the profile's
+    # for that instance only (`inv probe` renders a candidate bundle this way; never read from a file)
+    engine_overrides: dict = field(default_factory=dict, compare=False)
     # the admission layer (pdops.admission.AdmissionConfig), validated once at load; None: none
     admission: Any = field(default=None, compare=False, repr=False)
     # where Prometheus reads the target file (pdops.observability.PrometheusConfig); None: nowhere
@@ -466,6 +471,10 @@ def load_profile(name: str, base_dir: Path | None = None) -> Profile:
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
         raise InvalidInput(f"{where}.slo.ttft_p99_s", f"{t!r} is not a positive number of seconds",
                            fix="slo: {ttft_p99_s: 5}")
+    gmem = d.get("gpu_memory_gib")
+    if gmem is not None and (isinstance(gmem, bool) or not isinstance(gmem, (int, float)) or not gmem > 0):
+        raise InvalidInput(f"{where}.gpu_memory_gib", f"{gmem!r} is not a positive number of GiB",
+                           fix="gpu_memory_gib: 96 (one GPU's memory), or leave it out")
     policy = d.get("decode_allocation_policy", "early")
     if policy not in ("early", "prefill_complete"):
         raise InvalidInput(f"{where}.decode_allocation_policy", f"{policy!r} is not early or prefill_complete",
@@ -479,7 +488,7 @@ def load_profile(name: str, base_dir: Path | None = None) -> Profile:
         model_shape=dict(d.get("model_shape") or {}),
         extra_args=tuple(str(a) for a in d.get("extra_args") or ()),
         env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
-        slo=dict(slo),
+        slo=dict(slo), gpu_memory_gib=float(gmem) if gmem is not None else None,
     )
 
 

@@ -209,3 +209,71 @@ async def run_load(base_url: str, *, requests: int | None = None, concurrency: i
 def send(base_url: str, **kw) -> list[LedgerRow]:
     """Synchronous wrapper of run_load."""
     return asyncio.run(run_load(base_url, **kw))
+
+
+async def run_pair(prefill_url: str, decode_url: str, bootstrap_host: str, bootstrap_port: int, *, requests: int,
+                   concurrency: int, prompt_for, max_new_tokens: int = 16, timeout: float = 600.0,
+                   rid_prefix: str = "pdops-probe", headers: dict | None = None) -> list[LedgerRow]:
+    """Requests straight to one prefill x decode pair, sent as the gateway sends them: the same body
+    (bootstrap address and a room of its own) to both at once; the decode's answer is the row, the
+    prefill's is kept in ``row.extra["prefill"]``. When the decode fails first the prefill is told to
+    drop the room (POST /abort_request). Never retried."""
+    import random
+
+    if concurrency < 1 or requests < 1:
+        raise ValueError("run_pair needs at least one request and a concurrency of at least 1")
+    rows: list[LedgerRow] = []
+    counter = itertools.count()
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, read_bufsize=1 << 20) as session:
+        async def prefill_side(body: dict, row: LedgerRow) -> None:
+            side = row.extra.setdefault("prefill", {})
+            try:
+                async with session.post(prefill_url.rstrip("/") + "/generate", json=body,
+                                        headers={"x-request-id": row.rid, **(headers or {})},
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                    side["http_status"] = resp.status
+                    text = await resp.text()
+                    if resp.status != 200:
+                        side["error"] = text[:1000]
+                    else:
+                        try:
+                            fr = _meta(json.loads(text)).get("finish_reason")
+                        except ValueError:
+                            fr = None
+                        if isinstance(fr, dict) and fr.get("type") == "abort":
+                            side["error"] = str(fr.get("message"))[:1000]
+            except asyncio.TimeoutError:
+                side["error"] = "timeout"
+            except aiohttp.ClientError as exc:
+                side["error"] = f"{type(exc).__name__}: {exc}"
+
+        async def worker() -> None:
+            while True:
+                i = next(counter)
+                if i >= requests:
+                    return
+                row = LedgerRow(rid=f"{rid_prefix}-{i:04d}-{uuid.uuid4().hex[:8]}", stream=False, start=time.time())
+                rows.append(row)
+                body = {"text": prompt_for(i), "rid": row.rid, "stream": False,
+                        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+                        "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port,
+                        "bootstrap_room": random.getrandbits(62)}
+                pre = asyncio.create_task(prefill_side(body, row))
+                await _one(session, decode_url.rstrip("/") + "/generate", body, row, timeout, headers or {})
+                if not row.ok and not pre.done():
+                    try:
+                        async with session.post(prefill_url.rstrip("/") + "/abort_request", json={"rid": row.rid},
+                                                timeout=aiohttp.ClientTimeout(total=5)):
+                            pass
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        pass
+                await pre
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, requests))))
+    return rows
+
+
+def send_pair(prefill_url: str, decode_url: str, bootstrap_host: str, bootstrap_port: int, **kw) -> list[LedgerRow]:
+    """Synchronous wrapper of run_pair."""
+    return asyncio.run(run_pair(prefill_url, decode_url, bootstrap_host, bootstrap_port, **kw))

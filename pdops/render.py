@@ -107,7 +107,22 @@ def engine_args(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> li
     args += ["--enable-metrics", "--log-requests", "--log-requests-level", "0", "--log-requests-format", "json",
              "--trust-remote-code"]
     args += list(prof.extra_args)
-    return args
+    return override_args(args, inv.engine_overrides.get(inst.id, ()))
+
+
+def override_args(args: list[str], overrides) -> list[str]:
+    """`args` with each (flag, value) of `overrides` replacing that flag's value, or added; a value
+    of None is a flag without a value (store_true); False removes the flag."""
+    out = list(args)
+    for flag, value in overrides:
+        if flag in out:
+            i = out.index(flag)
+            has_value = i + 1 < len(out) and not out[i + 1].startswith("--")
+            del out[i:i + (2 if has_value else 1)]
+        if value is False:
+            continue
+        out += [flag] if value is None else [flag, str(value)]
+    return out
 
 
 def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
@@ -142,6 +157,8 @@ def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
     }
     if inv.profile.transfer_backend == "nixl":
         env["UCX_NET_DEVICES"] = ",".join(f"{n.device}:1" for n in nics)
+    if inv.engine == "sim" and inv.profile.gpu_memory_gib:
+        env["PDOPS_SIM_GPU_MEMORY_GIB"] = f"{inv.profile.gpu_memory_gib:g}"
     env.update(inv.profile.env)
     if inst.id in inv.sim_faults:
         env["PDOPS_SIM_FAULTS"] = inv.sim_faults[inst.id]

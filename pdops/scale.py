@@ -919,23 +919,30 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
     op = new_op_id(kind)
     with state.lock(kind, op_id=op):
         state.check_basis(plan.current.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan,
-                                                                   "old_placement": plan.current_placement,
-                                                                   "replacing": {i.id for i in plan.replaced},
-                                                                   "target": plan.target})
-        try:
-            verdict = walk(plan.plan, ctx, executors())
-        except PdopsError as exc:
-            d = ctx.data
-            verdict_text = _fail(plan, ctx, exc, d.get("started_instances", {}), d.get("healthy", set()),
-                                 d.get("posted", set()), d.get("workers", {}), d.get("drained", []),
-                                 d.get("failed_drain"))
-            if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
-                exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
-            exc.message += "\n" + verdict_text
-            raise exc from None
-        ctx.journal.step(op, "verdict", "ok", verdict)
-        return verdict
+        return walk_scale(plan, state, op, say, pool=pool, gateway=gateway)
+
+
+def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, pool: HostPool,
+               gateway: GatewayClient) -> dict:
+    """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv probe` between its
+    own steps); the verdict, or ScaleFailed with the failure verdict after undoing what it can."""
+    ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan,
+                                                               "old_placement": plan.current_placement,
+                                                               "replacing": {i.id for i in plan.replaced},
+                                                               "target": plan.target})
+    try:
+        verdict = walk(plan.plan, ctx, executors())
+    except PdopsError as exc:
+        d = ctx.data
+        verdict_text = _fail(plan, ctx, exc, d.get("started_instances", {}), d.get("healthy", set()),
+                             d.get("posted", set()), d.get("workers", {}), d.get("drained", []),
+                             d.get("failed_drain"))
+        if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
+            exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
+        exc.message += "\n" + verdict_text
+        raise exc from None
+    ctx.journal.step(op, "verdict", "ok", verdict)
+    return verdict
 
 
 def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool, listened: bool, worker_id: str | None) -> list[Step]:

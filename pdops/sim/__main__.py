@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aiohttp.server").addFilter(
         lambda r: not (r.exc_info and "PRI/Upgrade" in str(r.exc_info[1]))
     )
+    from pdops.sim.memory import MemoryModel
+
+    mem = MemoryModel.from_env(args)
+    if mem is not None and mem.startup_error():
+        # as SGLang: the scheduler cannot allocate its pools, the server exits 1 before serving
+        logging.getLogger("pdops.sim").error("Scheduler hit an exception: %s", mem.startup_error())
+        return 1
     report_r, report_w = os.pipe()
     titles = procs.scheduler_titles(args.tp_size, args.pp_size, args.nnodes, args.node_rank)
     if args.node_rank == 0:

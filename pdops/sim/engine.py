@@ -31,6 +31,7 @@ from collections import deque
 import aiohttp
 
 from pdops.sim.faults import Faults
+from pdops.sim.memory import MemoryModel, oom_message, oom_traceback
 from pdops.sim.timing import TimingModel
 from pdops.sim.tokens import Counter, output_word
 
@@ -198,6 +199,10 @@ class Engine:
                                 2.0, float("inf")))
         self.seen_first_request = asyncio.Event()
         self._decode_task = None
+        # GPU memory model (pdops.sim.memory; off unless PDOPS_SIM_GPU_MEMORY_GIB is set)
+        self.memory = MemoryModel.from_env(args)
+        self.retained = 0  # bytes of workspace a long prefill left reserved while requests are queued
+        self.c_oom = 0
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -242,6 +247,13 @@ class Engine:
         if ctx and prompt_tokens + max_new > ctx:
             raise ValueError(
                 f"Requested token count exceeds the model's maximum context length of {ctx} tokens."
+            )
+        mem = self.memory
+        if mem is not None and prompt_tokens + max_new > mem.pool_tokens:
+            # SGLang's check against max_req_input_len (the KV pool's size, when smaller than the context)
+            raise ValueError(
+                f"Input length ({prompt_tokens + max_new} tokens) exceeds the maximum allowed length "
+                f"({mem.pool_tokens} tokens). Use a shorter input or enable --allow-auto-truncate."
             )
         req = Req(rid, prompt_tokens, max_new, stream, room, bhost, bport)
         self.reqs[rid] = req
@@ -307,6 +319,8 @@ class Engine:
                 self._close_kv(req)
             self.slot_free.set()
             self.reqs.pop(req.rid, None)
+            if not self.reqs:
+                self.retained = 0  # idle: the caching allocator's blocks are given back
             req.progress.set()
             req.done.set()
 
@@ -357,10 +371,32 @@ class Engine:
             req.phase = "prefill"
             t0 = time.monotonic()
             rng = self.timing.rng(req.rid)
-            for dt in self.timing.prefill_chunks(req.prompt_tokens, self.args.chunked_prefill_size, rng):
+            chunks = self.timing.prefill_chunks(req.prompt_tokens, self.args.chunked_prefill_size, rng)
+            mem = self.memory
+            allocs = mem.chunk_allocations(req.prompt_tokens, self.args.chunked_prefill_size) if mem else []
+            peak = 0
+            for k, dt in enumerate(chunks):
+                if mem is not None:
+                    a = allocs[k]
+                    if a > mem.workspace_gib * (1 << 30) - self.retained:
+                        self._oom(req, a)
+                    peak = max(peak, a)
                 await asyncio.sleep(dt)
+            if mem is not None:
+                self.retained = max(self.retained, int(peak * mem.retained_ratio))
             self.total_prefill_tokens += req.prompt_tokens
             self.total_prefill_busy_us += int((time.monotonic() - t0) * 1e6)
+
+    def _oom(self, req: Req, alloc: int) -> None:
+        """The chunk's allocation does not fit: log the scheduler's traceback, fail the request."""
+        msg = oom_message(self.memory.oom(alloc, self.retained))
+        self.c_oom += 1
+        log.error("%s", oom_traceback(self.memory, req.rid, msg))
+        kv = req.kvconn
+        if isinstance(kv, KVConn):  # the decode learns why the KV will not come
+            reason = "prefill aborted the request: " + msg.split(". GPU", 1)[0]
+            kv.writer.write(json.dumps({"status": "failed", "reason": reason}).encode() + b"\n")
+        raise RequestFailed(msg, 500, "oom")
 
     async def _decode(self, req: Req) -> None:
         if req.max_new <= 0:
@@ -464,7 +500,8 @@ class Engine:
 
     async def _send_kv(self, req: Req, conn: KVConn) -> None:
         req.phase = "inflight"
-        if self.faults.fail_transfer:
+        above = self.faults.fail_transfer_above
+        if self.faults.fail_transfer or (above is not None and req.prompt_tokens > above):
             conn.writer.write(b'{"status": "failed", "reason": "injected fault fail_transfer"}\n')
             await conn.writer.drain()
             raise RequestFailed(f"KV transfer failed for request rid={req.rid} (injected)", 500, "transfer")

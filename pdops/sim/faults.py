@@ -3,6 +3,8 @@
 PDOPS_SIM_FAULTS is a comma list of ``name`` or ``name=value``:
 
 - ``fail_transfer``      the prefill reports every KV transfer failed (500 on both sides)
+- ``fail_transfer_above=TOKENS``  the prefill fails the KV transfer of every prompt longer than
+  TOKENS (short canaries pass, the long requests of a probe fail: a transfer fault in its window)
 - ``hang_room`` / ``hang_room=ROOM``  the prefill never sends the KV of every room / of
   that room; the decode gives 500 at SGLANG_DISAGGREGATION_WAITING_TIMEOUT, then the
   prefill too
@@ -31,13 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KNOWN = ("fail_transfer", "hang_room", "ignore_sigterm", "crash_child", "stray_grandchild", "escape_cgroup",
+KNOWN = ("fail_transfer", "fail_transfer_above", "hang_room", "ignore_sigterm", "crash_child", "stray_grandchild", "escape_cgroup",
          "unhealthy_after", "dead_session")
 
 
 @dataclass
 class Faults:
     fail_transfer: bool = False
+    fail_transfer_above: int | None = None  # prompt tokens above which every transfer fails
     hang_room: bool | int = False  # True: every room; int: that room
     ignore_sigterm: bool = False
     crash_child: float | None = None  # seconds after start (or after the admin call)
@@ -55,6 +58,7 @@ class Faults:
     def as_dict(self) -> dict:
         return {
             "fail_transfer": self.fail_transfer,
+            "fail_transfer_above": self.fail_transfer_above,
             "hang_room": self.hang_room,
             "ignore_sigterm": self.ignore_sigterm,
             "crash_child": self.crash_child,
@@ -73,6 +77,8 @@ class Faults:
                 self.hang_room = v if isinstance(v, bool) else int(v)
             elif k == "crash_child":
                 self.crash_child = None if v is None or v is False else (0.0 if v is True else float(v))
+            elif k == "fail_transfer_above":
+                self.fail_transfer_above = None if v is None or v is False else int(v)
             elif k == "unhealthy_after":
                 if v is None or v is False:
                     self.unhealthy_after = None
@@ -103,7 +109,7 @@ def parse_faults(spec: str | None) -> Faults:
             values[name] = int(raw)
         elif name == "crash_child":
             values[name] = float(raw)
-        elif name == "unhealthy_after":
+        elif name in ("unhealthy_after", "fail_transfer_above"):
             values[name] = int(raw)
         else:
             values[name] = raw.lower() not in ("0", "false", "no", "off")

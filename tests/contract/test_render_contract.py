@@ -128,3 +128,24 @@ def test_systemd_analyze_catches_a_bad_value(tmp_path, fleet):
     proc = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True, text=True,
                           env={"SYSTEMD_UNIT_PATH": f"{unit.parent}:", "PATH": "/usr/bin:/bin"})
     assert "bogus" in proc.stdout + proc.stderr
+
+
+def test_the_reports_probe_bundles_parse_with_sglang_as_pdops_renders_them(fleet, tmp_path):
+    """`inv probe` checks a bundle against the flag table extracted from SGLang; here SGLang's own
+    parser takes the command lines the probed instances get (the report's T1..T6 bundles)."""
+    from pdops.probe import load_bundle
+
+    bundles = ["{chunked-prefill-size: 16384}", "{chunked-prefill-size: 16384, mem-fraction-static: 0.75}",
+               "{chunked-prefill-size: 16384, mem-fraction-static: 0.5, context-length: 524288, max-running-requests: 2}",
+               "{chunked-prefill-size: 8192, max-prefill-tokens: 8192, enable-mixed-chunk: true}"]
+    pl = place(fleet, Topology(1, 1))
+    for n, flags in enumerate(bundles):
+        (tmp_path / f"b{n}.yml").write_text(f"flags: {flags}\n")
+        b = load_bundle(tmp_path / f"b{n}.yml")
+        inv = dataclasses.replace(fleet, engine_overrides={"p01": b.flags, "d01": b.flags})
+        for iid in ("p01", "d01"):
+            inst = pl.get(iid)
+            sa = check_sglang_args(engine_args(inv, pl, inst, inst.ranks[0]))
+            assert sa.chunked_prefill_size == int(dict(b.flags)["--chunked-prefill-size"])
+            if "--mem-fraction-static" in dict(b.flags):
+                assert sa.mem_fraction_static == float(dict(b.flags)["--mem-fraction-static"])

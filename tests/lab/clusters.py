@@ -88,6 +88,11 @@ def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.Completed
                           timeout=timeout, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
+def cli(inv_dir: Path, *args, timeout=600) -> subprocess.CompletedProcess:
+    """`inv <args> -i <inv_dir>`, as an operator runs it against one test cluster."""
+    return inv_cmd(*args, "-i", str(inv_dir), timeout=timeout)
+
+
 def stop_all(lab) -> None:
     """A clean slate between test clusters: stop every pdops unit on every lab host, by unit name."""
     for name, _ in lab.hosts:

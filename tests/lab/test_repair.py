@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import derived_inventory, inv_cmd, queue, record, stop_all, wait_for
+from tests.lab.clusters import cli, derived_inventory, queue, record, stop_all, wait_for
 
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
@@ -24,10 +24,6 @@ from pdops.placement import Placement
 pytestmark = pytest.mark.lab
 
 STREAM_DEADLINE_S = 60
-
-
-def cli(inv_dir: Path, *args, timeout=600):
-    return inv_cmd(*args, "-i", str(inv_dir), timeout=timeout)
 
 
 @pytest.fixture(scope="module")

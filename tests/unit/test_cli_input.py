@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
     (["repair", "-i", "inventory/lab"], "--instance: missing"),
     (["repair", "-i", "inventory/lab", "--instance", "d01;reboot"], "is not an instance id"),
     (["repair", "-i", "inventory/lab", "--instance", "d01", "--wait", "-5"], "--wait: '-5' is not a non-negative"),
+    (["probe", "-i", "inventory/lab", "--spare"], "--bundle: no bundle file given"),
+    (["probe", "-i", "inventory/lab", "--spare", "--bundle", "no-such.yml"], "--bundle: no-such.yml is not a file"),
+    (["probe", "-i", "inventory/lab", "--spare", "--bundle", "tests/data/probe/T2.yml", "--workload", "lots"],
+     "--workload: 'lots' is not INPUT/OUTPUT tokens"),
+    (["probe", "-i", "inventory/lab", "--spare", "--bundle", "tests/data/probe/T2.yml", "--requests", "x"],
+     "--requests: 'x' is not a whole number"),
+    (["probe", "-i", "inventory/lab", "--spare", "--bundle", "tests/data/probe/bad-flag.yml"],
+     "is not a flag of SGLang 0.5.23"),
+    (["probe", "-i", "inventory/lab", "--note", "T1"], "--reading: the reading is empty"),
+    (["probe", "-i", "inventory/lab", "--note", "x1", "--reading", "r"], "'x1' is not a probe id"),
 ])
 def test_bad_option_values_are_refused_without_a_traceback(args, needle):
     proc = subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
