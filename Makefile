@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -ra -p no:cacheprovider tests
+	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider tests
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -ra -p no:cacheprovider tests/unit tests/contract

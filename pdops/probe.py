@@ -380,10 +380,15 @@ class ProbePlan:
                             "revision (same files, new processes)"))
         lines.append("  steps:")
         lines += [f"    {k:2d}. {s.line()}" for k, s in enumerate(self.steps, 1)]
-        lines.append("  then: " + ("restore (change planner: drain, verified stop, the revision's files, canary, "
-                                   "register, record)" if self.mode == "instances" and not self.keep else
-                                   "keep (change planner) or restore" if self.mode == "instances" else
-                                   "verify that every instance of the revision runs the revision's files"))
+        if self.mode == "spare":
+            lines.append("  then, whatever the probe did:")
+            back = restore_steps(self)
+            lines += [f"    {k:2d}. {s.line()}" for k, s in enumerate(back, len(self.steps) + 1)]
+        else:
+            lines.append("  then, whatever the probe did, the change planner replaces "
+                         f"{' and '.join(self.ids)}: drain (empty), verified stop, "
+                         + ("the bundle's files if every request was ok, else " if self.keep else "")
+                         + "the revision's files, start, canary with every pair, register, record a revision")
         lines.append("  nothing is ever called best: the outcome is a candidate's, for this workload, this window")
         return "\n".join(lines)
 
