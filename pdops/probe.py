@@ -316,14 +316,32 @@ def result_line(outcomes: list[str]) -> str:
     return ", ".join(parts)
 
 
-def mixed_reasons(outcomes: list[str], restarts: list[str], canary_retried: bool) -> list[str]:
-    """Why a probe's window is not clean: a fault next to the new variable proves nothing about it."""
+def oom_units(sigs: list[dict]) -> set[str]:
+    """The units ("host:unit") whose journal shows a CUDA OOM in the window."""
+    return {w for s in sigs if s["kind"] == "exception" and s.get("exception", "").endswith("OutOfMemoryError")
+            for w in s.get("where", ())}
+
+
+def attribute_crash(outcomes: list[str], restarts: list[str], sigs: list[dict]) -> list[str]:
+    """A real SGLang scheduler exits on a CUDA OOM and takes its requests with it: they end with a
+    cut connection or a bare 5xx, not an OOM message. Where a unit of the pair restarted after an OOM
+    in its journal, those unattributed failures are the OOM's."""
+    if not set(restarts) & oom_units(sigs):
+        return outcomes
+    return ["OOM" if o in ("error", "aborted") or o.startswith("HTTP 5") else o for o in outcomes]
+
+
+def mixed_reasons(outcomes: list[str], restarts: list[str], canary_retried: bool,
+                  sigs: list[dict] = ()) -> list[str]:
+    """Why a probe's window is not clean: a fault next to the new variable proves nothing about it.
+    A restart after the unit's own OOM is the bundle's outcome, not a fault."""
     out = []
     for kind in ("transfer failure", "bootstrap failure"):
         n = outcomes.count(kind)
         if n:
             out.append(f"{n} request(s) ended in a {kind} (not an OOM of the bundle)")
-    out += [f"{r} restarted during the window" for r in restarts]
+    explained = oom_units(list(sigs))
+    out += [f"{r} restarted during the window" for r in restarts if r not in explained]
     if canary_retried:
         out.append("the pair's canary failed once before it passed")
     return out
@@ -579,13 +597,14 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
     sigs = merge_signatures(groups)
     after = {f"{h}:{u}": pool.unit_states(h, [u])[u].main_pid for h, u in units}
     restarts = [k for k in before if after.get(k) != before[k]]
-    outcomes = [classify(r, sigs) for r in rows]
+    outcomes = attribute_crash([classify(r, sigs) for r in rows], restarts, sigs)
     canary_retried = bool(((ctx.data.get("canary_evidence") or {}).get("first_attempt_failed")))
     doc = {"outcomes": [{"rid": r.rid, "outcome": o, "status": r.status, "http_status": r.http_status,
                          "prefill": (r.extra or {}).get("prefill"), "error": (r.error or "")[:300],
+                         "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
                          "seconds": round((r.end or t0) - r.start, 2)} for r, o in zip(rows, outcomes)],
            "result": result_line(outcomes), "signatures": sigs, "restarts": restarts,
-           "mixed_reasons": mixed_reasons(outcomes, restarts, canary_retried), "window": [t0, time.time()],
+           "mixed_reasons": mixed_reasons(outcomes, restarts, canary_retried, sigs), "window": [t0, time.time()],
            "journal_unread": read_errors}
     ctx.data["probe_result"] = doc
     ctx.say(f"  probe result: {doc['result']}" + (f"; mixed: {'; '.join(doc['mixed_reasons'])}"
@@ -682,11 +701,17 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         j.step(op, "plan", "ok", {"operation": "probe", "probe": pid, "bundle": plan.bundle.as_dict(),
                                   "mode": plan.mode, "pair": plan.ids, "steps": [s.name for s in plan.steps]})
         failure: PdopsError | None = None
+        interrupted = False
         try:
             run_steps(plan.steps, ctx, executors())
         except PdopsError as exc:
             failure = exc
             say(f"probe {pid}: stopped at a step: {exc.message}")
+        except KeyboardInterrupt:  # the way back still runs: a candidate is never left behind
+            interrupted = True
+            failure = PdopsError("interrupted by the operator")
+            say(f"probe {pid}: interrupted; the requests in flight are abandoned (never sent again); "
+                "taking the pair back now")
         result = ctx.data.get("probe_result")
         all_ok = bool(result) and all(o["outcome"] == "ok" for o in result["outcomes"]) and not result["mixed_reasons"]
         keep = plan.keep and all_ok and failure is None
@@ -721,6 +746,8 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
                ([f"the probe stopped before its requests: {failure.message}"] if failure and result is None else []),
                "after": after}
         j.step(op, "probe-result", "ok" if back_error is None else "failed", doc)
+        if interrupted and back_error is None:
+            raise KeyboardInterrupt
         if back_error is not None:
             back_error.message = (f"probe {pid} ({doc['result']}): the way back did not complete: "
                                   f"{back_error.message}")

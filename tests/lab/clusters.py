@@ -109,8 +109,9 @@ class Load:
     """Requests through the gateway (every other one streamed) in small batches until stopped; every
     request is counted in its ledger row."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, headers: dict | None = None):
         self.url = url
+        self.headers = headers
         self.rows = []
         self._stop = threading.Event()
         self._error = None
@@ -123,7 +124,7 @@ class Load:
         try:
             while not self._stop.is_set():
                 self.rows += send(self.url, requests=6, concurrency=3, max_new_tokens=8, stream_every=2,
-                                  rid_prefix=f"scale-load-{n}", timeout=60)
+                                  rid_prefix=f"scale-load-{n}", timeout=60, headers=self.headers)
                 n += 1
         except Exception as exc:  # noqa: BLE001 - reported by stop()
             self._error = exc

@@ -269,3 +269,27 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
                                        "verdict"], op
     assert all(r["status"] == "ok" for r in op)
     assert KEY_A not in str(op) and KEY_B not in str(op)
+
+
+def test_a_gateway_restart_behind_the_admission_layer_turns_no_request_away(cluster):
+    """Straight at the gateway, requests that arrive while smg restarts are refused for under a second
+    (test_change). Behind the admission layer a refused connection is retried by HAProxy (`retries`,
+    `retry-on conn-failure`: nothing was sent, so nothing is replayed): a client sees none of it. A
+    gateway setting changes under load through the admission layer; every request is served."""
+    from tests.lab.clusters import Load
+
+    inv_dir, inv, keys, _, _ = cluster
+    cfg = parse_admission(inv.vars, inv)
+    key = next(ln.strip() for ln in keys.read_text().splitlines() if ln.strip() and not ln.startswith("#"))
+    hosts = inv_dir / "hosts.yml"
+    doc = yaml.safe_load(hosts.read_text())
+    doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 6
+    hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with Load(cfg.url, headers={"Authorization": f"Bearer {key}"}) as load:
+        proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gateway: restarted" in proc.stdout and "gateway restarted in" in proc.stdout, proc.stdout
+    refused = load.refused()
+    print(f"gateway restart behind the admission layer: {len(load.rows)} requests, {len(refused)} turned away")
+    assert not refused, [r.to_dict() for r in refused[:3]]
+    load.assert_clean()

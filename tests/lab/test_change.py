@@ -149,6 +149,55 @@ def test_a_process_running_other_files_fails_verify_and_deploy_replaces_it(live,
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
+def test_an_sglang_upgrade_rolls_every_instance_onto_the_new_pin(live):
+    """Runbook docs/runbooks/sglang-upgrade.md: the pdops release that moves the SGLang pin (here
+    tests/lab/moved_pin.py, the pin alone moved) replaces every instance in waves, one per role at a
+    time, each process started with the new pin in its environment; the gateway is not restarted;
+    under load none is lost. The pdops of before sees the difference again."""
+    import subprocess
+    import sys
+
+    new = "0.5.24"
+
+    def pinned(*args):
+        return subprocess.run([sys.executable, "tests/lab/moved_pin.py", new, *args, "-i", str(live)], cwd=REPO,
+                              capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+
+    def gateway_pid():
+        proc = cli(live, "status", "--json")
+        return json.loads(proc.stdout)["gateway"]["main_pid"]
+
+    dry = pinned("deploy", "--topology", "2p2d", "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    for i in ("p01", "p02", "d01", "d02"):
+        assert f"replaced: {i}" in dry.stdout and f"pdops-{i}.env" in dry.stdout, dry.stdout
+    assert "gateway: restarted" not in dry.stdout and "rolling: 2 wave(s)" in dry.stdout
+    gw, before = gateway_pid(), main_pids(live)
+    inv = load_inventory(live)
+    with Load(inv.gateway.url) as load:
+        proc = pinned("deploy", "--topology", "2p2d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    load.assert_clean()
+    assert not load.refused()
+    after = main_pids(live)
+    assert all(after[i] != before[i] for i in before) and gateway_pid() == gw
+    iv = out_intervals(live)
+    for a, b in (("p01", "p02"), ("d01", "d02")):
+        assert iv[a][1] < iv[b][0], iv
+    from pdops.hosts import HostPool
+
+    pl = Placement.from_dict(record(live).current_revision().placement)
+    with HostPool(inv) as pool:
+        for i in pl.instances:
+            env = pool.run(i.head.host, f"tr '\\0' '\\n' < /proc/{after[i.id]}/environ").stdout.splitlines()
+            assert f"PDOPS_SGLANG_VERSION={new}" in env, i.id
+    assert pinned("verify").returncode == 0
+    old = cli(live, "verify")  # this pdops pins 0.5.23: every process runs other files
+    assert old.returncode != 0 and "runs files" in old.stdout + old.stderr
+    back = cli(live, "deploy", "--topology", "2p2d", "--dry-run")
+    assert back.returncode == 0 and all(f"replaced: {i}" in back.stdout for i in before)
+
+
 def test_a_template_change_alone_is_applied_not_just_recorded(live):
     tpl = REPO / "templates" / "env.j2"
     text = tpl.read_text()

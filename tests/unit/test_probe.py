@@ -194,6 +194,13 @@ def test_each_requests_outcome():
     assert pr.mixed_reasons(["transfer failure", "OOM"], [], False)[0].startswith("1 request(s) ended in a transfer")
     assert pr.mixed_reasons(["ok"], ["lab01:u"], True) == ["lab01:u restarted during the window",
                                                           "the pair's canary failed once before it passed"]
+    # a real scheduler exits on its OOM: the restart and the cut requests are the bundle's outcome
+    sigs = pr.signatures(REAL_OOM, "lab02:pdops-p02.service")
+    assert pr.mixed_reasons(["OOM"], ["lab02:pdops-p02.service"], False, sigs) == []
+    assert pr.attribute_crash(["ok", "error", "HTTP 502", "timeout"], ["lab02:pdops-p02.service"], sigs) == [
+        "ok", "OOM", "OOM", "timeout"]
+    assert pr.attribute_crash(["error"], ["lab03:pdops-d02.service"], sigs) == ["error"]  # another unit: not it
+    assert pr.attribute_crash(["error"], [], sigs) == ["error"]
 
 
 def test_the_table_never_says_best_and_marks_multi_variable_and_mixed(tmp_path):
