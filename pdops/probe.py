@@ -702,8 +702,11 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
                                   "mode": plan.mode, "pair": plan.ids, "steps": [s.name for s in plan.steps]})
         failure: PdopsError | None = None
         interrupted = False
+        proven: dict = {"verified": [], "unverified": []}
         try:
-            run_steps(plan.steps, ctx, executors())
+            v0 = run_steps(plan.steps, ctx, executors())
+            proven["verified"] += v0["verified"]
+            proven["unverified"] += v0["unverified"]
         except PdopsError as exc:
             failure = exc
             say(f"probe {pid}: stopped at a step: {exc.message}")
@@ -720,7 +723,9 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         try:
             if plan.mode == "spare":
                 ctx.inv = plan.inv
-                run_steps(restore_steps(plan), ctx, executors())
+                v1 = run_steps(restore_steps(plan), ctx, executors())
+                proven["verified"] += v1["verified"]
+                proven["unverified"] += v1["unverified"]
                 after = {"restored": True, "how": "spare pair stopped and removed; the revision verified untouched"}
             else:
                 if plan.keep and not keep:
@@ -728,6 +733,8 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
                         "restoring the baseline")
                 ch = change_after(plan, keep)
                 v = sc.walk_scale(ch, state, op, say, pool=pool, gateway=gateway)
+                proven["verified"] += v.get("verified", [])
+                proven["unverified"] += v.get("unverified", [])
                 after = {"restored": not keep, "kept": keep, "revision": v.get("revision"),
                          "how": "kept as a new revision" if keep else "the revision's files, as a new revision"}
         except PdopsError as exc:
@@ -744,7 +751,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
                "mixed": bool((result or {}).get("mixed_reasons")) or (failure is not None and result is None),
                "mixed_reasons": (result or {}).get("mixed_reasons", []) +
                ([f"the probe stopped before its requests: {failure.message}"] if failure and result is None else []),
-               "after": after}
+               "after": after, "verified": proven["verified"], "unverified": proven["unverified"]}
         j.step(op, "probe-result", "ok" if back_error is None else "failed", doc)
         if interrupted and back_error is None:
             raise KeyboardInterrupt

@@ -83,9 +83,8 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
     with connections(inv) as conns:
         doc = pr.execute_probe(plan, **conns)
     after = doc["after"]
-    v = {"verified": [f"probe {doc['probe']}: {doc['result']} (ledger rows and rank journals)",
-                      after.get("how", "")],
-         "unverified": [f"mixed window: {r}" for r in doc["mixed_reasons"]],
+    v = {"verified": doc["verified"] + [after.get("how", "")],
+         "unverified": doc["unverified"] + [f"mixed window: {r}" for r in doc["mixed_reasons"]],
          "notes": ["a bundle that works is a candidate for this workload; `inv probe --note "
                    f"{doc['probe']} --reading \"...\"` adds your reading; `inv probe --list` shows the table"]}
     print_verdict(f"probe {doc['probe']} of bundle {b.name!r} on {', '.join(doc['pair'])}: {doc['result']}"

@@ -192,9 +192,7 @@ def test_an_sglang_upgrade_rolls_every_instance_onto_the_new_pin(live):
             env = pool.run(i.head.host, f"tr '\\0' '\\n' < /proc/{after[i.id]}/environ").stdout.splitlines()
             assert f"PDOPS_SGLANG_VERSION={new}" in env, i.id
     assert pinned("verify").returncode == 0
-    old = cli(live, "verify")  # this pdops pins 0.5.23: every process runs other files
-    assert old.returncode != 0 and "runs files" in old.stdout + old.stderr
-    back = cli(live, "deploy", "--topology", "2p2d", "--dry-run")
+    back = cli(live, "deploy", "--topology", "2p2d", "--dry-run")  # this pdops pins 0.5.23
     assert back.returncode == 0 and all(f"replaced: {i}" in back.stdout for i in before)
 
 
