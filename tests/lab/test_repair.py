@@ -240,6 +240,10 @@ def test_requests_stuck_in_a_queue_are_shown_then_ended_by_a_repair_with_force_a
     batch.join()
     recs, _ = last_repair(live)
     wait = next(r for r in recs if r["step"] == "replace p01: wait-empty")
-    assert wait["status"] == "accepted-loss" and set(wait["evidence"]["open_rids"]) == batch.failed(), wait
+    open_rids = set(wait["evidence"]["open_rids"])
+    assert wait["status"] == "accepted-loss" and batch.failed() <= open_rids, wait
+    # besides them, only an earlier test's orphan may be named: a room on p01 whose decode's session
+    # died before it connected, held until the bootstrap timeout (its client got its error back then)
+    assert all(r.startswith("dead-") for r in open_rids - batch.failed()), wait
     assert len(batch.failed()) == 2
     all_ok(live, "p01")
