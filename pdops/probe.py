@@ -422,6 +422,25 @@ def _refuse_other_files(inv: Inventory, rev) -> None:
                       fix=f"`inv deploy --topology {rev.topology}` first, or restore the running revision's inventory")
 
 
+def check_options(*, instances, spare: bool, requests, concurrency, keep: bool) -> int:
+    """The operator's options, checked before anything is read (the record is over SSH); returns the
+    concurrency."""
+    if isinstance(requests, bool) or not isinstance(requests, int) or not 1 <= requests <= 64:
+        raise InvalidInput("--requests", f"{requests!r} is not 1..64", fix="a few long requests: 4")
+    conc = requests if concurrency is None else concurrency
+    if isinstance(conc, bool) or not isinstance(conc, int) or not 1 <= conc <= requests:
+        raise InvalidInput("--concurrency", f"{conc!r} is not 1..{requests}", fix="at most --requests")
+    if bool(spare) == bool(instances):
+        raise InvalidInput("--instances/--spare", "give exactly one of --instances p01,d01 and --spare",
+                           fix="--spare starts a pair on free GPUs; --instances takes a serving pair out for the probe")
+    if keep and spare:
+        raise InvalidInput("--keep", "a spare pair is removed after its probe; there is nothing to keep",
+                           fix="probe on --instances p01,d01 --keep to keep a bundle on that pair")
+    if instances is not None and not re.fullmatch(r"[pd]\d{2,3}(,[pd]\d{2,3})*", str(instances).replace(" ", "")):
+        raise InvalidInput("--instances", f"{instances!r} is not a list of instance ids", fix="e.g. --instances p01,d01")
+    return conc
+
+
 def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None = None, spare: bool = False,
                requests: int = 4, concurrency: int | None = None, workload=None, keep: bool = False,
                timeout_s: float | None = None) -> ProbePlan:
@@ -435,17 +454,7 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     from pdops.scale import instance_files
     from pdops.topology import Topology
 
-    if isinstance(requests, bool) or not isinstance(requests, int) or not 1 <= requests <= 64:
-        raise InvalidInput("--requests", f"{requests!r} is not 1..64", fix="a few long requests: 4")
-    conc = requests if concurrency is None else concurrency
-    if isinstance(conc, bool) or not isinstance(conc, int) or not 1 <= conc <= requests:
-        raise InvalidInput("--concurrency", f"{conc!r} is not 1..{requests}", fix="at most --requests")
-    if bool(spare) == bool(instances):
-        raise InvalidInput("--instances/--spare", "give exactly one of --instances p01,d01 and --spare",
-                           fix="--spare starts a pair on free GPUs; --instances takes a serving pair out for the probe")
-    if keep and spare:
-        raise InvalidInput("--keep", "a spare pair is removed after its probe; there is nothing to keep",
-                           fix="probe on --instances p01,d01 --keep to keep a bundle on that pair")
+    conc = check_options(instances=instances, spare=spare, requests=requests, concurrency=concurrency, keep=keep)
     tmo = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
     work = parse_workload(workload, inv.profile)
     rev = state.current_revision()

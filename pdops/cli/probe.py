@@ -72,8 +72,9 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
     n_req = _int(requests, "--requests", 4)
     n_conc = _int(concurrency, "--concurrency", None)
     tmo = seconds(timeout, "--timeout")
+    pr.check_options(instances=instances, spare=spare, requests=n_req, concurrency=n_conc, keep=keep)
     inv = load_inventory(inventory)
-    pr.parse_workload(workload, inv.profile)  # before any connection
+    pr.parse_workload(workload, inv.profile)  # all of it before the record is read (over SSH)
     state = dep.state_for(inv)
     plan = pr.plan_probe(inv, state, b, instances=instances, spare=spare, requests=n_req, concurrency=n_conc,
                          workload=workload, keep=keep, timeout_s=tmo)

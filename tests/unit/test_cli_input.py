@@ -33,6 +33,14 @@ REPO = Path(__file__).resolve().parents[2]
      "--requests: 'x' is not a whole number"),
     (["probe", "-i", "inventory/lab", "--spare", "--bundle", "tests/data/probe/bad-flag.yml"],
      "is not a flag of SGLang 0.5.23"),
+    # refused before the record is read: no lab is up here, so a later check would fail unreachable
+    (["probe", "-i", "inventory/lab", "--spare", "--instances", "p01,d01", "--bundle", "tests/data/probe/T2.yml"],
+     "give exactly one of --instances p01,d01 and --spare"),
+    (["probe", "-i", "inventory/lab", "--spare", "--keep", "--bundle", "tests/data/probe/T2.yml"], "nothing to keep"),
+    (["probe", "-i", "inventory/lab", "--instances", "p01;reboot", "--bundle", "tests/data/probe/T2.yml"],
+     "is not a list of instance ids"),
+    (["probe", "-i", "inventory/lab", "--spare", "--requests", "4", "--concurrency", "9", "--bundle",
+      "tests/data/probe/T2.yml"], "--concurrency: 9 is not 1..4"),
     (["probe", "-i", "inventory/lab", "--note", "T1"], "--reading: the reading is empty"),
     (["probe", "-i", "inventory/lab", "--note", "x1", "--reading", "r"], "'x1' is not a probe id"),
 ])
