@@ -1,68 +1,132 @@
 """`make mutate`: flip each verifier's verdict to "yes" and show that a test fails.
 
-For every verifier below, the script changes one line of the source in place (the same
-kind of change mutmut makes), runs the tests that exist to catch it, restores the file,
-and prints a table: verifier, the tests that failed (caught the flip). It exits 1 if any
-flip survives (no test failed), 2 if a mutation no longer applies (the code moved: update
-MUTATIONS), and refuses to start while a file it mutates has uncommitted changes.
+Each mutation names a verifier by what it is in the code, not by file and line: the
+qualified name of a function or property (`StopEvidence.verified`, `canary_pair`) that is
+defined exactly once anywhere under `pdops/`. A mutation either replaces that function's
+whole body (`body=`: the verifier answers "yes" without looking), or flips one text that
+occurs exactly once inside it (`old=`/`new=`). So a file that moves, or a function that
+moves within its file, keeps its mutation applicable; only a rename needs MUTATIONS updated,
+and `tests/unit/test_mutations.py` (part of `make test`) says so at once.
 
-Not part of `make test`: each row boots the lab and deploys (about 10-15 minutes in all).
+For every mutation the script writes the mutated file in place, runs the tests that exist to
+catch it, restores the file, and prints a table: verifier, the tests that failed (caught the
+flip). It exits 1 if any flip survives (no test failed), 2 if a mutation no longer applies,
+and refuses to start while a file it mutates has uncommitted changes.
+
+Not part of `make test`: the rows boot the lab and deploy (README: how long it takes).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "pdops"
 VERIFIERS = "tests/lab/test_verifiers.py"
 
 
 @dataclass(frozen=True)
 class Mutation:
+    """One verifier flipped to "yes". `where`: the qualified name of the function or property
+    (Class.method) defined once under pdops/. Either `body` (the new body, replacing the whole
+    body) or `old`/`new` (a text found exactly once in that function's source)."""
+
     verifier: str
-    path: str
-    old: str
-    new: str
+    where: str
     tests: tuple[str, ...]
+    body: str = ""
+    old: str = ""
+    new: str = ""
 
 
 MUTATIONS = (
-    Mutation("stop: StopEvidence.verified always true", "pdops/drain.py",
-             "        return self.cgroup_empty and not self.survivors and not self.ports_open\n",
-             "        return True\n",
+    Mutation("stop: StopEvidence.verified always true", "StopEvidence.verified",
              (f"{VERIFIERS}::test_stop_with_an_escaped_process_holding_the_ports_is_not_verified_until_it_is_ended",
-              "tests/unit/test_drain_verifiers.py")),
-    Mutation("canary: canary_pair sends nothing", "pdops/deploy.py",
-             '    rid = f"pdops-canary-{p.id}-{d.id}-{uuid.uuid4().hex[:8]}"\n',
-             '    return {"rid": "not sent", "completion_tokens": 1}\n',
-             (f"{VERIFIERS}::test_canary_names_exactly_the_pair_whose_transfer_fails_and_registers_nothing",)),
-    Mutation("health gate: any /health answer counts as healthy", "pdops/deploy.py",
-             "        if status == 200:\n            break\n",
-             "        if True:\n            break\n",
-             (f"{VERIFIERS}::test_health_gate_an_instance_that_never_turns_healthy",)),
-    Mutation("registration: the gateway's answer is not awaited", "pdops/deploy.py",
-             "    w = client.wait_worker_healthy(inst.url, deadline_in(timeout_s))\n",
-             "    w = type('Accepted', (), {'id': worker_id})()\n",
-             (f"{VERIFIERS}::test_registration_the_gateway_never_shows_healthy",)),
-    Mutation("empty checks: every reading is empty", "pdops/drain.py",
-             "        return not (self.open_rids or self.loads_busy or self.metrics_busy or self.metrics_missing"
-             " or self.errors)\n",
-             "        return True\n",
+              "tests/unit/test_drain_verifiers.py"),
+             body="return True"),
+    Mutation("canary: canary_pair sends nothing", "canary_pair",
+             (f"{VERIFIERS}::test_canary_names_exactly_the_pair_whose_transfer_fails_and_registers_nothing",),
+             body='return {"rid": "not sent", "completion_tokens": 1}'),
+    Mutation("health gate: any /health answer counts as healthy", "start_instance",
+             (f"{VERIFIERS}::test_health_gate_an_instance_that_never_turns_healthy",),
+             old="if status == 200:", new="if True:"),
+    Mutation("registration: the gateway's answer is not awaited", "GatewayClient.wait_worker_healthy",
+             (f"{VERIFIERS}::test_registration_the_gateway_never_shows_healthy",),
+             body='return type("Accepted", (), {"id": None, "url": url, "routable": True})()'),
+    Mutation("empty checks: every reading is empty", "EmptyReading.empty",
              (f"{VERIFIERS}::test_empty_check_2_catches_work_that_arrived_after_check_1",
-              "tests/unit/test_drain_verifiers.py")),
-    Mutation("verdict: what a step could not check listed as verified", "pdops/runner.py",
-             "            unverified += r.unverified\n",
-             "            verified += r.unverified\n",
+              "tests/unit/test_drain_verifiers.py"),
+             body="return True"),
+    Mutation("verdict: what a step could not check listed as verified", "run_steps",
              (f"{VERIFIERS}::test_verdict_lists_skipped_checks_as_not_verified_never_as_verified",
-              "tests/unit/test_runner.py")),
+              "tests/unit/test_runner.py"),
+             old="unverified += r.unverified", new="verified += r.unverified"),
 )
+
+
+class NotApplicable(Exception):
+    """A mutation that no longer applies: its function is gone, defined twice, or its text moved."""
+
+
+def _definitions(tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function in a module with its qualified name (Class.method, outer.inner)."""
+    out = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((prefix + child.name, child))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(tree, "")
+    return out
+
+
+def locate(m: Mutation, root: Path = REPO) -> tuple[Path, ast.FunctionDef]:
+    """The one file and function `m.where` names; NotApplicable unless there is exactly one."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found += [(path, fn) for name, fn in _definitions(tree) if name == m.where]
+    if len(found) != 1:
+        where = ", ".join(f"{p.relative_to(root)}:{fn.lineno}" for p, fn in found) or "nowhere"
+        raise NotApplicable(f"{m.verifier}: {m.where} is defined {len(found)} times under {PACKAGE}/ "
+                            f"({where}), not once; update MUTATIONS in scripts/mutate.py")
+    return found[0]
+
+
+def mutated_text(m: Mutation, root: Path = REPO) -> tuple[Path, str, str]:
+    """(file, original text, mutated text) for `m`; NotApplicable when it cannot be applied."""
+    path, fn = locate(m, root)
+    original = path.read_text()
+    lines = original.splitlines(keepends=True)
+    first, last = fn.body[0].lineno - 1, fn.end_lineno  # the body's lines (decorators and def kept)
+    if m.body:
+        indent = " " * fn.body[0].col_offset
+        new_body = textwrap.indent(m.body.rstrip() + "\n", indent)
+        text = "".join(lines[:first]) + new_body + "".join(lines[last:])
+    else:
+        source = "".join(lines[fn.lineno - 1:last])
+        if source.count(m.old) != 1:
+            raise NotApplicable(f"{m.verifier}: {m.old!r} occurs {source.count(m.old)} times in {m.where} "
+                                f"({path.relative_to(root)}), not once; update MUTATIONS in scripts/mutate.py")
+        text = "".join(lines[:fn.lineno - 1]) + source.replace(m.old, m.new) + "".join(lines[last:])
+    if text == original:
+        raise NotApplicable(f"{m.verifier}: the mutation changes nothing in {m.where}; update MUTATIONS")
+    compile(text, str(path), "exec")
+    return path, original, text
 
 
 def _dirty(paths: list[str]) -> list[str]:
@@ -81,15 +145,11 @@ def _failed_tests(junit: Path) -> list[str]:
 
 
 def run_one(m: Mutation, python: str) -> tuple[list[str], int]:
-    path = REPO / m.path
-    original = path.read_text()
-    if original.count(m.old) != 1:
-        raise SystemExit(f"mutate: {m.verifier}: the line to flip is not found exactly once in {m.path}; "
-                         "update MUTATIONS in scripts/mutate.py")
+    path, original, text = mutated_text(m)
     restore = lambda *_: path.write_text(original)  # noqa: E731
     previous = {s: signal.signal(s, lambda n, f: (restore(), sys.exit(128 + n))) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        path.write_text(original.replace(m.old, m.new))
+        path.write_text(text)
         with tempfile.TemporaryDirectory() as tmp:
             junit = Path(tmp) / "junit.xml"
             proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
@@ -103,13 +163,21 @@ def run_one(m: Mutation, python: str) -> tuple[list[str], int]:
 
 def main() -> int:
     python = str(REPO / ".venv" / "bin" / "python")
-    dirty = _dirty(sorted({m.path for m in MUTATIONS}))
+    try:
+        paths = sorted({str(locate(m)[0].relative_to(REPO)) for m in MUTATIONS})
+        for m in MUTATIONS:
+            mutated_text(m)
+    except NotApplicable as exc:
+        print(f"mutate: {exc}", file=sys.stderr)
+        return 2
+    dirty = _dirty(paths)
     if dirty:
         print("mutate: refusing to edit files with uncommitted changes:\n  " + "\n  ".join(dirty), file=sys.stderr)
         return 2
     rows = []
+    t0 = time.monotonic()
     for m in MUTATIONS:
-        print(f"== {m.verifier} ({m.path})", flush=True)
+        print(f"== {m.verifier} ({m.where})", flush=True)
         caught, rc = run_one(m, python)
         rows.append((m.verifier, caught, rc))
         print(f"   {'caught by ' + ', '.join(caught) if caught else 'SURVIVED'} (pytest exit {rc})", flush=True)
@@ -120,7 +188,7 @@ def main() -> int:
     for verifier, caught, _ in rows:
         print(f"{verifier.ljust(width)}  {', '.join(caught) if caught else 'NONE: the flip survived'}")
     survived = [r[0] for r in rows if not r[1]]
-    print(f"\n{len(rows) - len(survived)} of {len(rows)} flips caught")
+    print(f"\n{len(rows) - len(survived)} of {len(rows)} flips caught in {time.monotonic() - t0:.0f} s")
     return 1 if survived else 0
 
 
