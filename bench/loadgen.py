@@ -10,7 +10,7 @@ actually in flight (from the ledger), the client's CPU time (resource.getrusage 
 process only: the sim is another process) and whether the client saturated a core.
 
 Then the same workload through `python -m sglang.bench_serving` (the peer client in
-SGLANG.md; dataset `random-ids`, fixed lengths, same concurrency and request count) against
+docs/design/sglang.md; dataset `random-ids`, fixed lengths, same concurrency and request count) against
 the same gateway, and the two total TPMs side by side (target: within 2%), with both clients'
 CPU time. SGLang's benchmark imports torchvision, which cannot live beside the project's CPU
 torch, so it runs from its own environment, `.venv-bench` (`make bench-env`); a word-level

@@ -1,5 +1,5 @@
 """Bounded admission in front of the gateway: HAProxy with API keys, a concurrency cap
-held for each request's whole life, and a bounded queue (rule 2, SGLANG.md).
+held for each request's whole life, and a bounded queue (rule 2, docs/design/sglang.md).
 
 The gateway's own `--max-concurrent-requests` (smg 1.13) holds a cap, but cannot rotate keys
 without a restart, answers a queue timeout with 503 whatever is asked, and has no key unless

@@ -1,4 +1,4 @@
-"""The lab: a cluster of real systemd + sshd test hosts on this one machine (LAB.md).
+"""The lab: a cluster of real systemd + sshd test hosts on this one machine (docs/design/lab.md).
 
 Each lab host N is real systemd as PID 1 of its own PID + mount + cgroup + UTS
 namespace, with a real sshd listening on 127.0.10.N. Fabric, Ansible and testinfra
@@ -44,7 +44,7 @@ SSH_PORT = 22
 CGROUP_GROUP = "pdops-lab"  # the cgroup directory under every cgroup mount
 
 # Directories each host gets as a private tmpfs: nothing a host writes there reaches
-# the machine (LAB.md hazard: tmpfiles once emptied the machine's real /tmp).
+# the machine (docs/design/lab.md hazard: tmpfiles once emptied the machine's real /tmp).
 PRIVATE_TMPFS = ("/run", "/tmp", "/var/tmp", "/var/lib/systemd", "/var/log")
 # Per-host writable binds: host-dir name -> mount point inside the host.
 WRITABLE_BINDS = {
@@ -53,7 +53,7 @@ WRITABLE_BINDS = {
     "opt-pdops": "/opt/pdops",
     "var-lib-pdops": "/var/lib/pdops",
 }
-# Units that must not run against a shared kernel and filesystem (LAB.md step 2),
+# Units that must not run against a shared kernel and filesystem (docs/design/lab.md step 2),
 # plus a few of the same kind (tmpfiles-clean.service, udev triggers, firstboot).
 MASKS = (
     "systemd-tmpfiles-setup.service",
@@ -348,7 +348,7 @@ def unit_texts(index: int, sshd_config: Path) -> dict[str, str]:
 
 
 def outer_script(index: int, hdir: Path, cgroup_procs: list[str], inner: Path) -> str:
-    """LAB.md step 3: join the host's cgroups, then exec into the new namespaces."""
+    """docs/design/lab.md step 3: join the host's cgroups, then exec into the new namespaces."""
     q = shlex.quote
     status = hdir / "boot.status"
     lines = [
@@ -374,7 +374,7 @@ def outer_script(index: int, hdir: Path, cgroup_procs: list[str], inner: Path) -
 
 
 def inner_script(index: int, hdir: Path, repo: Path) -> str:
-    """LAB.md step 4, then a check of every safety property before systemd is exec'd."""
+    """docs/design/lab.md step 4, then a check of every safety property before systemd is exec'd."""
     q = shlex.quote
     stage = hdir / "stage"
     staged = needs_staging(repo)
@@ -633,7 +633,7 @@ def _make_host_cgroups(mounts: list[CgroupMount], index: int) -> list[str]:
         for d in (group, leaf):
             d.mkdir(exist_ok=True)
             if m.is_cpuset or (d / "cpuset.cpus").exists():
-                # An empty cpuset makes writing a PID fail with ENOSPC (LAB.md).
+                # An empty cpuset makes writing a PID fail with ENOSPC (docs/design/lab.md).
                 for f in ("cpuset.cpus", "cpuset.mems"):
                     own = d / f
                     if own.exists() and not own.read_text().strip():

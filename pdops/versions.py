@@ -1,4 +1,4 @@
-"""Pinned versions of the engine and gateway pdops renders for. Re-check SGLANG.md when moving a pin."""
+"""Pinned versions of the engine and gateway pdops renders for. Re-check docs/design/sglang.md when moving a pin."""
 
 SGLANG_VERSION = "0.5.23"
 # The model gateway: `smg` (Shepherd Model Gateway), the maintained successor of sglang-router

@@ -1,4 +1,4 @@
-"""Lab: a cluster of real systemd + sshd test hosts on this machine (see LAB.md)."""
+"""Lab: a cluster of real systemd + sshd test hosts on this machine (see docs/design/lab.md)."""
 
 from __future__ import annotations
 

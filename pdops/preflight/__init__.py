@@ -1,6 +1,6 @@
 """`inv preflight`: host, GPU, RDMA, version and P x D pairing checks before any change.
 
-Read, then decide (STYLE.md 1 and 5):
+Read, then decide (docs/design/style.md 1 and 5):
 
 - READ: every host gets ONE batched command (one SSH round trip): each *section* is a
   command whose output is cut out of the batch and given to a pure parser

@@ -341,7 +341,7 @@ def _eval_version(check: str):
                           f"install {label}{' ' + pin if pin else ''} in the engine venv (host preparation playbook)")]
         if pin and have != pin:
             return [_fail(host.name, check, f"{label} {have}, pdops pins {pin} (pdops/versions.py)",
-                          f"install {label}=={pin} in {python}, or move the pin (and re-check SGLANG.md)")]
+                          f"install {label}=={pin} in {python}, or move the pin (and re-check docs/design/sglang.md)")]
         return [_ok(host.name, check, f"{label} {have}" + ("" if pin else " (no pin in pdops/versions.py: "
                                                                      "compared across hosts only)"))]
 

@@ -106,7 +106,7 @@ def test_ports_listen_on_the_data_address(host, name):
 
 
 GATEWAY_UNIT_PATH = "/etc/systemd/system/pdops-gateway.service"
-# The admission layer (HAProxy in front of the gateway, ARCHITECTURE.md): any rendered unit named so.
+# The admission layer (HAProxy in front of the gateway, docs/design/architecture.md): any rendered unit named so.
 ADMISSION_UNIT_PREFIXES = ("pdops-admission", "haproxy")
 
 

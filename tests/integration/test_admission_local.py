@@ -85,7 +85,7 @@ def test_queue_timeout_and_full_queue_give_the_configured_status(cluster, tmp_pa
 def test_against_gateway_smg_holds_its_cap_but_not_the_rest(cluster):
     """smg 1.13's `--max-concurrent-requests 2 --queue-size 0` holds the cap for the whole life of
     each stream, even with a token refill of 1/s and streams 0.7 s apart (sglang-router 0.3.2
-    let 4 in: SGLANG.md); a queued request times out with 503 whatever overflow status is asked,
+    let 4 in: docs/design/sglang.md); a queued request times out with 503 whatever overflow status is asked,
     and without --api-key anything gets in (docs/admission.md)."""
     p, d, _ = cluster
     g2 = start_gateway([p], [d], ["--max-concurrent-requests", "2", "--queue-size", "0",

@@ -4,7 +4,7 @@ ones say skipped with the reason. Faults: a port taken on a host, and a prefill 
 decode can reach.
 
 About the "unreachable prefill" fault: lab hosts share the kernel's network namespace
-(LAB.md), so a firewall rule (iptables/nft) would be a rule of the machine itself, shared
+(docs/design/lab.md), so a firewall rule (iptables/nft) would be a rule of the machine itself, shared
 with whoever else uses it: not safe here. What is realistic and harmless is the field's
 other cause of "the decode cannot reach the prefill": the inventory gives the prefill a
 data address that is not an address of that host. The derived inventory sets lab01's
