@@ -26,27 +26,11 @@ from pdops.render import (GATEWAY_UNIT, RenderedFile, admission_config, manifest
                           write_build)
 from pdops.runner import Outcome, Plan, RunContext, Step, failures, run_parallel, walk
 from pdops.facts.systemd import UnitState
-from pdops.state import Revision, StateDir, new_op_id
+from pdops.state import Revision, StateDir, local_dir, new_op_id
 from pdops.topology import Topology
 from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
 Say = Callable[[str], None]
-
-
-def local_dir(inv: Inventory) -> Path:
-    """This operator machine's own dir for the cluster (builds, bench runs, the record's cache):
-    `$PDOPS_STATE_DIR`, else `pdops_state_dir`, else <lab dir>/state for a lab, else the default."""
-    import os
-
-    from pdops.state import DEFAULT_ROOT, ENV_STATE_DIR
-
-    if os.environ.get(ENV_STATE_DIR):
-        return Path(os.environ[ENV_STATE_DIR])
-    if inv.vars.get("pdops_state_dir"):
-        return Path(inv.vars["pdops_state_dir"])
-    if inv.vars.get("pdops_lab_dir"):
-        return Path(inv.vars["pdops_lab_dir"]) / "state"
-    return Path(DEFAULT_ROOT) / inv.cluster
 
 
 def state_for(inv: Inventory, *, cached_ok: bool = False):

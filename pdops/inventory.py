@@ -25,13 +25,14 @@ import yaml
 from pdops.admission import parse_admission
 
 from pdops.errors import InvalidInput
+from pdops.prometheus_setting import parse_prometheus
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 ENGINES = ("sglang", "sim")
 LINK_LAYERS = ("RoCE", "IB")
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-# Mooncake's RPC port range (SGLANG.md): instance ports must stay clear of it.
+# Mooncake's RPC port range (docs/design/sglang.md): instance ports must stay clear of it.
 MOONCAKE_RPC_PORTS = range(15000, 17001)
 
 
@@ -156,7 +157,7 @@ class Inventory:
     engine_overrides: dict = field(default_factory=dict, compare=False)
     # the admission layer (pdops.admission.AdmissionConfig), validated once at load; None: none
     admission: Any = field(default=None, compare=False, repr=False)
-    # where Prometheus reads the target file (pdops.observability.PrometheusConfig); None: nowhere
+    # where Prometheus reads the target file (pdops.prometheus_setting.PrometheusConfig); None: nowhere
     prometheus: Any = field(default=None, compare=False, repr=False)
     # where the shared record and lock live (`pdops_state`); None only for inventories built by hand
     state: StateLocation | None = field(default=None, compare=False)
@@ -612,8 +613,6 @@ def _validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile:
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
         vars=all_vars, sim_faults=sim_faults, state=state,
     )
-    from pdops.observability import parse_prometheus
-
     return dataclasses.replace(inv, admission=parse_admission(all_vars, inv),
                                prometheus=parse_prometheus(all_vars, [h.name for h in hosts]))
 

@@ -67,7 +67,7 @@ class Bundle:
 
 
 def _flag_table() -> dict[str, tuple]:
-    from pdops.sim.sglang_flags import FLAGS
+    from pdops.sglang_flags import FLAGS
 
     return {row[0]: row for row in FLAGS}
 

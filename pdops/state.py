@@ -35,6 +35,19 @@ DEFAULT_ROOT = "/var/lib/pdops-operator"
 ENV_STATE_DIR = "PDOPS_STATE_DIR"
 
 
+def local_dir(inv) -> Path:
+    """This operator machine's own dir for the cluster `inv` (builds, bench runs, the record's
+    cache): `$PDOPS_STATE_DIR`, else `pdops_state_dir`, else <lab dir>/state for a lab, else
+    the default."""
+    if os.environ.get(ENV_STATE_DIR):
+        return Path(os.environ[ENV_STATE_DIR])
+    if inv.vars.get("pdops_state_dir"):
+        return Path(inv.vars["pdops_state_dir"])
+    if inv.vars.get("pdops_lab_dir"):
+        return Path(inv.vars["pdops_lab_dir"]) / "state"
+    return Path(DEFAULT_ROOT) / inv.cluster
+
+
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 

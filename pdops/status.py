@@ -30,8 +30,10 @@ from pathlib import Path
 from pdops.facts import engine as engine_facts
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool, http_json
+from pdops.identity import record_identity
 from pdops.inventory import Inventory
 from pdops.runner import run_parallel
+from pdops.state import local_dir
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
 FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
@@ -93,8 +95,6 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
 
 
 def _look_path(inv: Inventory) -> Path:
-    from pdops.deploy import local_dir
-
     return local_dir(inv) / "cache" / "status-look.json"
 
 
@@ -177,8 +177,6 @@ def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
 
 def _strays(pool: HostPool, o) -> list[str]:
     """Processes in a running unit's cgroup that are not its MainPID or MainPID's descendants."""
-    from pdops.drain import record_identity
-
     out = []
     for key, st in o.units.items():
         host, unit = key.split(":", 1)

@@ -10,6 +10,7 @@ from pdops import drain as dr
 from pdops.facts import SKIP_MARKER
 from pdops.facts import cgroup as cg
 from pdops.facts import procs as proc_facts
+from pdops.identity import RankIdentity
 
 UNIT = "pdops-p02.service"
 CGROUP = "/system.slice/pdops-p02.service"
@@ -56,10 +57,10 @@ class RecordedPool:
         return SimpleNamespace(stdout=out)
 
 
-def _identity() -> dr.RankIdentity:
+def _identity() -> RankIdentity:
     """What record_identity saw before the stop: the main process and an escaped child."""
     tree = proc_facts.parse(_proc_table([(4100, 500, "python -m pdops.sim"), (4242, 900, "sglang::scheduler_escaped")]))
-    return dr.RankIdentity("lab02", UNIT, 4100, CGROUP, LAYOUT, [4100], tree)
+    return RankIdentity("lab02", UNIT, 4100, CGROUP, LAYOUT, [4100], tree)
 
 
 LISTENING = ('LISTEN 0 128 127.0.10.2:30010 0.0.0.0:* users:(("python",pid=4242,fd=7))\n'

@@ -1,5 +1,7 @@
-"""The module layering the code promises: no import circle between admission, render and the
-inventory; facts never import the operations; host-side scripts are package files that run."""
+"""The module layering the code promises: the import-linter contracts of `.importlinter`
+(layers; product never imports the sim or the lab; the model reaches no host), no import
+circle between admission, render and the inventory; facts never import the operations;
+host-side scripts are package files that run."""
 
 import ast
 import subprocess
@@ -17,6 +19,57 @@ def _pdops_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("pdops")}
     return out
+
+
+def test_the_import_contracts_hold():
+    """`lint-imports` over the whole package; a broken contract names the importing module, the
+    line and the chain (docs/design/architecture.md, "Layers")."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "Contracts: 3 kept, 0 broken." in proc.stdout, proc.stdout[-2000:]
+
+
+def test_no_import_circle_between_modules():
+    """Import circles hide layering faults behind function-local imports. The one left (the
+    operations deploy, scale, repair, admission_ops) is the known debt; no other may appear."""
+    import grimp
+
+    graph = grimp.build_graph("pdops")
+    known = {"pdops.deploy", "pdops.scale", "pdops.repair", "pdops.admission_ops"}
+    cli = {"pdops.cli.core", "pdops.cli.scale"}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[set[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on.add(m)
+        for n in graph.find_modules_directly_imported_by(m):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in on:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            comp = set()
+            while True:
+                n = stack.pop()
+                on.discard(n)
+                comp.add(n)
+                if n == m:
+                    break
+            if len(comp) > 1:
+                circles.append(comp)
+
+    for m in sorted(graph.modules):
+        if m not in index:
+            visit(m)
+    unexpected = [sorted(c) for c in circles if not (c <= known or c <= cli)]
+    assert not unexpected, unexpected
 
 
 def test_admission_imports_only_the_errors_of_pdops():

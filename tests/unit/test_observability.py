@@ -16,6 +16,7 @@ import yaml
 from pdops import observability as obs
 from pdops.errors import InvalidInput
 from pdops.placement import Placement, place
+from pdops.prometheus_setting import PrometheusConfig, parse_prometheus
 from pdops.topology import parse_topology
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("CI"),
@@ -53,7 +54,7 @@ def test_publish_writes_the_local_file_atomically_and_delivers_it_where_configur
     ev = obs.publish(Pool(), lab_inv, 3, pl)
     assert json.loads((tmp_path / "op" / "prometheus" / "pdops-lab.json").read_text()) == obs.targets(lab_inv, 3, pl)
     assert not ran and "delivered" not in ev
-    inv = dataclasses.replace(lab_inv, prometheus=obs.PrometheusConfig("lab01", "/etc/prometheus/file_sd"))
+    inv = dataclasses.replace(lab_inv, prometheus=PrometheusConfig("lab01", "/etc/prometheus/file_sd"))
     ev = obs.publish(Pool(), inv, 4, pl)
     assert ev["delivered"] == "lab01:/etc/prometheus/file_sd/pdops-lab.json"
     host, cmd = ran[0]
@@ -62,15 +63,15 @@ def test_publish_writes_the_local_file_atomically_and_delivers_it_where_configur
 
 def test_the_prometheus_setting_is_validated(lab_inv):
     names = [h.name for h in lab_inv.hosts]
-    assert obs.parse_prometheus({}, names) is None
-    assert obs.parse_prometheus({"pdops_prometheus": {"host": "lab02"}}, names).targets_file("lab") == \
+    assert parse_prometheus({}, names) is None
+    assert parse_prometheus({"pdops_prometheus": {"host": "lab02"}}, names).targets_file("lab") == \
         "/etc/prometheus/file_sd/pdops-lab.json"
     for bad, field in (({"host": "mon9"}, "pdops_prometheus.host"),
                        ({"host": "lab01", "targets_dir": "rel/dir"}, "pdops_prometheus.targets_dir"),
                        ({"host": "lab01", "targets_dir": "/a/../etc"}, "pdops_prometheus.targets_dir"),
                        ({"host": "lab01", "port": 9090}, "pdops_prometheus.port"), ("lab01", "pdops_prometheus")):
         with pytest.raises(InvalidInput) as e:
-            obs.parse_prometheus({"pdops_prometheus": bad}, names)
+            parse_prometheus({"pdops_prometheus": bad}, names)
         assert e.value.field == field and e.value.fix
 
 
