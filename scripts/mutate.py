@@ -8,7 +8,8 @@ occurs exactly once inside it (`old=`/`new=`). So a file that moves, or a functi
 moves within its file, keeps its mutation applicable; only a rename needs MUTATIONS updated,
 and `tests/unit/test_mutations.py` (part of `make test`) says so at once.
 
-For every mutation the script writes the mutated file in place, runs the tests that exist to
+First the catching tests run once with nothing mutated: each must pass, or a "caught" below
+would prove nothing. Then, for every mutation, the script writes the mutated file in place, runs the tests that exist to
 catch it, restores the file, and prints a table: verifier, the tests that failed (caught the
 flip). It exits 1 if any flip survives (no test failed), 2 if a mutation no longer applies,
 and refuses to start while a file it mutates has uncommitted changes.
@@ -144,17 +145,22 @@ def _failed_tests(junit: Path) -> list[str]:
     return failed
 
 
+def _pytest(python: str, tests: list[str]) -> tuple[list[str], int]:
+    """Run `tests`; (the failed test ids, pytest's exit status)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                               *tests], cwd=REPO, capture_output=True, text=True)
+        return _failed_tests(junit), proc.returncode
+
+
 def run_one(m: Mutation, python: str) -> tuple[list[str], int]:
     path, original, text = mutated_text(m)
     restore = lambda *_: path.write_text(original)  # noqa: E731
     previous = {s: signal.signal(s, lambda n, f: (restore(), sys.exit(128 + n))) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         path.write_text(text)
-        with tempfile.TemporaryDirectory() as tmp:
-            junit = Path(tmp) / "junit.xml"
-            proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                                   *m.tests], cwd=REPO, capture_output=True, text=True)
-            return _failed_tests(junit), proc.returncode
+        return _pytest(python, list(m.tests))
     finally:
         restore()
         for s, h in previous.items():
@@ -174,8 +180,17 @@ def main() -> int:
     if dirty:
         print("mutate: refusing to edit files with uncommitted changes:\n  " + "\n  ".join(dirty), file=sys.stderr)
         return 2
-    rows = []
     t0 = time.monotonic()
+    # Baseline: a test that fails with no mutation would "catch" every flip and prove nothing.
+    tests = list(dict.fromkeys(t for m in MUTATIONS for t in m.tests))
+    print(f"== baseline: the {len(tests)} catching test files/ids, nothing mutated", flush=True)
+    failed, rc = _pytest(python, tests)
+    if rc != 0:
+        print(f"mutate: these fail with no mutation (fix them first): {', '.join(failed) or f'pytest exit {rc}'}",
+              file=sys.stderr)
+        return 1
+    print(f"   all pass ({time.monotonic() - t0:.0f} s)", flush=True)
+    rows = []
     for m in MUTATIONS:
         print(f"== {m.verifier} ({m.where})", flush=True)
         caught, rc = run_one(m, python)
