@@ -12,7 +12,7 @@ SMG := smg==1.13.0
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.pdops-installed
 
-.PHONY: env test test-unit test-lab demo clean-lab bench bench-env mutate
+.PHONY: env test test-unit test-lab test-repeat demo clean-lab bench bench-env mutate
 
 env: $(STAMP)
 
@@ -35,6 +35,18 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -ra -p no:cacheprovider tests/unit tests/contract
+
+# Flake finder: one test (or file) N times in a row, each in a fresh pytest (a lab test boots
+# its own lab each time); prints the pass count and fails unless every run passed.
+#   make test-repeat TEST=tests/lab/test_drain.py::test_drain_one_prefill N=5
+N ?= 5
+test-repeat: $(STAMP)
+	@test -n "$(TEST)" || { echo "usage: make test-repeat TEST=tests/...py[::test_name] [N=5]" >&2; exit 2; }
+	@passed=0; for i in $$(seq 1 $(N)); do \
+	  if $(VENV)/bin/pytest -q -p no:cacheprovider $(TEST) > .test-repeat.log 2>&1; then passed=$$((passed + 1)); r=passed; \
+	  else r="FAILED (tail below)"; tail -n 30 .test-repeat.log; fi; \
+	  echo "run $$i of $(N): $$r"; done; rm -f .test-repeat.log; \
+	echo "$(TEST): $$passed of $(N) runs passed"; test $$passed -eq $(N)
 
 demo: $(STAMP)
 	$(VENV)/bin/inv demo

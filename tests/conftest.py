@@ -39,3 +39,37 @@ def local_record(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dep, "state_for", state_for)
     return state_for
+
+
+# ---------------------------------------------------------------- where the time goes
+
+AREAS = ("unit", "contract", "integration", "sim", "lab")
+_area_seconds: dict[str, float] = {}
+_area_tests: dict[str, int] = {}
+
+
+def _area(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def pytest_runtest_logreport(report):
+    """Setup, call and teardown of every test, summed by area (a module fixture that boots a
+    cluster is charged to the test that first asked for it, as pytest measures it)."""
+    area = _area(report.nodeid)
+    _area_seconds[area] = _area_seconds.get(area, 0.0) + report.duration
+    if report.when == "call":
+        _area_tests[area] = _area_tests.get(area, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _area_seconds:
+        return
+    tr = terminalreporter
+    tr.section("time per area (setup + call + teardown)")
+    order = [a for a in AREAS if a in _area_seconds] + sorted(set(_area_seconds) - set(AREAS))
+    for area in order:
+        s = _area_seconds[area]
+        tr.write_line(f"{area:<12} {_area_tests.get(area, 0):>5} tests  {s:8.1f} s  ({s / 60:5.1f} min)")
+    total = sum(_area_seconds.values())
+    tr.write_line(f"{'all':<12} {sum(_area_tests.values()):>5} tests  {total:8.1f} s  ({total / 60:5.1f} min)")
