@@ -37,6 +37,43 @@ CONFIG_PATH = f"{HAPROXY_DIR}/pdops-admission.cfg"
 KEYS_MAP_PATH = f"{HAPROXY_DIR}/pdops-admission-keys.map"
 ERRORFILE_PATH = f"{HAPROXY_DIR}/pdops-admission-overflow.http"
 UNIT = "pdops-admission.service"
+# HAProxy's runtime API (admin level, root only) and the gateway's server in it.
+STATS_SOCKET = "/run/pdops-admission/admin.sock"
+GATEWAY_SERVER = "gateway/gw"
+# A connection the gateway refused carried nothing, so HAProxy tries it again, min(timeout
+# connect, 1 s) apart: this many tries cover a planned gateway restart of up to ~10 s while
+# the change has paused the server's health check (`health_pause_command`).
+CONN_RETRIES = 10
+# Sent to the runtime API by the host's python3 (stdlib only); prints HAProxy's answer.
+_RUNTIME_SCRIPT = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_UNIX)\n"
+    "s.settimeout(5)\n"
+    "s.connect(sys.argv[1])\n"
+    "s.sendall(sys.argv[2].encode() + b'\\n')\n"
+    "out = b''\n"
+    "while True:\n"
+    "    chunk = s.recv(4096)\n"
+    "    if not chunk:\n"
+    "        break\n"
+    "    out += chunk\n"
+    "print(out.decode().strip())\n"
+)
+
+
+def runtime_command(command: str, socket_path: str = STATS_SOCKET) -> str:
+    """The shell command that sends one command to HAProxy's runtime API on the admission host."""
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in ("python3", "-c", _RUNTIME_SCRIPT, socket_path, command))
+
+
+def health_pause_command(paused: bool, socket_path: str = STATS_SOCKET) -> str:
+    """Pause (or resume) HAProxy's health check of the gateway. While paused, HAProxy keeps the
+    server UP whatever the check would say ("disable health": the last result is ignored), so
+    a planned gateway restart is covered by the connection retries instead of HAProxy marking
+    the only gateway down and answering 503 itself."""
+    return runtime_command(f"{'disable' if paused else 'enable'} health {GATEWAY_SERVER}", socket_path)
 HAPROXY_BIN = "/usr/sbin/haproxy"
 GATEWAY_KEY_ENV = "PDOPS_GATEWAY_KEY"
 

@@ -366,7 +366,7 @@ def haproxy_config(cfg: adm_mod.AdmissionConfig, *, keys_map_path: str = adm_mod
         cap=cfg.cap, queue=cfg.queue, queue_timeout_s=cfg.queue_timeout_s, overflow_status=cfg.overflow_status,
         bind=f"{bind}:{cfg.port}", server=f"{gw}:{cfg.gateway_port}", keys_map=keys_map_path,
         errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
-        stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
+        stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, retries=adm_mod.CONN_RETRIES, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
         metrics_bind=(f"{bind}:{cfg.metrics_port}" if cfg.metrics_port else None),
     )
 
@@ -375,7 +375,7 @@ def render_admission_files(inv: Inventory, cfg: adm_mod.AdmissionConfig) -> list
     """haproxy.cfg, the 0600 key map, the overflow errorfile and the unit, on cfg.host."""
     key_file = inv.gateway.api_key_file
     env = adm_mod.GATEWAY_KEY_ENV if key_file else None
-    text = haproxy_config(cfg, gateway_key_env=env, stats_socket="/run/pdops-admission/admin.sock")
+    text = haproxy_config(cfg, gateway_key_env=env, stats_socket=adm_mod.STATS_SOCKET)
     unit = _env().get_template("admission.service.j2").render(
         cluster=inv.cluster, haproxy=adm_mod.HAPROXY_BIN, config=adm_mod.CONFIG_PATH, slice=SLICE_UNIT,
         gateway_key_file=key_file, gateway_key_env=adm_mod.GATEWAY_KEY_ENV)

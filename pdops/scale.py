@@ -759,9 +759,13 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if plan.gateway_restart:
         out.append(Step("gateway-restart", inv.gateway.host, f"systemctl restart {GATEWAY_UNIT}: smg finishes what is "
                         f"in flight (up to {gateway_grace_s(inv)}s), the new process starts from the new files and "
-                        "registers every worker of its start-up list; wait until /workers lists each healthy and ready",
+                        "registers every worker of its start-up list; wait until /workers lists each healthy and ready"
+                        + (f"; the admission layer on {inv.admission.host} keeps the gateway in service meanwhile "
+                           "(HAProxy's health check of it paused through the runtime API, resumed whatever the "
+                           "outcome; refused connections retried)" if inv.admission else ""),
                         gateway_grace_s(inv) + 120, kind="gateway-restart",
-                        params={"instances": [i.id for i in tgt.instances]}))
+                        params={"instances": [i.id for i in tgt.instances],
+                                "admission_host": inv.admission.host if inv.admission else None}))
     if plan.admission_reload:
         from pdops.admission import UNIT as ADMISSION_UNIT
 
@@ -829,6 +833,20 @@ def _union(plan: ScalePlan) -> Placement:
                      + tuple(i for i in plan.current_placement.instances if i.id not in ids))
 
 
+def _admission_health_check(pool, host: str, *, paused: bool) -> None:
+    """Pause or resume HAProxy's health check of the gateway (runtime API); Unverified with the
+    way out when HAProxy answers anything but its empty success."""
+    from pdops.admission import UNIT as ADMISSION_UNIT
+    from pdops.admission import health_pause_command
+
+    answer = pool.run(host, health_pause_command(paused), timeout=15).stdout.strip()
+    if answer:
+        verb = "pause" if paused else "resume"
+        raise Unverified(f"admission layer on {host}: HAProxy did not {verb} its health check of the gateway: {answer}",
+                         fix=f"systemctl reload {ADMISSION_UNIT} on {host} re-reads its config (checks on); "
+                             "then run the change again")
+
+
 def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     """Restart the gateway on its new files; every instance of the target back in its /workers."""
     from pdops.facts import q
@@ -837,8 +855,15 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
 
     inv, pool, gw = ctx.inv, ctx.pool, ctx.gateway
     old_pid = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
+    adm_host = step.params.get("admission_host")
+    if adm_host:
+        _admission_health_check(pool, adm_host, paused=True)
     t0 = time.monotonic()
-    pool.run(inv.gateway.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
+    try:
+        pool.run(inv.gateway.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
+    finally:
+        if adm_host:  # back whatever the restart did: HAProxy must see a gateway that is really down
+            _admission_health_check(pool, adm_host, paused=False)
     restarted_s = round(time.monotonic() - t0, 2)
     st = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
     if st.active_state != "active" or st.main_pid == old_pid:
@@ -850,10 +875,13 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
         gw.wait_worker_healthy(pl.get(iid).url, deadline)
     ctx.say(f"  gateway restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
             f"{len(step.params['instances'])} worker(s) healthy and ready again")
+    held = ([f"the admission layer on {adm_host} kept the gateway in service through the restart (HAProxy's "
+             "health check of it paused, then resumed: both acknowledged)"] if adm_host else [])
     return Outcome(evidence={"old_main_pid": old_pid, "main_pid": st.main_pid, "restart_s": restarted_s,
-                             "ready_s": round(time.monotonic() - t0, 2)},
+                             "ready_s": round(time.monotonic() - t0, 2),
+                             **({"admission_health_check": f"paused and resumed on {adm_host}"} if adm_host else {})},
                    verified=[f"gateway restarted from the new files (MainPID {st.main_pid}); every instance listed "
-                             "healthy and ready by /workers again"])
+                             "healthy and ready by /workers again"] + held)
 
 
 def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:

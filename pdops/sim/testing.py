@@ -353,8 +353,9 @@ def metric(handle: SimHandle, name: str, **labels) -> float:
     return total
 
 
-def write_haproxy_local(cfg, workdir: str | Path) -> Path:
-    """Write config, key map and errorfile into `workdir` (no root, no systemd); returns the config."""
+def write_haproxy_local(cfg, workdir: str | Path, *, stats_socket: str | None = None) -> Path:
+    """Write config, key map and errorfile into `workdir` (no root, no systemd); returns the config.
+    `stats_socket`: where HAProxy's runtime API listens (none by default)."""
     from pdops import admission as adm
     from pdops.render import haproxy_config
 
@@ -363,18 +364,19 @@ def write_haproxy_local(cfg, workdir: str | Path) -> Path:
     kmap, err, conf = d / "api-keys.map", d / "overflow.http", d / "pdops-admission.cfg"
     adm.write_keys_map(kmap, cfg.keys)
     err.write_text(adm.overflow_response(cfg.overflow_status))
-    conf.write_text(haproxy_config(cfg, keys_map_path=str(kmap), errorfile_path=str(err), user=None))
+    conf.write_text(haproxy_config(cfg, keys_map_path=str(kmap), errorfile_path=str(err), user=None,
+                                   stats_socket=stats_socket))
     return conf
 
 
-def start_haproxy(cfg, workdir, timeout: float = 10.0) -> Proc:
+def start_haproxy(cfg, workdir, timeout: float = 10.0, *, stats_socket: str | None = None) -> Proc:
     """Run the admission layer (`haproxy -Ws -f`, config from pdops.admission) as a local process;
     wait until it answers (401 without a key). Stop it with `.kill_all()`; reload with `.signal(SIGUSR2)`."""
     import shutil
 
     from pdops import admission as adm
 
-    conf = write_haproxy_local(cfg, workdir)
+    conf = write_haproxy_local(cfg, workdir, stats_socket=stats_socket)
     adm.check_config(conf)
     proc = _spawn([shutil.which("haproxy") or adm.HAPROXY_BIN, "-Ws", "-f", str(conf)], None, "haproxy")
 

@@ -153,3 +153,115 @@ def test_key_reload_during_10_streams_drops_none(cluster, tmp_path):
     assert all(c[-1].strip() == b"data: [DONE]" for c in results)
     assert old_key == 401
     assert time.monotonic() - t0 < 30
+
+
+class _Gateway:
+    """A stand-in gateway for HAProxy's backend: 200 to anything, stopped and started again on one port."""
+
+    def __init__(self, port: int):
+        self.port, self.server, self.served = port, None, 0
+
+    def start(self) -> None:
+        import http.server
+        import threading
+
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _ok(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.served += 1
+                body = b'{"text": "ok"}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _ok
+
+            def log_message(self, *a):
+                pass
+
+        http.server.ThreadingHTTPServer.allow_reuse_address = True
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _gw_status(sock) -> str:
+    """HAProxy's own word for the gateway server (UP, DOWN, ...), from `show stat` on its runtime API."""
+    import subprocess
+
+    from pdops.admission import runtime_command
+
+    out = subprocess.run(runtime_command("show stat", str(sock)), shell=True, capture_output=True, text=True,
+                         check=True).stdout
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    head = lines[0].lstrip("# ").split(",")
+    for ln in lines[1:]:
+        row = dict(zip(head, ln.split(",")))
+        if row.get("pxname") == "gateway" and row.get("svname") == "gw":
+            return row["status"]
+    raise AssertionError(out)
+
+
+def test_a_paused_health_check_keeps_the_only_gateway_in_service_through_a_restart(tmp_path):
+    """What a change's gateway-restart does behind the admission layer, on real HAProxy: with the
+    health check paused (the exact command pdops sends over SSH), the gateway down for longer than
+    HAProxy's check needs to mark it DOWN (3 checks 2 s apart) stays UP in HAProxy's eyes, and a
+    request that arrives meanwhile is retried (connection refused: nothing was sent) and served when
+    the gateway is back. With the check running, the same outage is marked DOWN and HAProxy answers
+    "model gateway down" itself, which is what a crash (not a planned restart) must give."""
+    import subprocess
+    import threading
+
+    from pdops.admission import health_pause_command
+
+    port = free_port()
+    gw = _Gateway(port)
+    gw.start()
+    cfg = _cfg(port, cap=4, queue=4)
+    sock = tmp_path / "admin.sock"
+    hx = start_haproxy(cfg, tmp_path / "haproxy", stats_socket=str(sock))
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+
+    def api(paused: bool) -> str:
+        return subprocess.run(health_pause_command(paused, str(sock)), shell=True, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        wait_until(lambda: _gw_status(sock).startswith("UP"), 15, "HAProxy to see the gateway UP")
+        assert api(paused=True) == ""  # HAProxy's answer to a command it carried out
+        gw.stop()
+        down_since = time.monotonic()
+        # longer than the check needs to mark it DOWN: 3 failed checks, 2 s apart (+1 s of margin)
+        time.sleep(7)
+        # "no check": in service, its last check result ignored (HAProxy's word while paused)
+        assert _gw_status(sock) == "no check", _gw_status(sock)
+        answer: dict = {}
+        t = threading.Thread(target=lambda: answer.update(r=http("POST", cfg.url + "/generate", {"text": "hi"},
+                                                                    timeout=30, headers=auth)))
+        t.start()
+        time.sleep(1.5)  # the request is being retried against the closed port meanwhile
+        gw.start()
+        t.join(30)
+        print(f"gateway down {time.monotonic() - down_since:.1f} s; the request got {answer.get('r')}")
+        assert answer["r"][0] == 200, answer
+        assert api(paused=False) == ""
+
+        # the control: a crash with the check running is marked DOWN and answered by HAProxy itself
+        gw.stop()
+        wait_until(lambda: _gw_status(sock).startswith("DOWN"), 20, "HAProxy to mark the stopped gateway DOWN")
+        status, doc = http("POST", cfg.url + "/generate", {"text": "hi"}, timeout=10, headers=auth)
+        assert status == 503 and "model gateway down" in str(doc), (status, doc)
+    finally:
+        hx.kill_all()
+        if gw.server is not None:
+            try:
+                gw.stop()
+            except Exception:  # noqa: BLE001 - already stopped
+                pass

@@ -191,6 +191,8 @@ def test_a_gateway_setting_change_restarts_the_gateway_after_the_instances(lab_i
     names = plan.plan.step_ids()
     assert names.index("register p03") < names.index("gateway-restart") < names.index("verify-running")
     assert "gateway: restarted after the instances" in plan.render()
+    step = {s.name: s for s in plan.plan.steps}["gateway-restart"]
+    assert step.params["admission_host"] is None and "admission layer" not in step.description
     same = sc.plan_scale(changed, parse_topology("2p1d"), state)
     assert not same.noop and same.plan.step_ids()[-3:] == ["gateway-restart", "verify-running", "record"]
 
@@ -544,3 +546,33 @@ def test_max_unavailable_0_surges_every_replacement_through_one_free_slot(lab_in
     assert names.index("register p04") < names.index("drain p02: leave-gateway") < names.index("start d02")
     assert names.index("register d02") < names.index("drain d01: leave-gateway")
     assert plan.min_capacity() == (2, 1)  # never below what serves now
+
+
+def test_a_gateway_restart_behind_the_admission_layer_keeps_the_gateway_in_service_in_its_plan(state, tmp_path,
+                                                                                               repo):
+    """The dry run says what the restart does to the admission layer, and the step carries the host
+    whose HAProxy it tells (nothing decided at run time)."""
+    kf = tmp_path / "keys"
+    kf.write_text("pdops-key-one-0123456789\n")
+    kf.chmod(0o600)
+
+    def with_admission(interval):
+        return lambda doc, d: (doc["all"]["vars"].update(pdops_admission={"api_keys_file": str(kf)}),
+                               doc["all"]["vars"]["pdops_gateway"].update(health_check_interval_secs=interval))
+
+    base = variant(repo, tmp_path, with_admission(5), name="base")
+    deployed(base, state, "2p1d")
+    plan = sc.plan_apply(variant(repo, tmp_path, with_admission(7), name="changed"), parse_topology("2p1d"), state)
+    step = {s.name: s for s in plan.plan.steps}["gateway-restart"]
+    assert step.params["admission_host"] == base.admission.host
+    assert "health check of it paused through the runtime API, resumed whatever the outcome" in step.description
+
+
+def test_the_health_pause_sends_one_quoted_runtime_api_command():
+    from pdops.admission import STATS_SOCKET, health_pause_command
+
+    import shlex
+    argv = shlex.split(health_pause_command(True))
+    assert argv[0] == "python3" and argv[-2:] == [STATS_SOCKET, "disable health gateway/gw"]
+    assert shlex.split(health_pause_command(False, "/x y/admin.sock"))[-2:] == ["/x y/admin.sock",
+                                                                                "enable health gateway/gw"]
