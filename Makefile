@@ -30,8 +30,12 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	$(GATEWAY_VENV)/bin/python -m pip install -q $(SMG)
 	touch $(STAMP)
 
+# Two pytest-xdist workers, a test file each at a time (module fixtures stay whole); each worker
+# that reaches a lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot).
+# The lab waits mostly on timers (drains, health checks), so two fit this machine's two cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider tests
+	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -ra -p no:cacheprovider tests/unit tests/contract

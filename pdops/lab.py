@@ -42,6 +42,33 @@ MAX_HOSTS = 64
 ADDRESS_PREFIX = "127.0.10."
 SSH_PORT = 22
 CGROUP_GROUP = "pdops-lab"  # the cgroup directory under every cgroup mount
+# Several labs side by side on one machine (pytest-xdist workers): lab slot K > 0 has its own
+# addresses 127.0.(10+K).N, its own cgroup group pdops-labK and its own default dir
+# /srv/pdops-labK, so booting, stopping or cleaning one never touches another.
+SLOT_ENV = "PDOPS_LAB_SLOT"
+MAX_SLOTS = 8
+
+
+def slot() -> int:
+    """This process's lab slot: $PDOPS_LAB_SLOT, default 0 (the one lab of `inv lab.up`)."""
+    raw = (os.environ.get(SLOT_ENV) or "0").strip()
+    if not raw.isdigit() or int(raw) >= MAX_SLOTS:
+        raise InvalidInput(SLOT_ENV, f"{raw!r} is not a lab slot", fix=f"set 0..{MAX_SLOTS - 1} or unset it")
+    return int(raw)
+
+
+def address_prefix() -> str:
+    """The first three octets of this slot's host addresses, with the dot."""
+    return f"127.0.{10 + slot()}." if slot() else ADDRESS_PREFIX
+
+
+def cgroup_group() -> str:
+    """This slot's cgroup directory under every cgroup mount."""
+    return f"{CGROUP_GROUP}{slot()}" if slot() else CGROUP_GROUP
+
+
+def default_lab_dir() -> Path:
+    return Path(f"{DEFAULT_LAB_DIR}{slot()}") if slot() else DEFAULT_LAB_DIR
 
 # Directories each host gets as a private tmpfs: nothing a host writes there reaches
 # the machine (docs/design/lab.md hazard: tmpfiles once emptied the machine's real /tmp).
@@ -172,7 +199,7 @@ def host_name(index: int) -> str:
 
 
 def host_address(index: int) -> str:
-    return f"{ADDRESS_PREFIX}{index}"
+    return f"{address_prefix()}{index}"
 
 
 def repo_root() -> Path:
@@ -197,8 +224,9 @@ def _is_under(path: Path, parent: str) -> bool:
 
 
 def resolve_lab_dir(lab_dir=None) -> Path:
-    """The lab state dir: argument, else $PDOPS_LAB_DIR, else /srv/pdops-lab; never under /tmp."""
-    raw = lab_dir if lab_dir is not None else os.environ.get(LAB_DIR_ENV) or DEFAULT_LAB_DIR
+    """The lab state dir: argument, else $PDOPS_LAB_DIR, else /srv/pdops-lab (the slot's:
+    /srv/pdops-labK); never under /tmp."""
+    raw = lab_dir if lab_dir is not None else os.environ.get(LAB_DIR_ENV) or default_lab_dir()
     path = Path(os.path.abspath(os.path.expanduser(str(raw))))
     for hidden in PRIVATE_TMPFS:
         if _is_under(path, hidden) or _is_under(Path(os.path.realpath(path)), hidden):
@@ -288,7 +316,7 @@ def parse_proc_cgroup(text: str) -> dict[str, str]:
 
 def is_lab_cgroup(path: str, index: int | None = None) -> bool:
     """True for a cgroup path inside the lab's tree (of host `index`, if given)."""
-    base = f"/{CGROUP_GROUP}" + (f"/h{index}" if index is not None else "")
+    base = f"/{cgroup_group()}" + (f"/h{index}" if index is not None else "")
     return path == base or path.startswith(base + "/")
 
 
@@ -488,7 +516,7 @@ def inventory_text(doc: dict, n: int) -> str:
     """The inventory as one file (every setting in hosts.yml)."""
     header = (
         f"# Lab inventory written by `inv lab.up --hosts {n}` (pdops.lab): {n} hosts on "
-        f"127.0.10.1..{n}, 8 virtual GPUs each.\n"
+        f"{address_prefix()}1..{n}, 8 virtual GPUs each.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
@@ -504,7 +532,7 @@ def inventory_files(doc: dict, n: int) -> dict[str, str]:
     head = f"# Lab inventory written by `inv lab.up --hosts {n}` (pdops.lab): "
     dump = lambda d: yaml.safe_dump(d, sort_keys=False, default_flow_style=False)  # noqa: E731
     return {
-        "hosts.yml": head + f"{n} hosts on 127.0.10.1..{n}; settings in group_vars/.\n"
+        "hosts.yml": head + f"{n} hosts on {address_prefix()}1..{n}; settings in group_vars/.\n"
                      + dump({"all": {"children": {"gpu_hosts": {"hosts": per_host}}}}),
         "group_vars/all.yml": head + "the cluster's settings.\n" + dump(doc["all"]["vars"]),
         "group_vars/gpu_hosts.yml": head + "8 virtual GPUs and two NICs per host.\n" + dump(shared),
@@ -618,7 +646,7 @@ def _recorded_indexes(lab_dir: Path) -> list[int]:
 def _cgroup_indexes(mounts: list[CgroupMount]) -> set[int]:
     out = set()
     for m in mounts:
-        base = Path(m.target) / CGROUP_GROUP
+        base = Path(m.target) / cgroup_group()
         if base.is_dir():
             out |= {int(p.name[1:]) for p in base.iterdir() if p.is_dir() and p.name[1:].isdigit()}
     return out
@@ -628,7 +656,7 @@ def _make_host_cgroups(mounts: list[CgroupMount], index: int) -> list[str]:
     """Create <mount>/pdops-lab/hN everywhere; return the cgroup.procs files to join."""
     procs = []
     for m in mounts:
-        group = Path(m.target) / CGROUP_GROUP
+        group = Path(m.target) / cgroup_group()
         leaf = group / f"h{index}"
         for d in (group, leaf):
             d.mkdir(exist_ok=True)
@@ -664,13 +692,13 @@ def _remove_host_cgroups(mounts: list[CgroupMount], index: int, timeout: float =
     deadline = time.monotonic() + timeout
     left = []
     for m in mounts:
-        left += _remove_cgroup_tree(Path(m.target) / CGROUP_GROUP / f"h{index}", deadline)
+        left += _remove_cgroup_tree(Path(m.target) / cgroup_group() / f"h{index}", deadline)
     return left
 
 
 def _remove_group_if_empty(mounts: list[CgroupMount]) -> None:
     for m in mounts:
-        group = Path(m.target) / CGROUP_GROUP
+        group = Path(m.target) / cgroup_group()
         if group.is_dir() and not any(p.is_dir() for p in group.iterdir()):
             with contextlib.suppress(OSError):
                 group.rmdir()
@@ -682,7 +710,7 @@ def host_cgroup_pids(index: int, mounts: list[CgroupMount] | None = None) -> lis
     ordered = sorted(mounts, key=lambda m: (not m.is_systemd, m.fstype != "cgroup2"))
     if not ordered:
         return []
-    root = Path(ordered[0].target) / CGROUP_GROUP / f"h{index}"
+    root = Path(ordered[0].target) / cgroup_group() / f"h{index}"
     pids = []
     if root.is_dir():
         for dirpath, _dirs, files in os.walk(root):
@@ -710,7 +738,7 @@ def lab_processes() -> list[int]:
 def lab_cgroup_dirs(mounts: list[CgroupMount] | None = None) -> list[str]:
     """Every `pdops-lab` cgroup directory under a cgroup mount."""
     mounts = cgroup_mounts() if mounts is None else mounts
-    return [str(Path(m.target) / CGROUP_GROUP) for m in mounts if (Path(m.target) / CGROUP_GROUP).exists()]
+    return [str(Path(m.target) / cgroup_group()) for m in mounts if (Path(m.target) / cgroup_group()).exists()]
 
 
 def _ensure_key(lab_dir: Path) -> Path:

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets a lab of its own: worker gwK uses lab slot K (its own
+    addresses, cgroup group and lab dir: pdops.lab.slot), so labs side by side never meet."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and "PDOPS_LAB_SLOT" not in os.environ:
+        os.environ["PDOPS_LAB_SLOT"] = worker[2:]
+        if int(worker[2:]) and os.environ.get("PDOPS_LAB_DIR"):
+            os.environ["PDOPS_LAB_DIR"] = os.environ["PDOPS_LAB_DIR"].rstrip("/") + worker[2:]
 
 
 @pytest.fixture

@@ -107,7 +107,7 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.2):
 def test_admission_runs_under_systemd_with_a_0600_key_map_and_the_request_id_in_the_journal(lab, cluster):
     inv_dir, inv, _, _, deploy = cluster
     cfg = parse_admission(inv.vars, inv)
-    assert "admission layer up: http://127.0.10.1:18080 (cap 2, queue 8" in deploy.stdout
+    assert f"admission layer up: http://{lab.address('lab01')}:18080 (cap 2, queue 8" in deploy.stdout
     c = lab.connection(cfg.host)
     try:
         show = dict(ln.split("=", 1) for ln in c.run(

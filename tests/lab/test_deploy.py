@@ -71,7 +71,7 @@ def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab,
     finally:
         blocker.close()
     assert refused.returncode == 4, refused.stdout + refused.stderr
-    assert "port 30000 (gateway) on 127.0.10.1 is taken" in refused.stderr and "no host was changed" in refused.stderr
+    assert f"port 30000 (gateway) on {lab.address('lab01')} is taken" in refused.stderr and "no host was changed" in refused.stderr
     assert "] render" not in refused.stdout and "] deliver" not in refused.stdout
     assert forced.returncode == 7, forced.stdout + forced.stderr
     assert "gateway pdops-gateway.service on lab01 did not answer" in forced.stderr

@@ -94,7 +94,7 @@ def test_clean_lab_passes_or_skips_with_reasons(lab, clean):
         assert mem["status"] == "skipped", mem
         assert re.search(r"Max locked memory of a service under systemd: \d+ bytes \([\d.]+ MiB\)", mem["reason"]), mem
         assert "CAP_SYS_RESOURCE" in mem["reason"], mem
-    assert "127.0.10.1" in result(doc, "lab01", "ports")["reason"]
+    assert lab.address("lab01") in result(doc, "lab01", "ports")["reason"]
     assert "sglang" in result(doc, "lab01", "ver-sglang")["reason"]
     cells = doc["pairing"]["cells"]
     assert [(c["prefill"], c["decode"], c["ok"]) for c in cells] == [("lab01", "lab02", True)]

@@ -162,8 +162,8 @@ def _unsquat(lab):
 
 
 def test_a_change_that_fails_midway_leaves_the_old_topology_serving(cluster, lab):
-    p03_url = "http://127.0.10.4:30001"
-    _squat(lab, "127.0.10.4", 30001)
+    p03_url = f"http://{lab.address('lab04')}:30001"
+    _squat(lab, lab.address("lab04"), 30001)
     try:
         # preflight names the process on the port and refuses before anything changes
         pre = cluster.cli("scale", "--topology", "3p1d")

@@ -17,6 +17,25 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = single_file_doc(REPO / "inventory" / "lab")
 
 
+@pytest.fixture(autouse=True)
+def _slot_0(monkeypatch):
+    """These tests state slot 0's addresses and dirs, whichever xdist worker runs them."""
+    monkeypatch.delenv(lab.SLOT_ENV, raising=False)
+    monkeypatch.delenv(lab.LAB_DIR_ENV, raising=False)
+
+
+def test_a_lab_slot_has_its_own_addresses_cgroup_group_and_dir(monkeypatch):
+    monkeypatch.setenv(lab.SLOT_ENV, "2")
+    assert lab.host_address(3) == "127.0.12.3" and lab.cgroup_group() == "pdops-lab2"
+    assert lab.resolve_lab_dir() == Path("/srv/pdops-lab2")
+    assert lab.is_lab_cgroup("/pdops-lab2/h1/x") and not lab.is_lab_cgroup("/pdops-lab/h1/x")
+    monkeypatch.setenv(lab.SLOT_ENV, "0")
+    assert not lab.is_lab_cgroup("/pdops-lab2/h1/x")  # slot 0 never takes another slot's tree for its own
+    monkeypatch.setenv(lab.SLOT_ENV, "x")
+    with pytest.raises(InvalidInput, match="PDOPS_LAB_SLOT"):
+        lab.slot()
+
+
 @pytest.mark.parametrize("n", [1, 4, 64, "16"])
 def test_valid_host_counts(n):
     assert lab.validate_host_count(n) == int(n)
