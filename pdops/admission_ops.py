@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Callable
 
 from pdops import ansible
 from pdops.admission import KEYS_MAP_PATH, UNIT, AdmissionConfig, key_id, keys_map
@@ -22,10 +21,9 @@ from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverif
 from pdops.facts import q
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
-from pdops.runner import Outcome, Plan, RunContext, Step, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk
 from pdops.state import new_op_id
 
-Say = Callable[[str], None]
 PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)
 
 

@@ -309,7 +309,7 @@ def fmt_s(x: float | None) -> str:
     return f"{x:.2f} s" if x >= 1 else f"{x * 1000:.1f} ms"
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in body)])
@@ -324,7 +324,7 @@ def format_table(entries: Sequence[tuple[str, Figures]]) -> str:
         body.append((label, f"{f.ok}/{f.sent}", fmt_int(f.total_tpm), fmt_int(f.output_tpm), fmt_int(f.tpm_per_gpu),
                      fmt_s(f.ttft_p50), fmt_s(f.ttft_p99), fmt_s(f.tpot_p50), fmt_s(f.tpot_p99),
                      fmt_s(f.itl_p50), fmt_s(f.itl_p99), fmt_s(f.wall_s), f.mark or "all ok"))
-    return _table(header, body)
+    return text_table(header, body)
 
 
 # ---------------------------------------------------------------- the ledger on disk

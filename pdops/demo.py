@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
 
 import yaml
 
@@ -20,8 +19,8 @@ from pdops.load import send
 from pdops.planning import REPO, format_placement, load_and_place
 from pdops.status import collect_status, format_status
 from pdops.topology import parse_topology
+from pdops.runner import Say
 
-Say = Callable[[str], None]
 
 
 def _section(say: Say, title: str) -> None:

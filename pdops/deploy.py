@@ -12,7 +12,6 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from pdops import ansible, membership
 from pdops.errors import DeployFailed, PdopsError, Refused, Unreachable, Unverified
@@ -24,13 +23,12 @@ from pdops.placement import Instance, Placement, last_bootstrap_ports, place
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.render import (GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, snapshot_of,
                           write_build)
-from pdops.runner import Outcome, Plan, RunContext, Step, failures, run_parallel, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, failures, run_parallel, walk
 from pdops.facts.systemd import UnitState
 from pdops.state import Revision, StateDir, local_dir, new_op_id
 from pdops.topology import Topology
 from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
-Say = Callable[[str], None]
 
 
 def state_for(inv: Inventory, *, cached_ok: bool = False):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pdops import membership
 from pdops.errors import DrainFailed, InvalidInput, PdopsError, Refused, Unreachable, Unverified
@@ -29,10 +28,9 @@ from pdops.identity import RankIdentity, record_identity
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
 from pdops.render import SLICE_UNIT, UNIT_DIR
-from pdops.runner import Outcome, Plan, RunContext, Step, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk
 from pdops.state import Revision, StateDir, new_op_id
 
-Say = Callable[[str], None]
 
 
 
@@ -357,16 +355,6 @@ def verify_units_stopped(pool: HostPool, inst: Instance, idents: dict, seconds: 
     return result
 
 
-def stop_and_verify(pool: HostPool, inst: Instance, *, stop_timeout_s: float, check_ports: bool = True,
-                    say: Say | None = None) -> StopResult:
-    """Stop an instance by identity and prove it (record, stop, verify in one call; the runner's
-    steps are the same three pieces). Raises StopUnverified naming what survived; nothing is
-    ever killed by name. `check_ports=False` for an instance that never listened."""
-    idents = record_identities(pool, inst)
-    seconds = stop_units(pool, inst, stop_timeout_s, say)
-    return verify_units_stopped(pool, inst, idents, seconds, check_ports=check_ports, say=say)
-
-
 class StopUnverified(Unverified):
     """A stop whose outcome is not proven; carries the StopResult (identity and evidence)."""
 
@@ -392,12 +380,6 @@ def stop_evidence(inst: Instance, result: StopResult) -> dict:
     PID and start time (what `inv stop --kill-survivors` reads)."""
     return {"instance": inst.id, "verified": result.verified, "survivors": result.survivor_records,
             **result.journal()}
-
-
-def journal_stop(j, op: str, step: str, inst: Instance, result: StopResult) -> None:
-    """The stop's identity and evidence in the journal, with the instance and its survivors by
-    PID and start time (what `inv stop --kill-survivors` reads)."""
-    j.step(op, step, "ok" if result.verified else "failed", stop_evidence(inst, result))
 
 
 # ---------------------------------------------------------------- survivors of a stop

@@ -122,7 +122,7 @@ def _shape(inv: Inventory) -> tuple[int, int]:
     return g, (1 if g <= per_host else g // per_host)
 
 
-def _slots(inv: Inventory) -> list[tuple[tuple[Host, ...], int, tuple[int, ...]]]:
+def gpu_slots(inv: Inventory) -> list[tuple[tuple[Host, ...], int, tuple[int, ...]]]:
     """Every slot, in host order: (hosts, slot index on those hosts, local GPU indices)."""
     g, nhosts = _shape(inv)
     out = []
@@ -138,7 +138,7 @@ def _slots(inv: Inventory) -> list[tuple[tuple[Host, ...], int, tuple[int, ...]]
     return out
 
 
-def _make(inv: Inventory, role: str, n: int, slot: tuple[tuple[Host, ...], int, tuple[int, ...]],
+def make_instance(inv: Inventory, role: str, n: int, slot: tuple[tuple[Host, ...], int, tuple[int, ...]],
           alt: bool = False) -> Instance:
     """The instance `role` n on `slot`. `alt`: a prefill on the slot's second bootstrap port (base + 1):
     a replacement takes the port its predecessor did not use, so that no decode holds a cached route
@@ -161,7 +161,7 @@ def uses_alt_port(inv: Inventory, inst: Instance) -> bool:
 def remake(inv: Inventory, inst: Instance, *, alt: bool | None = None) -> Instance:
     """`inst` as the inventory places it now (same id and slot; addresses and ports from the inventory);
     InvalidInput when its hosts or slot are gone from the inventory."""
-    by_key = {(tuple(h.name for h in hs), s): (hs, s, gpus) for hs, s, gpus in _slots(inv)}
+    by_key = {(tuple(h.name for h in hs), s): (hs, s, gpus) for hs, s, gpus in gpu_slots(inv)}
     key = _slot_key(inst)
     if key not in by_key:
         gone = [h for h in inst.hosts if h not in {x.name for x in inv.hosts}]
@@ -169,7 +169,7 @@ def remake(inv: Inventory, inst: Instance, *, alt: bool | None = None) -> Instan
                            "this inventory no longer has" + (f" ({', '.join(gone)} removed)" if gone else ""),
                            fix=f"move it first: `inv drain --host {inst.hosts[0]}` (or a topology without it), then "
                                "remove the host")
-    return _make(inv, inst.role, int(inst.id[1:]), by_key[key], uses_alt_port(inv, inst) if alt is None else alt)
+    return make_instance(inv, inst.role, int(inst.id[1:]), by_key[key], uses_alt_port(inv, inst) if alt is None else alt)
 
 
 def slot_name(inst: Instance) -> str:
@@ -194,7 +194,7 @@ def place_change(inv: Inventory, topo: Topology, current: Placement, avoid: froz
     An added prefill takes the bootstrap port its slot's last prefill did not use (`last_ports`, as
     recorded; else the one of the instance `current` has there), as does every prefill in
     `fresh_ports` (replacements): a decode may still hold a route to the old process at that port."""
-    slots = _slots(inv)
+    slots = gpu_slots(inv)
     held = {_slot_key(i): i for i in current.instances}
     out: list[Instance] = []
     for role in ROLES:
@@ -230,18 +230,18 @@ def place_change(inv: Inventory, topo: Topology, current: Placement, avoid: froz
             if last is None and prev is not None and prev.role == "prefill":
                 last = prev.bootstrap_port
             alt = role == "prefill" and last == base
-            out.append(_make(inv, role, n, sl, alt))
+            out.append(make_instance(inv, role, n, sl, alt))
     final = []
     for i in out:
         if i.id in fresh_ports and i.role == "prefill":
-            i = _make(inv, i.role, int(i.id[1:]), _slot_of(inv, i), not uses_alt_port(inv, i))
+            i = make_instance(inv, i.role, int(i.id[1:]), _slot_of(inv, i), not uses_alt_port(inv, i))
         final.append(i)
     final.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
     return Placement(topo, tuple(final))
 
 
 def _slot_of(inv: Inventory, inst: Instance):
-    for sl in _slots(inv):
+    for sl in gpu_slots(inv):
         if (tuple(h.name for h in sl[0]), sl[1]) == _slot_key(inst):
             return sl
     raise InvalidInput("inventory", f"{inst.id}: slot {inst.slot} on {'/'.join(inst.hosts)} is not in the inventory")
@@ -253,7 +253,7 @@ def _slot_key(inst: Instance) -> tuple[tuple[str, ...], int]:
 
 def place(inv: Inventory, topo: Topology, previous: Placement | None = None) -> Placement:
     """Place `topo` on `inv`, keeping every instance of `previous` that remains exactly where it was."""
-    slots = _slots(inv)
+    slots = gpu_slots(inv)
     need = topo.prefill + topo.decode
     if need > len(slots):
         g, nh = _shape(inv)
@@ -272,7 +272,7 @@ def place(inv: Inventory, topo: Topology, previous: Placement | None = None) -> 
                     raise InvalidInput("inventory", f"{inst.id} runs on {'/'.join(inst.hosts)} slot {inst.slot}, "
                                        "which this inventory no longer has",
                                        fix="restore the host in the inventory, or drain the instance first")
-                fresh = _make(inv, inst.role, n, by_key[key])
+                fresh = make_instance(inv, inst.role, n, by_key[key])
                 if fresh != inst:
                     raise InvalidInput("inventory", f"{inst.id} would move (its host's addresses or ports changed)",
                                        fix="keep the inventory of the running revision, or drain and re-add the instance")
@@ -286,7 +286,7 @@ def place(inv: Inventory, topo: Topology, previous: Placement | None = None) -> 
             if iid in kept:
                 instances.append(kept[iid])
             else:
-                instances.append(_make(inv, role, n, free.pop(0)))
+                instances.append(make_instance(inv, role, n, free.pop(0)))
     return Placement(topo, tuple(instances))
 
 

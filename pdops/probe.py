@@ -692,7 +692,6 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
     """Carry out a probe under the cluster lock; the probe-result record (also in the journal).
     The way back always runs, whether the probe's own steps passed or not."""
     from pdops import scale as sc
-    from pdops.scale import _union
     from pdops.state import default_operator
 
     state = plan.state

@@ -32,6 +32,7 @@ from typing import Callable
 from pdops import __version__
 from pdops.errors import InvalidInput, PdopsError, Refused, RemoteCommandFailed, Unreachable, Unverified
 from pdops.facts import q
+from pdops.runner import Say
 from pdops.state import (
     Journal, RecordReads, Revision, StateDir, atomic_write, default_machine, default_operator, new_op_id, now_iso,
 )
@@ -41,7 +42,6 @@ LEASE_S = 30.0  # the holder process on the state host gives up after this long 
 PING_S = 5.0  # how often the operator's process says it is alive
 REPLY_S = 60.0  # longest wait for one answer of the state host
 
-Say = Callable[[str], None]
 
 
 # ---------------------------------------------------------------- reaching the state host

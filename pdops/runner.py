@@ -119,6 +119,10 @@ class Plan:
         return out
 
 
+# Where an operation's progress lines go: print, or a test's list.append. The one definition.
+Say = Callable[[str], None]
+
+
 @dataclass
 class RunContext:
     """What every executor gets: the inventory, the state dir and journal, the operation id, the
@@ -128,7 +132,7 @@ class RunContext:
     inv: Any
     state: Any
     op: str
-    say: Callable[[str], None]
+    say: Say
     pool: Any = None
     gateway: Any = None
     data: dict = field(default_factory=dict)

@@ -29,19 +29,17 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed, Unverified
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
-from pdops.placement import Instance, Placement, _make, _slots, last_bootstrap_ports, place
+from pdops.placement import Instance, Placement, gpu_slots, last_bootstrap_ports, make_instance
 from pdops.render import RenderedFile, files_of, manifest, render_files, snapshot_of, snapshot_subset
-from pdops.runner import Outcome, Plan, RunContext, Step, run_steps, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, run_steps, walk
 from pdops.state import Revision, StateDir, new_op_id
 from pdops.topology import Topology
 
-Say = Callable[[str], None]
 ROLES = ("prefill", "decode")
 
 
@@ -236,30 +234,6 @@ def _file_changes(old: dict, new: dict) -> list[str]:
             out.append(f"{k[0]}:{k[1]} changed (sha256 {str(old[k].get('sha256'))[:12]} -> "
                        f"{str(new[k].get('sha256'))[:12]})")
     return out
-
-
-def place_for_scale(inv: Inventory, target: Topology, current: Placement) -> Placement:
-    """`place(inv, target, previous=current)`, except that added instances take slots that are free
-    now before slots that a removed instance still holds (so adds can come before drains)."""
-    base = place(inv, target, current)  # validates size; keeps surviving instances exactly
-    cur_ids = {i.id for i in current.instances}
-    occupied = {_slot_key(i) for i in current.instances}
-    kept_keys = {_slot_key(i) for i in base.instances if i.id in cur_ids}
-
-    def key(sl):
-        return (tuple(h.name for h in sl[0]), sl[1])
-
-    slots = _slots(inv)
-    free_now = [sl for sl in slots if key(sl) not in occupied]
-    freed = [sl for sl in slots if key(sl) in occupied and key(sl) not in kept_keys]
-    out = []
-    for inst in base.instances:
-        if inst.id in cur_ids:
-            out.append(inst)
-        else:
-            sl = free_now.pop(0) if free_now else freed.pop(0)
-            out.append(_make(inv, inst.role, int(inst.id[1:]), sl))
-    return Placement(target, tuple(out))
 
 
 def _refuse_changed_inventory(inv: Inventory, cur: Revision) -> None:
@@ -485,22 +459,21 @@ def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: P
     free slot is enough; the planner orders each drain before the add that needs its GPUs). A
     prefill on a slot an instance of `cur_pl` holds takes the other bootstrap port. (pl, None):
     no free slot at all."""
-    from pdops.placement import _slots
 
     in_target = {_slot_key(i) for i in target_pl.instances if i not in reps}
     tgt_ids = {i.id for i in target_pl.instances if i not in reps}
     held_now = {_slot_key(i) for i in cur_pl.instances}
     key = lambda sl: (tuple(h.name for h in sl[0]), sl[1])  # noqa: E731
-    free = [sl for sl in _slots(inv) if key(sl) not in in_target and key(sl) not in held_now]
+    free = [sl for sl in gpu_slots(inv) if key(sl) not in in_target and key(sl) not in held_now]
     # slots an instance leaving the placement holds: free once it drained (an earlier surge in this
     # change covers it), the chain's next links
-    freed = [sl for sl in _slots(inv) if key(sl) not in in_target and key(sl) in held_now and
+    freed = [sl for sl in gpu_slots(inv) if key(sl) not in in_target and key(sl) in held_now and
              all(i.id not in tgt_ids for i in cur_pl.instances if _slot_key(i) == key(sl))
              and not any(_slot_key(r) == key(sl) for r in reps)]
     if not free and not (chained and freed):
         return target_pl, None
     free += freed
-    by_key = {(tuple(h.name for h in sl[0]), sl[1]): sl for sl in _slots(inv)}
+    by_key = {(tuple(h.name for h in sl[0]), sl[1]): sl for sl in gpu_slots(inv)}
     held = {_slot_key(i): i for i in cur_pl.instances}
     taken = {int(i.id[1:]) for i in target_pl.role(role)} | {int(i.id[1:]) for i in cur_pl.role(role)}
     made, n = [], 0
@@ -514,7 +487,7 @@ def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: P
         prev = held.get((tuple(h.name for h in sl[0]), sl[1]))
         alt = role == "prefill" and prev is not None and prev.role == "prefill" and \
             prev.bootstrap_port == inv.ports.bootstrap_base + inv.ports.stride * sl[1]
-        new = _make(inv, role, n, sl, alt)
+        new = make_instance(inv, role, n, sl, alt)
         made.append((old, new))
         insts.append(new)
         free.append(by_key[_slot_key(old)])  # freed once `old` drains
@@ -547,7 +520,6 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
     slots off the cordoned hosts allow, each is replaced there first (a new id, started and
     registered before the old one drains); else it is drained and the role shrinks, refused when a
     role would be left with no serving instance unless `force`. H is cordoned in the revision."""
-    from pdops.placement import _slots
 
     inv.host(host)  # InvalidInput naming the hosts when unknown
     cur = _current(inv, state, "drain")
@@ -556,7 +528,7 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
     leaving = [i for i in cur_pl.instances if host in i.hosts]
     staying = [i for i in cur_pl.instances if host not in i.hosts]
     used = {_slot_key(i) for i in cur_pl.instances}
-    free = [sl for sl in _slots(inv) if (tuple(h.name for h in sl[0]), sl[1]) not in used
+    free = [sl for sl in gpu_slots(inv) if (tuple(h.name for h in sl[0]), sl[1]) not in used
             and not {h.name for h in sl[0]} & set(cordoned)]
     out = list(staying)
     moved = []
@@ -567,7 +539,7 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
         n = 1
         while n in taken:
             n += 1
-        new = _make(inv, old.role, n, free.pop(0))
+        new = make_instance(inv, old.role, n, free.pop(0))
         out.append(new)
         moved.append((old.id, new.id))
     out.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
@@ -825,7 +797,7 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     return out
 
 
-def _union(plan: ScalePlan) -> Placement:
+def union_placement(plan: ScalePlan) -> Placement:
     """Every instance a change names (kept, added and removed), for the executors' lookups; a replaced
     one as it will run (its running process: `old_placement`)."""
     ids = {i.id for i in plan.target.instances}
@@ -954,7 +926,7 @@ def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, p
                gateway: GatewayClient) -> dict:
     """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv probe` between its
     own steps); the verdict, or ScaleFailed with the failure verdict after undoing what it can."""
-    ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": _union(plan), "scale_plan": plan,
+    ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": union_placement(plan), "scale_plan": plan,
                                                                "old_placement": plan.current_placement,
                                                                "replacing": {i.id for i in plan.replaced},
                                                                "target": plan.target})

@@ -353,10 +353,10 @@ def render_matrix(m: Matrix) -> str:
     body = []
     for r in m.ratios:
         body.append([r, m.topologies.get(r) or "-", *[cell_text(m.cell(r, c)) for c in m.concurrencies]])
-    from pdops.bench import _table
+    from pdops.bench import text_table
 
     parts = [f"sweep {m.workload}, fixed budget {m.budget} GPUs ({m.gpus_per_instance} per instance); "
-             "cells: median total TPM", _table(header, body), ""]
+             "cells: median total TPM", text_table(header, body), ""]
     dh = ("ratio", "topology", "C", "state", "runs", "total TPM", "spread", "output TPM", "TPM/GPU",
           "TTFT p50", "TTFT p99", "TPOT p99", "ITL p99", "note")
     rows = []
@@ -369,7 +369,7 @@ def render_matrix(m: Matrix) -> str:
                      fmt_int(c.median("output_tpm")), fmt_int(c.median("tpm_per_gpu")),
                      fmt_s(c.median("ttft_p50")), fmt_s(c.median("ttft_p99")), fmt_s(c.median("tpot_p99")),
                      fmt_s(c.median("itl_p99")), note or ""))
-    parts.append(_table(dh, rows))
+    parts.append(text_table(dh, rows))
     knees = m.knees()
     parts.append("")
     parts += [f"knee: {k.describe()}" for k in knees] or [f"knee: none within the measured concurrencies "

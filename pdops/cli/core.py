@@ -62,14 +62,14 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     from pdops.topology import parse_topology
 
     topo = parse_topology(topology)
-    mu = _whole(max_unavailable, "--max-unavailable")
+    mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory)
     plan = dep.plan_deploy(inv, topo, dep.state_for(inv), set(skip_check or ()), max_unavailable=mu, force=force,
                            allow_capacity_dip=allow_capacity_dip)
     from pdops.hosts import connections
 
     if isinstance(plan, ScalePlan):
-        return _run_change(inv, plan, dry_run)
+        return run_change(inv, plan, dry_run)
     if plan.live is None:
         print(plan.render())
         if dry_run:
@@ -82,9 +82,9 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
                 if dry_run:
                     return
                 from pdops import scale as sc
-                from pdops.cli.scale import _print_verdict
+                from pdops.cli.scale import print_change_verdict
 
-                return _print_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
+                return print_change_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
             print(plan.render())
             if dry_run or plan.noop:
                 return
@@ -96,7 +96,7 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
 
 
-def _whole(v, flag: str, default: int = 1) -> int:
+def whole_cluster(v, flag: str, default: int = 1) -> int:
     from pdops.errors import InvalidInput
 
     if v is None:
@@ -110,16 +110,16 @@ def _whole(v, flag: str, default: int = 1) -> int:
     return n
 
 
-def _run_change(inv, plan, dry_run: bool) -> None:
+def run_change(inv, plan, dry_run: bool) -> None:
     from pdops import scale as sc
-    from pdops.cli.scale import _print_verdict
+    from pdops.cli.scale import print_change_verdict
     from pdops.hosts import connections
 
     print(plan.render())
     if dry_run or plan.noop:
         return
     with connections(inv) as conns:
-        _print_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
+        print_change_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output (the same rows and state words)",
@@ -244,7 +244,7 @@ def _host_op(host, inventory, dry_run, make_plan) -> None:
     state = dep.state_for(inv)
     plan = make_plan(inv, state)
     plan.state = state
-    _run_change(inv, plan, dry_run)
+    run_change(inv, plan, dry_run)
 
 
 @task(help={"instance": "the instance to repair, e.g. d01 (see `inv status`)", "inventory": "inventory dir or file",

@@ -9,7 +9,7 @@ from pdops.cli import cli_errors, print_verdict
 DEFAULT_INVENTORY = "inventory/lab"
 
 
-def _print_verdict(plan, verdict: dict) -> None:
+def print_change_verdict(plan, verdict: dict) -> None:
     what = (f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else
             "changed" if plan.replaced or plan.surge or plan.gateway_restart or
             plan.cordoned != list((plan.current.extra or {}).get("cordoned", [])) else "scaled")
@@ -32,18 +32,18 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
     from pdops import deploy as dep
     from pdops import scale as sc
-    from pdops.cli.core import _run_change, _whole
+    from pdops.cli.core import run_change, whole_cluster
     from pdops.inventory import load_inventory
     from pdops.topology import parse_topology
 
     topo = parse_topology(topology)
-    mu = _whole(max_unavailable, "--max-unavailable")
+    mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     state = dep.state_for(inv)
     plan = sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()),
                          max_unavailable=mu, force=force)
     plan.state = state
-    _run_change(inv, plan, dry_run)
+    run_change(inv, plan, dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",
@@ -59,16 +59,16 @@ def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False
     """Return to the previous revision (or --to N), its recorded files and placement, as a rolling change."""
     from pdops import deploy as dep
     from pdops import scale as sc
-    from pdops.cli.core import _run_change, _whole
+    from pdops.cli.core import run_change, whole_cluster
     from pdops.inventory import load_inventory
 
-    mu = _whole(max_unavailable, "--max-unavailable")
+    mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     state = dep.state_for(inv)
     plan = sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()),
                             max_unavailable=mu, force=force)
     plan.state = state
-    _run_change(inv, plan, dry_run)
+    run_change(inv, plan, dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})

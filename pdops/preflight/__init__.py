@@ -30,14 +30,14 @@ from dataclasses import asdict, dataclass
 from pdops.errors import PdopsError, Refused
 from pdops.inventory import Inventory
 from pdops.placement import Placement, place
-from pdops.runner import run_parallel
+from pdops.runner import Say, run_parallel
 from pdops.topology import Topology
 from pdops.facts.host import ReadError
 from pdops.preflight.batch import SECTIONS, Section, batch_command, gid_section, parse_sections
 from pdops.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
 from pdops.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
 from pdops.preflight.report import PreflightReport
-from pdops.preflight.results import CheckResult, FAIL, PASS, SKIPPED, Say, VIRTUAL_REASON, _fail, _skip
+from pdops.preflight.results import CheckResult, FAIL, PASS, SKIPPED, VIRTUAL_REASON, fail_result, skip_result
 
 # ================================================================ plan
 
@@ -77,11 +77,11 @@ def plan_preflight(inv: Inventory, topology: Topology | Placement | None, skip: 
         run, skipped = [], []
         for name, chk in CHECKS.items():
             if name in skip:
-                skipped.append(_skip(host.name, name, f"skipped by the operator (--skip-check {name})"))
+                skipped.append(skip_result(host.name, name, f"skipped by the operator (--skip-check {name})"))
             elif (why := chk.applies(inv, host, pl)) is not None:
-                skipped.append(_skip(host.name, name, why))
+                skipped.append(skip_result(host.name, name, why))
             elif chk.hardware and inv.virtual_hardware:
-                skipped.append(_skip(host.name, name, VIRTUAL_REASON))
+                skipped.append(skip_result(host.name, name, VIRTUAL_REASON))
             else:
                 run.append(name)
         plans.append(HostPlan(host.name, tuple(run), tuple(skipped)))
@@ -106,13 +106,13 @@ def evaluate_host(inv: Inventory, hp: HostPlan, pl: Placement | None, facts: Fac
         if errors:
             e = errors[0]
             what = f"cannot read {e.section}: {e.message}" if isinstance(e, ReadError) else "facts missing"
-            out.append(_fail(host.name, name, what, "run the command by hand on the host to see why",
+            out.append(fail_result(host.name, name, what, "run the command by hand on the host to see why",
                              e.raw if isinstance(e, ReadError) else ""))
             continue
         try:
             out.extend(chk.evaluate(inv, host, pl, facts))
         except PdopsError as exc:  # e.g. a GPU with no NIC mapped
-            out.append(_fail(host.name, name, exc.message, exc.fix or ""))
+            out.append(fail_result(host.name, name, exc.message, exc.fix or ""))
     return out
 
 
@@ -142,7 +142,7 @@ def evaluate_cluster(inv: Inventory, facts_by_host: dict[str, Facts],
             reason = f"{label} {v} here differs from other hosts: {others}"
             if prev is not None and prev.status == FAIL:
                 reason = prev.reason + "; " + reason
-            replace(h, check, _fail(h, check, reason, fix))
+            replace(h, check, fail_result(h, check, reason, fix))
 
     drivers = {}
     for h, f in facts_by_host.items():
@@ -193,7 +193,7 @@ def run_preflight(inv: Inventory, topology: Topology | Placement | None, pool, s
             msg = got.message if isinstance(got, PdopsError) else f"{type(got).__name__}: {got}"
             msg = msg.rsplit("`: ", 1)[-1]  # the batched command itself is noise here
             results.extend(by_name[name].skipped)
-            results.append(_fail(name, "ssh", f"cannot read the host: {msg}",
+            results.append(fail_result(name, "ssh", f"cannot read the host: {msg}",
                                  "check that the host is up and SSH answers; nothing was checked on it",
                                  getattr(got, "evidence", "") or ""))
             continue
@@ -206,7 +206,7 @@ def run_preflight(inv: Inventory, topology: Topology | Placement | None, pool, s
         results.extend(pairing_results(inv, matrix))
     elif pl is not None:
         matrix = Matrix(*pairing_hosts(pl), skipped=f"skipped by the operator (--skip-check {PAIRING})")
-        results.extend(_skip(h, PAIRING, matrix.skipped) for h in sorted(set(sum(pairing_hosts(pl), []))))
+        results.extend(skip_result(h, PAIRING, matrix.skipped) for h in sorted(set(sum(pairing_hosts(pl), []))))
     hosts = [hp.host for hp in plans]
     order = {c: i for i, c in enumerate(["ssh", *CHECK_NAMES])}
     results.sort(key=lambda r: (hosts.index(r.host), order.get(r.check, 99)))

@@ -13,8 +13,8 @@ from pdops.facts import Skipped, nvidia, rdma
 from pdops.inventory import MOONCAKE_RPC_PORTS, Host, Inventory
 from pdops.placement import Placement
 from pdops.facts.host import Disk, GpuDirect, TimeSync, nccl_version
-from pdops.preflight.expected import _describe_holders, expected_ports, expected_units, gpus_in_use, held_by_owner, instances_on, port_holders
-from pdops.preflight.results import CheckResult, DEFAULT_MIN_LOG_GIB, GATEWAY_UNIT, MIN_FREE_RPC_PORTS, _fail, _ok, _skip
+from pdops.preflight.expected import describe_holders, expected_ports, expected_units, gpus_in_use, held_by_owner, instances_on, port_holders
+from pdops.preflight.results import CheckResult, DEFAULT_MIN_LOG_GIB, GATEWAY_UNIT, MIN_FREE_RPC_PORTS, fail_result, ok_result, skip_result
 
 # ================================================================ checks (pure)
 
@@ -41,7 +41,7 @@ def _uses_gpus(inv: Inventory, host: Host, pl: Placement | None) -> str | None:
 def eval_gpu(inv, host, pl, facts) -> list[CheckResult]:
     gpus = facts["gpus"]
     if isinstance(gpus, Skipped):
-        return [_fail(host.name, "gpu", f"cannot read GPUs: {gpus.reason}",
+        return [fail_result(host.name, "gpu", f"cannot read GPUs: {gpus.reason}",
                       "install the NVIDIA driver (nvidia-smi) or fix the inventory's pdops_gpus")]
     problems = []
     if len(gpus) != host.gpu_count:
@@ -62,29 +62,29 @@ def eval_gpu(inv, host, pl, facts) -> list[CheckResult]:
             problems.append(f"GPU(s) {unknown} report no memory size ([N/A])")
     ev = "\n".join(f"{g.index}: {g.name}, {g.memory_total_mib} MiB" for g in gpus)
     if problems:
-        return [_fail(host.name, "gpu", "; ".join(problems),
+        return [fail_result(host.name, "gpu", "; ".join(problems),
                       "fix pdops_gpus (count, model as nvidia-smi prints it, memory_gib) or the host's hardware", ev)]
     mem = round(gpus[0].memory_total_mib / 1024, 1) if gpus and gpus[0].memory_total_mib else "?"
-    return [_ok(host.name, "gpu", f"{len(gpus)} x {gpus[0].name if gpus else '-'} ({mem} GiB)", ev)]
+    return [ok_result(host.name, "gpu", f"{len(gpus)} x {gpus[0].name if gpus else '-'} ({mem} GiB)", ev)]
 
 
 def eval_gpu_driver(inv, host, pl, facts) -> list[CheckResult]:
     gpus = facts["gpus"]
     if isinstance(gpus, Skipped):
-        return [_fail(host.name, "gpu-driver", f"cannot read the driver: {gpus.reason}", "install the NVIDIA driver")]
+        return [fail_result(host.name, "gpu-driver", f"cannot read the driver: {gpus.reason}", "install the NVIDIA driver")]
     drivers = sorted({g.driver_version or "?" for g in gpus})
     if len(drivers) != 1 or drivers[0] == "?":
-        return [_fail(host.name, "gpu-driver", f"driver versions on this host: {drivers}",
+        return [fail_result(host.name, "gpu-driver", f"driver versions on this host: {drivers}",
                       "reboot after the driver upgrade so every GPU runs one driver")]
     # uniform across hosts is decided by :func:`evaluate_cluster`
-    return [_ok(host.name, "gpu-driver", f"driver {drivers[0]}")]
+    return [ok_result(host.name, "gpu-driver", f"driver {drivers[0]}")]
 
 
 def eval_gpu_free(inv, host, pl, facts) -> list[CheckResult]:
     gpus, apps, pid_units = facts["gpus"], facts["apps"], facts["pids"]
     if isinstance(gpus, Skipped) or isinstance(apps, Skipped):
         reason = (gpus if isinstance(gpus, Skipped) else apps).reason
-        return [_fail(host.name, "gpu-free", f"cannot read GPU processes: {reason}", "install the NVIDIA driver")]
+        return [fail_result(host.name, "gpu-free", f"cannot read GPU processes: {reason}", "install the NVIDIA driver")]
     index = {g.uuid: g.index for g in gpus}
     use = set(gpus_in_use(inv, host, pl))
     owner: dict[int, str] = {}
@@ -104,10 +104,10 @@ def eval_gpu_free(inv, host, pl, facts) -> list[CheckResult]:
         foreign.append(f"GPU {g}: pid {app.pid} ({app.process_name}, {app.used_memory_mib or '?'} MiB"
                        f"{', unit ' + unit if unit else ''})")
     if foreign:
-        return [_fail(host.name, "gpu-free", "foreign compute process on GPUs about to be used: " + "; ".join(foreign),
+        return [fail_result(host.name, "gpu-free", "foreign compute process on GPUs about to be used: " + "; ".join(foreign),
                       "stop that process (or drain the instance that owns it); pdops never kills processes it did "
                       "not start")]
-    return [_ok(host.name, "gpu-free", f"no foreign compute process on GPU(s) {sorted(use)}")]
+    return [ok_result(host.name, "gpu-free", f"no foreign compute process on GPU(s) {sorted(use)}")]
 
 
 def _port_of(ports: list, device: str):
@@ -118,7 +118,7 @@ def _port_of(ports: list, device: str):
 def eval_rdma(inv, host, pl, facts) -> list[CheckResult]:
     ports = facts["devinfo"]
     if isinstance(ports, Skipped):
-        return [_fail(host.name, "rdma", f"cannot list RDMA devices: {ports.reason}",
+        return [fail_result(host.name, "rdma", f"cannot list RDMA devices: {ports.reason}",
                       "install rdma-core (ibv_devinfo) and the NIC driver")]
     problems, good = [], []
     for nic in host.nics:
@@ -134,10 +134,10 @@ def eval_rdma(inv, host, pl, facts) -> list[CheckResult]:
             good.append(f"{nic.device} active {p.link_layer} mtu {p.active_mtu}")
     ev = "\n".join(f"{p.hca_id}/{p.port}: {p.state} {p.link_layer} mtu {p.active_mtu}" for p in ports)
     if problems:
-        return [_fail(host.name, "rdma", "; ".join(problems),
+        return [fail_result(host.name, "rdma", "; ".join(problems),
                       "bring the port up (cable, switch port, `ip link set <netdev> up`) or fix pdops_nics "
                       "(device, link_layer)", ev)]
-    return [_ok(host.name, "rdma", "; ".join(good), ev)]
+    return [ok_result(host.name, "rdma", "; ".join(good), ev)]
 
 
 def _roce_nics(host: Host):
@@ -147,7 +147,7 @@ def _roce_nics(host: Host):
 def eval_roce_gid(inv, host, pl, facts) -> list[CheckResult]:
     nics = _roce_nics(host)
     if not nics:
-        return [_skip(host.name, "roce-gid", "no RoCE NIC declared (InfiniBand needs no RoCE GID)")]
+        return [skip_result(host.name, "roce-gid", "no RoCE NIC declared (InfiniBand needs no RoCE GID)")]
     problems, fixes, good, ev = [], [], [], []
     for nic in nics:
         gids = facts[f"gids:{nic.device}"]
@@ -178,14 +178,14 @@ def eval_roce_gid(inv, host, pl, facts) -> list[CheckResult]:
                          f"address on {nic.netdev} first (its table has no routable RoCE v2 entry), then read "
                          f"/sys/class/infiniband/{nic.device}/ports/1/gid_attrs/types/")
     if problems:
-        return [_fail(host.name, "roce-gid", "; ".join(problems), "; ".join(fixes), "\n".join(ev))]
-    return [_ok(host.name, "roce-gid", "; ".join(good), "\n".join(ev))]
+        return [fail_result(host.name, "roce-gid", "; ".join(problems), "; ".join(fixes), "\n".join(ev))]
+    return [ok_result(host.name, "roce-gid", "; ".join(good), "\n".join(ev))]
 
 
 def eval_nic_affinity(inv, host, pl, facts) -> list[CheckResult]:
     topo = facts["topo"]
     if isinstance(topo, Skipped):
-        return [_fail(host.name, "nic-affinity", f"cannot read the PCIe topology: {topo.reason}",
+        return [fail_result(host.name, "nic-affinity", f"cannot read the PCIe topology: {topo.reason}",
                       "install the NVIDIA driver (nvidia-smi topo -m)")]
     known = set(topo.nic_names.values())
     problems, moves = [], []
@@ -208,10 +208,10 @@ def eval_nic_affinity(inv, host, pl, facts) -> list[CheckResult]:
     ev = "\n".join(f"GPU{g}: " + ", ".join(f"{n} {r}" for n, r in topo.nics_by_closeness(f"GPU{g}"))
                    for g in gpus_in_use(inv, host, pl) if f"GPU{g}" in topo.devices)
     if problems:
-        return [_fail(host.name, "nic-affinity", "; ".join(problems),
+        return [fail_result(host.name, "nic-affinity", "; ".join(problems),
                       ("in pdops_nics: " + "; ".join(moves)) if moves else "fix pdops_nics to match `nvidia-smi topo -m`",
                       ev)]
-    return [_ok(host.name, "nic-affinity", "every GPU uses its closest NIC", ev)]
+    return [ok_result(host.name, "nic-affinity", "every GPU uses its closest NIC", ev)]
 
 
 def eval_gpudirect(inv, host, pl, facts) -> list[CheckResult]:
@@ -220,14 +220,14 @@ def eval_gpudirect(inv, host, pl, facts) -> list[CheckResult]:
          f"kernel: {gd.kernel}"
     if gd.peermem:
         mod = "nvidia_peermem" if "nvidia_peermem" in gd.modules else "nv_peer_mem"
-        return [_ok(host.name, "gpudirect", f"{mod} loaded", ev)]
+        return [ok_result(host.name, "gpudirect", f"{mod} loaded", ev)]
     if gd.dmabuf:
-        return [_ok(host.name, "gpudirect", "DMA-BUF (open NVIDIA kernel module, kernel "
+        return [ok_result(host.name, "gpudirect", "DMA-BUF (open NVIDIA kernel module, kernel "
                     f"{gd.kernel[0]}.{gd.kernel[1]})", ev)]
     why = "no NVIDIA driver loaded" if gd.open_kernel_module is None else (
         "the proprietary NVIDIA module has no DMA-BUF export" if not gd.open_kernel_module
         else f"kernel {gd.kernel} is older than 5.12")
-    return [_fail(host.name, "gpudirect", f"GPUDirect RDMA unavailable: nvidia_peermem is not loaded and no DMA-BUF ({why})",
+    return [fail_result(host.name, "gpudirect", f"GPUDirect RDMA unavailable: nvidia_peermem is not loaded and no DMA-BUF ({why})",
                   "modprobe nvidia_peermem and list it in /etc/modules-load.d/ (or use the open NVIDIA kernel module "
                   "on Linux >= 5.12 for DMA-BUF)", ev)]
 
@@ -244,19 +244,19 @@ def eval_memlock(inv, host, pl, facts) -> list[CheckResult]:
         if not st.memlock_unlimited:
             bad.append(f"{u} has LimitMEMLOCK={st.raw.get('LimitMEMLOCK')}")
     if bad:
-        return [_fail(host.name, "memlock", "; ".join(bad) + " (the rendered unit says infinity: a drop-in overrides it)",
+        return [fail_result(host.name, "memlock", "; ".join(bad) + " (the rendered unit says infinity: a drop-in overrides it)",
                       "remove the override (`systemctl cat <unit>` shows it), daemon-reload, then deploy")]
     if not probe.unlimited and inv.virtual_hardware:
         # Measured, not assumed: the lab's sandbox lacks CAP_SYS_RESOURCE, so no service can get
         # more than the machine's hard limit; the sim engine registers no RDMA memory.
-        return [_skip(host.name, "memlock", f"virtual hardware: {probe.detail} (this machine's systemd cannot raise "
+        return [skip_result(host.name, "memlock", f"virtual hardware: {probe.detail} (this machine's systemd cannot raise "
                       "the hard limit without CAP_SYS_RESOURCE; the sim engine registers no RDMA memory)")]
     if not probe.unlimited:
-        return [_fail(host.name, "memlock", f"systemd does not grant LimitMEMLOCK=infinity: {probe.detail}",
+        return [fail_result(host.name, "memlock", f"systemd does not grant LimitMEMLOCK=infinity: {probe.detail}",
                       "run services with an unlimited memlock: check the manager's limits (`systemctl show -p "
                       "DefaultLimitMEMLOCK`) and that systemd runs with CAP_SYS_RESOURCE", probe.detail)]
     what = f"units {', '.join(seen)} have LimitMEMLOCK=infinity; " if seen else ""
-    return [_ok(host.name, "memlock", what + probe.detail)]
+    return [ok_result(host.name, "memlock", what + probe.detail)]
 
 
 def eval_ports(inv, host, pl, facts) -> list[CheckResult]:
@@ -269,31 +269,31 @@ def eval_ports(inv, host, pl, facts) -> list[CheckResult]:
         if held_by_owner(holders, use):
             held.append(f"{use.port} ({use.purpose}) held by its own {'/'.join(sorted({u for _, ps in holders for _, u in ps if u}))}")
             continue
-        taken.append(f"port {use.port} ({use.purpose}) on {host.data_addr} is taken: {_describe_holders(holders)}")
+        taken.append(f"port {use.port} ({use.purpose}) on {host.data_addr} is taken: {describe_holders(holders)}")
     in_rpc = {lst.port for lst in listeners if lst.port in MOONCAKE_RPC_PORTS and lst.covers(host.data_addr)}
     free_rpc = len(MOONCAKE_RPC_PORTS) - len(in_rpc)
     if free_rpc < MIN_FREE_RPC_PORTS:
         taken.append(f"only {free_rpc} ports of Mooncake's RPC range 15000-17000 are free on {host.data_addr}")
     n = len(expected_ports(inv, host, pl))
     if taken:
-        return [_fail(host.name, "ports", "; ".join(taken),
+        return [fail_result(host.name, "ports", "; ".join(taken),
                       "stop what holds the port (it is not the instance that belongs there), or move pdops_ports / "
                       "pdops_gateway ports in the inventory")]
     extra = f"; {'; '.join(held)}" if held else ""
-    return [_ok(host.name, "ports", f"{n} port(s) free on {host.data_addr}, {free_rpc} Mooncake RPC ports free{extra}")]
+    return [ok_result(host.name, "ports", f"{n} port(s) free on {host.data_addr}, {free_rpc} Mooncake RPC ports free{extra}")]
 
 
 def eval_time(inv, host, pl, facts) -> list[CheckResult]:
     t: TimeSync = facts["time"]
     if t.synchronized:
-        return [_ok(host.name, "time", t.detail)]
+        return [ok_result(host.name, "time", t.detail)]
     if inv.virtual_hardware:
-        return [_skip(host.name, "time", f"{t.detail}: lab hosts share the machine's clock (virtual hardware), "
+        return [skip_result(host.name, "time", f"{t.detail}: lab hosts share the machine's clock (virtual hardware), "
                                          "so there is no per-host NTP to check")]
     if t.synchronized is None:
-        return [_fail(host.name, "time", f"cannot tell whether the clock is synchronized: {t.detail}",
+        return [fail_result(host.name, "time", f"cannot tell whether the clock is synchronized: {t.detail}",
                       "install/enable systemd-timesyncd or chrony and check `timedatectl`")]
-    return [_fail(host.name, "time", "clock not synchronized (NTPSynchronized=no)",
+    return [fail_result(host.name, "time", "clock not synchronized (NTPSynchronized=no)",
                   "start the time service (systemd-timesyncd or chrony) and wait for `timedatectl` to say synchronized")]
 
 
@@ -302,9 +302,9 @@ def eval_disk(inv, host, pl, facts) -> list[CheckResult]:
     need = float((inv.vars.get("pdops_preflight") or {}).get("min_free_log_gib", DEFAULT_MIN_LOG_GIB))
     msg = f"{d.available_gib:.1f} GiB free for logs on {d.mount} ({d.capacity} used)"
     if d.available_gib < need:
-        return [_fail(host.name, "disk", f"{msg}, below {need:g} GiB",
+        return [fail_result(host.name, "disk", f"{msg}, below {need:g} GiB",
                       "free space under /var/log (journal: `journalctl --vacuum-size=...`) or grow the disk")]
-    return [_ok(host.name, "disk", msg)]
+    return [ok_result(host.name, "disk", msg)]
 
 
 # versions: per host against the pins here; across hosts in evaluate_cluster.
@@ -328,21 +328,21 @@ def _eval_version(check: str):
         pin = pin_of()
         if isinstance(v, Skipped):
             if inv.virtual_hardware:
-                return [_skip(host.name, check, f"{v.reason} (lab)")]
-            return [_fail(host.name, check, v.reason, "run the host preparation playbook (it installs the engine venv)")]
+                return [skip_result(host.name, check, f"{v.reason} (lab)")]
+            return [fail_result(host.name, check, v.reason, "run the host preparation playbook (it installs the engine venv)")]
         have = read(v)
         if have is None:
             if check == "ver-mooncake" and inv.profile.transfer_backend != "mooncake":
-                return [_skip(host.name, check, f"profile uses the {inv.profile.transfer_backend} backend")]
+                return [skip_result(host.name, check, f"profile uses the {inv.profile.transfer_backend} backend")]
             if inv.virtual_hardware and check in ("ver-mooncake", "ver-nccl"):
-                return [_skip(host.name, check, f"{label} is not installed in the engine python "
+                return [skip_result(host.name, check, f"{label} is not installed in the engine python "
                                                 "(lab: the sim engine does not use it, virtual hardware)")]
-            return [_fail(host.name, check, f"{label} is not installed in {python}",
+            return [fail_result(host.name, check, f"{label} is not installed in {python}",
                           f"install {label}{' ' + pin if pin else ''} in the engine venv (host preparation playbook)")]
         if pin and have != pin:
-            return [_fail(host.name, check, f"{label} {have}, pdops pins {pin} (pdops/versions.py)",
+            return [fail_result(host.name, check, f"{label} {have}, pdops pins {pin} (pdops/versions.py)",
                           f"install {label}=={pin} in {python}, or move the pin (and re-check docs/design/sglang.md)")]
-        return [_ok(host.name, check, f"{label} {have}" + ("" if pin else " (no pin in pdops/versions.py: "
+        return [ok_result(host.name, check, f"{label} {have}" + ("" if pin else " (no pin in pdops/versions.py: "
                                                                      "compared across hosts only)"))]
 
     return evaluate

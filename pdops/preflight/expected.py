@@ -91,7 +91,7 @@ def held_by_owner(holders: list[tuple], use: PortUse) -> bool:
     return True
 
 
-def _describe_holders(holders: list[tuple]) -> str:
+def describe_holders(holders: list[tuple]) -> str:
     parts = []
     for lst, procs in holders:
         where = f"{'[' + lst.addr + ']' if lst.is_ipv6 else lst.addr}:{lst.port}"

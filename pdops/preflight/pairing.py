@@ -17,8 +17,8 @@ from pdops.inventory import Inventory
 from pdops.placement import Placement
 from pdops.runner import run_parallel
 from pdops.preflight.checks import Facts, PAIRING
-from pdops.preflight.expected import PortUse, _describe_holders, free_rpc_port, held_by_owner, port_holders
-from pdops.preflight.results import CheckResult, LISTEN_UNIT_PREFIX, PROBE_TIMEOUT_S, _fail, _ok
+from pdops.preflight.expected import PortUse, describe_holders, free_rpc_port, held_by_owner, port_holders
+from pdops.preflight.results import CheckResult, LISTEN_UNIT_PREFIX, PROBE_TIMEOUT_S, fail_result, ok_result
 
 def script(name: str) -> str:
     """A host-side helper script shipped with pdops (pdops/preflight/scripts/), as text for `python3 -c`."""
@@ -126,7 +126,7 @@ def plan_targets(inv: Inventory, pl: Placement, facts_by_host: dict[str, Facts])
                                   "tested against the running instance"))
             else:
                 out.append(Target(name, host.data_addr, use.port, use.purpose, "held",
-                                  f"held by a foreign process: {_describe_holders(holders)}"))
+                                  f"held by a foreign process: {describe_holders(holders)}"))
     return out
 
 
@@ -226,7 +226,7 @@ def pairing_results(inv: Inventory, m: Matrix) -> list[CheckResult]:
     for p in m.prefill_hosts:
         bad = [(d, t, e) for pp, d, t, e in fails if pp == p]
         if not bad:
-            out.append(_ok(p, PAIRING, f"reachable from every decode host ({len(m.decode_hosts)})"))
+            out.append(ok_result(p, PAIRING, f"reachable from every decode host ({len(m.decode_hosts)})"))
             continue
         listen_fail = any("could not listen" in e for _, _, e in bad)
         down = any("unreachable over SSH" in e for _, _, e in bad)
@@ -244,7 +244,7 @@ def pairing_results(inv: Inventory, m: Matrix) -> list[CheckResult]:
             fixes.append(f"open TCP {', '.join(sorted({str(t.port) for _, t, _ in bad}))} and 15000-17000 on {p} for "
                          "the decode hosts' data addresses (firewall, security group) and check routing between the "
                          "data addresses")
-        out.append(_fail(p, PAIRING, reason, "; ".join(fixes)))
+        out.append(fail_result(p, PAIRING, reason, "; ".join(fixes)))
     for d in m.decode_hosts:
         bad = [(p, t, e) for p, dd, t, e in fails if dd == d]
         if d in m.prefill_hosts and any(r.host == d for r in out):
@@ -254,14 +254,14 @@ def pairing_results(inv: Inventory, m: Matrix) -> list[CheckResult]:
                 prev = out[i]
                 reason = (prev.reason + "; " if prev.failed else "") + \
                     "cannot reach " + "; ".join(f"{p} {_where(t)}" for p, t, _ in bad)
-                out[i] = _fail(d, PAIRING, reason, prev.fix or "see the prefill hosts named here")
+                out[i] = fail_result(d, PAIRING, reason, prev.fix or "see the prefill hosts named here")
             continue
         if bad:
-            out.append(_fail(d, PAIRING, "cannot reach " + "; ".join(f"{p} {_where(t)}: {e}"
+            out.append(fail_result(d, PAIRING, "cannot reach " + "; ".join(f"{p} {_where(t)}: {e}"
                                                                    for p, t, e in bad),
                              "see the pairing failure of the prefill host(s) named here"))
         else:
-            out.append(_ok(d, PAIRING, f"reaches every prefill host ({len(m.prefill_hosts)})"))
+            out.append(ok_result(d, PAIRING, f"reaches every prefill host ({len(m.prefill_hosts)})"))
     return out
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
@@ -15,7 +13,6 @@ DEFAULT_MIN_LOG_GIB = 5.0
 MIN_FREE_RPC_PORTS = 16
 PROBE_TIMEOUT_S = 3.0
 
-Say = Callable[[str], None]
 
 
 
@@ -35,15 +32,15 @@ class CheckResult:
         return self.status == FAIL
 
 
-def _ok(host: str, check: str, reason: str, evidence: str = "") -> CheckResult:
+def ok_result(host: str, check: str, reason: str, evidence: str = "") -> CheckResult:
     return CheckResult(host, check, PASS, reason, "", evidence)
 
 
-def _fail(host: str, check: str, reason: str, fix: str, evidence: str = "") -> CheckResult:
+def fail_result(host: str, check: str, reason: str, fix: str, evidence: str = "") -> CheckResult:
     return CheckResult(host, check, FAIL, reason, fix, evidence)
 
 
-def _skip(host: str, check: str, reason: str) -> CheckResult:
+def skip_result(host: str, check: str, reason: str) -> CheckResult:
     return CheckResult(host, check, SKIPPED, reason)
 
 

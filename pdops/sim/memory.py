@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pdops.sim.timing import _env_float as _num
+from pdops.sim.timing import env_float as _num
 
 GIB = 1 << 30
 

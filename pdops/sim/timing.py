@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, fields
 
 
-def _env_float(env, name: str, default: float) -> float:
+def env_float(env, name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -51,7 +51,7 @@ class TimingModel:
         values = {}
         for f in fields(cls):
             default = f.default
-            v = _env_float(env, "PDOPS_SIM_" + f.name.upper(), float(default))
+            v = env_float(env, "PDOPS_SIM_" + f.name.upper(), float(default))
             values[f.name] = int(v) if isinstance(default, int) else v
         return cls(**values)
 

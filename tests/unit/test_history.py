@@ -7,9 +7,8 @@ import socket
 import pytest
 
 from pdops import history as hist
-from pdops import scale as sc
 from pdops.errors import InvalidInput
-from pdops.placement import Placement, place
+from pdops.placement import place
 from pdops.render import manifest, render_files
 from pdops.state import StateDir
 from pdops.topology import parse_topology
@@ -28,7 +27,7 @@ def revs(lab_inv, tmp_path):
     state = StateDir("lab", tmp_path / "s")
     p1 = place(lab_inv, parse_topology("2p1d"))
     record(lab_inv, state, p1)
-    p2 = sc.place_for_scale(lab_inv, parse_topology("3p1d"), p1)
+    p2 = place(lab_inv, parse_topology("3p1d"), p1)
     record(lab_inv, state, p2, scale={"from_revision": 1, "added": ["p03"], "removed": []})
     record(lab_inv, state, p1, scale={"from_revision": 2, "added": [], "removed": ["p03"]}, rollback_of=1)
     return state

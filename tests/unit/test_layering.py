@@ -104,3 +104,18 @@ def test_versions_script_reports_the_packages_it_is_given():
                           '"nvidia-nccl-cu12", "nvidia-nccl-cu13"]'], capture_output=True, text=True, check=True).stdout
     v = hf.parse_versions(out)
     assert v["pyyaml"] == "6.0.3" and v["no-such-package-xyz"] is None
+
+
+def test_no_module_imports_another_modules_private_names():
+    """`from pdops.x import _name` couples a module to another's internals; a name two modules
+    share is public (named without the underscore)."""
+    bad = []
+    for path in sorted((REPO / "pdops").rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        own = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdops") \
+                    and node.module != own:
+                bad += [f"{rel}.py:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad

@@ -95,7 +95,7 @@ def test_driver_uniform_across_hosts(fleet):
     a, b = fleet.hosts[0].name, fleet.hosts[1].name
     g1 = [nvidia.Gpu(0, "x", 1, "580.82.07", "u", None)]
     g2 = [nvidia.Gpu(0, "x", 1, "570.124.06", "u", None)]
-    results = [presults._ok(a, "gpu-driver", "driver 580.82.07"), presults._ok(b, "gpu-driver", "driver 570.124.06")]
+    results = [presults.ok_result(a, "gpu-driver", "driver 580.82.07"), presults.ok_result(b, "gpu-driver", "driver 570.124.06")]
     out = pf.evaluate_cluster(fleet, {a: {"gpus": g1}, b: {"gpus": g2}}, results)
     ra = next(r for r in out if r.host == a)
     assert ra.status == pf.FAIL and "580.82.07 here differs" in ra.reason and f"570.124.06 on {b}" in ra.reason

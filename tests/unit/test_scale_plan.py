@@ -275,8 +275,8 @@ def test_shrinking_drains_one_and_growing_takes_the_lowest_free_id(lab_inv, stat
     pl3 = place(lab_inv, parse_topology("3p1d"))
     # 3p1d holding p01, p03, p04 (p02 drained earlier): ids need not be contiguous
     p = {i.id: i for i in pl3.instances}
-    from pdops.placement import _make, _slots
-    p04 = _make(lab_inv, "prefill", 4, _slots(lab_inv)[1])
+    from pdops.placement import make_instance, gpu_slots
+    p04 = make_instance(lab_inv, "prefill", 4, gpu_slots(lab_inv)[1])
     holes = Placement(parse_topology("3p1d"), (p["p01"], p["p03"], p04, p["d01"]))
     deployed(lab_inv, state, "3p1d", pl=holes)
     plan = sc.plan_scale(lab_inv, parse_topology("2p1d"), state)
