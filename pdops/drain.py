@@ -96,6 +96,10 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
                      persist=not skip_gateway, notes=notes)
 
 
+# How long a drain's verify-stop waits for the gateway to drop the removed worker (smg: ~5 s).
+GONE_WAIT_S = 30.0
+
+
 def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s: float, interval_s: float,
                 force_after: bool = False, gateway: bool = True, prefix: str = "", in_change: bool = False,
                 check_ports: bool = True, resume: bool = True, extra: dict | None = None,
@@ -132,7 +136,11 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
         Step(f"{prefix}stop", inst.head.host, "systemctl stop, rank 0 first, then the other ranks; disable the units",
              inv.stop_timeout_s + 60, params=p),
         Step(f"{prefix}verify-stop", inst.head.host, "cgroup empty (or removed), every recorded PID gone or reused, "
-             "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)", 60, params=p),
+             "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)"
+             + (f"; the gateway no longer lists worker {worker_id} (smg drops a removed worker seconds after it is "
+                f"empty; still listed after {GONE_WAIT_S:g}s: not verified)" if gateway and worker_id else ""),
+             60 + (GONE_WAIT_S if gateway and worker_id else 0),
+             params={**p, "gateway_worker": worker_id if gateway else None}),
     ]
     return steps
 
@@ -718,6 +726,15 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
             verified.append("needed systemd's SIGKILL after TimeoutStopSec")
         out = Outcome(evidence=stop_evidence(inst, res), verified=verified,
                       unverified=sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")}))
+    wid = step.params.get("gateway_worker")
+    if wid and ctx.gateway is not None:
+        # right after the stop smg may still list the removed worker as draining: the drain ends when
+        # the gateway's view is the revision's (an `inv status` at once then counts what runs)
+        try:
+            ctx.gateway.wait_worker_gone(wid, deadline_in(GONE_WAIT_S))
+            out.verified.append(f"the gateway no longer lists worker {wid} ({inst.id})")
+        except PdopsError as exc:
+            out.unverified.append(f"the gateway still lists worker {wid} of {inst.id}: {exc.message}")
     if step.params.get("in_change"):
         ctx.data.setdefault("replaced_out" if step.params.get("old") else "drained", []).append(inst.id)
         ctx.data["failed_drain"] = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pdops import membership
 from pdops.errors import PdopsError
-from pdops.facts.gateway import Worker
+from pdops.facts.gateway import DRAINING, Worker
 from pdops.facts.systemd import UnitState
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
@@ -109,9 +109,17 @@ class Observation:
 
     @property
     def unknown_workers(self) -> list[Worker]:
-        """Workers the gateway routes to that the revision does not know."""
+        """Workers the gateway routes to that the revision does not know. A worker the gateway is
+        draining takes no new request: right after a drain smg keeps the removed worker listed as
+        draining for a few seconds (docs/design/sglang.md), which is not a difference to repair."""
         urls = {o.instance.url.rstrip("/") for o in self.instances}
-        return [w for w in self.workers if w.url.rstrip("/") not in urls]
+        return [w for w in self.workers if w.url.rstrip("/") not in urls and w.status != DRAINING]
+
+    @property
+    def draining_leftovers(self) -> list[Worker]:
+        """Workers of no instance of the revision that the gateway is still draining (leaving by themselves)."""
+        urls = {o.instance.url.rstrip("/") for o in self.instances}
+        return [w for w in self.workers if w.url.rstrip("/") not in urls and w.status == DRAINING]
 
     def findings(self) -> list[str]:
         out = []

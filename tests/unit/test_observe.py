@@ -126,6 +126,16 @@ def test_an_unknown_worker_and_a_list_that_lacks_one_are_findings(live):
     assert [s.name for s in p.steps] == ["connect", "register d02", "gateway-list d02", "verify-running", "record"]
 
 
+def test_a_worker_the_gateway_still_drains_after_a_drain_is_no_difference(live):
+    """Right after `inv drain`, smg lists the removed worker as draining for a few seconds: no new
+    request reaches it and it leaves by itself, so a look at that moment finds nothing to repair."""
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    workers.append(Worker("w-gone", "http://127.0.0.9:1234", "decode", False, 0, status="draining"))
+    p = plan(inv, state, units, workers, start_list)
+    assert p.noop and not p.findings
+
+
 def test_not_ready_in_the_gateway_is_a_finding(live):
     inv, pl, state = live
     units, workers, start_list = healthy_world(pl)
