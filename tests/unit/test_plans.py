@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 CASES = sorted((REPO / "tests" / "data" / "plans").glob("*.yml"))
 
 
-def record(inv, state: StateDir, pl: Placement) -> None:
+def record(inv, state: StateDir, pl: Placement, cordoned=()) -> None:
     rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
                                manifest=manifest(render_files(inv, pl)),
                                instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed")
+                               outcome="deployed", extra={"cordoned": list(cordoned)} if cordoned else None)
     state.set_current(rev.number)
 
 
@@ -36,7 +36,7 @@ def make_plan(case: dict, state: StateDir):
     rec = case.get("recorded")
     if rec:
         pl = place(inv, parse_topology(rec["topology"]))
-        record(inv, state, pl)
+        record(inv, state, pl, rec.get("cordoned", ()))
         then = rec.get("then")
         if then and then["op"] == "drain":
             left = tuple(i for i in pl.instances if i.id != then["instance"])
@@ -51,6 +51,10 @@ def make_plan(case: dict, state: StateDir):
         return sc.plan_scale(inv, parse_topology(req["topology"]), state).plan
     if req["op"] == "rollback":
         return sc.plan_rollback(inv, state).plan
+    if req["op"] == "drain-host":
+        return sc.plan_drain_host(inv, state, req["host"]).plan
+    if req["op"] == "uncordon":
+        return sc.plan_uncordon(inv, state, req["host"]).plan
     raise AssertionError(f"unknown op {req['op']}")
 
 
