@@ -44,12 +44,13 @@ def main_pids(inv_dir: Path) -> dict[str, int]:
     return {r["instance"]: r["units"][0]["main_pid"] for r in json.loads(proc.stdout)["instances"]}
 
 
-def changed(inv_dir: Path, *args, gateway_restart: bool = False) -> tuple[str, Load]:
-    """Run a change under load. With a gateway restart, requests arriving while it restarts are
-    turned away (counted and printed); none already in flight may fail."""
+def changed(inv_dir: Path, *args, gateway_restart: bool = False, run=None) -> tuple[str, Load]:
+    """Run a change under load (`run`: how the inv command runs; default `cli`). With a gateway
+    restart, requests arriving while it restarts are turned away (counted and printed); none
+    already in flight may fail."""
     inv = load_inventory(inv_dir)
     with Load(inv.gateway.url) as load:
-        proc = cli(inv_dir, *args)
+        proc = (run or (lambda *a: cli(inv_dir, *a)))(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = load.refused() if gateway_restart else []
     load.assert_clean(allow_refused=gateway_restart,
@@ -196,29 +197,38 @@ def test_an_sglang_upgrade_rolls_every_instance_onto_the_new_pin(live):
     assert back.returncode == 0 and all(f"replaced: {i}" in back.stdout for i in before)
 
 
-def test_a_template_change_alone_is_applied_not_just_recorded(live):
-    tpl = REPO / "templates" / "env.j2"
-    text = tpl.read_text()
-    before = main_pids(live)
-    try:
-        tpl.write_text(text + "PDOPS_TEMPLATE_PROBE=1\n")
-        out, _ = changed(live, "deploy", "--topology", "2p2d", gateway_restart=True)
-        assert "replaced: p01" in out and "pdops-p01.env" in out and "gateway: restarted" in out
-        after = main_pids(live)
-        assert all(after[i] != before[i] for i in before)  # restarted, not just delivered
-        # the running engines carry the new variable (read from the process, not the file)
-        rev = record(live).current_revision()
-        pl = Placement.from_dict(rev.placement)
-        from pdops.hosts import HostPool
+def test_a_template_change_alone_is_applied_not_just_recorded(live, tmp_path):
+    """A pdops release that changes a template (env.j2 gains a line), run by its own process
+    (tests/lab/moved_template.py): the checkout's templates stay as they are for the tests that
+    run beside this one."""
+    import shutil
+    import subprocess
+    import sys
 
-        with HostPool(load_inventory(live)) as pool:
-            for i in pl.instances:
-                env = pool.run(i.head.host, f"tr '\\0' '\\n' < /proc/{after[i.id]}/environ").stdout
-                assert "PDOPS_TEMPLATE_PROBE=1" in env.splitlines(), i.id
-        verify = cli(live, "verify")
-        assert verify.returncode == 0, verify.stdout + verify.stderr
-    finally:
-        tpl.write_text(text)
+    released = tmp_path / "templates"
+    shutil.copytree(REPO / "templates", released)
+    (released / "env.j2").write_text((REPO / "templates" / "env.j2").read_text() + "PDOPS_TEMPLATE_PROBE=1\n")
+
+    def release(*args):
+        return subprocess.run([sys.executable, "tests/lab/moved_template.py", str(released), *args, "-i", str(live)],
+                              cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+
+    before = main_pids(live)
+    out, _ = changed(live, "deploy", "--topology", "2p2d", gateway_restart=True, run=release)
+    assert "replaced: p01" in out and "pdops-p01.env" in out and "gateway: restarted" in out
+    after = main_pids(live)
+    assert all(after[i] != before[i] for i in before)  # restarted, not just delivered
+    # the running engines carry the new variable (read from the process, not the file)
+    rev = record(live).current_revision()
+    pl = Placement.from_dict(rev.placement)
+    from pdops.hosts import HostPool
+
+    with HostPool(load_inventory(live)) as pool:
+        for i in pl.instances:
+            env = pool.run(i.head.host, f"tr '\\0' '\\n' < /proc/{after[i.id]}/environ").stdout
+            assert "PDOPS_TEMPLATE_PROBE=1" in env.splitlines(), i.id
+    verify = cli(live, "verify")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
     # the template back as it was is a change again (the dry run says so; the module's last test)
     back = cli(live, "deploy", "--topology", "2p2d", "--dry-run")
     assert back.returncode == 0 and "replaced: p01" in back.stdout and "gateway: restarted" in back.stdout
