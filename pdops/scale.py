@@ -733,8 +733,8 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                         f"in flight (up to {gateway_grace_s(inv)}s), the new process starts from the new files and "
                         "registers every worker of its start-up list; wait until /workers lists each healthy and ready"
                         + (f"; the admission layer on {inv.admission.host} keeps the gateway in service meanwhile "
-                           "(HAProxy's health check of it paused through the runtime API, resumed whatever the "
-                           "outcome; refused connections retried)" if inv.admission else ""),
+                           "(HAProxy's health check of it paused through the runtime API until the new gateway "
+                           "lists every worker healthy, resumed whatever the outcome; refused connections retried)" if inv.admission else ""),
                         gateway_grace_s(inv) + 120, kind="gateway-restart",
                         params={"instances": [i.id for i in tgt.instances],
                                 "admission_host": inv.admission.host if inv.admission else None}))
@@ -833,18 +833,24 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     t0 = time.monotonic()
     try:
         pool.run(inv.gateway.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
-    finally:
+        restarted_s = round(time.monotonic() - t0, 2)
+        st = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+        if st.active_state != "active" or st.main_pid == old_pid:
+            raise Unverified(f"gateway {GATEWAY_UNIT} is {st.active_state}/{st.sub_state} (MainPID {st.main_pid}, was "
+                             f"{old_pid}) after the restart", evidence=pool.journal_tail(inv.gateway.host, GATEWAY_UNIT))
+        deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
+        pl = ctx.data["placement"]
+        for iid in step.params["instances"]:
+            gw.wait_worker_healthy(pl.get(iid).url, deadline)
+    except BaseException:
         if adm_host:  # back whatever the restart did: HAProxy must see a gateway that is really down
-            _admission_health_check(pool, adm_host, paused=False)
-    restarted_s = round(time.monotonic() - t0, 2)
-    st = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
-    if st.active_state != "active" or st.main_pid == old_pid:
-        raise Unverified(f"gateway {GATEWAY_UNIT} is {st.active_state}/{st.sub_state} (MainPID {st.main_pid}, was "
-                         f"{old_pid}) after the restart", evidence=pool.journal_tail(inv.gateway.host, GATEWAY_UNIT))
-    deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
-    pl = ctx.data["placement"]
-    for iid in step.params["instances"]:
-        gw.wait_worker_healthy(pl.get(iid).url, deadline)
+            try:
+                _admission_health_check(pool, adm_host, paused=False)
+            except PdopsError as exc:
+                ctx.say(f"  also: {exc.message}; fix: {exc.fix}")
+        raise
+    if adm_host:  # resumed once the new gateway serves: a check in its start-up would mark it DOWN
+        _admission_health_check(pool, adm_host, paused=False)
     ctx.say(f"  gateway restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
             f"{len(step.params['instances'])} worker(s) healthy and ready again")
     held = ([f"the admission layer on {adm_host} kept the gateway in service through the restart (HAProxy's "

@@ -77,7 +77,7 @@ def pytest_terminal_summary(terminalreporter):
     if not _area_seconds:
         return
     tr = terminalreporter
-    tr.section("time per area (setup + call + teardown)")
+    tr.section("time per area (setup + call + teardown, summed over the xdist workers)")
     order = [a for a in AREAS if a in _area_seconds] + sorted(set(_area_seconds) - set(AREAS))
     for area in order:
         s = _area_seconds[area]

@@ -565,7 +565,8 @@ def test_a_gateway_restart_behind_the_admission_layer_keeps_the_gateway_in_servi
     plan = sc.plan_apply(variant(repo, tmp_path, with_admission(7), name="changed"), parse_topology("2p1d"), state)
     step = {s.name: s for s in plan.plan.steps}["gateway-restart"]
     assert step.params["admission_host"] == base.admission.host
-    assert "health check of it paused through the runtime API, resumed whatever the outcome" in step.description
+    assert "health check of it paused through the runtime API until the new gateway lists every worker healthy, " \
+           "resumed whatever the outcome" in step.description
 
 
 def test_the_health_pause_sends_one_quoted_runtime_api_command():
