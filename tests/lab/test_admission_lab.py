@@ -276,8 +276,9 @@ def test_a_gateway_restart_behind_the_admission_layer_turns_no_request_away(clus
     Behind the admission layer the change pauses HAProxy's health check of the gateway for the
     restart, so HAProxy never marks the only gateway down, and a refused connection is retried
     (`retries`, `retry-on conn-failure`: nothing was sent, so nothing is replayed): a client sees
-    none of it, on a busy machine too (the whole lab suite passes beside a CPU hog). A gateway
-    setting changes under load through the admission layer; every request is served."""
+    none of it. A gateway setting changes under load through the admission layer; every request
+    is served. Known gap (docs/admission.md): beside a CPU hog, 2 of 3 runs had one request of ~200
+    end in "Server disconnected" (HAProxy closed the client's connection without an answer)."""
     from tests.lab.clusters import Load
 
     inv_dir, inv, keys, _, _ = cluster
