@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -44,27 +45,12 @@ GATEWAY_SERVER = "gateway/gw"
 # connect, 1 s) apart: this many tries cover a planned gateway restart of up to ~10 s while
 # the change has paused the server's health check (`health_pause_command`).
 CONN_RETRIES = 10
-# Sent to the runtime API by the host's python3 (stdlib only); prints HAProxy's answer.
-_RUNTIME_SCRIPT = (
-    "import socket, sys\n"
-    "s = socket.socket(socket.AF_UNIX)\n"
-    "s.settimeout(5)\n"
-    "s.connect(sys.argv[1])\n"
-    "s.sendall(sys.argv[2].encode() + b'\\n')\n"
-    "out = b''\n"
-    "while True:\n"
-    "    chunk = s.recv(4096)\n"
-    "    if not chunk:\n"
-    "        break\n"
-    "    out += chunk\n"
-    "print(out.decode().strip())\n"
-)
+# Sent to the runtime API by the host's python3 (a package file, like pdops's other host scripts).
+_RUNTIME_SCRIPT = (Path(__file__).parent / "hostscripts" / "haproxy_runtime.py").read_text()
 
 
 def runtime_command(command: str, socket_path: str = STATS_SOCKET) -> str:
     """The shell command that sends one command to HAProxy's runtime API on the admission host."""
-    import shlex
-
     return " ".join(shlex.quote(a) for a in ("python3", "-c", _RUNTIME_SCRIPT, socket_path, command))
 
 

@@ -115,12 +115,6 @@ class Observation:
         urls = {o.instance.url.rstrip("/") for o in self.instances}
         return [w for w in self.workers if w.url.rstrip("/") not in urls and w.status != DRAINING]
 
-    @property
-    def draining_leftovers(self) -> list[Worker]:
-        """Workers of no instance of the revision that the gateway is still draining (leaving by themselves)."""
-        urls = {o.instance.url.rstrip("/") for o in self.instances}
-        return [w for w in self.workers if w.url.rstrip("/") not in urls and w.status == DRAINING]
-
     def findings(self) -> list[str]:
         out = []
         if self.gateway_down:

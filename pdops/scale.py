@@ -30,6 +30,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from pdops.admission import UNIT as ADMISSION_UNIT
+from pdops.admission import health_pause_command
 from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed, Unverified
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
@@ -294,7 +296,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     new_sh = _shared_files(new_mf, tgt_ids)
     shared = [c for c in _file_changes(old_sh, {k: v for k, v in new_sh.items() if k in old_sh})
               if not c.endswith("would be removed")]
-    from pdops.admission import UNIT as ADMISSION_UNIT
 
     adm_paths = set()
     if inv.admission is not None:
@@ -739,8 +740,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                         params={"instances": [i.id for i in tgt.instances],
                                 "admission_host": inv.admission.host if inv.admission else None}))
     if plan.admission_reload:
-        from pdops.admission import UNIT as ADMISSION_UNIT
-
         host = inv.admission.host
         out.append(Step("admission-check", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
                         kind="admission-check"))
@@ -808,9 +807,6 @@ def union_placement(plan: ScalePlan) -> Placement:
 def _admission_health_check(pool, host: str, *, paused: bool) -> None:
     """Pause or resume HAProxy's health check of the gateway (runtime API); Unverified with the
     way out when HAProxy answers anything but its empty success."""
-    from pdops.admission import UNIT as ADMISSION_UNIT
-    from pdops.admission import health_pause_command
-
     answer = pool.run(host, health_pause_command(paused), timeout=15).stdout.strip()
     if answer:
         verb = "pause" if paused else "resume"

@@ -280,7 +280,6 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
                "unit_state": f"{gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else "unknown",
                "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),
                "workers": len(obs.workers), "error": obs.gateway_error,
-               "draining": [w.describe() for w in obs.draining_leftovers],
                "failures": gw_counters, "failures_since_last_look": deltas.get("gateway", {}),
                "failures_error": gw_counters_error,
                "state": gstate, "reasons": greasons, "action": gaction}

@@ -91,8 +91,8 @@ def test_facts_never_import_operations():
 
 def test_host_scripts_are_package_files_that_compile():
     scripts = list((REPO / "pdops" / "preflight" / "scripts").glob("*.py")) + \
-        list((REPO / "pdops" / "facts" / "scripts").glob("*.py"))
-    assert {s.name for s in scripts} >= {"listener.py", "waiter.py", "probe.py", "versions.py"}
+        list((REPO / "pdops" / "facts" / "scripts").glob("*.py")) + list((REPO / "pdops" / "hostscripts").glob("*.py"))
+    assert {s.name for s in scripts} >= {"listener.py", "waiter.py", "probe.py", "versions.py", "haproxy_runtime.py"}
     for s in scripts:
         compile(s.read_text(), str(s), "exec")
 
