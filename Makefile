@@ -33,14 +33,9 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 # Two pytest-xdist workers, a test file each at a time (module fixtures stay whole); each worker
 # that reaches a lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot).
 # The lab waits mostly on timers (drains, health checks), so two fit this machine's two cores.
-# The admission layer's lab tests run after, alone: their gateway-restart claim (no request
-# turned away) still fails now and then on a loaded machine (docs/admission.md, "Open").
 TEST_WORKERS ?= 2
-SERIAL_TESTS := tests/lab/test_admission_lab.py
 test: $(STAMP)
-	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
-	  $(addprefix --ignore=,$(SERIAL_TESTS)) tests
-	$(VENV)/bin/pytest -ra -p no:cacheprovider $(SERIAL_TESTS)
+	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -ra -p no:cacheprovider tests/unit tests/contract

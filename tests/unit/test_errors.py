@@ -14,7 +14,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _import_all():
     for m in pkgutil.walk_packages(pdops.__path__, "pdops."):
-        if m.name.endswith("__main__") or m.name == "pdops.verify.test_deployed":  # scripts, not libraries
+        if m.name.endswith("__main__"):  # scripts, not libraries
             continue
         importlib.import_module(m.name)
 
