@@ -45,7 +45,7 @@ def main() -> None:
                                  {"placement": plan.placement, "deploy_plan": plan})
                 t0 = time.perf_counter()
                 with state.lock("deploy", op_id=ctx.op):
-                    walk(plan.plan, ctx, {**dep.EXECUTORS, "record": dep.do_record_deploy})
+                    walk(plan.plan, ctx)
                 wall = time.perf_counter() - t0
         finally:
             lab_api.down()

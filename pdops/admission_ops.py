@@ -21,7 +21,7 @@ from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverif
 from pdops.facts import q
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk
 from pdops.state import new_op_id
 
 PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)
@@ -167,8 +167,8 @@ def do_verify_keys(ctx: RunContext, step: Step) -> Outcome:
                                           f"{min(len(ctx.data['revoked']), PROBE_MAX)} revoked key(s) refused with 401"])
 
 
-EXECUTORS = {"admission-check": do_check_unit, "deliver-keys": do_deliver_keys, "admission-reload": do_reload,
-             "verify-keys": do_verify_keys}
+register_executors({"admission-check": do_check_unit, "deliver-keys": do_deliver_keys, "admission-reload": do_reload,
+          "verify-keys": do_verify_keys})
 
 
 def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool, gateway=None) -> dict:
@@ -182,7 +182,7 @@ def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0, *, p
     with state.lock("admission-keys", op_id=op):
         ctx = RunContext(inv, state, op, say, pool, gateway)
         try:
-            verdict = walk(plan, ctx, EXECUTORS)
+            verdict = walk(plan, ctx)
         except PdopsError as exc:
             ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
             raise

@@ -23,9 +23,9 @@ from pdops.placement import Instance, Placement, last_bootstrap_ports, place
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.render import (GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, snapshot_of,
                           write_build)
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, failures, run_parallel, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, failures, register_executors, run_parallel, walk
 from pdops.facts.systemd import UnitState
-from pdops.state import Revision, StateDir, local_dir, new_op_id
+from pdops.state import Revision, local_dir, new_op_id
 from pdops.topology import Topology
 from pdops.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
@@ -122,19 +122,19 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
     steps += delivery_steps(inv, pl, files)
     steps.append(Step("gateway", inv.gateway.host, f"{'restart' if fresh else 'start'} {GATEWAY_UNIT} with no "
-                      f"workers, wait for {inv.gateway.url}/health", 60, params={"restart": fresh},
+                      f"workers, wait for {inv.gateway.url}/health", 60, kind="gateway", params={"restart": fresh},
                       verifies="the gateway answers /health"))
     adm = admission_config(inv)
     if adm is not None:
         steps.append(Step("admission", adm.host, f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of "
-                          f"the gateway, wait for {adm.url} to answer", 30, params={"restart": fresh}))
+                          f"the gateway, wait for {adm.url} to answer", 30, kind="admission", params={"restart": fresh}))
     steps += start_steps(inv, pl.instances, restart=fresh, group="start")
     pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode")]
     steps.append(canary_step("canary", pairs, retry_once=False,
                              why="sent straight to each pair before anything is registered"))
     steps += register_steps(inv, pl.instances, group="register")
     steps.append(verify_running_step(pl, inv))
-    steps.append(Step("record", None, "write the revision, move `current` to it, release the lock"))
+    steps.append(Step("record", None, "write the revision, move `current` to it", kind="record-deploy"))
     return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, state=state,
                       basis=current.number if current else None)
 
@@ -165,7 +165,7 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
         restart = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
         steps.append(Step("gateway", inv.gateway.host, f"{'restart' if restart else 'start'} {GATEWAY_UNIT} (after "
                           "each start it queues its start-up list itself), wait for "
-                          f"{inv.gateway.url}/health", 60, params={"restart": restart}))
+                          f"{inv.gateway.url}/health", 60, kind="gateway", params={"restart": restart}))
     down = [o.instance for o in obs.instances if o.down]
     restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
     steps += start_steps(inv, down, restart=False, group="start")
@@ -218,21 +218,22 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
 # ---------------------------------------------------------------- step builders (shared by deploy and scale)
 
 def connect_step(hosts: list[str]) -> Step:
-    return Step("connect", None, f"SSH to {len(hosts)} hosts in parallel: {', '.join(hosts)}", 30,
+    return Step("connect", None, f"SSH to {len(hosts)} hosts in parallel: {', '.join(hosts)}", 30, kind="connect",
                 params={"hosts": list(hosts)})
 
 
 def preflight_step(skip_checks: set[str], pl: Placement, previous: Placement | None) -> Step:
     return Step("preflight", None, "host, limits, ports, versions and P x D pairing checks; refuse a failing host"
-                + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else ""),
+                + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else ""), kind="preflight",
                 params={"skip": sorted(skip_checks), "placement": pl, "previous": previous})
 
 
 def delivery_steps(inv: Inventory, pl: Placement, files: list[RenderedFile], meta: dict | None = None) -> list[Step]:
     return [Step("render", None, f"{len(files)} files into the revision's build folder, with a manifest",
-                 params={"files": files, "meta": meta or {}}),
+                 kind="render", params={"files": files, "meta": meta or {}}),
             Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
-                 "units, launch scripts, 0600 env files, daemon-reload, enable)", params={"placement": pl})]
+                 "units, launch scripts, 0600 env files, daemon-reload, enable)", kind="deliver",
+                 params={"placement": pl})]
 
 
 def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> list[Step]:
@@ -242,9 +243,10 @@ def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> l
                  kind="start", params={"instance": i.id, "restart": restart}, group=group) for i in insts]
 
 
-def canary_step(name: str, pairs: list[tuple[str, str]], *, retry_once: bool, why: str, instance: str | None = None) -> Step:
+def canary_step(name: str, pairs: list[tuple[str, str]], *, retry_once: bool, why: str, instance: str | None = None,
+                kind: str = "canary") -> Step:
     return Step(name, None, f"{len(pairs)} generation request(s), one through each prefill x decode pair "
-                f"({', '.join(f'{p} x {d}' for p, d in pairs)}), {why}", 120, kind="canary",
+                f"({', '.join(f'{p} x {d}' for p, d in pairs)}), {why}", 120, kind=kind,
                 params={"pairs": pairs, "retry_once": retry_once, **({"instance": instance} if instance else {})})
 
 
@@ -729,11 +731,11 @@ def configs_of(running: dict) -> dict[str, str]:
     return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
 
 
-# one executor per step kind; scale and rollback use the same ones
-EXECUTORS = {"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
-             "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
-             "register": do_register, "gateway-list": do_gateway_list, "record-repair": do_record_repair,
-             "verify-running": do_verify_running}
+# the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
+register_executors({"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
+          "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
+          "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
+          "record-repair": do_record_repair, "verify-running": do_verify_running})
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
@@ -750,7 +752,7 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
         state.check_basis(plan.basis)
         ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan, "target": pl})
         try:
-            verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_deploy})
+            verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
             _deploy_failed(ctx, exc, fresh=plan.previous is None)
             raise

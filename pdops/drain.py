@@ -28,7 +28,7 @@ from pdops.identity import RankIdentity, record_identity
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
 from pdops.render import SLICE_UNIT, UNIT_DIR
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk
 from pdops.state import Revision, StateDir, new_op_id
 
 
@@ -87,7 +87,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     notes = []
     if not skip_gateway:
         steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept",
-                          params={"instance": inst.id}))
+                          kind="record-drain", params={"instance": inst.id}))
         if inst.role == "prefill":
             notes.append("a drained prefill's prefix cache is lost: cold inputs will be slower for a while")
     else:
@@ -117,14 +117,15 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
         steps.append(
             Step(f"{prefix}leave-gateway", inv.gateway.host, f"out of the gateway's start-up worker list, then DELETE "
                  f"/workers/{worker_id}; verify the gateway lists it draining (no new request) or not at all; "
-                 "requests already routed to it keep running", 30, params={**p, "worker_id": worker_id}))
+                 "requests already routed to it keep running", 30, kind="leave-gateway",
+                 params={**p, "worker_id": worker_id}))
     if gateway and wait:
         steps += [
             Step(f"{prefix}wait-empty", inst.head.host, "until no request ID is open in its request log and every "
                  "queue (running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
                  "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
                  + (" (--force-after: stop anyway, loss recorded)" if force_after else ""), wait_s,
-                 params={**p, "force_after": force_after}),
+                 kind="wait-empty", params={**p, "force_after": force_after}),
             Step(f"{prefix}empty-check-1", inst.head.host, "read every source again: request log, /v1/loads, /metrics",
                  60, kind="empty-check", params={**p, "n": 1, "pause": 0.0}),
             Step(f"{prefix}empty-check-2", inst.head.host, f"after {interval_s:g}s, read every source again",
@@ -132,15 +133,15 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
         ]
     steps += [
         Step(f"{prefix}record-identity", inst.head.host, "MainPID, ControlGroup, the cgroup's processes and the "
-             "process tree with start times, on every rank", 60, params=p),
+             "process tree with start times, on every rank", 60, kind="record-identity", params=p),
         Step(f"{prefix}stop", inst.head.host, "systemctl stop, rank 0 first, then the other ranks; disable the units",
-             inv.stop_timeout_s + 60, params=p),
+             inv.stop_timeout_s + 60, kind="stop", params=p),
         Step(f"{prefix}verify-stop", inst.head.host, "cgroup empty (or removed), every recorded PID gone or reused, "
              "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)"
              + (f"; the gateway no longer lists worker {worker_id} (smg drops a removed worker seconds after it is "
                 f"empty; still listed after {GONE_WAIT_S:g}s: not verified)" if gateway and worker_id else ""),
              60 + (GONE_WAIT_S if gateway and worker_id else 0),
-             params={**p, "gateway_worker": worker_id if gateway else None}),
+             kind="verify-stop", params={**p, "gateway_worker": worker_id if gateway else None}),
     ]
     return steps
 
@@ -488,7 +489,7 @@ def plan_kill_survivors(inv: Inventory, state: StateDir, instance_id: str) -> Ki
                       fix=f"`inv stop --instance {inst.id}` stops and verifies; it lists any survivor")
     p = {"instance": inst.id}
     steps = [Step("check-units", inst.head.host, f"every unit of {inst.id} is inactive (refuse if it runs again)",
-                  30, params=p)]
+                  30, kind="check-units", params=p)]
     for host in sorted({r["host"] for r in survivors}):
         mine = [r for r in survivors if r["host"] == host]
         steps.append(Step(f"kill-survivors {host}", host, "; ".join(
@@ -557,8 +558,7 @@ def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *,
         state.check_basis(plan.rev.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": Placement.from_dict(plan.rev.placement)})
         try:
-            verdict = walk(plan.plan, ctx, {"check-units": do_check_units, "kill-survivors": do_kill_survivors,
-                                            "verify-gone": do_verify_gone})
+            verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
             ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
             raise
@@ -809,8 +809,10 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"revision {rev.number} ({new_pl.topology}) is current"] + tok, unverified=tno)
 
 
-EXECUTORS = {"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
-             "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop}
+register_executors({"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
+          "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop,
+          "record-drain": do_record_drain, "check-units": do_check_units, "kill-survivors": do_kill_survivors,
+          "verify-gone": do_verify_gone})
 
 
 def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -825,7 +827,7 @@ def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: H
         state.check_basis(plan.rev.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": plan.placement, "drain_plan": plan})
         try:
-            verdict = walk(plan.plan, ctx, {**EXECUTORS, "record": do_record_drain})
+            verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
             last = ctx.done[-1] if ctx.done else "none"
             current = state.current()

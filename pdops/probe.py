@@ -33,10 +33,13 @@ from pathlib import Path
 
 import yaml
 
+# imported for their step kinds' executors too (pdops.runner.EXECUTORS): a probe walks them
+import pdops.scale  # noqa: F401
+from pdops.deploy import do_canary
 from pdops.errors import InvalidInput, PdopsError, Refused, Unverified
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
-from pdops.runner import Outcome, RunContext, Step, run_steps
+from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
 from pdops.state import new_op_id, now_iso
 
 # Flags pdops renders from the inventory and the placement: a bundle does not set them.
@@ -525,7 +528,7 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     steps += delivery_steps(probe_inv, pair_pl, files, {"probe": bundle.name, "from": rev.number})
     steps[-1].description += f" (only {p.id}'s and {d.id}'s files, with the bundle's flags)"
     steps += start_steps(probe_inv, [p, d], restart=False, group="probe-start")
-    steps.append(canary_step("probe-canary", [(p.id, d.id)], retry_once=True,
+    steps.append(canary_step("probe-canary", [(p.id, d.id)], retry_once=True, kind="probe-canary",
                              why="before the long requests: a pair that cannot serve a short one proves nothing"))
     i_tok, o_tok = work
     steps.append(Step("probe-requests", None, f"{requests} request(s) of {i_tok}/{o_tok} tokens straight to {p.id} x "
@@ -670,17 +673,16 @@ def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
                              "the revision's files; the spare pair's units gone"])
 
 
-def executors() -> dict:
-    from pdops import scale as sc
-    from pdops.deploy import do_canary
+def do_probe_canary(ctx: RunContext, step: Step) -> Outcome:
+    """The deploy canary through the probed pair; its evidence kept for the result table."""
+    out = do_canary(ctx, step)
+    ctx.data["canary_evidence"] = out.evidence
+    return out
 
-    def canary(ctx, step):
-        out = do_canary(ctx, step)
-        ctx.data["canary_evidence"] = out.evidence
-        return out
 
-    return {**sc.executors(), "probe-requests": do_probe_requests, "probe-remove-files": do_probe_remove_files,
-            "probe-verify-baseline": do_probe_verify_baseline, "canary": canary}
+# the kinds made here; a probe also walks deploy's, drain's and a change's kinds (scale, imported above)
+register_executors({"probe-canary": do_probe_canary, "probe-requests": do_probe_requests,
+          "probe-remove-files": do_probe_remove_files, "probe-verify-baseline": do_probe_verify_baseline})
 
 
 def next_probe_id(journal) -> str:
@@ -712,7 +714,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         interrupted = False
         proven: dict = {"verified": [], "unverified": []}
         try:
-            v0 = run_steps(plan.steps, ctx, executors())
+            v0 = run_steps(plan.steps, ctx)
             proven["verified"] += v0["verified"]
             proven["unverified"] += v0["unverified"]
         except PdopsError as exc:
@@ -731,7 +733,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         try:
             if plan.mode == "spare":
                 ctx.inv = plan.inv
-                v1 = run_steps(restore_steps(plan), ctx, executors())
+                v1 = run_steps(restore_steps(plan), ctx)
                 proven["verified"] += v1["verified"]
                 proven["unverified"] += v1["unverified"]
                 after = {"restored": True, "how": "spare pair stopped and removed; the revision verified untouched"}

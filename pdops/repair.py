@@ -22,7 +22,7 @@ from pdops.errors import InvalidInput, Refused
 from pdops.facts import requestlog
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
-from pdops.runner import Outcome, RunContext, Step
+from pdops.runner import Outcome, RunContext, Step, register_executors
 
 INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
 
@@ -137,3 +137,6 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
         verified.append(f"{len(failed)} request(s) ended with an error on {inst.id} since the revision "
                         f"(answered, not replayed): {', '.join(failed[:20])}{' ...' if len(failed) > 20 else ''}")
     return Outcome(evidence=ev, verified=verified)
+
+
+register_executors({"lost-work": do_lost_work})

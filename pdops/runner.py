@@ -36,7 +36,8 @@ TIMEOUT_EXIT = 124  # as timeout(1)
 class Step:
     """One step of a plan. ``name`` is its id, unique within the operation (it carries the
     instance id where there is one: ``start p01``, ``drain d02: empty-check-1``); ``kind``
-    picks the executor (default: the id's last word before any instance); ``deadline`` is
+    picks its executor in the one registry (:data:`EXECUTORS`), and is always given, never read
+    from the id; ``deadline`` is
     the budget in seconds that bounds the step (None: no limit); steps with the same
     ``group`` that follow each other run in parallel."""
 
@@ -51,7 +52,7 @@ class Step:
 
     def __post_init__(self) -> None:
         if not self.kind:
-            self.kind = self.name.rsplit(": ", 1)[-1].split(" ", 1)[0]
+            raise ValueError(f"step {self.name!r} has no kind: a step names the kind of its executor")
 
     @property
     def instance(self) -> str | None:
@@ -155,8 +156,23 @@ class DeadlineExceeded(Unverified):
     """A step ran past the deadline its plan printed."""
 
 
-def _run_step(ctx: RunContext, step: Step, executors: dict[str, Executor]) -> Outcome:
-    fn = executors.get(step.kind)
+# The one registry: each step kind -> its one executor. The module that makes steps of a kind
+# registers that kind's executor (`register_executors`, at its import); a kind bound twice is refused there.
+EXECUTORS: dict[str, Executor] = {}
+
+
+def register_executors(table: dict[str, Executor]) -> None:
+    """Add step kinds to the registry; RuntimeError if a kind already has another executor."""
+    for kind, fn in table.items():
+        have = EXECUTORS.get(kind)
+        if have is not None and have is not fn:
+            raise RuntimeError(f"step kind {kind!r} has two executors: {have.__module__}.{have.__qualname__} "
+                               f"and {fn.__module__}.{fn.__qualname__}")
+        EXECUTORS[kind] = fn
+
+
+def _run_step(ctx: RunContext, step: Step) -> Outcome:
+    fn = EXECUTORS.get(step.kind)
     if fn is None:
         raise PdopsError(f"no executor for step kind {step.kind!r} ({step.name})")
     t0 = time.monotonic()
@@ -173,18 +189,18 @@ def _run_step(ctx: RunContext, step: Step, executors: dict[str, Executor]) -> Ou
     return out
 
 
-def walk(plan: Plan, ctx: RunContext, executors: dict[str, Executor]) -> dict:
+def walk(plan: Plan, ctx: RunContext) -> dict:
     """Carry out `plan` step by step; returns the verdict. Journals ``plan``, then every step by its
     id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
     host, exit status and output tail where it has them); the caller writes the failure verdict
     (it knows what to undo) and, on success, journals the verdict it returns."""
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids()})
-    verdict = run_steps(plan.steps, ctx, executors)
+    verdict = run_steps(plan.steps, ctx)
     verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))
     return verdict
 
 
-def run_steps(steps: list[Step], ctx: RunContext, executors: dict[str, Executor], *, progress: bool = True) -> dict:
+def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> dict:
     """Walk `steps` (consecutive steps of one parallel group together, every outcome of a batch
     collected and journalled before deciding); returns what they verified and could not."""
     j = ctx.journal
@@ -200,11 +216,11 @@ def run_steps(steps: list[Step], ctx: RunContext, executors: dict[str, Executor]
         t_batch = time.monotonic()
         if len(batch) == 1:
             try:
-                results: dict = {batch[0]: _run_step(ctx, batch[0], executors)}
+                results: dict = {batch[0]: _run_step(ctx, batch[0])}
             except Exception as exc:  # noqa: BLE001 - journalled, then re-raised
                 results = {batch[0]: exc}
         else:
-            results = run_parallel(batch, lambda s: _run_step(ctx, s, executors))
+            results = run_parallel(batch, lambda s: _run_step(ctx, s))
         inside = max((ctx.data.pop(("took", s.name), 0.0) for s in batch), default=0.0)
         first: Exception | None = None
         failed = [s.name for s, r in results.items() if isinstance(r, Exception)]

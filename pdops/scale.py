@@ -30,6 +30,11 @@ import re
 import time
 from dataclasses import dataclass, field
 
+# imported for their step kinds' executors too (pdops.runner.EXECUTORS): a change walks them
+import pdops.admission_ops  # noqa: F401
+import pdops.deploy  # noqa: F401
+import pdops.drain  # noqa: F401
+import pdops.repair  # noqa: F401
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.admission import health_pause_command
 from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed, Unverified
@@ -37,8 +42,8 @@ from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement, gpu_slots, last_bootstrap_ports, make_instance
-from pdops.render import RenderedFile, files_of, manifest, render_files, snapshot_of, snapshot_subset
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, run_steps, walk
+from pdops.render import RenderedFile, files_of, manifest, render_files, snapshot_of
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, run_steps, walk
 from pdops.state import Revision, StateDir, new_op_id
 from pdops.topology import Topology
 
@@ -322,7 +327,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         new_mf = manifest(files)
     # surge: a role whose every instance is replaced with nothing left serving, or --max-unavailable 0
     surge: list[tuple[str, str]] = []
-    role_n = {r: len(target_pl.role(r)) for r in ROLES}
     replaced_by_role = {r: [i for i in target_pl.role(r) if i.id in why] for r in ROLES}
     for role in ROLES:
         reps = replaced_by_role[role]
@@ -675,7 +679,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
 
         return [verify_running_step(tgt, inv),
                 Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
-                     f"{', '.join(plan.cordoned) or 'none'}; move `current` to it")]
+                     f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale")]
     # instances that take GPUs a removed one holds are checked after that one is drained (its ports
     # and GPUs are busy now, by design): preflight checks the others
     later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why and not s.why.startswith("surge")}
@@ -746,7 +750,8 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         out.append(Step("admission-reload", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: old "
                         "workers finish their streams); the master MainPID must stay", 60, kind="admission-reload"))
     out.append(verify_running_step(tgt, inv))
-    out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it"))
+    out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
+                    kind="record-scale"))
     return out
 
 
@@ -897,18 +902,9 @@ def _partial_targets(ctx: RunContext, rev: Revision) -> None:
     ctx.journal.step(ctx.op, "prometheus-targets", "ok" if ok else "unverified", {**ev, "notes": ok + no})
 
 
-def executors() -> dict:
-    from pdops import deploy as dep
-    from pdops import drain as dr
-
-    from pdops import admission_ops
-
-    from pdops.repair import do_lost_work
-
-    return {**dep.EXECUTORS, **dr.EXECUTORS, **admission_ops.EXECUTORS, "record": do_record_scale,
-            "lost-work": do_lost_work,
-            "deliver-wave": do_deliver_wave,
-            "gateway-restart": do_gateway_restart}
+# the kinds made here; a change also walks deploy's, drain's, repair's and the admission layer's
+# kinds, registered by those modules (imported at the top of this one)
+register_executors({"record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart})
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -933,7 +929,7 @@ def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, p
                                                                "replacing": {i.id for i in plan.replaced},
                                                                "target": plan.target})
     try:
-        verdict = walk(plan.plan, ctx, executors())
+        verdict = walk(plan.plan, ctx)
     except PdopsError as exc:
         d = ctx.data
         verdict_text = _fail(plan, ctx, exc, d.get("started_instances", {}), d.get("healthy", set()),
@@ -1038,7 +1034,7 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
             continue
         try:
             run_steps(undo_steps(inst, plan, registered=iid in posted, listened=iid in healthy,
-                                 worker_id=workers.get(iid)), ctx, executors(), progress=False)
+                                 worker_id=workers.get(iid)), ctx, progress=False)
             undone.append(f"{iid} (drained and stopped, verified)" if iid in posted
                           else f"{iid} (never registered; stopped, verified)")
         except PdopsError as e2:

@@ -97,7 +97,7 @@ def test_a_spare_pair_takes_free_gpus_and_touches_nothing_of_the_revision(lab_in
                    for f in plan.files)  # a host the revision uses keeps its own
     names = [s.name for s in plan.steps]
     assert names[:2] == ["connect", "preflight"] and "probe-requests" in names
-    assert not any(s.kind in ("register", "leave-gateway", "record") for s in plan.steps)
+    assert not any(s.kind in ("register", "leave-gateway", "record-scale", "record-deploy") for s in plan.steps)
     back = [s.kind for s in pr.restore_steps(plan)]
     assert back[-2:] == ["probe-remove-files", "probe-verify-baseline"] and back.count("verify-stop") == 2
 
@@ -111,7 +111,7 @@ def test_probing_a_serving_pair_drains_it_and_the_way_back_is_a_recorded_change(
     assert kinds.count("leave-gateway") == 2 and kinds.index("leave-gateway") < kinds.index("start")
     assert "register" not in kinds
     back = pr.change_after(plan, keep=False)
-    assert sorted(i.id for i in back.replaced) == ["d01", "p02"] and back.run[-1].kind == "record"
+    assert sorted(i.id for i in back.replaced) == ["d01", "p02"] and back.run[-1].kind == "record-scale"
     assert all(s.name.startswith("restore: ") for s in back.run)
     kept = pr.change_after(plan, keep=True)
     assert any("16384" in f.content for f in kept.files if "p02" in f.path and f.path.endswith(".sh"))

@@ -17,9 +17,9 @@ class LocalConn(Context):
 
 
 def test_step_prints_host_and_budget():
-    assert str(Step("stop", "h3", "systemctl stop pdops-p07.service", 120)) == \
+    assert str(Step("stop", "h3", "systemctl stop pdops-p07.service", 120, kind="stop")) == \
         "[h3] stop: systemctl stop pdops-p07.service (within 120s)"
-    assert str(Step("plan", None, "compute")) == "plan: compute"
+    assert str(Step("plan", None, "compute", kind="plan")) == "plan: compute"
 
 
 def test_run_remote_ok_and_failure_carries_evidence():
@@ -76,18 +76,29 @@ from pdops.runner import DeadlineExceeded, Outcome, Plan, RunContext, walk  # no
 from pdops.state import StateDir  # noqa: E402
 
 
+@pytest.fixture
+def registry(monkeypatch):
+    """The runner's one registry, emptied for the test: it registers the kinds it walks."""
+    import pdops.runner as runner
+
+    table: dict = {}
+    monkeypatch.setattr(runner, "EXECUTORS", table)
+    return table
+
+
 def _ctx(tmp_path, said=None):
     return RunContext(inv=None, state=StateDir("t", tmp_path / "state"), op="op-1",
                       say=(said.append if said is not None else (lambda s: None)))
 
 
-def test_walk_journals_each_step_by_id_with_target_and_builds_the_verdict_from_outcomes(tmp_path):
+def test_walk_journals_each_step_by_id_with_target_and_builds_the_verdict_from_outcomes(tmp_path, registry):
     plan = Plan("demo", "plan: demo", [Step("a p01", "h1", "first", kind="a", params={"instance": "p01"}),
-                                       Step("b", None, "second")])
+                                       Step("b", None, "second", kind="b")])
     ex = {"a": lambda ctx, s: Outcome(evidence={"x": 1}, verified=["a verified"]),
           "b": lambda ctx, s: Outcome.noop("already done", was=2)}
     ctx = _ctx(tmp_path)
-    v = walk(plan, ctx, ex)
+    registry.update(ex)
+    v = walk(plan, ctx)
     recs = ctx.journal.read("op-1")
     assert [(r["step"], r["status"]) for r in recs] == [("plan", "ok"), ("a p01", "ok"), ("b", "noop")]
     assert recs[0]["evidence"]["steps"] == ["a p01", "b"]
@@ -97,7 +108,7 @@ def test_walk_journals_each_step_by_id_with_target_and_builds_the_verdict_from_o
     assert v["noops"] == ["b: already done"]
 
 
-def test_a_parallel_group_runs_together_collects_every_outcome_then_stops(tmp_path):
+def test_a_parallel_group_runs_together_collects_every_outcome_then_stops(tmp_path, registry):
     started, ran_after = [], []
     together = threading.Barrier(3, timeout=10)  # passes only if the three run at the same time
 
@@ -109,57 +120,81 @@ def test_a_parallel_group_runs_together_collects_every_outcome_then_stops(tmp_pa
         return Outcome()
 
     plan = Plan("demo", "t", [Step(f"s{i}", None, "", kind="step", group="g") for i in range(1, 4)]
-                + [Step("after", None, "")])
+                + [Step("after", None, "", kind="after")])
     ctx = _ctx(tmp_path)
     with pytest.raises(Unverified) as ei:
-        walk(plan, ctx, {"step": step, "after": lambda c, s: ran_after.append(1)})
+        registry.update({"step": step, "after": lambda c, s: ran_after.append(1)})
+        walk(plan, ctx)
     assert sorted(started) == ["s1", "s2", "s3"] and not ran_after  # stopped at the failed batch
     statuses = {r["step"]: r["status"] for r in ctx.journal.read("op-1")}
     assert statuses == {"plan": "ok", "s1": "ok", "s2": "failed", "s3": "ok"}
     assert "s2 broke" in ei.value.message
 
 
-def test_a_step_past_its_deadline_fails_even_if_its_executor_returns(tmp_path, monkeypatch):
+def test_a_step_past_its_deadline_fails_even_if_its_executor_returns(tmp_path, monkeypatch, registry):
     import pdops.runner as runner
 
     monkeypatch.setattr(runner, "DEADLINE_GRACE_S", 0.0)
-    plan = Plan("demo", "t", [Step("w", None, "", deadline=0.1)])
+    plan = Plan("demo", "t", [Step("w", None, "", deadline=0.1, kind="w")])
     ctx = _ctx(tmp_path)
+    registry["w"] = lambda c, s: _time.sleep(0.3)
     with pytest.raises(DeadlineExceeded):
-        walk(plan, ctx, {"w": lambda c, s: _time.sleep(0.3)})
+        walk(plan, ctx)
     rec = ctx.journal.read("op-1")[-1]
     assert rec["step"] == "w" and rec["status"] == "failed" and "past its deadline of 0.1s" in rec["evidence"]["error"]
 
 
-def test_the_executor_sees_the_deadline_the_plan_printed(tmp_path):
+def test_the_executor_sees_the_deadline_the_plan_printed(tmp_path, registry):
     seen = {}
 
     def ex(ctx, s):
         seen["left"] = ctx.deadline(s) - _time.monotonic()
 
-    walk(Plan("demo", "t", [Step("w", None, "", deadline=30)]), _ctx(tmp_path), {"w": ex})
+    registry["w"] = ex
+    walk(Plan("demo", "t", [Step("w", None, "", deadline=30, kind="w")]), _ctx(tmp_path))
     assert 29 < seen["left"] <= 30
 
 
-def test_a_failed_remote_command_is_journalled_with_host_command_status_and_tail(tmp_path):
+def test_a_failed_remote_command_is_journalled_with_host_command_status_and_tail(tmp_path, registry):
     def ex(ctx, s):
         run_remote(LocalConn(), "echo boom; exit 3")
 
     ctx = _ctx(tmp_path)
+    registry["x"] = ex
     with pytest.raises(RemoteCommandFailed):
-        walk(Plan("demo", "t", [Step("x", "local-test", "")]), ctx, {"x": ex})
+        walk(Plan("demo", "t", [Step("x", "local-test", "", kind="x")]), ctx)
     err = ctx.journal.read("op-1")[-1]["evidence"]["error"]
     assert "local-test: `echo boom; exit 3` exited 3" in err and "boom" in err
 
 
-def test_a_step_kind_without_executor_is_an_error_not_a_skip(tmp_path):
+def test_a_step_kind_without_executor_is_an_error_not_a_skip(tmp_path, registry):
     with pytest.raises(PdopsError, match="no executor for step kind 'nope'"):
-        walk(Plan("demo", "t", [Step("nope", None, "")]), _ctx(tmp_path), {})
+        walk(Plan("demo", "t", [Step("nope", None, "", kind="nope")]), _ctx(tmp_path))
 
 
-def test_what_a_step_could_not_check_is_listed_as_not_verified_never_as_verified(tmp_path):
+def test_a_step_names_its_kind_and_a_kind_has_one_executor(registry):
+    from pdops.runner import register_executors
+
+    with pytest.raises(ValueError, match="step 'start p01' has no kind"):
+        Step("start p01", "h1", "")  # never read from the id
+
+    def one(c, s):
+        return Outcome()
+
+    def other(c, s):
+        return Outcome()
+
+    register_executors({"k": one})
+    register_executors({"k": one})  # the same binding again (a module imported twice) is fine
+    with pytest.raises(RuntimeError, match="step kind 'k' has two executors"):
+        register_executors({"k": other})
+    assert registry == {"k": one}
+
+
+def test_what_a_step_could_not_check_is_listed_as_not_verified_never_as_verified(tmp_path, registry):
     plan = Plan("demo", "t", [Step("gpu", None, "", kind="gpu")])
     ex = {"gpu": lambda c, s: Outcome(verified=["cgroup empty"], unverified=["GPU processes: skipped: no nvidia-smi"])}
-    v = walk(plan, _ctx(tmp_path), ex)
+    registry.update(ex)
+    v = walk(plan, _ctx(tmp_path))
     assert v["verified"] == ["cgroup empty"]
     assert v["unverified"] == ["GPU processes: skipped: no nvidia-smi"]
