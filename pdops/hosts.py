@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -14,6 +15,13 @@ from pdops.errors import Unreachable
 from pdops.facts import systemd as systemd_facts
 from pdops.inventory import Inventory
 from pdops.runner import run_remote
+
+# A host that accepts TCP on its SSH port but does not speak SSH (sshd past MaxStartups, a load
+# balancer) fails paramiko's handshake in its transport thread, which logs the traceback at
+# ERROR; with no handler configured, Python's last-resort handler prints it on the operator's
+# terminal before pdops's own message. pdops reports the failure itself (Unreachable, with
+# paramiko's one-line reason), so paramiko's records stop here unless logging is configured.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class HostPool:
@@ -30,7 +38,8 @@ class HostPool:
                 h = self.inv.host(host)
                 key = self.inv.vars.get("ansible_ssh_private_key_file")
                 kwargs: dict = {"key_filename": str(key), "look_for_keys": False, "allow_agent": False} if key else {}
-                self._conns[host] = Connection(h.ssh_addr, user=str(self.inv.vars.get("ansible_user", "root")),
+                self._conns[host] = Connection(h.ssh_addr, port=h.ssh_port,
+                                               user=str(self.inv.vars.get("ansible_user", "root")),
                                                config=Config(overrides={"load_ssh_configs": not key}),
                                                connect_kwargs=kwargs, connect_timeout=10)
             return self._conns[host]

@@ -54,6 +54,7 @@ class Host:
     gpu_model: str
     gpu_memory_gib: float
     nics: tuple[Nic, ...]
+    ssh_port: int = 22  # ansible_port: Ansible and pdops's own SSH use the same one
 
     def nic_for_gpu(self, gpu: int) -> Nic:
         for nic in self.nics:
@@ -424,7 +425,12 @@ def _parse_host(name: str, hv: dict) -> Host:
     if missing:
         raise InvalidInput(f"{where}.pdops_nics", f"GPU(s) {missing} have no RDMA device mapped",
                            fix="add each GPU index to the `gpus` list of the NIC that serves it")
-    return Host(name, ssh, data, count, model, float(mem), tuple(nics))
+    port = hv.get("ansible_port", 22)
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidInput(f"{where}.ansible_port", f"{port!r} is not a TCP port", fix="the host's SSH port, e.g. 22")
+    return Host(name, ssh, data, count, model, float(mem), tuple(nics), port)
 
 
 def load_profile(name: str, base_dir: Path | None = None) -> Profile:
