@@ -325,18 +325,25 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             for i in target_pl.instances))
         files = render_files(inv, target_pl)
         new_mf = manifest(files)
-    # surge: a role whose every instance is replaced with nothing left serving, or --max-unavailable 0
+    # surge: a role whose every instance is replaced with nothing left serving, or --max-unavailable 0.
+    # An instance the change adds on free GPUs (no removed instance holds them) is started and
+    # registered before any replacement (the step order below), so it serves through them: it
+    # counts, and the replacements go in place after it instead of surging.
     surge: list[tuple[str, str]] = []
     replaced_by_role = {r: [i for i in target_pl.role(r) if i.id in why] for r in ROLES}
+    leaving = [r for r in cur_pl.instances if r.id not in tgt_ids]
     for role in ROLES:
         reps = replaced_by_role[role]
         if not reps:
             continue
         existing = [i for i in target_pl.role(role) if i.id in cur_by_id]
-        if max_unavailable >= 1 and (len(existing) > 1 or force):
+        added_first = [i for i in target_pl.role(role) if i.id not in cur_by_id and not any(
+            _gpu_set(i) & _gpu_set(r) or _slot_key(i) == _slot_key(r) for r in leaving)]
+        serving = len(existing) + len(added_first)
+        if max_unavailable >= 1 and (serving > 1 or force):
             continue
         if snapshot is not None:
-            if force or max_unavailable >= 1 and len(existing) > 1:
+            if force or max_unavailable >= 1 and serving > 1:
                 continue
             raise Refused(f"returning to the recorded files replaces {', '.join(i.id for i in reps)}, the only "
                           f"{role} instance(s): that would leave no serving {role}",

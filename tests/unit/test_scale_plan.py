@@ -265,6 +265,21 @@ def test_a_lone_instance_with_no_room_to_surge_needs_force(fleet, state, tmp_pat
     assert plan.min_capacity()[0] == 0 and "p01" in ids(plan.replaced)
 
 
+def test_an_added_instance_serves_while_the_lone_old_one_is_replaced_in_place(state, tmp_path, repo):
+    """1p2d with a bundle change, scaled to 2p2d on a 4-slot lab: no free slot is left for a surge,
+    but p02 is added on free GPUs first, so p01 is replaced in place after p02 is registered and a
+    prefill serves at every step (this was refused: 'no free slot to start a replacement first')."""
+    deployed(lab_inv_4(repo, tmp_path), state, "1p2d")
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=16), name="b")
+    plan = sc.plan_apply(inv, parse_topology("2p2d"), state)
+    assert ids(plan.added) == ["p02"] and sorted(ids(plan.replaced)) == ["d01", "d02", "p01"] and not plan.surge
+    assert plan.min_capacity()[0] >= 1 and plan.min_capacity()[1] >= 1
+    names = plan.plan.step_ids()
+    assert names.index("register p02") < names.index("replace p01: leave-gateway"), names
+    # (with nothing added first the lone prefill cannot keep serving: refused, as
+    # test_a_lone_instance_with_no_room_to_surge_needs_force shows)
+
+
 def lab_inv_4(repo, tmp_path):
     return variant(repo, tmp_path, lambda doc, d: None, name="a")
 
