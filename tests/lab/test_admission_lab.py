@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -34,21 +32,6 @@ KEY_C = "pdops-lab-key-C-" + "c" * 16
 CAP, QUEUE = 2, 8
 STEP_MS = "10"
 
-# Until tasks.py registers the admission collections, run the real tasks through a scratch
-# collection that adds exactly the lines the lead adds (see docs/admission.md).
-SCRATCH = '''
-import sys
-sys.path.insert(0, {repo!r})
-from invoke import Collection
-import tasks
-import pdops.cli.admission, pdops.cli.admission_ops
-ns = tasks.ns
-if "audit" not in ns.collections:
-    ns.add_collection(Collection.from_module(pdops.cli.admission), name="audit")
-if "admission" not in ns.collections:
-    ns.add_collection(Collection.from_module(pdops.cli.admission_ops), name="admission")
-'''
-
 
 def write_keys(path: Path, *keys: str) -> None:
     tmp = path.with_name(path.name + ".new")
@@ -65,9 +48,6 @@ def cluster(lab, tmp_path_factory):
     root = tmp_path_factory.mktemp("admission")
     keys = root / "admission.keys"
     write_keys(keys, KEY_A)
-    scratch = root / "cli"
-    scratch.mkdir()
-    (scratch / "pdops_admission_tasks.py").write_text(SCRATCH.format(repo=str(REPO)))
 
     def add_admission(doc):
         doc["all"]["vars"]["pdops_admission"] = {"port": 18080, "cap": CAP, "queue": QUEUE, "queue_timeout_s": 60,
@@ -77,12 +57,7 @@ def cluster(lab, tmp_path_factory):
                                 profile={"env": {**base_env, "PDOPS_SIM_DECODE_STEP_MS": STEP_MS}})
 
     def cli(*args, timeout=600):
-        import tasks
-        if {"audit", "admission"} <= set(tasks.ns.collections):
-            return inv_cmd(*args, timeout=timeout)
-        return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(scratch),
-                               "--collection", "pdops_admission_tasks", *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return inv_cmd(*args, timeout=timeout)
 
     proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
