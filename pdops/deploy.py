@@ -74,14 +74,15 @@ class DeployPlan:
 
     @property
     def plan(self) -> Plan:
+        rescue = [undo_register_step(fresh=self.previous is None and self.live is None)]
         if self.live is not None:
             return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology),
                                                                 "repair_of": self.live.number,
                                                                 "findings": self.findings},
-                        footer=["verified at the end: what each repair step proved"])
+                        footer=["verified at the end: what each repair step proved"], rescue=rescue)
         return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology)},
                     footer=["verified at the end: what each step above proved; anything it could not check is "
-                            "listed as not verified"])
+                            "listed as not verified"], rescue=rescue)
 
     def render(self) -> str:
         if self.noop:
@@ -731,11 +732,43 @@ def configs_of(running: dict) -> dict[str, str]:
     return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
 
 
+def undo_register_step(*, fresh: bool) -> Step:
+    """A deploy's rescue: what it registered but cannot record leaves the gateway."""
+    return Step("undo-register", None, "remove from the gateway (and its start-up list) every instance this deploy "
+                "registered that was not verified healthy" + (", and on this fresh cluster every one it registered "
+                "(no revision will describe them)" if fresh else "") + "; the units it started are left running "
+                "for inspection", 60, kind="undo-register", params={"fresh": fresh})
+
+
+def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
+    workers = ctx.data.get("workers", {})
+    posted = ctx.data.get("posted", set())
+    if not posted:
+        return Outcome.noop("this deploy registered nothing")
+    fresh = step.params["fresh"]
+    pl = _placement_of(ctx)
+    bad = [pl.get(i) for i in posted if i not in workers]
+    undone = _undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
+    # what the gateway no longer serves leaves its start-up list too (a restart must not revive it)
+    drop = [i.id for i in bad] + ([i for i in workers] if fresh else [])
+    if drop:
+        try:
+            undone["gateway_list"] = membership.listed_ids(membership.update(ctx.pool, ctx.inv, remove=drop))
+        except PdopsError as e:
+            undone["left"].append(f"gateway start-up list not updated: {e.message}")
+    if undone["left"]:
+        exc = Unverified("the deploy's registrations were not all undone", evidence="\n".join(undone["left"]))
+        exc.journal_evidence = undone
+        raise exc
+    return Outcome(evidence=undone)
+
+
 # the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
 register_executors({"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
           "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
           "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
-          "record-repair": do_record_repair, "verify-running": do_verify_running})
+          "record-repair": do_record_repair, "verify-running": do_verify_running,
+          "undo-register": do_undo_register})
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
@@ -754,28 +787,14 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
         try:
             verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
-            _deploy_failed(ctx, exc, fresh=plan.previous is None)
+            _deploy_failed(ctx, exc)
             raise
         state.journal().step(op, "verdict", "ok", verdict)
         return verdict
 
 
-def _deploy_failed(ctx: RunContext, exc: PdopsError, *, fresh: bool) -> None:
-    """The failure verdict: remove what was registered but cannot be recorded, say what runs."""
-    workers = ctx.data.get("workers", {})
-    posted = ctx.data.get("posted", set())
-    if posted:
-        pl = _placement_of(ctx)
-        bad = [pl.get(i) for i in posted if i not in workers]
-        undone = _undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
-        # what the gateway no longer serves leaves its start-up list too (a restart must not revive it)
-        drop = [i.id for i in bad] + ([i for i in workers] if fresh else [])
-        if drop:
-            try:
-                undone["gateway_list"] = membership.listed_ids(membership.update(ctx.pool, ctx.inv, remove=drop))
-            except PdopsError as e:
-                undone["left"].append(f"gateway start-up list not updated: {e.message}")
-        ctx.journal.step(ctx.op, "undo-register", "ok" if not undone["left"] else "failed", undone)
+def _deploy_failed(ctx: RunContext, exc: PdopsError) -> None:
+    """The failure verdict (after the plan's rescue ran): what runs, what is current."""
     started = ctx.data.get("started", [])
     current = ctx.state.current()
     ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render(), "left_running": started,

@@ -98,6 +98,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     head: dict = field(default_factory=dict)
     footer: list[str] = field(default_factory=list)
+    # what runs when a step fails, in order, before the failure is raised: each rescue step reads
+    # what the walk did (the context), is journalled by its id, and never hides the failure
+    rescue: list[Step] = field(default_factory=list)
 
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
@@ -105,6 +108,9 @@ class Plan:
     def render(self) -> str:
         lines = [self.title]
         lines += [f"  {n:2d}. {s.line()}" for n, s in enumerate(self.steps, 1)]
+        if self.rescue:
+            lines.append("  if a step fails, then (rescue), and the failure is reported:")
+            lines += [f"  R{n}. {s.line()}" for n, s in enumerate(self.rescue, 1)]
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -194,10 +200,36 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
     host, exit status and output tail where it has them); the caller writes the failure verdict
     (it knows what to undo) and, on success, journals the verdict it returns."""
-    ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids()})
-    verdict = run_steps(plan.steps, ctx)
+    ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
+                                            **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {})})
+    try:
+        verdict = run_steps(plan.steps, ctx)
+    except Exception:
+        if plan.rescue:
+            run_rescue(plan.rescue, ctx)
+        raise
     verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))
     return verdict
+
+
+def run_rescue(steps: list[Step], ctx: RunContext) -> None:
+    """A failed walk's rescue steps, each journalled by its id (ok, noop or failed); a rescue step
+    that fails is journalled and said, and the next one still runs: the walk's own failure is
+    what the caller raises."""
+    for n, step in enumerate(steps, 1):
+        ctx.say(f"[rescue {n}/{len(steps)}] {step.name}")
+        target = {"target": step.host, **({"instance": step.instance} if step.instance else {})}
+        try:
+            r = _run_step(ctx, step)
+        except Exception as exc:  # noqa: BLE001 - journalled; the original failure is raised
+            err = exc.render() if isinstance(exc, PdopsError) else f"{type(exc).__name__}: {exc}"
+            ctx.journal.step(ctx.op, step.name, "failed",
+                             {**target, "error": err, **(getattr(exc, "journal_evidence", None) or {})})
+            ctx.say(f"  {step.name} failed: {err.splitlines()[0]}")
+            continue
+        ctx.journal.step(ctx.op, step.name, r.status, {**target, **r.evidence})
+        if r.status == "noop":
+            ctx.say(f"  {step.name}: nothing to do: {r.reason}")
 
 
 def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> dict:

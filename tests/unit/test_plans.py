@@ -1,5 +1,6 @@
 """Plans as data, with no host: each file in tests/data/plans/ is (inventory, recorded revision,
-observation, request) -> the exact step ids the runner will walk, parallel groups as lists.
+observation, request) -> the exact step ids the runner will walk, parallel groups as lists, and its rescue
+steps (`rescue:`, what runs if a step fails).
 `observed:` is what the hosts and the gateway report, where the operation decides from it:
 repair's status rows, a live deploy's units and workers, a stop's recorded survivors. Adding a
 case is adding a file. The lab test (tests/lab/test_runner_lab.py) checks that a real run's
@@ -166,6 +167,7 @@ def test_plan_is_exactly_the_steps_in_the_case_file(case_file, tmp_path, monkeyp
     case = yaml.safe_load(case_file.read_text())
     plan = make_plan(case, StateDir("lab", tmp_path / "state"), tmp_path, monkeypatch)
     assert grouped_ids(plan) == case["steps"]
+    assert [s.name for s in plan.rescue] == case.get("rescue", [])  # what runs if a step fails
 
 
 @pytest.mark.parametrize("case_file", CASES, ids=[c.stem for c in CASES])

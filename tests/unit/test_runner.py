@@ -198,3 +198,31 @@ def test_what_a_step_could_not_check_is_listed_as_not_verified_never_as_verified
     v = walk(plan, _ctx(tmp_path))
     assert v["verified"] == ["cgroup empty"]
     assert v["unverified"] == ["GPU processes: skipped: no nvidia-smi"]
+
+
+def test_a_failed_walk_runs_the_plans_rescue_journals_it_and_raises_the_failure(tmp_path, registry):
+    ran = []
+    registry.update({
+        "ok": lambda c, s: Outcome(),
+        "boom": lambda c, s: (_ for _ in ()).throw(Unverified("step two broke")),
+        "undo": lambda c, s: ran.append(s.name) or Outcome(evidence={"removed": ["p01"]}),
+        "undo-bad": lambda c, s: (_ for _ in ()).throw(Unverified("rescue could not reach the gateway")),
+    })
+    plan = Plan("demo", "plan: demo", [Step("one", None, "", kind="ok"), Step("two", None, "", kind="boom"),
+                                       Step("three", None, "", kind="ok")],
+                rescue=[Step("undo-a", None, "put back", kind="undo-bad"), Step("undo-b", None, "remove", kind="undo")])
+    assert "if a step fails, then (rescue)" in plan.render() and "  R2. undo-b — remove" in plan.render()
+    ctx = _ctx(tmp_path)
+    with pytest.raises(Unverified, match="step two broke"):  # the walk's failure, not the rescue's
+        walk(plan, ctx)
+    assert ran == ["undo-b"]  # the second rescue step ran although the first failed
+    recs = ctx.journal.read("op-1")
+    assert recs[0]["evidence"]["rescue"] == ["undo-a", "undo-b"]
+    assert [(r["step"], r["status"]) for r in recs[1:]] == [("one", "ok"), ("two", "failed"), ("undo-a", "failed"),
+                                                          ("undo-b", "ok")]
+    assert recs[-1]["evidence"]["removed"] == ["p01"]
+    # a walk that succeeds runs no rescue
+    ran.clear()
+    ok = Plan("demo", "t", [Step("one", None, "", kind="ok")], rescue=[Step("undo-b", None, "", kind="undo")])
+    walk(ok, _ctx(tmp_path / "2"))
+    assert ran == []
