@@ -320,3 +320,23 @@ def test_a_bundle_that_fails_to_start_halts_and_rollback_restores_the_recorded_f
     again = cli(inv_dir, "deploy", "--topology", "2p2d", "--dry-run")
     assert again.returncode == 0 and "replaced: p01" in again.stdout
     stop_all(lab)
+
+
+def test_an_added_instance_serves_while_the_lone_old_one_is_replaced(lab, tmp_path):
+    """1p2d, a bundle change, and `inv scale --topology 2p2d` on the 4-host lab: no free host is
+    left for a surge, but p02 is added first on the free one and counts, so p01 is replaced in place
+    after p02 is registered; under load, a prefill serves at every step and no request is lost."""
+    stop_all(lab)
+    inv_dir = derived_inventory(lab, tmp_path / "addfirst", profile={})
+    proc = cli(inv_dir, "deploy", "--topology", "1p2d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    set_bundle(inv_dir, max_running_requests=32)
+    out, load = changed(inv_dir, "scale", "--topology", "2p2d")
+    assert "added:   p02" in out and "replaced: p01" in out, out
+    assert {i: d["max_running_requests"] for i, d in server_info(inv_dir).items()} == \
+        {"p01": 32, "p02": 32, "d01": 32, "d02": 32}
+    st = record(inv_dir)
+    steps = [r["step"] for r in st.journal().read(st.journal().operations()[-1])]
+    assert steps.index("register p02") < steps.index("replace p01: leave-gateway"), steps
+    assert len(load.rows) >= 6
+    stop_all(lab)
