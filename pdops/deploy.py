@@ -74,7 +74,8 @@ class DeployPlan:
 
     @property
     def plan(self) -> Plan:
-        rescue = [undo_register_step(fresh=self.previous is None and self.live is None)]
+        rescue = [undo_register_step(fresh=self.previous is None and self.live is None,
+                                     instances=len(self.placement.instances))]
         if self.live is not None:
             return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology),
                                                                 "repair_of": self.live.number,
@@ -732,12 +733,13 @@ def configs_of(running: dict) -> dict[str, str]:
     return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
 
 
-def undo_register_step(*, fresh: bool) -> Step:
-    """A deploy's rescue: what it registered but cannot record leaves the gateway."""
+def undo_register_step(*, fresh: bool, instances: int) -> Step:
+    """A deploy's rescue: what it registered but cannot record leaves the gateway. Its budget: each
+    removal waits up to 30 s for the gateway to stop listing the worker, one at a time."""
     return Step("undo-register", None, "remove from the gateway (and its start-up list) every instance this deploy "
                 "registered that was not verified healthy" + (", and on this fresh cluster every one it registered "
                 "(no revision will describe them)" if fresh else "") + "; the units it started are left running "
-                "for inspection", 60, kind="undo-register", params={"fresh": fresh})
+                "for inspection", 60 + 35 * instances, kind="undo-register", params={"fresh": fresh})
 
 
 def do_undo_register(ctx: RunContext, step: Step) -> Outcome:

@@ -54,7 +54,9 @@ class Host:
     gpu_model: str
     gpu_memory_gib: float
     nics: tuple[Nic, ...]
-    ssh_port: int = 22  # ansible_port: Ansible and pdops's own SSH use the same one
+    # ansible_port, where set: Ansible and pdops's own SSH use the same one. None: as Ansible does,
+    # the ssh_config's Port for the host, else 22
+    ssh_port: int | None = None
 
     def nic_for_gpu(self, gpu: int) -> Nic:
         for nic in self.nics:
@@ -425,10 +427,10 @@ def _parse_host(name: str, hv: dict) -> Host:
     if missing:
         raise InvalidInput(f"{where}.pdops_nics", f"GPU(s) {missing} have no RDMA device mapped",
                            fix="add each GPU index to the `gpus` list of the NIC that serves it")
-    port = hv.get("ansible_port", 22)
+    port = hv.get("ansible_port")
     if isinstance(port, str) and port.isdigit():
         port = int(port)
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
         raise InvalidInput(f"{where}.ansible_port", f"{port!r} is not a TCP port", fix="the host's SSH port, e.g. 22")
     return Host(name, ssh, data, count, model, float(mem), tuple(nics), port)
 

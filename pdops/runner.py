@@ -200,6 +200,10 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
     host, exit status and output tail where it has them); the caller writes the failure verdict
     (it knows what to undo) and, on success, journals the verdict it returns."""
+    unknown = sorted({s.kind for s in plan.steps + plan.rescue} - set(EXECUTORS))
+    if unknown:  # before anything runs: a kind whose module was never imported is a pdops bug
+        raise PdopsError(f"no executor for step kind(s) {', '.join(map(repr, unknown))} of the {plan.operation} "
+                         "plan: nothing was run", fix="a pdops bug to report")
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {})})
     try:
@@ -221,6 +225,9 @@ def run_rescue(steps: list[Step], ctx: RunContext) -> None:
         target = {"target": step.host, **({"instance": step.instance} if step.instance else {})}
         try:
             r = _run_step(ctx, step)
+        except KeyboardInterrupt:
+            ctx.journal.step(ctx.op, step.name, "interrupted", {**target, "error": "interrupted by the operator"})
+            raise
         except Exception as exc:  # noqa: BLE001 - journalled; the original failure is raised
             err = exc.render() if isinstance(exc, PdopsError) else f"{type(exc).__name__}: {exc}"
             ctx.journal.step(ctx.op, step.name, "failed",

@@ -164,8 +164,9 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=No
 @task(help={"inventory": "inventory dir or file"})
 @cli_errors
 def verify(c, inventory=DEFAULT_INVENTORY):
-    """Check the current revision on every host, one SSH command each (units, cgroups, 0600 env, ports, memlock,
-    gateway, admission layer), and what runs now against it (MainPIDs, files, the gateway's workers)."""
+    """Check the current revision on every host (units, cgroups, 0600 env, ports, memlock, gateway,
+    admission layer: one SSH command per host), then what runs now against it (MainPIDs, files,
+    the gateway's workers)."""
     from pdops import deploy as dep
     from pdops.inventory import load_inventory
     from pdops.verify import run_verify

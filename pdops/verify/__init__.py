@@ -1,6 +1,7 @@
-"""`inv verify`: the deployed state of the current revision, checked on every host in one SSH
-round trip each (pdops.verify.checks), and what runs now against the revision (pdops.observe:
-units, MainPIDs, the files each process runs, the gateway's workers and start-up list)."""
+"""`inv verify`: the deployed state of the current revision, its host checks read in one SSH
+command per host (pdops.verify.checks), then what runs now against the revision (pdops.observe,
+a few more reads per host: units, MainPIDs, the files each process runs, the gateway's workers
+and start-up list)."""
 
 from __future__ import annotations
 

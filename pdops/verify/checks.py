@@ -290,7 +290,9 @@ def judge(plan: HostPlan, facts: dict, *, virtual: bool) -> list[Check]:
 
 
 def _cgroup_problems(plan: HostPlan, units, procs) -> list[str]:
-    if units is None or not isinstance(procs, dict):
+    if units is None:
+        return ["units unreadable (see the units check)"]
+    if not isinstance(procs, dict):
         return [f"cgroups unreadable: {procs if isinstance(procs, str) else 'no output'}"]
     probs = []
     for u in plan.engine_units:
@@ -305,7 +307,9 @@ def _cgroup_problems(plan: HostPlan, units, procs) -> list[str]:
 
 def _memlock(plan: HostPlan, units, limits, virtual: bool) -> tuple[list[str], str | None]:
     """LimitMEMLOCK=infinity as systemd loaded the unit, and unlimited in the running process."""
-    if units is None or not isinstance(limits, dict):
+    if units is None:
+        return ["units unreadable (see the units check)"], None
+    if not isinstance(limits, dict):
         return [f"limits unreadable: {limits if isinstance(limits, str) else 'no output'}"], None
     probs, lowered = [], []
     for u in plan.engine_units:
@@ -326,16 +330,18 @@ def _memlock(plan: HostPlan, units, limits, virtual: bool) -> tuple[list[str], s
 
 
 def _listening(listeners, raw, wanted) -> list[str]:
+    """Each wanted (what, address, port) reachable: a socket on that address, or a wildcard one
+    (`*`, `0.0.0.0`, `::`) that covers it, as `ss` prints them."""
     if listeners is None:
         return [f"listening sockets unreadable: {raw if isinstance(raw, str) else 'no output'}"]
-    have = {(sock.addr, sock.port) for sock in listeners}
-    return [f"{what}: {port} not listening on {addr}" for what, addr, port in wanted if (addr, port) not in have]
+    return [f"{what}: {port} not listening on {addr}" for what, addr, port in wanted
+            if not port_facts.is_listening(listeners, addr, port)]
 
 
 def _port_problems(plan: HostPlan, listeners, raw) -> list[str]:
     probs = _listening(listeners, raw, plan.listeners)
     if listeners is not None:
-        wild = {sock.port for sock in listeners if sock.is_wildcard}
-        probs += [f"{iid}: {port} listens on every address (0.0.0.0), not only {addr}"
+        wild = {sock.port: sock.addr for sock in listeners if sock.is_wildcard}
+        probs += [f"{iid}: {port} listens on every address ({wild[port]}), not only {addr}"
                   for iid, addr, port in plan.listeners if port in wild]
     return probs

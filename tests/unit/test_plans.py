@@ -201,7 +201,7 @@ def test_every_step_kind_has_an_executor(tmp_path, monkeypatch):
         (tmp_path / case_file.stem).mkdir()
         plan = make_plan(yaml.safe_load(case_file.read_text()), StateDir("lab", tmp_path / case_file.stem / "state"),
                          tmp_path / case_file.stem, monkeypatch)
-        assert {s.kind for s in plan.steps} <= known, case_file.name
+        assert {s.kind for s in plan.steps + plan.rescue} <= known, case_file.name
 
 
 def test_a_scale_step_id_carries_the_instance_so_two_drains_are_told_apart(fleet, tmp_path):

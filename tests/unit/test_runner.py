@@ -167,9 +167,15 @@ def test_a_failed_remote_command_is_journalled_with_host_command_status_and_tail
     assert "local-test: `echo boom; exit 3` exited 3" in err and "boom" in err
 
 
-def test_a_step_kind_without_executor_is_an_error_not_a_skip(tmp_path, registry):
-    with pytest.raises(PdopsError, match="no executor for step kind 'nope'"):
-        walk(Plan("demo", "t", [Step("nope", None, "", kind="nope")]), _ctx(tmp_path))
+def test_a_step_kind_without_executor_is_refused_before_anything_runs(tmp_path, registry):
+    ran = []
+    registry["ok"] = lambda c, s: ran.append(s.name)
+    ctx = _ctx(tmp_path)
+    plan = Plan("demo", "t", [Step("first", None, "", kind="ok"), Step("later", None, "", kind="nope")],
+                rescue=[Step("undo", None, "", kind="nope-either")])
+    with pytest.raises(PdopsError, match="no executor for step kind\\(s\\) 'nope', 'nope-either' .*nothing was run"):
+        walk(plan, ctx)
+    assert ran == [] and ctx.journal.read("op-1") == []
 
 
 def test_a_step_names_its_kind_and_a_kind_has_one_executor(registry):

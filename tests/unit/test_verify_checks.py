@@ -112,7 +112,7 @@ def test_a_healthy_host_passes_every_check(plans):
     ({"env_sha": True}, "env-0600", "differs from the revision"),
     ({"unit_sha": True}, "units", "differs from the revision"),
     ({"no_listen": True}, "ports", "not listening on"),
-    ({"wildcard": True}, "ports", "listens on every address (0.0.0.0)"),
+    ({"wildcard": True}, "ports", "listens on every address (0.0.0.0), not only"),
 ])
 def test_each_fault_fails_the_check_that_owns_it(plans, world, check, says):
     by_host, pl, inv = plans
@@ -169,9 +169,23 @@ def test_the_gateway_and_admission_checks(plans):
     lines = "".join(f"{'600' if p == KEYS_MAP or p.endswith('.env') else '644'} root "
                     f"{'f' * 64 if p == KEYS_MAP else sha}  {p}\n" for p, sha in plan.files.items())
     assert failed(plan, pl, binds=BIND, files=lines) == {}
-    # its bind address not listening
-    bad = failed(plan, pl, binds=BIND, listen=output(plan, pl).split("@@")[0])
-    assert "admission" in bad
+    # its bind address not listening (every other socket there): the admission check alone fails
+    socks = [(a, p) for _, a, p in plan.listeners] + [tuple(plan.gateway_url.split("//", 1)[1].rsplit(":", 1))]
+    listen = "".join(f'LISTEN 0 128 {a}:{p} 0.0.0.0:* users:(("python",pid=1,fd=7))\n' for a, p in socks)
+    bad = failed(plan, pl, binds=BIND, listen=listen)
+    assert bad == {"admission": "admission bind 127.0.10.1:18080: 18080 not listening on 127.0.10.1"}, bad
+
+
+@pytest.mark.parametrize("shown", ["*", "[::]", "0.0.0.0"])
+def test_an_admission_layer_bound_to_every_address_is_listening(plans, shown):
+    """`bind [::]:18080` (dual-stack) is printed by ss as `*:18080`: it serves the bind, so it passes."""
+    by_host, pl, inv = plans
+    plan = by_host[inv.gateway.host]
+    addr = "::" if shown != "0.0.0.0" else "0.0.0.0"
+    socks = [(a, p) for _, a, p in plan.listeners] + [tuple(plan.gateway_url.split("//", 1)[1].rsplit(":", 1))]
+    listen = "".join(f'LISTEN 0 128 {a}:{p} 0.0.0.0:* users:(("python",pid=1,fd=7))\n' for a, p in socks)
+    listen += f'LISTEN 0 128 {shown}:18080 *:* users:(("haproxy",pid=2,fd=7))\n'
+    assert failed(plan, pl, binds=[(addr, 18080)], listen=listen) == {}
 
 
 def test_one_command_per_host_quotes_every_path(plans):
