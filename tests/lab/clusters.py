@@ -78,6 +78,27 @@ def sshd(lab, host: str, verb: str) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    if verb == "start":
+        _wait_ssh_banner(lab.address(host), 30)
+
+
+def _wait_ssh_banner(addr: str, timeout: float) -> None:
+    """Until sshd on `addr` answers with its banner: `systemctl start` can return before a
+    simple-type sshd listens, and the next command would find the port closed."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((addr, 22), timeout=2) as s:
+                if s.recv(64).startswith(b"SSH-"):
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sshd on {addr} did not answer within {timeout:g}s of its start")
+        time.sleep(0.1)
 
 
 def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.CompletedProcess:
