@@ -257,13 +257,22 @@ def hold(a):
     check_dir(d, create=True)
     check_format(d, a.cluster, write=True)
     fd = os.open(os.path.join(d, "lock.flock"), os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        reply({"ok": False, "error": "locked", "holder": lock_doc(d)})
-        return
+    # The holder takes the flock, then writes who it is: a contender in between would name nobody.
+    # So a contender waits (up to 2 s) for a live holder's record, trying the flock again meanwhile
+    # (the holder may also be releasing it).
+    waited_until = time.time() + 2.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        holder = lock_doc(d)
+        if (holder is not None and holder.get("holder_alive")) or time.time() > waited_until:
+            reply({"ok": False, "error": "locked", "holder": holder})
+            return
+        time.sleep(0.05)
     lock_path = os.path.join(d, "lock")
     previous = read_json(lock_path)  # we hold the flock: whoever wrote it is gone without releasing
     me = dict(json.loads(a.holder))

@@ -63,6 +63,34 @@ def test_two_operators_at_once_exactly_one_holds_the_lock_the_other_is_refused_n
     deploy(rec(tmp_path, "bob"))
 
 
+def test_a_contender_between_the_holders_flock_and_its_record_still_names_the_holder(tmp_path, monkeypatch):
+    """The holder takes the flock, then writes who it is. A contender arriving in between used to
+    be refused naming nobody ('locked by None'): it now waits (bounded) for the holder's record."""
+    import fcntl
+    import importlib.util
+    import threading
+
+    deploy(rec(tmp_path, "alice"))  # the shared dir and its format file exist
+    spec = importlib.util.spec_from_file_location("record_hostscript", REPO / "pdops" / "hostscripts" / "record.py")
+    hs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hs)
+    shared = tmp_path / "shared"
+    fd = os.open(shared / "lock.flock", os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: the record is not written yet
+    holder = {"operator": "alice", "machine": "m1", "operation": "drain", "op_id": "drain-x", "taken": "now",
+              "state_pid": os.getpid(), "state_start": hs.proc_start(os.getpid()), "boot_id": hs.boot_id()}
+    writer = threading.Timer(0.5, lambda: hs.atomic_write(str(shared / "lock"), json.dumps(holder)))
+    writer.start()
+    try:
+        monkeypatch.setenv("PDOPS_OPERATOR", "bob")
+        with pytest.raises(Refused) as e:
+            rec(tmp_path, "bob").lock("scale").acquire()
+    finally:
+        writer.join()
+        os.close(fd)
+    assert "locked by alice on m1" in e.value.message and "'drain'" in e.value.message, e.value.message
+
+
 def test_no_write_outside_the_lock(tmp_path):
     r = rec(tmp_path, "alice")
     with pytest.raises(PdopsError, match="outside the cluster lock"):
