@@ -610,8 +610,10 @@ def _instance(ctx: RunContext, step: Step) -> Instance:
 def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
     inst = _instance(ctx, step)
     _drain_state(ctx, inst, step)
-    if step.params.get("in_change"):
-        ctx.data["failed_drain"] = inst.id
+    if step.params.get("in_change"):  # out of service from now on: a halted change's rescue reads this
+        left_ = ctx.data.setdefault("left_gateway", [])
+        if inst.id not in left_:
+            left_.append(inst.id)
     # out of the gateway's start-up list first: a gateway restart from now on does not bring it back
     left = membership.update(ctx.pool, ctx.inv, remove=[inst.id])
     removed = leave_gateway(ctx.gateway, inst, step.params.get("worker_id"), deadline_s=step.deadline)
@@ -737,7 +739,6 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
             out.unverified.append(f"the gateway still lists worker {wid} of {inst.id}: {exc.message}")
     if step.params.get("in_change"):
         ctx.data.setdefault("replaced_out" if step.params.get("old") else "drained", []).append(inst.id)
-        ctx.data["failed_drain"] = None
     return out
 
 

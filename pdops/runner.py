@@ -144,6 +144,7 @@ class RunContext:
     gateway: Any = None
     data: dict = field(default_factory=dict)
     done: list[str] = field(default_factory=list)  # ids of the steps that completed (ok or noop)
+    failure: Exception | None = None  # the step failure a plan's rescue steps answer (set by `walk`)
 
     @property
     def journal(self):
@@ -208,8 +209,9 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {})})
     try:
         verdict = run_steps(plan.steps, ctx)
-    except Exception:
+    except Exception as exc:
         if plan.rescue:
+            ctx.failure = exc
             run_rescue(plan.rescue, ctx)
         raise
     verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))

@@ -37,6 +37,7 @@ import pdops.drain  # noqa: F401
 import pdops.repair  # noqa: F401
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.admission import health_pause_command
+from pdops import membership
 from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed, Unverified
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
@@ -123,7 +124,8 @@ class ScalePlan:
                           "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
                           "replaced": {i.id: self.why[i.id] for i in self.replaced}, "waves": self.waves,
                           "surge": self.surge, "max_unavailable": self.max_unavailable,
-                          "kept": [i.id for i in self.kept], "dip": self.dip})
+                          "kept": [i.id for i in self.kept], "dip": self.dip},
+                    rescue=rescue_steps(self))
 
     @property
     def hosts(self) -> list[str]:
@@ -188,6 +190,10 @@ class ScalePlan:
         for n, st in enumerate(self.run, 1):
             cap = cap_after.get(st.name)
             lines.append(f"    {n:2d}. {st.line()}" + (f" => serving {cap[0]} prefill, {cap[1]} decode" if cap else ""))
+        rescue = rescue_steps(self)
+        if rescue:
+            lines.append("  if a step fails, then (rescue), and the failure is reported:")
+            lines += [f"    R{n}. {st.line()}" for n, st in enumerate(rescue, 1)]
         mp, md = self.min_capacity()
         tp, td = len(self.target.role("prefill")), len(self.target.role("decode"))
         lines.append(f"  lowest capacity during the change: {mp} prefill (old {p0}, new {tp}), "
@@ -930,7 +936,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
 def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, pool: HostPool,
                gateway: GatewayClient) -> dict:
     """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv probe` between its
-    own steps); the verdict, or ScaleFailed with the failure verdict after undoing what it can."""
+    own steps); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
     ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": union_placement(plan), "scale_plan": plan,
                                                                "old_placement": plan.current_placement,
                                                                "replacing": {i.id for i in plan.replaced},
@@ -938,13 +944,10 @@ def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, p
     try:
         verdict = walk(plan.plan, ctx)
     except PdopsError as exc:
-        d = ctx.data
-        verdict_text = _fail(plan, ctx, exc, d.get("started_instances", {}), d.get("healthy", set()),
-                             d.get("posted", set()), d.get("workers", {}), d.get("drained", []),
-                             d.get("failed_drain"))
         if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
             exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
-        exc.message += "\n" + verdict_text
+        exc.message += "\n" + ctx.data.get("halt_verdict", "verdict: the rescue did not finish (see the journal: "
+                                                            f"`inv history --op {op}`); read `inv status`")
         raise exc from None
     ctx.journal.step(op, "verdict", "ok", verdict)
     return verdict
@@ -1019,25 +1022,58 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
                                 extra=extra, snapshot=snap)
 
 
-def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, healthy: set, posted: set,
-          workers: dict, drained: list[str], failed_drain: str | None) -> str:
-    """Undo what this change added but could not finish (through the runner: the drain sub-plan, or
-    the verified stop alone), record what is live, journal and return the verdict."""
-    state, op, client = ctx.state, ctx.op, ctx.gateway
-    j = state.journal()
-    cur = plan.current
-    undone: list[str] = []
-    left: list[str] = []
-    kept_added: dict[str, Instance] = {}
-    registered_ok = {x for x in workers}
-    replaced_out = list(ctx.data.get("replaced_out", []))
+# ---------------------------------------------------------------- a halted change (the plan's rescue)
+#
+# What a failed step leaves is read from what the walk did (the steps that ran) and from what the
+# hosts and the gateway report now; the three rescue steps are declared by the plan and printed by
+# `--dry-run`: R1 undoes what the change added and cannot keep, R2 puts back in service every
+# instance the change took out of the gateway but did not stop, R3 records what runs.
+
+def rescue_steps(plan: ScalePlan) -> list[Step]:
+    """The rescue of a change (pure): which instances each rescue step may touch is decided here;
+    which of them it does touch depends on how far the walk got, and each step names the steps it
+    reads that from."""
+    if plan.noop or not (plan.steps or plan.gateway_restart or plan.admission_reload):
+        return []
+    inv = plan.inv
+    out: list[Step] = []
+    started = [s.instance.id for s in plan.steps if s.kind in ("add", "replace-in")]
+    if started:
+        budget = float(inv.drain_budget_s) + inv.stop_timeout_s + 180
+        out.append(Step("undo-added", None, f"each of {', '.join(started)} that its `start` step started: kept if it "
+                        "serves in place of one already drained or replaced (its `register` step passed), otherwise "
+                        "drained if its `register` step ran (leave the gateway, wait empty, verified stop), else the "
+                        "verified stop alone", budget * len(started), kind="undo-added",
+                        params={"instances": started}))
+    taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
+    if taken_out:
+        out.append(Step("restore-service", inv.gateway.host, f"each of {', '.join(taken_out)} whose `leave-gateway` "
+                        "step ran and whose `stop` step did not: if its units are active and its /health answers, a "
+                        "canary through it and the instances the gateway serves, then registered again and back in "
+                        "the gateway's start-up list; otherwise named out of service",
+                        120 + 60 * len(taken_out), kind="restore-service", params={"instances": taken_out}))
+    out.append(Step("record-halt", None, f"if the walk stopped or replaced an instance: record a `partial` revision "
+                    "that describes what runs (replaced instances by their new files, the others by revision "
+                    f"{plan.current.number}'s), move `current` to it and publish the Prometheus targets; otherwise "
+                    f"revision {plan.current.number} stays current. The verdict names what was replaced, restored, "
+                    "undone and left out of service", 60, kind="record-halt"))
+    return out
+
+
+def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
+    """R1: an added instance that is registered stays only if a drain or a replacement already
+    happened (undoing it would drop capacity further); a replaced instance registered with its new
+    files serves on. Everything else this change started is drained (if registered) or stopped."""
+    plan: ScalePlan = ctx.data["scale_plan"]
+    d = ctx.data
+    started = {i: inst for i, inst in d.get("started_instances", {}).items() if i in step.params["instances"]}
+    workers, posted, healthy = d.get("workers", {}), d.get("posted", set()), d.get("healthy", set())
+    changed = d.get("drained") or d.get("replaced_out")
     replaced_ids = {i.id for i in plan.replaced}
+    kept, undone, left = [], [], []
     for iid, inst in reversed(list(started.items())):
-        # an added instance that is registered and verified stays only if a drain or a replacement
-        # already happened (then undoing it would drop capacity further); otherwise everything added is
-        # undone. A replaced instance registered with its new files serves on: halting keeps it.
-        if (drained or replaced_out or iid in replaced_ids) and iid in registered_ok:
-            kept_added[iid] = inst
+        if (changed or iid in replaced_ids) and iid in workers:
+            kept.append(iid)
             continue
         try:
             run_steps(undo_steps(inst, plan, registered=iid in posted, listened=iid in healthy,
@@ -1046,19 +1082,138 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
                           else f"{iid} (never registered; stopped, verified)")
         except PdopsError as e2:
             left.append(f"{iid}: undo failed: {e2.message}")
-    drained = [d for d in drained if d in {i.id for i in plan.removed}]  # not the undone adds
+    d["halt"] = {**d.get("halt", {}), "kept_added": kept, "undone": undone, "left": left}
+    if not started:
+        return Outcome.noop("no start step ran")
+    if left:
+        exc = Unverified("not every added instance was undone", evidence="\n".join(left))
+        exc.journal_evidence = {"kept": kept, "undone": undone, "left": left}
+        raise exc
+    return Outcome(evidence={"kept": kept, "undone": undone},
+                   verified=[f"undone: {u}" for u in undone] + [f"kept, serving: {k}" for k in kept])
+
+
+def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
+    """R2: an instance out of the gateway whose process was not stopped goes back in service, after
+    a canary through it; one whose units are not active (or whose /health does not answer) is named
+    out of service. Read from systemd, the instance and the gateway now."""
+    from pdops.deploy import canary_pairs, register
+    from pdops.facts.gateway import DRAINING
+    from pdops.gateway import deadline_in
+    from pdops.hosts import http_json
+
+    d = ctx.data
+    stopped = set(d.get("drained", [])) | set(d.get("replaced_out", []))
+    cands = [i for i in step.params["instances"] if i in d.get("left_gateway", []) and i not in stopped]
+    halt = d.setdefault("halt", {})
+    if not cands:
+        return Outcome.noop("no instance left the gateway without being stopped")
+    old: Placement = d["old_placement"]
+    running, down = [], []
+    for iid in cands:
+        inst = old.get(iid)
+        states = [ctx.pool.unit_states(h, [u])[u] for h, u in inst.units]
+        try:
+            health = http_json("GET", f"{inst.url}/health", timeout=5)[0]
+        except PdopsError:
+            health = None
+        (running if all(st.is_active for st in states) and health == 200 else down).append(inst)
+    halt["down"] = [i.id for i in down]
+    deadline = ctx.deadline(step)
+    by_url = {i.url.rstrip("/"): i for i in union_placement(d["scale_plan"]).instances + old.instances}
+    serving_now = [by_url[w.url.rstrip("/")] for w in ctx.gateway.list_workers()
+                   if w.routable and w.url.rstrip("/") in by_url]
+    restored: dict[str, str] = {}
+    failed: list[str] = [f"{i.id}: units not active or /health not answering" for i in down]
+    back = list(running)
+    if back:
+        pairs = []
+        for x in back:
+            for o in serving_now + back:
+                if o.role != x.role and o.id != x.id:
+                    pair = (x, o) if x.role == "prefill" else (o, x)
+                    if pair not in pairs:
+                        pairs.append(pair)
+        if pairs:
+            try:
+                canary_pairs(pairs, ctx.say, retry_once=True, deadline_s=max(deadline - time.monotonic(), 30))
+            except PdopsError as exc:
+                failed += [f"{x.id}: canary failed: {exc.message}" for x in back]
+                back = []
+    for x in back:
+        try:
+            for w in ctx.gateway.list_workers():  # the drain's removal may still be settling
+                if w.url.rstrip("/") == x.url.rstrip("/") and w.status == DRAINING:
+                    ctx.gateway.wait_worker_gone(w.id, deadline_in(max(deadline - time.monotonic(), 10)))
+            restored[x.id] = register(ctx.gateway, x, ctx.say, max(deadline - time.monotonic(), 15))
+        except PdopsError as exc:
+            failed.append(f"{x.id}: not registered again: {exc.message}")
+    if restored:
+        membership.update(ctx.pool, ctx.inv, add=[old.get(i) for i in restored])
+        d.setdefault("workers", {}).update(restored)
+    halt["restored"] = sorted(restored)
+    halt["not_restored"] = failed
+    ev = {"restored": restored, "not_restored": failed}
+    if failed and not restored:
+        exc = Unverified("no instance taken out of the gateway could be put back", evidence="\n".join(failed))
+        exc.journal_evidence = ev
+        raise exc
+    return Outcome(evidence=ev, verified=[f"{i} back in service: canaried, registered (worker {w}), in the "
+                                          "gateway's start-up list" for i, w in restored.items()],
+                   unverified=[f"not back in service: {f}" for f in failed])
+
+
+def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
+    """R3: what runs after the rescue, recorded (a `partial` revision when something was stopped or
+    replaced), and the failure verdict journalled."""
+    plan: ScalePlan = ctx.data["scale_plan"]
+    exc = ctx.failure
+    err = exc if isinstance(exc, PdopsError) else PdopsError(f"{type(exc).__name__}: {exc}")
+    d = ctx.data
+    halt = d.setdefault("halt", {})
+    removed_ids = {i.id for i in plan.removed} | {i.id for i in plan.replaced}
+    drained = [i for i in d.get("drained", []) if i in removed_ids]
+    replaced_out = list(d.get("replaced_out", []))
+    down = list(halt.get("down", []))
+    restored = list(halt.get("restored", []))
+    out_of_gateway = [i for i in d.get("left_gateway", []) if i not in drained and i not in replaced_out
+                      and i not in down and i not in restored]
     if replaced_out:
-        return _fail_rolling(plan, ctx, exc, kept_added, drained, replaced_out, undone, left)
-    if not drained:
+        verdict, rev = _halt_rolling(plan, ctx, err, drained + down, replaced_out)
+    elif drained or down:
+        verdict, rev = _halt_partial(plan, ctx, err, drained + down)
+    else:
         live = [i.id for i in plan.current_placement.instances]
-        verdict = (f"verdict: the change stopped; current revision unchanged: {cur.number} ({cur.topology}); "
-                   f"live now: {', '.join(live)}; undone: {', '.join(undone) or 'nothing was started'}")
-        if left:
-            verdict += "; NOT undone: " + "; ".join(left)
-        j.step(op, "verdict", "failed", {"error": exc.render(), "current": cur.number, "live": live,
-                                         "undone": undone, "left": left})
-        return verdict
-    # Something was drained: the old revision no longer describes the hosts. Record what is live.
+        verdict, rev = (f"verdict: the change stopped; current revision unchanged: {plan.current.number} "
+                        f"({plan.current.topology}); live now: {', '.join(live)}"), None
+    verdict += f"; undone: {', '.join(halt.get('undone', [])) or 'nothing was started'}"
+    if restored:
+        verdict += f"; back in service (were out of the gateway, never stopped): {', '.join(restored)}"
+    if down:
+        verdict += f"; out of service (left the gateway, not running now): {', '.join(down)}"
+    if out_of_gateway:
+        verdict += (f"; OUT OF THE GATEWAY but running, not restored: {', '.join(out_of_gateway)} "
+                    "(`inv deploy` puts them back)")
+    if halt.get("left"):
+        verdict += "; NOT undone: " + "; ".join(halt["left"])
+    d["halt_verdict"] = verdict
+    ctx.journal.step(ctx.op, "verdict", "failed", {
+        "error": err.render(), "current": rev.number if rev else plan.current.number, "partial": rev is not None,
+        "live": sorted(rev.instances) if rev else [i.id for i in plan.current_placement.instances],
+        "replaced": halt.get("replaced", []), "out_of_service": halt.get("out_of_service", []) + down,
+        "restored": restored, "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []),
+        "left": halt.get("left", [])})
+    if rev is None:
+        return Outcome.noop(f"nothing was stopped or replaced: revision {plan.current.number} stays current")
+    return Outcome(evidence={"revision": rev.number, "partial": True},
+                   verified=[f"revision {rev.number} (partial) recorded and current"])
+
+
+def _halt_partial(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: list[str]):
+    """Something was drained (or is down): the old revision no longer describes the hosts."""
+    halt = ctx.data["halt"]
+    kept_added = set(halt.get("kept_added", []))
+    cur = plan.current
     live_insts = [i for i in plan.current_placement.instances if i.id not in drained]
     live_insts += [i for i in plan.target.instances if i.id in kept_added]
     order = {i.id: n for n, i in enumerate(plan.target.instances)}
@@ -1066,44 +1221,33 @@ def _fail(plan: ScalePlan, ctx: RunContext, exc: PdopsError, started: dict, heal
     pl = Placement(Topology(sum(i.role == "prefill" for i in live_insts), sum(i.role == "decode" for i in live_insts)),
                    tuple(live_insts))
     all_mf = manifest(render_files(plan.inv, pl))
-    wk: dict[str, str | None] = dict(workers)
-    if failed_drain:
-        try:
-            ws = [w for w in client.list_workers() if w.url == plan.current_placement.get(failed_drain).url]
-            wk[failed_drain] = ws[0].id if ws else None
-        except PdopsError:
-            wk[failed_drain] = None
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
-                               manifest=all_mf, instances=_instances_doc(plan, pl, wk), outcome="partial", op_id=op,
-                               extra={"scale_failed": exc.message, "from_revision": cur.number,
-                                      "target": str(plan.target.topology), "drained": drained,
-                                      "gateway": plan.inv.gateway.url,
-                                      "rollback": {"to_revision": cur.number}})
-    state.set_current(rev.number)
+    rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+                                   manifest=all_mf, instances=_instances_doc(plan, pl, dict(ctx.data.get("workers", {}))),
+                                   outcome="partial", op_id=ctx.op,
+                                   extra={"scale_failed": exc.message, "from_revision": cur.number,
+                                          "target": str(plan.target.topology), "drained": drained,
+                                          "gateway": plan.inv.gateway.url, "rollback": {"to_revision": cur.number}})
+    ctx.state.set_current(rev.number)
     _partial_targets(ctx, rev)
-    verdict = (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
-               f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}"
-               + (f" ({failed_drain} is out of the gateway but was not stopped)" if failed_drain else "")
-               + f"; undone: {', '.join(undone) or 'nothing'}; `inv rollback` returns to revision {cur.number}")
-    if left:
-        verdict += "; NOT undone: " + "; ".join(left)
-    j.step(op, "verdict", "failed", {"error": exc.render(), "current": rev.number, "partial": True,
-                                     "live": [i.id for i in live_insts], "undone": undone, "left": left})
-    return verdict
+    return (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
+            f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}; "
+            f"`inv rollback` returns to revision {cur.number}"), rev
 
 
-def _fail_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, kept_added: dict, drained: list[str],
-                  replaced_out: list[str], undone: list[str], left: list[str]) -> str:
+def _halt_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: list[str], replaced_out: list[str]):
     """The rollout halted after replacing (or taking out) some instances: record what is live as a
     `partial` revision whose every instance is described by the files its process runs: the ones not
     yet replaced by revision `current` (their files were never touched), the replaced ones by the new
     files. `inv rollback` returns to revision `current`."""
     from pdops.render import config_ids
 
-    state, op, cur = ctx.state, ctx.op, plan.current
+    halt = ctx.data["halt"]
+    kept_added = set(halt.get("kept_added", []))
+    cur = plan.current
     cur_pl = plan.current_placement
     done = [i for i in replaced_out if i in kept_added]
     out_now = [i for i in replaced_out if i not in kept_added]
+    halt["replaced"], halt["out_of_service"] = done, out_now
     live_insts = [i for i in cur_pl.instances if i.id not in drained and i.id not in replaced_out]
     live_insts += [plan.target.get(i) for i in kept_added]
     live_insts.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
@@ -1113,11 +1257,10 @@ def _fail_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, kept_added:
     old_cfg = (cur.extra or {}).get("configs") or {}
     mf: dict = {}
     cfg: dict = {}
-    new_ids = set(kept_added)
     for (h, p), m in _shared_files(new_mf, {i.id for i in plan.target.instances}).items():
         mf.setdefault(h, {})[p] = m
     for i in live_insts:
-        src_mf, src_cfg = (new_mf, new_cfg) if i.id in new_ids else (cur.manifest, old_cfg)
+        src_mf, src_cfg = (new_mf, new_cfg) if i.id in kept_added else (cur.manifest, old_cfg)
         for (h, p), m in instance_files(src_mf, i.id).items():
             mf.setdefault(h, {})[p] = m
         for h, u in i.units:
@@ -1126,33 +1269,25 @@ def _fail_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, kept_added:
     gw_key = next((k for k in old_cfg if k.endswith(":pdops-gateway.service")), None)
     if gw_key:
         cfg[gw_key] = old_cfg[gw_key]
-    workers = dict(ctx.data.get("workers", {}))
-    main_pids = ctx.data.get("main_pids", {})
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
-                               manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
-                               instances=_instances_doc(plan, pl, workers, main_pids), outcome="partial", op_id=op,
-                               extra={"scale_failed": exc.message, "from_revision": cur.number,
-                                      "target": str(plan.target.topology), "drained": drained,
-                                      "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
-                                      "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
-                                      "last_bootstrap": last_bootstrap_ports(
-                                          (cur.extra or {}).get("last_bootstrap") or
-                                          last_bootstrap_ports({}, cur_pl), pl),
-                                      "rollback": {"to_revision": cur.number}})
-    state.set_current(rev.number)
+    rev = ctx.state.write_revision(
+        topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+        manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
+        instances=_instances_doc(plan, pl, dict(ctx.data.get("workers", {})), ctx.data.get("main_pids", {})),
+        outcome="partial", op_id=ctx.op,
+        extra={"scale_failed": exc.message, "from_revision": cur.number, "target": str(plan.target.topology),
+               "drained": drained, "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
+               "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
+               "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
+                                                      last_bootstrap_ports({}, cur_pl), pl),
+               "rollback": {"to_revision": cur.number}})
+    ctx.state.set_current(rev.number)
     _partial_targets(ctx, rev)
     not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
-    verdict = (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
-               f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "
-               f"still serving revision {cur.number}'s files, untouched: {', '.join(not_yet) or 'none'}; `current` "
-               f"moved to revision {rev.number} (partial, {pl.topology}) to describe what is live; `inv rollback` "
-               f"returns to revision {cur.number}")
-    if undone:
-        verdict += "; undone: " + ", ".join(undone)
-    if left:
-        verdict += "; NOT undone: " + "; ".join(left)
-    state.journal().step(op, "verdict", "failed", {"error": exc.render(), "current": rev.number, "partial": True,
-                                                   "live": [i.id for i in live_insts], "replaced": done,
-                                                   "out_of_service": out_now, "not_replaced": not_yet,
-                                                   "undone": undone, "left": left})
-    return verdict
+    return (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
+            f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "
+            f"still serving revision {cur.number}'s files, untouched: {', '.join(not_yet) or 'none'}; `current` "
+            f"moved to revision {rev.number} (partial, {pl.topology}) to describe what is live; `inv rollback` "
+            f"returns to revision {cur.number}"), rev
+
+
+register_executors({"undo-added": do_undo_added, "restore-service": do_restore_service, "record-halt": do_record_halt})
