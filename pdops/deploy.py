@@ -92,7 +92,7 @@ class DeployPlan:
 
 
 def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None, *,
-                max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False):
+                max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False, seen=None):
     """Pure apart from reading the record: what a deploy of `topo` will do, or why not. On a live
     cluster: the live revision's placement and files (a DeployPlan whose repairs are decided from
     observation, plan_reconcile), or any other difference as a rolling change (pdops.scale.plan_apply:
@@ -114,7 +114,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
             return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
                               previous=previous, live=current, state=state, basis=current.number)
         plan = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
-                             force=force, allow_capacity_dip=allow_capacity_dip)
+                             force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
         plan.state = state
         return plan
     pl = place(inv, topo, previous)
@@ -314,11 +314,12 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
 
 
 def start_gateway(inv: Inventory, pool: HostPool, client: GatewayClient, say: Say, restart: bool,
-                  deadline_s: float = 60) -> dict:
-    """Start (or restart) the gateway unit and wait for its /health, bounded by `deadline_s`."""
+                  deadline_s: float = 60, clear_list: bool | None = None) -> dict:
+    """Start (or restart) the gateway unit and wait for its /health, bounded by `deadline_s`.
+    `clear_list` (default: on a restart) empties its start-up list first."""
     gw = inv.gateway
     verb = "restart" if restart else "start"
-    if restart:
+    if restart if clear_list is None else clear_list:
         # a fresh cluster: a list left by an earlier life of it must not register anything
         membership.update(pool, inv, clear=True)
     # a unit that hit its start limit refuses `start` until reset: this start is the operator's
@@ -414,10 +415,28 @@ def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float =
     for w in stale:
         say(f"  {inst.id}: the gateway still drains worker {w.id} at {inst.url}; waiting until it is gone")
         client.wait_worker_gone(w.id, deadline)
+    for w in other_identity(client.list_workers(), inst):
+        # the same URL under another bootstrap port: an earlier process of it (a registration the
+        # gateway retried in the background); requests routed there would fail at the bootstrap
+        say(f"  {inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port {w.bootstrap_port}, "
+            f"not {inst.bootstrap_port}: removing it first")
+        client.remove_worker(w.id)
+        client.wait_worker_gone(w.id, deadline)
     worker_id = client.add_worker(inst.url, inst.role, inst.bootstrap_port)
     w = client.wait_worker_healthy(inst.url, deadline)
+    wrong = other_identity([w], inst)
+    if wrong:
+        raise Unverified(f"{inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port "
+                         f"{w.bootstrap_port}, not {inst.bootstrap_port}: requests routed to it would fail at the "
+                         "bootstrap", fix="run the operation again: it removes the stale worker first")
     say(f"  {inst.id} registered: worker {w.id} healthy")
     return w.id or worker_id
+
+
+def other_identity(workers, inst: Instance) -> list:
+    """Workers at the instance's URL registered with another bootstrap port (a prefill's old identity)."""
+    return [w for w in workers if w.url.rstrip("/") == inst.url.rstrip("/") and inst.bootstrap_port is not None
+            and w.bootstrap_port is not None and w.bootstrap_port != inst.bootstrap_port]
 
 
 def _undo_registrations(client: GatewayClient, pl: Placement, workers: dict, bad: list, fresh: bool,
@@ -589,10 +608,23 @@ def do_deliver(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_gateway(ctx: RunContext, step: Step) -> Outcome:
+    """Start the gateway; with `wait_for` ({instance: url}), until it lists each healthy and ready."""
+    from pdops.gateway import deadline_in
+
+    t0 = time.monotonic()
+    if step.params.get("unlist"):
+        membership.update(ctx.pool, ctx.inv, remove=step.params["unlist"])
     ev = start_gateway(ctx.inv, ctx.pool, ctx.gateway, ctx.say, restart=step.params["restart"],
-                       deadline_s=step.deadline)
+                       deadline_s=step.deadline, clear_list=step.params.get("clear_list"))
     ctx.data.setdefault("started", []).append(f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}")
-    return Outcome(evidence=ev, verified=[f"gateway {GATEWAY_UNIT} active and answering {ctx.inv.gateway.url}/health"])
+    wait_for = step.params.get("wait_for") or {}
+    deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 5))
+    for url in wait_for.values():
+        ctx.gateway.wait_worker_healthy(url, deadline)
+    listed = ([f"the gateway lists {', '.join(wait_for)} healthy and ready (registered from its start-up list)"]
+              if wait_for else [])
+    return Outcome(evidence={**ev, "listed": sorted(wait_for)},
+                   verified=[f"gateway {GATEWAY_UNIT} active and answering {ctx.inv.gateway.url}/health"] + listed)
 
 
 def do_admission(ctx: RunContext, step: Step) -> Outcome:

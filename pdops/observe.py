@@ -142,6 +142,44 @@ class Observation:
                 f"{self.revision}'s instances")
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What a change plans from (pdops.scale.plan_change), read from an Observation: which instances
+    of the revision serve now, and whether the gateway answers. Pure data: a plan case writes one."""
+
+    not_serving: dict[str, str] = field(default_factory=dict)  # instance id -> why it does not serve now
+    down: frozenset[str] = frozenset()  # of those, the ones whose units are not active: nothing to drain
+    gateway: str | None = None  # why the gateway does not answer; None: it answers
+    gateway_active: bool = True  # its unit is active (hung, not stopped): restarted rather than started
+
+    @classmethod
+    def of(cls, obs: Observation) -> "Seen":
+        """An instance serves when its units are active and the gateway routes to it (with the gateway
+        down: when it is in the start-up list the gateway registers again after its start)."""
+        not_serving: dict[str, str] = {}
+        down = set()
+        for o in obs.instances:
+            if o.down:
+                not_serving[o.id] = "units not running: " + "; ".join(o.down)
+                down.add(o.id)
+            elif obs.gateway_down:
+                if o.in_list is False:
+                    not_serving[o.id] = "not in the gateway's start-up list"
+            elif o.gateway_problem:
+                not_serving[o.id] = o.gateway_problem
+        gateway = None
+        if obs.gateway_down:
+            u = obs.gateway_unit
+            gateway = (f"{GATEWAY_UNIT} {u.active_state}/{u.sub_state}" if isinstance(u, UnitState) else
+                       f"{GATEWAY_UNIT}: {u}") + (f"; {obs.gateway_error}" if obs.gateway_error else "")
+        active = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
+        return cls(not_serving, frozenset(down), gateway, active)
+
+    @property
+    def all_serving(self) -> bool:
+        return not self.not_serving and self.gateway is None
+
+
 def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClient) -> Observation:
     """Read systemd on every host of the revision, the gateway's /workers and its start-up list."""
     pl = Placement.from_dict(rev.placement)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 # imported for their step kinds' executors too (pdops.runner.EXECUTORS): a change walks them
 import pdops.admission_ops  # noqa: F401
@@ -47,6 +48,9 @@ from pdops.render import RenderedFile, files_of, manifest, render_files, snapsho
 from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, run_steps, walk
 from pdops.state import Revision, StateDir, new_op_id
 from pdops.topology import Topology
+
+if TYPE_CHECKING:
+    from pdops.observe import Seen
 
 ROLES = ("prefill", "decode")
 
@@ -107,10 +111,16 @@ class ScalePlan:
     # `inv repair`: {"instance", "state", "reasons", "down", "force_after", "since"} (pdops.repair)
     repair: dict | None = None
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
+    seen: Seen | None = None  # what the hosts and the gateway reported when it was planned (None: not read)
+    broken: list[str] = field(default_factory=list)  # roles with no serving instance before the change
 
     @property
     def start_capacity(self) -> tuple[int, int]:
-        return (len(self.current_placement.role("prefill")), len(self.current_placement.role("decode")))
+        """(prefill, decode) serving before the change: what was observed serving (the record's count
+        when nothing was read)."""
+        ns = self.seen.not_serving if self.seen else {}
+        return (sum(i.id not in ns for i in self.current_placement.role("prefill")),
+                sum(i.id not in ns for i in self.current_placement.role("decode")))
 
     @property
     def operation(self) -> str:
@@ -124,7 +134,9 @@ class ScalePlan:
                           "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
                           "replaced": {i.id: self.why[i.id] for i in self.replaced}, "waves": self.waves,
                           "surge": self.surge, "max_unavailable": self.max_unavailable,
-                          "kept": [i.id for i in self.kept], "dip": self.dip},
+                          "kept": [i.id for i in self.kept], "dip": self.dip, "broken": self.broken,
+                          **({"observed": {"not_serving": self.seen.not_serving, "gateway": self.seen.gateway}}
+                             if self.seen is not None else {})},
                     rescue=rescue_steps(self))
 
     @property
@@ -150,6 +162,13 @@ class ScalePlan:
         if self.noop:
             return head + f"\nno change: {self.noop}"
         lines = [head]
+        if self.seen is not None:
+            if self.seen.gateway:
+                lines.append(f"  observed: the gateway does not answer ({self.seen.gateway}): started first")
+            lines += [f"  observed: {i} does not serve ({why})" for i, why in self.seen.not_serving.items()]
+            if self.seen.all_serving:
+                lines.append("  observed: every instance of the revision serves; the gateway answers")
+        lines += [f"  floor: {b}" for b in self.broken]
         lines.append("  added:   " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
                                                 f"{_gpu_range(i.head.gpus)}, {i.url}" for i in self.added) or "none"))
         lines.append("  removed: " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
@@ -267,13 +286,18 @@ def _current(inv: Inventory, state: StateDir, what: str) -> Revision:
 def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
                 skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
                 force: bool = False, replace_ids: dict[str, str] | None = None,
-                cordoned: list[str] | None = None, snapshot: dict | None = None) -> ScalePlan:
+                cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
     new files, a prefill on its slot's other bootstrap port), added or removed. Replacements roll in
     waves of at most `max_unavailable` per role; a role that would be left with no serving instance
-    surges into a free slot (new id, started before the old one drains) or is refused unless `force`."""
+    surges into a free slot (new id, started before the old one drains) or is refused unless `force`.
+
+    `seen` (pdops.observe.Seen): what serves now. An instance of the revision that does not serve is
+    replaced (started again), first in its role, and counts for no floor; one whose units are not
+    running is not waited for (nothing runs to drain); a role of which nothing serves is said in the
+    plan, not refused; a gateway that does not answer is started as the first step."""
     from pdops.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -284,6 +308,9 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     replace_ids = dict(replace_ids or {})
     cur_pl = Placement.from_dict(cur.placement)
     cur_by_id = {i.id: i for i in cur_pl.instances}
+    not_serving = {k: v for k, v in (seen.not_serving if seen else {}).items() if k in cur_by_id}
+    for iid, reason in not_serving.items():
+        replace_ids.setdefault(iid, f"observed not serving ({reason}): started again")
     tgt_ids = {i.id for i in target_pl.instances}
     # a rollback returns to the files recorded with its target (its snapshot), not to what the
     # inventory on disk renders now
@@ -342,6 +369,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         reps = replaced_by_role[role]
         if not reps:
             continue
+        if not [i for i in cur_pl.role(role) if i.id not in not_serving]:
+            continue  # nothing of this role serves now: no floor to keep (said in the plan)
         existing = [i for i in target_pl.role(role) if i.id in cur_by_id]
         added_first = [i for i in target_pl.role(role) if i.id not in cur_by_id and not any(
             _gpu_set(i) & _gpu_set(r) or _slot_key(i) == _slot_key(r) for r in leaving)]
@@ -372,12 +401,14 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         tgt_ids = {i.id for i in target_pl.instances}
     added = [i for i in target_pl.instances if i.id not in cur_by_id]
     removed = [i for i in cur_pl.instances if i.id not in tgt_ids]
-    replaced = [i for i in target_pl.instances if i.id in why]
+    replaced = sorted((i for i in target_pl.instances if i.id in why), key=lambda i: i.id not in not_serving)
     kept = [i for i in target_pl.instances if i.id in cur_by_id and i.id not in why]
     n_kept_files = sum(len(instance_files(new_mf, i.id)) for i in kept)
     cordoned = sorted(cordoned_hosts(cur) if cordoned is None else cordoned)
     cordon_change = cordoned != sorted(cordoned_hosts(cur))
-    if not added and not removed and not replaced and not gateway_restart and not cordon_change and not adm_changes:
+    gateway_down = bool(seen and seen.gateway)
+    if not added and not removed and not replaced and not gateway_restart and not cordon_change and not adm_changes \
+            and not gateway_down:
         return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
                          noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
                               "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
@@ -388,12 +419,16 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
         held = [r for r in removed if _gpu_set(a) & _gpu_set(r) or (_slot_key(a) == _slot_key(r))]
         if held:
             needs[a.id] = held
-    p, d = len(cur_pl.role("prefill")), len(cur_pl.role("decode"))
+    # capacity counts what serves now: taking out an instance that does not serve costs nothing
+    p, d = (sum(i.id not in not_serving for i in cur_pl.role(r)) for r in ROLES)
     cap = {"prefill": p, "decode": d}
+    serving0 = dict(cap)
     steps: list[ScaleStep] = []
     drained: set[str] = set()
 
     def step(kind: str, inst: Instance, why_: str = "", delta: int | None = None) -> None:
+        if kind in ("drain", "replace-out") and inst.id in not_serving:
+            delta = 0
         cap[inst.role] += (1 if kind == "add" else -1) if delta is None else delta
         steps.append(ScaleStep(kind, inst, (cap["prefill"], cap["decode"]), why_))
 
@@ -430,9 +465,10 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             where = "; ".join(f"{h} GPUs {_gpu_range(tuple(g for hh, g in gpus if hh == h))}" for h in hosts)
             step("drain", r, f"frees {where} for {a.id}")
             drained.add(r.id)
-            # a surge chain drains the old instance its earlier replacement already covers: no dip
-            if a.id not in {n for _, n in surge} or \
-                    cap[r.role] < min(len(cur_pl.role(r.role)), len(target_pl.role(r.role))):
+            # a surge chain drains the old instance its earlier replacement already covers: no dip;
+            # nor does draining one that does not serve now
+            if r.id not in not_serving and (a.id not in {n for _, n in surge} or
+                                            cap[r.role] < min(serving0[r.role], len(target_pl.role(r.role)))):
                 dip.append(f"{a.id} ({a.role}) needs {where}, held by {r.id} ({r.role}): {r.id} is drained first; "
                            f"serving drops to {cap['prefill']} prefill + {cap['decode']} decode "
                            f"({cap['prefill'] + cap['decode']} instances) until {a.id} is registered")
@@ -443,19 +479,25 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             drained.add(r.id)
     new_count = {"prefill": len(target_pl.role("prefill")), "decode": len(target_pl.role("decode"))}
     old_count = {"prefill": p, "decode": d}
-    zero = []
+    zero, broken = [], []
     for role_i, role in enumerate(ROLES):
         # a rolling replacement's own dip (at most max_unavailable) is the plan's, not a capacity dip
         low = min((s.capacity[role_i] for s in steps if not s.kind.startswith("replace")), default=old_count[role])
         if low < min(old_count[role], new_count[role]):
             dip.append(f"{role} capacity drops to {low} (old {old_count[role]}, new {new_count[role]})")
-        if min((s.capacity[role_i] for s in steps), default=old_count[role]) < 1:
+        if old_count[role] == 0:  # a floor already broken: the change is the way back, not refused
+            first = next((s.instance.id for s in steps if s.instance.role == role and s.kind in ("add", "replace-in")),
+                         None)
+            broken.append(f"no {role} serves now" + (f" ({', '.join(i for i in not_serving if cur_by_id[i].role == role)} "
+                                                    "observed not serving)" if cur_pl.role(role) else "")
+                          + (f": this change brings {first} up first" if first else ": this change starts none"))
+        elif min((s.capacity[role_i] for s in steps), default=old_count[role]) < 1:
             zero.append(role)
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
-                     base_snapshot=snapshot, admission_reload=adm_changes)
+                     base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken)
     plan.run = runner_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
@@ -515,7 +557,8 @@ def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: P
 
 def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
                skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
-               replace_ids: dict[str, str] | None = None, avoid: frozenset[str] | None = None) -> ScalePlan:
+               replace_ids: dict[str, str] | None = None, avoid: frozenset[str] | None = None,
+               seen: Seen | None = None) -> ScalePlan:
     """What `inv deploy --topology T` (or `inv scale`) does on a live cluster: the smallest change from
     the current revision to what the inventory, `target` and this pdops render now. Reads only the record."""
     from pdops.placement import place_change
@@ -525,7 +568,7 @@ def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capac
     cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
     target_pl = place_change(inv, target, cur_pl, avoid=cordoned, last_ports=(cur.extra or {}).get("last_bootstrap"))
     return plan_change(inv, cur, target_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
-                       max_unavailable=max_unavailable, force=force, replace_ids=replace_ids)
+                       max_unavailable=max_unavailable, force=force, replace_ids=replace_ids, seen=seen)
 
 
 def cordoned_hosts(rev: Revision) -> list[str]:
@@ -533,7 +576,7 @@ def cordoned_hosts(rev: Revision) -> list[str]:
 
 
 def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool = False,
-                    skip_checks: set[str] | None = None) -> ScalePlan:
+                    skip_checks: set[str] | None = None, seen: Seen | None = None) -> ScalePlan:
     """`inv drain --host H` (maintenance): every instance with a rank on H leaves it. Where free
     slots off the cordoned hosts allow, each is replaced there first (a new id, started and
     registered before the old one drains); else it is drained and the role shrinks, refused when a
@@ -568,7 +611,7 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
                       f"{' and no '.join(zero)} instance, and no free slot off the cordoned hosts takes its place",
                       fix="add a host (or uncordon one) so the instance moves there first, or --force")
     plan = plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
-                       allow_capacity_dip=True)
+                       allow_capacity_dip=True, seen=seen)
     plan.surge = moved
     return plan
 
@@ -585,10 +628,11 @@ def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
 
 
 def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
-               skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False) -> ScalePlan:
+               skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
+               seen: Seen | None = None) -> ScalePlan:
     """`inv scale --topology T`: the same planner as `inv deploy` of a live cluster (plan_apply)."""
     return plan_apply(inv, target, state, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
-                      max_unavailable=max_unavailable, force=force)
+                      max_unavailable=max_unavailable, force=force, seen=seen)
 
 
 def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[str]:
@@ -631,7 +675,8 @@ def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[st
 
 
 def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
-                  skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False) -> ScalePlan:
+                  skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
+                  seen: Seen | None = None) -> ScalePlan:
     """A change back to the previous deployed revision (or revision `to`): to its recorded placement
     and the files recorded with it (its snapshot), whatever the inventory on disk renders now; only
     its hosts must still be in the inventory (to be reached). A revision recorded before snapshots:
@@ -664,7 +709,8 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
                           "inventory, so they cannot be reached", fix="add them back to the inventory (the files and "
                           f"placement of revision {tgt.number} are recorded; only the hosts' addresses are read from it)")
         plan = plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
-                           rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force)
+                           rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force,
+                           seen=seen)
         plan.rollback_inventory_hash = tgt.inventory_hash
         return plan
     _refuse_changed_inventory(inv, cur)
@@ -675,7 +721,7 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
                       fix="restore what changed, or plan the change as a new scale (`inv scale --topology "
                           f"{tgt.topology}`)")
     return plan_change(inv, cur, Placement.from_dict(tgt.placement), allow_capacity_dip=allow_capacity_dip,
-                       skip_checks=skip_checks, rollback_of=tgt.number)
+                       skip_checks=skip_checks, rollback_of=tgt.number, seen=seen)
 
 
 def runner_steps(plan: ScalePlan) -> list[Step]:
@@ -686,26 +732,28 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     from pdops.drain import drain_steps
 
     inv, cur, tgt = plan.inv, plan.current, plan.target
+    first = gateway_start_steps(plan)
     if not plan.steps and not plan.gateway_restart and not plan.admission_reload:
         # only the cordons change: what runs is checked, then the revision records them
         from pdops.deploy import verify_running_step
 
-        return [verify_running_step(tgt, inv),
-                Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
-                     f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale")]
+        return first + [verify_running_step(tgt, inv),
+                        Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
+                             f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale")]
     # instances that take GPUs a removed one holds are checked after that one is drained (its ports
     # and GPUs are busy now, by design): preflight checks the others
     later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why and not s.why.startswith("surge")}
     later |= {i.id for i in plan.replaced}  # their ports are the running processes' until the wave drains them
     pre = tuple(i for i in tgt.instances if i.id not in later)
     pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
-    out = [connect_step(plan.hosts), preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
+    out = [connect_step(plan.hosts)] + first + [preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
     out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
     if plan.replaced:
         out[-1].params["hold"] = [i.id for i in plan.replaced]
         out[-1].description += (f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
                                 "own files in its wave, after its old process stopped")
-    live = {i.id for i in plan.current_placement.instances}
+    live = {i.id for i in plan.current_placement.instances} - set(plan.seen.not_serving if plan.seen else ())
+    down = plan.seen.down if plan.seen else frozenset()
     interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
     i, batch_no = 0, 0
     while i < len(plan.steps):
@@ -741,7 +789,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         i += 1
         wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
         out += drain_steps(inv, s.instance, wid, wait_s=float(inv.drain_budget_s), interval_s=interval,
-                           prefix=f"drain {s.instance.id}: ", in_change=True)
+                           prefix=f"drain {s.instance.id}: ", in_change=True, wait=s.instance.id not in down)
         live.discard(s.instance.id)
     from pdops.deploy import verify_running_step
     from pdops.render import GATEWAY_UNIT, gateway_grace_s
@@ -768,6 +816,31 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     return out
 
 
+def gateway_start_steps(plan: ScalePlan) -> list[Step]:
+    """A gateway observed not answering is started before anything else (it registers its start-up
+    list itself after each start); the change goes on once it lists every instance that serves."""
+    seen = plan.seen
+    if not seen or not seen.gateway:
+        return []
+    from pdops.render import GATEWAY_UNIT
+
+    inv = plan.inv
+    serving = {i.id: i.url for i in plan.current_placement.instances if i.id not in seen.not_serving}
+    # what this change starts again leaves the start-up list first: a worker the gateway queues while
+    # its engine is down is retried in the background and may be listed later with its old identity
+    # (a prefill's old bootstrap port); each is listed again once registered
+    unlist = [i for i in seen.not_serving if i in {x.id for x in plan.replaced + plan.removed}]
+    verb = "restart" if seen.gateway_active else "start"
+    return [Step("gateway", inv.gateway.host, f"observed: {seen.gateway}; "
+                 + (f"{', '.join(unlist)} out of its start-up list (started again by this change, listed again once "
+                    "registered); " if unlist else "")
+                 + f"{verb} {GATEWAY_UNIT} (after each start it registers its start-up list), wait for "
+                 f"{inv.gateway.url}/health" + (f" and until it lists {', '.join(serving)} healthy and ready"
+                                                if serving else ""),
+                 60 + 15 * len(serving), kind="gateway",
+                 params={"restart": seen.gateway_active, "clear_list": False, "wait_for": serving, "unlist": unlist})]
+
+
 def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[Step]:
     """One wave of a rolling replacement: drain the wave's running processes side by side (the drain
     sub-plan of each, step for step in parallel), deliver their new files, start them, canary every
@@ -777,6 +850,7 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
 
     inv, cur = plan.inv, plan.current
     old = {i.id: i for i in plan.current_placement.instances}
+    down = plan.seen.down if plan.seen else frozenset()
     ids = [i.id for i in wave]
     tag = "+".join(ids)
     interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
@@ -785,7 +859,7 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
                         wait_s=float(rep.get("wait_s") or inv.drain_budget_s), interval_s=interval,
                         prefix=f"replace {i.id}: ", in_change=True, extra={"old": True},
                         force_after=bool(rep.get("force_after")),
-                        wait=not (rep.get("down") and rep.get("instance") == i.id)) for i in wave]
+                        wait=not (rep.get("down") and rep.get("instance") == i.id) and i.id not in down) for i in wave]
     out: list[Step] = []
     for i in wave:
         if rep.get("instance") == i.id:

@@ -64,12 +64,17 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory)
-    plan = dep.plan_deploy(inv, topo, dep.state_for(inv), set(skip_check or ()), max_unavailable=mu, force=force,
-                           allow_capacity_dip=allow_capacity_dip)
+    state = dep.state_for(inv)
+
+    def make(seen):
+        return dep.plan_deploy(inv, topo, state, set(skip_check or ()), max_unavailable=mu, force=force,
+                               allow_capacity_dip=allow_capacity_dip, seen=seen)
+
+    plan = make(None)
     from pdops.hosts import connections
 
     if isinstance(plan, ScalePlan):
-        return run_change(inv, plan, dry_run)
+        return run_change(inv, state, make, dry_run, first=plan)
     if plan.live is None:
         print(plan.render())
         if dry_run:
@@ -110,16 +115,43 @@ def whole_cluster(v, flag: str, default: int = 1) -> int:
     return n
 
 
-def run_change(inv, plan, dry_run: bool) -> None:
+def run_change(inv, state, make, dry_run: bool, *, first=None, observe: bool = True) -> None:
+    """A change of the live cluster (`make(seen)` -> ScalePlan), planned from what runs now: first
+    from the record alone, so bad input is refused before any connection; then, with the hosts, systemd
+    and the gateway read (pdops.observe), again from that observation, which the printed plan states.
+    A refusal of the first plan stands only if the observed plan refuses too (a floor counts what
+    serves now). `observe=False`: the record alone (a change that starts and stops nothing)."""
     from pdops import scale as sc
     from pdops.cli.scale import print_change_verdict
+    from pdops.errors import Refused
     from pdops.hosts import connections
+    from pdops.observe import Seen, observe as read
 
-    print(plan.render())
-    if dry_run or plan.noop:
+    refused = None
+    if first is None:
+        try:
+            first = make(None)
+        except Refused as exc:
+            refused = exc
+    rev = state.current_revision()
+    if not observe or rev is None:
+        if refused:
+            raise refused
+        plan = first
+        plan.state = state
+        print(plan.render())
+        if dry_run or plan.noop:
+            return
+        with connections(inv) as conns:
+            print_change_verdict(plan, sc.execute_scale(plan, state, **conns))
         return
     with connections(inv) as conns:
-        print_change_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
+        plan = make(Seen.of(read(inv, rev, **conns)))
+        plan.state = state
+        print(plan.render())
+        if dry_run or plan.noop:
+            return
+        print_change_verdict(plan, sc.execute_scale(plan, state, **conns))
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output (the same rows and state words)",
@@ -221,7 +253,8 @@ def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=Fa
             raise InvalidInput("--host", "given with --instance", fix="drain either one instance or one host")
         from pdops import scale as sc
 
-        return _host_op(host, inventory, dry_run, lambda inv, state: sc.plan_drain_host(inv, state, host, force=force))
+        return _host_op(host, inventory, dry_run,
+                        lambda inv, state, seen: sc.plan_drain_host(inv, state, host, force=force, seen=seen))
     _drain_or_stop(instance, inventory, dry_run, force, seconds(wait, "--wait"), seconds(interval, "--interval"),
                    force_after, False)
 
@@ -233,10 +266,10 @@ def uncordon(c, host=None, inventory=DEFAULT_INVENTORY, dry_run=False):
     """Let placement use a host again after maintenance (nothing starts there until a change needs it)."""
     from pdops import scale as sc
 
-    _host_op(host, inventory, dry_run, lambda inv, state: sc.plan_uncordon(inv, state, host))
+    _host_op(host, inventory, dry_run, lambda inv, state, seen: sc.plan_uncordon(inv, state, host), observe=False)
 
 
-def _host_op(host, inventory, dry_run, make_plan) -> None:
+def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> None:
     from pdops import deploy as dep
     from pdops.inventory import load_inventory
 
@@ -244,9 +277,7 @@ def _host_op(host, inventory, dry_run, make_plan) -> None:
         raise InvalidInput("--host", "missing", fix="name an inventory host, e.g. --host lab04")
     inv = load_inventory(inventory)
     state = dep.state_for(inv)
-    plan = make_plan(inv, state)
-    plan.state = state
-    run_change(inv, plan, dry_run)
+    run_change(inv, state, lambda seen: make_plan(inv, state, seen), dry_run, observe=observe)
 
 
 @task(help={"instance": "the instance to repair, e.g. d01 (see `inv status`)", "inventory": "inventory dir or file",

@@ -40,10 +40,9 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     state = dep.state_for(inv)
-    plan = sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()),
-                         max_unavailable=mu, force=force)
-    plan.state = state
-    run_change(inv, plan, dry_run)
+    run_change(inv, state, lambda seen: sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip,
+                                                      skip_checks=set(skip_check or ()), max_unavailable=mu,
+                                                      force=force, seen=seen), dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",
@@ -65,10 +64,9 @@ def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     state = dep.state_for(inv)
-    plan = sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip, skip_checks=set(skip_check or ()),
-                            max_unavailable=mu, force=force)
-    plan.state = state
-    run_change(inv, plan, dry_run)
+    run_change(inv, state, lambda seen: sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip,
+                                                         skip_checks=set(skip_check or ()), max_unavailable=mu,
+                                                         force=force, seen=seen), dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output"})

@@ -231,3 +231,33 @@ def test_decode_exports_inter_token_latency_as_sglang_names_it(pd_cluster):
     assert s == 200
     assert metric(d, "sglang:inter_token_latency_seconds_count") == before + 4
     assert metric(d, "sglang:inter_token_latency_seconds_bucket", le="+Inf") >= before + 4
+
+
+def test_registering_a_prefill_the_gateway_lists_under_its_old_bootstrap_port_replaces_that_worker(sims):
+    """A gateway started with a prefill's old identity in its start-up list (its URL, the slot's
+    other bootstrap port), the prefill now serving on the new port: requests routed through the
+    old entry would fail at the bootstrap. pdops.deploy.register removes the stale worker first
+    and proves the gateway lists the new port; generations then succeed."""
+    from pdops.deploy import register
+    from pdops.gateway import GatewayClient
+    from pdops.placement import Instance, Rank
+    from pdops.sim.testing import start_gateway
+
+    p = sims(["--disaggregation-mode", "prefill"])
+    d = sims(["--disaggregation-mode", "decode"])
+    g = start_gateway([(p.url, p.bootstrap_port + 1)], [d], ["--policy", "round_robin"])
+    try:
+        client = GatewayClient(g.url, timeout=3, poll_interval=0.05)
+        [stale] = [w for w in client.list_workers() if w.url == p.url]
+        assert stale.bootstrap_port == p.bootstrap_port + 1
+        host, port = p.url.removeprefix("http://").rsplit(":", 1)
+        inst = Instance("p01", "prefill", (Rank(0, "h", host, (0,)),), 0, int(port), p.bootstrap_port, None)
+        said: list = []
+        new_id = register(client, inst, said.append, timeout_s=30)
+        assert any(f"with bootstrap port {p.bootstrap_port + 1}, not {p.bootstrap_port}" in s for s in said), said
+        [now] = [x for x in client.list_workers() if x.url == p.url]
+        assert now.id == new_id and now.bootstrap_port == p.bootstrap_port and now.routable
+        s, doc = http("POST", g.url + "/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 3}})
+        assert s == 200, doc
+    finally:
+        g.stop()

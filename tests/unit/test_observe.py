@@ -165,3 +165,28 @@ def test_an_unreadable_start_up_list_is_named_as_such(live):
     p = dep.plan_reconcile(dep.plan_deploy(inv, parse_topology("1p2d"), state), pool=pool, gateway=Gateway(workers))
     assert any("start-up list /etc/pdops/gateway-workers.json unreadable" in f for f in p.findings), p.findings
     assert not any("not in the gateway's start-up list" in f for f in p.findings)
+
+
+def test_what_a_change_plans_from_names_each_instance_that_does_not_serve(live):
+    """pdops.observe.Seen: a unit not running (nothing to drain), a worker the gateway does not
+    route to; with the gateway down, an instance out of its start-up list (a gateway start will
+    not bring it back)."""
+    from pdops.observe import Seen, observe
+
+    inv, pl, state = live
+    rev = state.current_revision()
+    units, workers, start_list = healthy_world(pl)
+    (h, u), = pl.get("d01").units
+    units[(h, u)] = ("failed", "failed")
+    workers = [w for w in workers if w.id != "w-d02"]
+    seen = Seen.of(observe(inv, rev, Pool(units, start_list), Gateway(workers)))
+    assert seen.not_serving == {"d01": f"units not running: {h}:{u} failed/failed",
+                                "d02": "not in the gateway's /workers"}
+    assert seen.down == {"d01"} and seen.gateway is None and not seen.all_serving
+    units[(inv.gateway.host, GATEWAY_UNIT)] = ("failed", "failed")
+    start_list = {"workers": [membership.entry(i) for i in pl.instances if i.id != "p01"]}
+    seen = Seen.of(observe(inv, rev, Pool(units, start_list), Gateway([], "connection refused")))
+    assert seen.gateway.startswith(f"{GATEWAY_UNIT} failed/failed") and not seen.gateway_active
+    assert seen.not_serving == {"d01": f"units not running: {h}:{u} failed/failed",
+                                "p01": "not in the gateway's start-up list"}
+    assert Seen.of(observe(inv, rev, Pool(*healthy_world(pl)[::2]), Gateway(healthy_world(pl)[1]))).all_serving

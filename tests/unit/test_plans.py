@@ -98,6 +98,17 @@ def observed_world(inv, pl: Placement, observed: dict):
     return Pool(), Gateway()
 
 
+def seen_of(observed: dict):
+    """A change's observation (pdops.observe.Seen) as a case writes it: `not_serving` {id: why},
+    `down` (units not running: nothing to drain), `gateway` (why it does not answer). None: not read."""
+    from pdops.observe import Seen
+
+    if not observed:
+        return None
+    return Seen(dict(observed.get("not_serving") or {}), frozenset(observed.get("down") or ()),
+                observed.get("gateway"), bool(observed.get("gateway_active", False)))
+
+
 def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=None):
     inv = load_inventory(REPO / "inventory" / case["inventory"])
     if case.get("admission"):
@@ -122,11 +133,11 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] in ("drain", "stop"):
         return dr.plan_drain(inv, state, req["instance"], skip_gateway=req["op"] == "stop").plan
     if req["op"] == "scale":
-        return sc.plan_scale(inv, parse_topology(req["topology"]), state).plan
+        return sc.plan_scale(inv, parse_topology(req["topology"]), state, seen=seen_of(observed)).plan
     if req["op"] == "rollback":
-        return sc.plan_rollback(inv, state).plan
+        return sc.plan_rollback(inv, state, seen=seen_of(observed)).plan
     if req["op"] == "drain-host":
-        return sc.plan_drain_host(inv, state, req["host"]).plan
+        return sc.plan_drain_host(inv, state, req["host"], seen=seen_of(observed)).plan
     if req["op"] == "uncordon":
         return sc.plan_uncordon(inv, state, req["host"]).plan
     if req["op"] == "repair":

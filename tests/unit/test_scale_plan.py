@@ -592,3 +592,66 @@ def test_the_health_pause_sends_one_quoted_runtime_api_command():
     assert argv[0] == "python3" and argv[-2:] == [STATS_SOCKET, "disable health gateway/gw"]
     assert shlex.split(health_pause_command(False, "/x y/admin.sock"))[-2:] == ["/x y/admin.sock",
                                                                                 "enable health gateway/gw"]
+
+
+# ---------------------------------------------------------------- planning from what serves now
+
+
+def test_a_floor_already_broken_is_said_not_refused(lab_inv, state):
+    """3p1d fills the 4-host lab; replacing the lone decode has no free slot to surge into: refused
+    while d01 serves. Observed down (nothing serves decode now), the same change is the way back: the
+    plan says so and brings d01 up first, with no wait for a process that does not run."""
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "3p1d")
+    with pytest.raises(Refused, match="replacing d01 would leave no serving decode"):
+        sc.plan_apply(lab_inv, parse_topology("3p1d"), state, replace_ids={"d01": "a template change"})
+    seen = Seen({"d01": "units not running: lab04:pdops-d01.service failed/failed"}, frozenset({"d01"}))
+    plan = sc.plan_apply(lab_inv, parse_topology("3p1d"), state, replace_ids={"d01": "a template change"}, seen=seen)
+    assert plan.broken == ["no decode serves now (d01 observed not serving): this change brings d01 up first"]
+    assert plan.start_capacity == (3, 0)
+    names = [s.name for s in plan.run]
+    assert "replace d01: verify-stop" in names and not any("wait-empty" in n for n in names), names
+    assert "floor: no decode serves now" in plan.render()
+
+
+def test_an_instance_that_does_not_serve_goes_first_and_costs_no_capacity(lab_inv, state):
+    """2p2d with d01 down: `inv scale --topology 2p2d` replaces d01 (and nothing else); a decode
+    serves at every step; d02 is never taken out."""
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "2p2d")
+    assert sc.plan_scale(lab_inv, parse_topology("2p2d"), state).noop
+    seen = Seen({"d01": "units not running"}, frozenset({"d01"}))
+    plan = sc.plan_scale(lab_inv, parse_topology("2p2d"), state, seen=seen)
+    assert ids(plan.replaced) == ["d01"] and ids(plan.kept) == ["p01", "p02", "d02"]
+    assert caps(plan) == [(2, 1), (2, 1), (2, 2)]
+    assert not any(s.name.startswith("replace d02") for s in plan.run)
+
+
+def test_a_serving_instance_is_replaced_after_the_one_that_does_not_serve(lab_inv, state):
+    """Both decodes are replaced by a change; d02 is observed out of the gateway: it goes in the
+    first wave, so d01 keeps serving until d02 is back."""
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "2p2d")
+    seen = Seen({"d02": "not in the gateway's /workers"})
+    plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state, replace_ids={"d01": "x", "d02": "y"}, seen=seen)
+    assert plan.waves == [["d02"], ["d01"]]
+    assert min(c[1] for c in caps(plan)) == 1  # a decode serves throughout
+    # d02 runs (only the gateway lost it): its drain still waits for its in-flight work
+    assert "replace d02: wait-empty" in [s.name for s in plan.run]
+
+
+def test_a_gateway_that_does_not_answer_is_started_first_and_waited_for(lab_inv, state):
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "2p2d")
+    seen = Seen({"d01": "units not running"}, frozenset({"d01"}), gateway="pdops-gateway.service failed/failed",
+                gateway_active=False)
+    plan = sc.plan_scale(lab_inv, parse_topology("2p2d"), state, seen=seen)
+    gw = plan.run[1]
+    assert (plan.run[0].name, gw.name, gw.kind) == ("connect", "gateway", "gateway")
+    assert gw.params == {"restart": False, "clear_list": False, "unlist": ["d01"],
+                         "wait_for": {i.id: i.url for i in plan.current_placement.instances if i.id != "d01"}}
+    assert "the gateway does not answer (pdops-gateway.service failed/failed): started first" in plan.render()
