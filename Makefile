@@ -12,7 +12,7 @@ SMG := smg==1.13.0
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.pdops-installed
 
-.PHONY: env test test-unit test-lab test-repeat demo clean-lab bench bench-env mutate
+.PHONY: env test test-unit test-lab test-repeat demo clean-lab bench bench-env mutate soak
 
 env: $(STAMP)
 
@@ -54,6 +54,13 @@ test-repeat: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/inv demo
+
+# Compound failures: a seeded random sequence of operations and faults on a lab cluster under load
+# (tests/lab/soak.py; not part of `make test`). Prints one line per operation and a summary.
+SOAK_OPS ?= 100
+SOAK_SEED ?= 1
+soak: $(STAMP)
+	SOAK_OPS=$(SOAK_OPS) SOAK_SEED=$(SOAK_SEED) $(VENV)/bin/pytest -s -p no:cacheprovider --timeout 0 tests/lab/soak.py
 
 # Flip each verifier's verdict to "yes" and show a test fails (not part of `make test`).
 mutate: $(STAMP)

@@ -178,6 +178,11 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
                                  why="through every pair of a started or restarted instance, before registration"))
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
+    if obs.gateway_down or any(i.role == "decode" for i in down + restarted):
+        # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
+        from pdops import orphans
+
+        steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
     steps.append(verify_running_step(pl, inv))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
                       "and topology); move `current` to it", kind="record-repair"))

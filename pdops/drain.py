@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pdops import membership
+from pdops import membership, orphans
 from pdops.errors import DrainFailed, InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import cgroup as cg_facts
 from pdops.facts import engine as engine_facts
@@ -646,10 +646,20 @@ def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
         return resumed
     deadline = ctx.deadline(step)
     last, t0 = "", time.monotonic()
+    ended: dict[str, list[str]] = {}
+    next_orphan_look = t0 + orphans.GRACE_S
     while True:
         r = read_emptiness(ctx.pool, inst)
         if r.empty:
-            return Outcome(evidence={"waited_s": round(time.monotonic() - t0, 2)})
+            return Outcome(evidence={"waited_s": round(time.monotonic() - t0, 2),
+                                     **({"orphans_ended": ended} if ended else {})},
+                           verified=[f"{inst.id}: ended {len(v)} orphaned half(s) whose decode side is gone, the only "
+                                     f"work it still held (lost, not replayed): {', '.join(v)}"
+                                     for v in ended.values()])
+        if inst.role == "prefill" and r.open_rids and time.monotonic() >= next_orphan_look:
+            # what it still holds may be halves no decode will ever take: end those, named
+            next_orphan_look = time.monotonic() + orphans.GRACE_S
+            ended.setdefault(inst.id, []).extend(_end_orphans_if_all_open_are(ctx, inst, r.open_rids))
         desc = r.describe()
         if desc != last:
             ctx.say(f"  waiting ({time.monotonic() - t0:.0f}s): {desc}")
@@ -669,6 +679,21 @@ def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
             exc.journal_evidence = {"open_rids": r.open_rids, "reading": desc}
             raise exc
         time.sleep(0.5)
+
+
+def _end_orphans_if_all_open_are(ctx: RunContext, inst: Instance, open_rids: list[str]) -> list[str]:
+    """When every request the prefill holds is an orphaned half (pdops.orphans), end them by rid."""
+    try:
+        found = orphans.read(ctx.pool, ctx.data["placement"], ctx.inv, prefills=[inst.id]).orphans.get(inst.id, [])
+    except PdopsError as exc:  # a reading, not the drain: the wait goes on and its own deadline decides
+        ctx.say(f"  {inst.id}: orphaned halves not read: {exc.message}")
+        return []
+    if not found or {o.rid for o in found} != set(open_rids):
+        return []
+    done, left = orphans.end(inst, found, set(open_rids))
+    ctx.say(f"  {inst.id}: all it still holds are orphaned halves (no decode holds them): ended {', '.join(done)}"
+            + (f"; not ended: {'; '.join(left)}" if left else ""))
+    return done
 
 
 def do_empty_check(ctx: RunContext, step: Step) -> Outcome:

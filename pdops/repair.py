@@ -22,7 +22,7 @@ from pdops.errors import InvalidInput, Refused
 from pdops.facts import requestlog
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
-from pdops.runner import Outcome, RunContext, Step, register_executors
+from pdops.runner import Outcome, Plan, RunContext, Step, register_executors
 
 INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
 
@@ -140,3 +140,38 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
 
 
 register_executors({"lost-work": do_lost_work})
+
+
+def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
+    """`inv end-orphans`: every prefill's halves that no decode holds (pdops.orphans), ended by rid
+    and named. Read-only until the walk: which requests are orphaned is read when the step runs."""
+    from pdops import orphans
+    from pdops.deploy import connect_step
+
+    rev = state.current_revision()
+    if rev is None:
+        raise Refused(f"{inv.cluster} has no current revision: no prefill to look at",
+                      fix="deploy first (`inv deploy --topology 1p1d`)")
+    pl = Placement.from_dict(rev.placement)
+    hosts = sorted({h for i in pl.instances for h in i.hosts})
+    return Plan("end-orphans", f"plan: end the orphaned halves of {inv.cluster} (revision {rev.number}, {rev.topology})",
+                [connect_step(hosts), orphans.end_step([p.id for p in pl.role("prefill")])],
+                head={"revision": rev.number}), pl
+
+
+def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateway) -> dict:
+    """Walk it under the cluster lock; the verdict names what was ended."""
+    from pdops.errors import PdopsError
+    from pdops.runner import walk
+    from pdops.state import new_op_id
+
+    op = new_op_id("end-orphans")
+    with state.lock("end-orphans", op_id=op):
+        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl})
+        try:
+            verdict = walk(plan, ctx)
+        except PdopsError as exc:
+            ctx.journal.step(op, "verdict", "failed", {"error": exc.render(), "completed": ctx.done})
+            raise
+        ctx.journal.step(op, "verdict", "ok", verdict)
+        return verdict

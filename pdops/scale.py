@@ -810,6 +810,12 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                         kind="admission-check"))
         out.append(Step("admission-reload", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: old "
                         "workers finish their streams); the master MainPID must stay", 60, kind="admission-reload"))
+    rep = plan.repair or {}
+    if rep and plan.current_placement.get(rep["instance"]).role == "decode":
+        # the halves the ended decode process left on the prefills wait for a side that is gone
+        from pdops import orphans
+
+        out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
     out.append(verify_running_step(tgt, inv))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
                     kind="record-scale"))

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdops.errors import PdopsError
 from pdops.facts import engine as engine_facts
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool, http_json
@@ -61,9 +62,10 @@ class InstanceHealth:
 
 
 def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str, int],
-          strays: list[str]) -> InstanceHealth:
+          strays: list[str], orphans: list = ()) -> InstanceHealth:
     """The state word of one instance (pdops.observe.InstanceObservation `o`), the evidence for
-    it, and the command to run. `failures`: counter name -> increase since the last look."""
+    it, and the command to run. `failures`: counter name -> increase since the last look;
+    `orphans`: a prefill's orphaned halves (pdops.orphans.Orphan)."""
     repair = f"inv repair --instance {o.id}"
     unread = [f"{k}: {s}" for k, s in o.units.items() if isinstance(s, str)]
     if unread:
@@ -88,10 +90,22 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
     if loads_error:
         reasons.append(f"engine does not answer /v1/loads: {loads_error}")
     if reasons:
-        return InstanceHealth("degraded", reasons, repair)
+        return InstanceHealth("degraded", reasons + orphan_reasons(orphans), repair)
+    if orphans:
+        return InstanceHealth("degraded", orphan_reasons(orphans),
+                              "inv end-orphans (ends them now, named; or wait for the timeout)")
     if o.stale:
         return InstanceHealth("degraded", list(o.stale), "inv deploy --topology <the current one> (replaces it)")
     return InstanceHealth("ok")
+
+
+def orphan_reasons(orphans) -> list[str]:
+    if not orphans:
+        return []
+    last = max((o.ends_by for o in orphans if o.ends_by), default=None)
+    until = f"; they end by timeout at {time.strftime('%H:%M:%S', time.localtime(last))}" if last else ""
+    return [f"{len(orphans)} orphaned request(s) waiting for a decode side that is gone (restarted, ended or "
+            f"failed them): {', '.join(o.rid for o in orphans)}{until}"]
 
 
 def _look_path(inv: Inventory) -> Path:
@@ -188,7 +202,9 @@ def _strays(pool: HostPool, o) -> list[str]:
 def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
     """Read every source and judge each instance and the gateway (see the module's doc).
     `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
+    from pdops import orphans as orphans_mod
     from pdops.observe import observe
+    from pdops.placement import Placement
 
     rev = state.current_revision()
     record = record_doc(state)
@@ -200,6 +216,10 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
         obs = observe(inv, rev, pool, client)
         by_id = {o.id: o for o in obs.instances}
         stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
+        try:
+            orphaned = orphans_mod.read(pool, Placement.from_dict(rev.placement), inv)
+        except PdopsError as exc:
+            orphaned = orphans_mod.Reading({}, [exc.message])
     reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
     try:
         gw_counters, gw_counters_error = _gateway_counters(inv), None
@@ -233,7 +253,7 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
         sr = stray_res.get(o.id)
         strays = sr if isinstance(sr, list) else []
         h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
-                  strays=strays)
+                  strays=strays, orphans=orphaned.orphans.get(o.id, []))
         if not isinstance(sr, list):
             why = f"its cgroup could not be read: {getattr(sr, 'message', sr)}"
             h = InstanceHealth("unknown", [why], f"check SSH to {o.instance.head.host}, then `inv status` again") \
@@ -255,6 +275,8 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
             "recorded_worker_id": (rev.instances.get(inst.id) or {}).get("worker_id"),
             "queues": q, "loads_error": loads_error,
             "failures": (seen.get(inst.id) or {}).get("counters", {}), "failures_since_last_look": deltas.get(inst.id, {}),
+            "orphaned": [{"rid": x.rid, "age_s": x.age_s, "ends_by": x.ends_by}
+                         for x in orphaned.orphans.get(o.id, [])],
             "state": h.state, "reasons": h.reasons, "action": h.action,
         })
     greasons = []
@@ -294,7 +316,7 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
     ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
             "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
-            "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def record_lines(record: dict | None) -> list[str]:

@@ -316,6 +316,27 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
                   f"{len(lost)} request(s) lost with its ended process" + (f": {', '.join(lost)}" if lost else ""), v)
 
 
+@task(help={"inventory": "inventory dir or file", "dry_run": "print the plan only"})
+@cli_errors
+def end_orphans(c, inventory=DEFAULT_INVENTORY, dry_run=False):
+    """End the prefill halves no decode holds (their decode process ended or restarted): each by its
+    request ID with /abort_request, named in the journal as lost work, never sent again."""
+    from pdops import deploy as dep
+    from pdops.hosts import connections
+    from pdops.inventory import load_inventory
+    from pdops.repair import execute_end_orphans, plan_end_orphans
+
+    inv = load_inventory(inventory)
+    state = dep.state_for(inv)
+    plan, pl = plan_end_orphans(inv, state)
+    print(plan.render())
+    if dry_run:
+        return
+    with connections(inv) as conns:
+        v = execute_end_orphans(plan, pl, inv, state, **conns)
+    print_verdict("orphaned halves read on every prefill; what was found is ended and named above.", v)
+
+
 @task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",
             "dry_run": "print the plan only",
             "kill_survivors": "end the processes the last stop of the instance recorded as survivors (by PID and "

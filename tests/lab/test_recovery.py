@@ -75,3 +75,71 @@ def test_a_reboot_with_a_change_pending_is_one_deploy_back_to_serving(lab, tmp_p
     verify = cli(inv_dir, "verify")
     assert verify.returncode == 0, verify.stdout + verify.stderr
     stop_all(lab)
+
+
+def _half_on(prefill, rid: str, out: dict):
+    """The prefill half of a request whose decode side never comes: what a decode SIGKILLed (or a
+    request it failed) leaves on a prefill. Sent straight to the prefill, as the gateway sends it."""
+    import random
+    import threading
+
+    body = {"text": f"an orphaned half {rid}", "rid": rid, "stream": False,
+            "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": prefill.head.data_addr,
+            "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": random.getrandbits(62)}
+    t = threading.Thread(target=lambda: out.update(answer=http_json("POST", f"{prefill.url}/generate", body,
+                                                                     timeout=200, headers={"x-request-id": rid})))
+    t.start()
+    return t
+
+
+def test_orphaned_halves_are_named_by_status_and_ended_by_end_orphans_and_by_a_drain(lab, tmp_path):
+    """A prefill holds halves no decode holds: `inv status` names them per prefill (degraded, with
+    the time the engine's timeout would end them); `inv end-orphans` ends them by rid (the client's
+    request returns at once, nothing is sent again); a drain that finds only such halves left ends
+    them and completes instead of stopping at its budget."""
+    import uuid
+
+    from tests.lab.clusters import wait_for
+
+    stop_all(lab)
+    inv_dir = derived_inventory(lab, tmp_path / "orphans", profile={},
+                                mutate=lambda d: d["all"]["vars"]["pdops_drain"].update(budget_s=20))
+    proc = cli(inv_dir, "deploy", "--topology", "2p1d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pl = Placement.from_dict(record(inv_dir).current_revision().placement)
+    p01 = pl.get("p01")
+    rid = f"orphan-{uuid.uuid4().hex[:8]}"
+    out: dict = {}
+    t = _half_on(p01, rid, out)
+
+    def orphaned():
+        st = cli(inv_dir, "status", "--json")
+        row = next(r for r in json.loads(st.stdout)["instances"] if r["instance"] == "p01")
+        return (st, row) if row["orphaned"] else None
+
+    st, row = wait_for(orphaned, 60, "p01's orphaned half named by inv status")
+    assert st.returncode == 1 and row["state"] == "degraded" and [o["rid"] for o in row["orphaned"]] == [rid]
+    text = cli(inv_dir, "status").stdout
+    assert f"waiting for a decode side that is gone (restarted, ended or failed them): {rid}; they end by timeout at" \
+        in text and "-> inv end-orphans" in text, text
+    ended = cli(inv_dir, "end-orphans")
+    assert ended.returncode == 0, ended.stdout + ended.stderr
+    assert f"orphaned half(s) ended and no longer open (lost work, not replayed): {rid}" in ended.stdout, ended.stdout
+    t.join(timeout=30)
+    status, doc = out["answer"]  # ended, not served: the client is told at once (SGLang: 200, finish_reason abort)
+    assert not t.is_alive() and (status != 200 or doc["meta_info"]["finish_reason"]["type"] == "abort"), doc
+    assert cli(inv_dir, "status").returncode == 0
+    # a drain of p01 with nothing but an orphaned half on it ends the half and completes
+    rid2 = f"orphan-{uuid.uuid4().hex[:8]}"
+    out2: dict = {}
+    t2 = _half_on(p01, rid2, out2)
+    wait_for(orphaned, 60, "the second orphaned half named")
+    drain = cli(inv_dir, "drain", "--instance", "p01", "--interval", "1")
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    assert f"ended 1 orphaned half(s) whose decode side is gone, the only work it still held (lost, not " \
+           f"replayed): {rid2}" in drain.stdout, drain.stdout
+    t2.join(timeout=30)
+    assert not t2.is_alive()
+    inv = load_inventory(inv_dir)
+    assert all(r.ok for r in send(inv.gateway.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after"))
+    stop_all(lab)

@@ -1,0 +1,285 @@
+"""`make soak`: a seeded random sequence of operations and faults on a lab cluster, under a closed
+loop of requests through the gateway (every other one streamed). Not part of `make test`.
+
+Operations and faults, drawn with `random.Random(seed)`:
+- drain: `inv drain --instance X` (a role's last instance is skipped), then `inv deploy` back;
+- scale: `inv scale --topology 3p1d --allow-capacity-dip`, then back;
+- change: the bundle's `max_running_requests` flipped, `inv deploy` (a rolling change);
+- rollback: `inv rollback`;
+- maintenance: `inv drain --host H`, `inv uncordon --host H`, `inv deploy`;
+- engine-kill (fault): SIGKILL of an instance's MainPID (read from systemd), `inv repair`;
+- gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy`,
+  `inv end-orphans`;
+- reboot (fault): every lab host powered off and booted, `inv deploy`;
+- halted-change: a change whose new processes fail to start (a flag SGLang rejects) halts; the
+  flag is taken out and `inv deploy` applies the inventory.
+
+After each one the cluster must serve with every instance ok (`inv status` exit 0 within 120 s);
+if it does not, that is counted and `inv deploy` + `inv end-orphans` are run to go on. At the end
+every request that did not get its whole answer must fall inside a fault's window (from the fault
+to the end of the command that recovers from it) or be named by pdops as lost (a repair's lost
+work, an ended orphaned half, a drain's accepted loss); no request ID may reach two prefills or
+two decodes (none replayed). One line per operation, a summary, and the ledger (JSON) at
+$SOAK_LEDGER (default: soak-ledger.json beside the lab's state).
+
+    make soak                      # 100 operations, seed 1
+    make soak SOAK_OPS=20 SOAK_SEED=7
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdops import lab as lab_api
+from pdops.inventory import load_inventory
+from pdops.placement import Placement
+from tests.lab.clusters import Load, derived_inventory, inv_cmd, record, stop_all
+
+pytestmark = pytest.mark.lab
+
+BASE = "2p2d"
+OPS = ("drain", "scale", "change", "rollback", "maintenance", "engine-kill", "gateway-kill", "reboot", "halted-change")
+FAULTS = ("engine-kill", "gateway-kill", "reboot")
+
+
+@dataclass
+class Done:
+    n: int
+    op: str
+    detail: str
+    start: float
+    end: float
+    ok: bool
+    serving_after: bool
+    named_lost: list[str] = field(default_factory=list)
+    fault_window: tuple[float, float] | None = None
+    commands: list[str] = field(default_factory=list)
+
+
+class Soak:
+    def __init__(self, lab, inv_dir: Path, seed: int, say=print):
+        self.lab, self.inv_dir, self.rng, self.say = lab, inv_dir, random.Random(seed), say
+        self.done: list[Done] = []
+        self.bundle = 64
+
+    # ---------------------------------------------------------------- plumbing
+    def cli(self, cmds: list[str], *args):
+        proc = inv_cmd(*args, "-i", str(self.inv_dir), timeout=900)
+        cmds.append(f"inv {' '.join(args)} -> {proc.returncode}")
+        return proc
+
+    def topology(self) -> str:
+        return record(self.inv_dir).current_revision().topology
+
+    def placement(self) -> Placement:
+        return Placement.from_dict(record(self.inv_dir).current_revision().placement)
+
+    def ops_seen(self) -> list[str]:
+        return list(record(self.inv_dir).journal().operations())
+
+    def named_since(self, before: list[str]) -> list[str]:
+        """Request IDs pdops named as lost in the operations journalled since `before`."""
+        j = record(self.inv_dir).journal()
+        out: list[str] = []
+        for op in [o for o in j.operations() if o not in set(before)]:
+            for r in j.read(op):
+                ev = r.get("evidence") or {}
+                out += list(ev.get("lost") or [])
+                out += [x for v in (ev.get("ended") or {}).values() for x in v]
+                out += [x for v in (ev.get("orphans_ended") or {}).values() for x in v]
+                if r.get("status") == "accepted-loss":
+                    out += list(ev.get("open_rids") or [])
+        return out
+
+    def serving(self, timeout: float = 120) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if inv_cmd("status", "-i", str(self.inv_dir), timeout=120).returncode == 0:
+                return True
+            time.sleep(2)
+        return False
+
+    def set_profile(self, **changes) -> None:
+        p = self.inv_dir / "profiles" / "p.yml"
+        prof = yaml.safe_load(p.read_text())
+        for k, v in changes.items():
+            if k == "max_running_requests":
+                prof["bundle"][k] = v
+            elif v is None:
+                prof.pop(k, None)
+            else:
+                prof[k] = v
+        p.write_text(yaml.safe_dump(prof))
+
+    def kill_main_pid(self, host: str, unit: str) -> int:
+        c = self.lab.connection(host)
+        try:
+            pid = int(c.run(f"systemctl show -p MainPID --value {unit}", hide=True).stdout.strip() or 0)
+            if pid > 1:
+                c.run(f"kill -KILL {pid}", hide=True)
+            return pid
+        finally:
+            c.close()
+
+    # ---------------------------------------------------------------- operations
+    def op_drain(self, cmds):
+        pl = self.placement()
+        choices = [i for i in pl.instances if len(pl.role(i.role)) > 1]
+        if not choices:
+            return "skipped: every role has one instance"
+        x = self.rng.choice(choices)
+        self.cli(cmds, "drain", "--instance", x.id)
+        self.cli(cmds, "deploy", "--topology", BASE)
+        return f"{x.id} drained, then added back"
+
+    def op_scale(self, cmds):
+        self.cli(cmds, "scale", "--topology", "3p1d", "--allow-capacity-dip")
+        self.cli(cmds, "scale", "--topology", BASE, "--allow-capacity-dip")
+        return f"{BASE} -> 3p1d -> {BASE}"
+
+    def op_change(self, cmds):
+        self.bundle = 32 if self.bundle == 64 else 64
+        self.set_profile(max_running_requests=self.bundle)
+        self.cli(cmds, "deploy", "--topology", BASE)
+        return f"max_running_requests -> {self.bundle} (rolling)"
+
+    def op_rollback(self, cmds):
+        self.cli(cmds, "rollback")
+        return "to the previous deployed revision"
+
+    def op_maintenance(self, cmds):
+        pl = self.placement()
+        host = self.rng.choice(sorted({h for i in pl.instances for h in i.hosts}))
+        self.cli(cmds, "drain", "--host", host)
+        self.cli(cmds, "uncordon", "--host", host)
+        self.cli(cmds, "deploy", "--topology", BASE)
+        return f"{host} to maintenance and back"
+
+    def op_engine_kill(self, cmds):
+        x = self.rng.choice(self.placement().instances)
+        host, unit = x.units[0]
+        pid = self.kill_main_pid(host, unit)
+        t = time.monotonic()
+        while time.monotonic() - t < 30 and inv_cmd("status", "-i", str(self.inv_dir), timeout=120).returncode == 0:
+            time.sleep(1)
+        self.cli(cmds, "repair", "--instance", x.id)
+        return f"SIGKILL {x.id} (MainPID {pid}), repaired"
+
+    def op_gateway_kill(self, cmds):
+        inv = load_inventory(self.inv_dir)
+        pid = self.kill_main_pid(inv.gateway.host, "pdops-gateway.service")
+        time.sleep(0.5)
+        self.cli(cmds, "deploy", "--topology", self.topology())
+        self.cli(cmds, "end-orphans")
+        return f"SIGKILL gateway (MainPID {pid}), deploy, end-orphans"
+
+    def op_reboot(self, cmds):
+        lab_api.down()
+        self.lab.ensure_up()
+        self.cli(cmds, "deploy", "--topology", self.topology())
+        self.cli(cmds, "end-orphans")
+        return "every host rebooted, one deploy"
+
+    def op_halted_change(self, cmds):
+        self.set_profile(extra_args=["--no-such-sglang-flag"])
+        self.cli(cmds, "deploy", "--topology", BASE)
+        self.set_profile(extra_args=None)
+        self.cli(cmds, "deploy", "--topology", BASE)
+        return "a bundle SGLang rejects: halted; then the fixed inventory deployed"
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, n_ops: int, ops: list[str] | None = None) -> dict:
+        inv = load_inventory(self.inv_dir)
+        sequence = ops or [self.rng.choice(OPS) for _ in range(n_ops)]
+        with Load(inv.gateway.url) as load:
+            for n, op in enumerate(sequence, 1):
+                before, cmds, t0 = self.ops_seen(), [], time.time()
+                try:
+                    detail = getattr(self, "op_" + op.replace("-", "_"))(cmds)
+                    ok = True
+                except Exception as exc:  # noqa: BLE001 - the soak reports and goes on
+                    detail, ok = f"error: {type(exc).__name__}: {exc}", False
+                t1 = time.time()
+                serving = self.serving()
+                if not serving:  # the documented way back, counted against the operation
+                    self.cli(cmds, "deploy", "--topology", BASE)
+                    self.cli(cmds, "end-orphans")
+                    self.serving()
+                d = Done(n, op, detail, t0, t1, ok, serving, self.named_since(before),
+                         (t0, t1 + 2.0) if op in FAULTS else None, cmds)
+                self.done.append(d)
+                self.say(f"soak {n:3d}/{len(sequence)} {op:14s} {'serving' if serving else 'NOT SERVING'} "
+                         f"{t1 - t0:6.1f}s  {detail}; {'; '.join(cmds)}")
+        return self.judge(load.rows)
+
+    def judge(self, rows) -> dict:
+        named = {r for d in self.done for r in d.named_lost}
+        windows = [d.fault_window for d in self.done if d.fault_window]
+        bad = [r for r in rows if not r.ok]
+        in_window = [r for r in bad if any(r.start <= b and (r.end or r.start) >= a for a, b in windows)]
+        outside = [r for r in bad if r not in in_window and r.rid not in named]
+        replayed = replays(self.lab, self.placement())
+        summary = {"operations": len(self.done), "requests": len(rows), "not_ok": len(bad),
+                   "not_ok_in_fault_windows": len(in_window), "named_by_pdops": len(named),
+                   "lost_outside_fault_windows": [r.rid for r in outside], "replayed": replayed,
+                   "left_not_serving": [f"{d.n} {d.op}" for d in self.done if not d.serving_after],
+                   "operation_errors": [f"{d.n} {d.op}: {d.detail}" for d in self.done if not d.ok]}
+        return {"summary": summary, "operations": [asdict(d) for d in self.done],
+                "ledger": [r.to_dict() for r in rows]}
+
+
+def replays(lab, pl: Placement) -> list[str]:
+    """Request IDs received twice by prefills or twice by decodes, in every engine unit's journal on
+    every lab host (all invocations)."""
+    import collections
+
+    counts: collections.Counter = collections.Counter()
+    for host, _ in lab.hosts:
+        c = lab.connection(host)
+        try:
+            out = c.run("journalctl -u 'pdops-p*' -u 'pdops-d*' -o json --output-fields=MESSAGE,_SYSTEMD_UNIT "
+                        "--no-pager", hide=True, warn=True).stdout
+        finally:
+            c.close()
+        for line in out.splitlines():
+            try:
+                e = json.loads(line)
+                msg = e.get("MESSAGE")
+                if not isinstance(msg, str) or '"request.received"' not in msg:
+                    continue
+                doc = json.loads(msg[msg.index("{"):])
+            except (ValueError, TypeError):
+                continue
+            role = "prefill" if str(e.get("_SYSTEMD_UNIT", "")).startswith("pdops-p") else "decode"
+            if doc.get("event") == "request.received" and not str(doc.get("rid", "")).startswith("pdops-"):
+                counts[(role, str(doc.get("rid")))] += 1
+    return sorted(f"{role} {rid} x{n}" for (role, rid), n in counts.items() if n > 1)
+
+
+def soak_cluster(lab, where: Path) -> Path:
+    stop_all(lab)
+    inv_dir = derived_inventory(lab, where, profile={})
+    proc = inv_cmd("deploy", "--topology", BASE, "-i", str(inv_dir), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return inv_dir
+
+
+def test_soak(lab, tmp_path):
+    """`make soak`: $SOAK_OPS operations (default 100) drawn with $SOAK_SEED (default 1)."""
+    n, seed = int(os.environ.get("SOAK_OPS", 100)), int(os.environ.get("SOAK_SEED", 1))
+    inv_dir = soak_cluster(lab, tmp_path / "soak")
+    result = Soak(lab, inv_dir, seed).run(n)
+    ledger = Path(os.environ.get("SOAK_LEDGER") or lab.lab_dir / "soak-ledger.json")
+    ledger.write_text(json.dumps(result, indent=1, default=str))
+    s = result["summary"]
+    print(f"soak summary (seed {seed}): " + json.dumps(s) + f"\nledger: {ledger}")
+    stop_all(lab)
+    assert not s["lost_outside_fault_windows"] and not s["replayed"] and not s["left_not_serving"], s
