@@ -247,7 +247,7 @@ class AnsibleReading:
     plain, and the tagged originals to say which file a value came from."""
 
     hostvars: dict[str, dict]
-    raw: dict[str, dict]
+    raw: dict[str, dict] | None  # None: read from the cache (no origins)
 
     def origin(self, field_path: str) -> str | None:
         """`file:line` of the value at an InvalidInput field (hosts.gpu01.pdops_gpus.count,
@@ -525,12 +525,69 @@ def _resolve_gateway_python(val: str) -> str:
     return val
 
 
+# Ansible's reading of an inventory, cached on this operator machine by the digest of everything it
+# depends on: importing ansible-core is most of what `inv plan` costs (bench/plan_speed.py).
+CACHE_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDOPS_CACHE_DIR") or Path.home() / ".cache" / "pdops") / "inventory"
+
+
+def sources_digest(files: list[Path]) -> str:
+    """sha256 over what Ansible's reading depends on: the inventory files, group_vars/ and
+    host_vars/ beside them, pdops's ansible.cfg, ansible-core's release file (its version) and
+    Python's (any change: a new key)."""
+    import importlib.util
+
+    h = hashlib.sha256(f"{CACHE_FORMAT}\0{sys.version_info[:2]}\0".encode())
+    spec = importlib.util.find_spec("ansible")  # its release file names the version; nothing imported
+    release = Path(spec.origin).parent / "release.py" if spec and spec.origin else None
+    h.update(release.read_bytes() if release and release.is_file() else b"no ansible release file")
+    sources = list(files)
+    for d in sorted({f.parent for f in files}):
+        for sub in ("group_vars", "host_vars"):
+            if (d / sub).is_dir():
+                sources += sorted(x for x in (d / sub).rglob("*") if x.is_file())
+    for src in sources + [ANSIBLE_CFG]:
+        h.update(str(src.resolve()).encode() + b"\0" + src.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cached_reading(digest: str) -> AnsibleReading | None:
+    try:
+        doc = json.loads((cache_dir() / f"{digest}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return AnsibleReading(doc["hostvars"], None) if isinstance(doc, dict) and "hostvars" in doc else None
+
+
+def _cache_reading(digest: str, reading: AnsibleReading) -> None:
+    """0600 in a 0700 dir; a value JSON cannot hold, or a dir that cannot be written: not cached."""
+    try:
+        text = json.dumps({"hostvars": reading.hostvars})
+        if json.loads(text)["hostvars"] != reading.hostvars:  # tuples, dates...: not cached
+            return
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = d / f".{digest}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, d / f"{digest}.json")
+    except (OSError, TypeError, ValueError):
+        return
+
+
 def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory:
-    """Read and validate an inventory; nothing is contacted."""
+    """Read and validate an inventory; nothing is contacted. Ansible's reading of the same files
+    is taken from this machine's cache (cache_dir()); pdops's own rules always run."""
     path = Path(path)
     files = _inventory_files(path)
+    digest = sources_digest(files)
+    cached = _cached_reading(digest)
     try:
-        reading = read_with_ansible(files)
+        reading = cached or read_with_ansible(files)
     except InvalidInput:
         for f in files:  # a YAML syntax error: say where, with its line and column
             if f.suffix in (".yml", ".yaml"):
@@ -539,12 +596,16 @@ def load_inventory(path: str | Path, *, profile: str | None = None) -> Inventory
                     raise InvalidInput(str(f), f"is a YAML {type(doc).__name__}, not an inventory mapping",
                                        fix="start the file with `all:` (see inventory/lab/hosts.yml)") from None
         raise
+    if cached is None:
+        _cache_reading(digest, reading)
     hostvars = reading.hostvars
     if not hostvars:
         raise InvalidInput(str(path), "the inventory lists no hosts", fix="add hosts under all.children.gpu_hosts.hosts")
     try:
         return _validate(path, files, hostvars, profile)
     except InvalidInput as exc:
+        if reading.raw is None:  # where a value came from is in Ansible's own reading
+            reading = read_with_ansible(files)
         where = reading.origin(exc.field)
         if where:
             exc.message += f" (from {where})"

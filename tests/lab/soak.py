@@ -223,9 +223,9 @@ class Soak:
     def judge(self, rows) -> dict:
         named = {r for d in self.done for r in d.named_lost}
         windows = [d.fault_window for d in self.done if d.fault_window]
-        bad = [r for r in rows if not r.ok]
-        in_window = [r for r in bad if any(r.start <= b and (r.end or r.start) >= a for a, b in windows)]
-        outside = [r for r in bad if r not in in_window and r.rid not in named]
+        bad = [r for r in rows if not r.ok]  # a closed loop retries at once: thousands in a reboot's window
+        in_window = {r.rid for r in bad if any(r.start <= b and (r.end or r.start) >= a for a, b in windows)}
+        outside = [r for r in bad if r.rid not in in_window and r.rid not in named]
         replayed = replays(self.lab, self.placement())
         summary = {"operations": len(self.done), "requests": len(rows), "not_ok": len(bad),
                    "not_ok_in_fault_windows": len(in_window), "named_by_pdops": len(named),

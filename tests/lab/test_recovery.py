@@ -4,7 +4,10 @@ Runbook "cluster down" (docs/runbooks/cluster-down.md): after a reboot of every 
 change pending (the inventory edited, not yet applied), `inv deploy --topology <T>` with the
 inventory on disk plans from what it observes: the gateway down is started first, instances that
 do not run are not drained (nothing to wait for) and count for no floor, a floor already broken is
-said in the plan, not refused. The cluster serves again with the pending change applied."""
+said in the plan, not refused. The cluster serves again with the pending change applied.
+
+Also: a change halted at a drain puts back what it took out (the plan's rescue steps); orphaned
+halves on a prefill are named by `inv status` and ended by `inv end-orphans` and by a drain."""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from pdops.hosts import http_json
 from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.placement import Placement
-from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import Load, derived_inventory, inv_cmd, queue, record, stop_all, wait_for
+from tests.lab.test_change import main_pids, set_bundle
 
 pytestmark = pytest.mark.lab
 
@@ -99,8 +103,6 @@ def test_orphaned_halves_are_named_by_status_and_ended_by_end_orphans_and_by_a_d
     them and completes instead of stopping at its budget."""
     import uuid
 
-    from tests.lab.clusters import wait_for
-
     stop_all(lab)
     inv_dir = derived_inventory(lab, tmp_path / "orphans", profile={},
                                 mutate=lambda d: d["all"]["vars"]["pdops_drain"].update(budget_s=20))
@@ -142,4 +144,62 @@ def test_orphaned_halves_are_named_by_status_and_ended_by_end_orphans_and_by_a_d
     assert not t2.is_alive()
     inv = load_inventory(inv_dir)
     assert all(r.ok for r in send(inv.gateway.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after"))
+    stop_all(lab)
+
+
+def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
+    """A rolling change whose first wave's drain meets its budget (a long generation sent straight
+    to p01 x d01, not through the gateway): the plan's rescue steps, printed by the dry run, put
+    p01 and d01 back in the gateway (canary, register, start-up list); nothing was stopped, so the
+    revision stays current. Under load: no request lost; afterwards as many instances serve as
+    before, `inv status` is ok, and the long generation finished untouched."""
+    import threading
+    import uuid
+
+    from pdops.deploy import _both_sides  # the canary's own way of reaching exactly one pair
+
+    stop_all(lab)
+    inv_dir = derived_inventory(lab, tmp_path / "halted", profile={"env": {"PDOPS_SIM_DECODE_STEP_MS": "20"}},
+                                mutate=lambda d: d["all"]["vars"]["pdops_drain"].update(budget_s=3))
+    proc = cli(inv_dir, "deploy", "--topology", "2p2d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rev_before = record(inv_dir).current()
+    pids_before = main_pids(inv_dir)
+    set_bundle(inv_dir, max_running_requests=32)
+    dry = cli(inv_dir, "deploy", "--topology", "2p2d", "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "if a step fails, then (rescue)" in dry.stdout and "R2. restore-service" in dry.stdout, dry.stdout
+    pl = Placement.from_dict(record(inv_dir).current_revision().placement)
+    p01, d01 = pl.get("p01"), pl.get("d01")
+    rid = f"halt-long-{uuid.uuid4().hex[:8]}"
+    body = {"text": "a long generation the drain must wait for", "rid": rid, "stream": False,
+            "sampling_params": {"max_new_tokens": 1500, "temperature": 0},  # ~30 s at 20 ms a token
+            "bootstrap_host": p01.head.data_addr, "bootstrap_port": p01.bootstrap_port, "bootstrap_room": 424242}
+    long_result: dict = {}
+    t = threading.Thread(target=lambda: long_result.update(_both_sides(p01, d01, body, rid, 120)))
+    t.start()
+    wait_for(lambda: queue(d01.url) > 0, 30, "the long generation running on d01")
+    inv = load_inventory(inv_dir)
+    with Load(inv.gateway.url) as load:
+        bad = cli(inv_dir, "deploy", "--topology", "2p2d")
+    t.join(timeout=120)
+    assert bad.returncode != 0, bad.stdout + bad.stderr
+    assert "still has work" in bad.stderr, bad.stderr
+    assert "back in service (were out of the gateway, never stopped): d01, p01" in bad.stderr, bad.stderr
+    load.assert_clean()
+    # the long generation was never cut
+    assert long_result["decode"][0] == 200 and long_result["decode"][1]["meta_info"]["completion_tokens"] == 1500
+    st = record(inv_dir)
+    assert st.current() == rev_before  # nothing was stopped: the revision still describes what runs
+    assert main_pids(inv_dir) == pids_before
+    steps = {r["step"]: r["status"] for r in st.journal().read(st.journal().operations()[-1])}
+    assert steps["restore-service"] == "ok" and steps["record-halt"] == "noop", steps
+    status = cli(inv_dir, "status", "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    doc = json.loads(status.stdout)
+    assert sorted(r["instance"] for r in doc["instances"] if r["healthy"]) == ["d01", "d02", "p01", "p02"]
+    from pdops.load import send
+
+    after = send(inv.gateway.url, requests=8, concurrency=4, max_new_tokens=4, stream_every=2, rid_prefix="after-halt")
+    assert all(r.ok for r in after), [r.to_dict() for r in after if not r.ok]
     stop_all(lab)

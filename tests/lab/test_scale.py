@@ -101,7 +101,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(cluster):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "added:   p02 (prefill) on lab03 GPUs 0-7" in proc.stdout
     assert "kept:    p01, d01" in proc.stdout
-    assert "verdict" not in proc.stdout
+    assert "verdict:" not in proc.stdout  # nothing ran (the rescue step R3 names "the verdict" it would write)
     assert cluster.state.revision_numbers() == [1]
 
 

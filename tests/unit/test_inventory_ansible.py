@@ -110,3 +110,49 @@ def test_reading_leaves_the_environment_of_child_processes_alone():
     before = os.environ.get("ANSIBLE_CONFIG")
     load_inventory(REPO / "inventory" / "rtx6000d")
     assert os.environ.get("ANSIBLE_CONFIG") == before  # ansible run by a test or a tool gets its own config
+
+
+def _copy_lab(tmp_path: Path) -> Path:
+    d = tmp_path / "inv"
+    shutil.copytree(REPO / "inventory" / "lab", d)
+    return d
+
+
+def test_a_second_read_of_the_same_files_does_not_import_ansible(tmp_path):
+    """Ansible's reading is cached by the digest of every file it depends on: `inv plan` then
+    costs Invoke's start-up and pdops's rules (bench/plan_speed.py). The cache file is 0600."""
+    d = _copy_lab(tmp_path)
+    env = {**os.environ, "PDOPS_CACHE_DIR": str(tmp_path / "cache")}
+    code = (f"import sys; from pdops.inventory import load_inventory; inv = load_inventory({str(d)!r}); "
+            "print(inv.cluster, 'ansible' in sys.modules)")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.split()[1] == "True" and second.stdout.split() == [first.stdout.split()[0], "False"]
+    [cached] = (tmp_path / "cache" / "inventory").glob("*.json")
+    assert oct(cached.stat().st_mode & 0o777) == "0o600"
+
+
+def test_an_edit_to_a_group_vars_file_is_read_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDOPS_CACHE_DIR", str(tmp_path / "cache"))
+    d = _copy_lab(tmp_path)
+    before = load_inventory(d)
+    gv = d / "group_vars" / "all.yml"
+    doc = yaml.safe_load(gv.read_text())
+    doc["pdops_drain"]["budget_s"] = before.drain_budget_s + 7
+    gv.write_text(yaml.safe_dump(doc))
+    assert load_inventory(d).drain_budget_s == before.drain_budget_s + 7
+
+
+def test_a_bad_value_read_from_the_cache_still_names_its_file(tmp_path, monkeypatch):
+    """The cache holds Ansible's values, not where they came from: an error re-reads with Ansible
+    so it names the file and line, as without the cache."""
+    from pdops.errors import InvalidInput
+
+    monkeypatch.setenv("PDOPS_CACHE_DIR", str(tmp_path / "cache"))
+    d = case_dir("host_vars", tmp_path)
+    (d / "host_vars" / "gpu02.yml").write_text("ansible_host: 127.0.20.2\npdops_data_addr: not-an-address\n")
+    for _ in range(2):  # the second read's values come from the cache
+        with pytest.raises(InvalidInput) as ei:
+            load_inventory(d)
+        assert f"(from {d / 'host_vars' / 'gpu02.yml'}:2)" in ei.value.message
+    assert list((tmp_path / "cache" / "inventory").glob("*.json"))
