@@ -63,8 +63,11 @@ class DrainPlan:
 
 def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool = False,
                wait_s: float | None = None, interval_s: float | None = None, force_after: bool = False,
-               skip_gateway: bool = False) -> DrainPlan:
-    """What a drain of `instance_id` will do, or why it is refused. Reads only the state dir."""
+               skip_gateway: bool = False, seen=None) -> DrainPlan:
+    """What a drain of `instance_id` will do, or why it is refused. Reads the state dir and, with
+    `seen` (pdops.observe.Seen), what serves now: the floor counts only instances that serve; one
+    that does not serve may be drained even if it is the last of its role (nothing is lost that
+    serves), and one whose units are not running is not waited for."""
     rev = state.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to drain", fix="deploy first (inv deploy)")
@@ -74,17 +77,26 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     pl = Placement.from_dict(rev.placement)
     inst = pl.get(instance_id)
     same_role = pl.role(inst.role)
-    if len(same_role) == 1 and not force and not skip_gateway:
-        raise Refused(f"{inst.id} is the last {inst.role} instance of {inv.cluster}: draining it leaves no {inst.role}",
-                      fix="scale up first, or pass --force if serving must stop")
+    ns = seen.not_serving if seen is not None else {}
+    others = [i.id for i in same_role if i.id != inst.id and i.id not in ns]
+    if not force and not skip_gateway and inst.id not in ns and not others:
+        idle = [i.id for i in same_role if i.id != inst.id]
+        raise Refused(f"{inst.id} is the last {inst.role} instance of {inv.cluster} that serves: draining it leaves no "
+                      f"{inst.role}" + (f" ({', '.join(idle)} observed not serving)" if idle else ""),
+                      fix="scale up first (or repair the others), or pass --force if serving must stop")
     wait_s = float(wait_s if wait_s is not None else inv.drain_budget_s)
     interval_s = float(interval_s if interval_s is not None else inv.vars.get("pdops_empty_check_interval_s", 5))
     if wait_s <= 0 or interval_s < 0:
         raise InvalidInput("--wait/--interval", "must be positive seconds", fix="e.g. --wait 600 --interval 5")
     worker = (rev.instances.get(inst.id) or {}).get("worker_id")
+    down = seen is not None and inst.id in seen.down
     steps = drain_steps(inv, inst, worker, wait_s=wait_s, interval_s=interval_s, force_after=force_after,
-                        gateway=not skip_gateway)
+                        gateway=not skip_gateway, wait=not down)
     notes = []
+    if inst.id in ns:
+        notes.append(f"observed: {inst.id} does not serve ({ns[inst.id]})" + (
+            "; nothing runs to wait for: leave the gateway, then the verified stop (`inv repair` names the work "
+            "its ended process lost)" if down else ""))
     if not skip_gateway:
         steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept",
                           kind="record-drain", params={"instance": inst.id}))

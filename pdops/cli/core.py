@@ -207,23 +207,42 @@ def verify(c, inventory=DEFAULT_INVENTORY):
     print(f"verify {inv.cluster}: {run_verify(inv, dep.state_for(inv))}")
 
 
-def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str) -> None:
+def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str, *, observe: bool = False) -> None:
     """An operation on one instance: validate, print the plan, stop there on --dry-run, else walk
-    it with the connections opened here and print the verdict."""
+    it with the connections opened here and print the verdict. `observe`: planned first from the
+    record (bad input refused before any connection), then again from what serves now (a refusal
+    of the first plan stands only if the observed one refuses too)."""
     from pdops import deploy as dep
+    from pdops.errors import Refused
+    from pdops.hosts import connections
     from pdops.inventory import load_inventory
 
     if not instance:
         raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
     inv = load_inventory(inventory)
     state = dep.state_for(inv)
-    plan = make_plan(inv, state)
-    print(plan.render())
-    if dry_run:
+    try:
+        plan, refused = make_plan(inv, state, None), None
+    except Refused as exc:
+        plan, refused = None, exc
+    rev = state.current_revision()
+    if not observe or rev is None:
+        if refused:
+            raise refused
+        print(plan.render())
+        if dry_run:
+            return
+        with connections(inv) as conns:
+            v = execute(plan, state, **conns)
+        print_verdict(headline, v)
         return
-    from pdops.hosts import connections
+    from pdops.observe import Seen, observe as read
 
     with connections(inv) as conns:
+        plan = make_plan(inv, state, Seen.of(read(inv, rev, **conns)))
+        print(plan.render())
+        if dry_run:
+            return
         v = execute(plan, state, **conns)
     print_verdict(headline, v)
 
@@ -232,9 +251,11 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
     from pdops import drain as dr
 
     _instance_op(instance, inventory, dry_run,
-                 lambda inv, state: dr.plan_drain(inv, state, instance, force=force, wait_s=wait, interval_s=interval,
-                                                  force_after=force_after, skip_gateway=skip_gateway),
-                 dr.execute_drain, f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.")
+                 lambda inv, state, seen: dr.plan_drain(inv, state, instance, force=force, wait_s=wait,
+                                                        interval_s=interval, force_after=force_after,
+                                                        skip_gateway=skip_gateway, seen=seen),
+                 dr.execute_drain, f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.",
+                 observe=not skip_gateway)
 
 
 @task(help={"instance": "instance to drain, e.g. p07", "inventory": "inventory dir or file",
@@ -349,5 +370,5 @@ def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_surv
         return
     from pdops import drain as dr
 
-    _instance_op(instance, inventory, dry_run, lambda inv, state: dr.plan_kill_survivors(inv, state, instance),
+    _instance_op(instance, inventory, dry_run, lambda inv, state, seen: dr.plan_kill_survivors(inv, state, instance),
                  dr.execute_kill_survivors, f"the survivors of {instance}'s stop are ended; the stop is verified.")

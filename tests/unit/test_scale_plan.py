@@ -655,3 +655,35 @@ def test_a_gateway_that_does_not_answer_is_started_first_and_waited_for(lab_inv,
     assert gw.params == {"restart": False, "clear_list": False, "unlist": ["d01"],
                          "wait_for": {i.id: i.url for i in plan.current_placement.instances if i.id != "d01"}}
     assert "the gateway does not answer (pdops-gateway.service failed/failed): started first" in plan.render()
+
+
+# ---------------------------------------------------------------- a drain's floor counts what serves now
+
+
+def test_a_drain_floor_counts_only_what_serves_now(lab_inv, state):
+    """2p1d with p02 observed down: draining p01 would leave no prefill serving (refused, naming
+    p02); the record alone would have allowed it. Draining p02 itself costs nothing that serves:
+    allowed, and not waited for (its units do not run)."""
+    from pdops import drain as dr
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "2p1d")
+    assert dr.plan_drain(lab_inv, state, "p01")  # the record alone: p02 serves
+    seen = Seen({"p02": "units not running: lab02:pdops-p02.service failed/failed"}, frozenset({"p02"}))
+    with pytest.raises(Refused, match=r"p01 is the last prefill instance of lab that serves.*p02 observed not serving"):
+        dr.plan_drain(lab_inv, state, "p01", seen=seen)
+    plan = dr.plan_drain(lab_inv, state, "p02", seen=seen)
+    names = [s.name for s in plan.steps]
+    assert names == ["leave-gateway", "record-identity", "stop", "verify-stop", "record"], names
+    assert any("observed: p02 does not serve" in n for n in plan.notes)
+
+
+def test_the_last_decode_that_does_not_serve_may_be_drained(lab_inv, state):
+    from pdops import drain as dr
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "2p1d")
+    with pytest.raises(Refused, match="last decode instance"):
+        dr.plan_drain(lab_inv, state, "d01")
+    seen = Seen({"d01": "units not running"}, frozenset({"d01"}))
+    assert dr.plan_drain(lab_inv, state, "d01", seen=seen).instance.id == "d01"
