@@ -71,11 +71,19 @@ def _age(host_now: str, stamp: str) -> float | None:
         return None
 
 
-def open_requests(pool, inst: Instance) -> dict[str, float | None]:
-    """rid -> age in seconds of each request the instance's current process (rank 0) holds open."""
+def open_command(unit: str, window_s: float) -> str:
+    """One SSH command: the host's clock, then the unit's request log of its current process for
+    the last `window_s` seconds (a half older than the bootstrap timeout has ended by itself; the
+    decode side of a half was received at the same moment), so the read stays small on a busy engine."""
+    return (f"u={q(unit)}; i=$(systemctl show -p InvocationID --value \"$u\"); date '+%Y-%m-%dT%H:%M:%S.%6N'; "
+            f"journalctl -u \"$u\" ${{i:+_SYSTEMD_INVOCATION_ID=$i}} --since {q(f'-{int(window_s)}s')} -o cat --no-pager")
+
+
+def open_requests(pool, inst: Instance, window_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S + 60) -> dict[str, float | None]:
+    """rid -> age in seconds of each request the instance's current process (rank 0) holds open,
+    among those it received in the last `window_s` seconds."""
     host, unit = inst.units[0]
-    inv_id = pool.run(host, f"systemctl show -p InvocationID --value {q(unit)}").stdout.strip()
-    out = pool.run(host, "date '+%Y-%m-%dT%H:%M:%S.%6N'; " + requestlog.command(unit, inv_id or None), timeout=60).stdout
+    out = pool.run(host, open_command(unit, window_s), timeout=60).stdout
     first, _, rest = out.partition("\n")
     log = requestlog.parse(rest)
     return {rid: _age(first.strip(), log.received[rid]) for rid in log.open}
@@ -99,7 +107,10 @@ def read(pool, pl: Placement, inv, *, prefills: list[str] | None = None) -> Read
     `pl`. A decode whose request log cannot be read leaves nothing concluded (its halves may be there)."""
     ps = [i for i in pl.role("prefill") if prefills is None or i.id in prefills]
     ds = list(pl.role("decode"))
-    res = run_parallel(ps + ds, lambda i: open_requests(pool, i))
+    if not ps:
+        return Reading({}, [])
+    window = bootstrap_timeout_s(inv) + 60
+    res = run_parallel(ps + ds, lambda i: open_requests(pool, i, window))
     unknown = [f"{i.id}: request log unreadable: {getattr(r, 'message', r)}" for i, r in res.items()
                if isinstance(r, Exception)]
     if any(isinstance(res[d], Exception) for d in ds):
@@ -145,13 +156,14 @@ def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
     ended, left = {}, {}
     for pid, orphans in reading.orphans.items():
         inst = pl.get(pid)
-        e, lft = end(inst, orphans, set(open_requests(ctx.pool, inst)))
+        e, lft = end(inst, orphans, set(open_requests(ctx.pool, inst, bootstrap_timeout_s(ctx.inv) + 60)))
         ended[pid], left[pid] = e, lft
         ctx.say(f"  {pid}: ended {len(e)} orphaned half(s) whose decode side is gone: {', '.join(e) or 'none'}")
     # proof: what was aborted is no longer open on its prefill (the scheduler ends it within moments)
     deadline = time.monotonic() + 10
     while True:
-        still = {pid: sorted(set(rids) & set(open_requests(ctx.pool, pl.get(pid)))) for pid, rids in ended.items()}
+        still = {pid: sorted(set(rids) & set(open_requests(ctx.pool, pl.get(pid), bootstrap_timeout_s(ctx.inv) + 60)))
+                 for pid, rids in ended.items()}
         still = {k: v for k, v in still.items() if v}
         if not still or time.monotonic() > deadline:
             break

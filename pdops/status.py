@@ -216,11 +216,17 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
         obs = observe(inv, rev, pool, client)
         by_id = {o.id: o for o in obs.instances}
         stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
+        reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
+        # orphaned halves wait in a prefill's bootstrap (or KV-sending) queue: its request log is read
+        # only where those are not empty, or where its queues could not be read
+        holding = [o.id for o in obs.instances if o.instance.role == "prefill" and (
+            not isinstance(reads.get(o.instance), tuple)
+            or reads[o.instance][0].total("prefill_bootstrap") or reads[o.instance][0].total("prefill_inflight"))]
         try:
-            orphaned = orphans_mod.read(pool, Placement.from_dict(rev.placement), inv)
+            orphaned = (orphans_mod.read(pool, Placement.from_dict(rev.placement), inv, prefills=holding) if holding
+                        else orphans_mod.Reading())
         except PdopsError as exc:
             orphaned = orphans_mod.Reading({}, [exc.message])
-    reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
     try:
         gw_counters, gw_counters_error = _gateway_counters(inv), None
     except Exception as exc:  # noqa: BLE001 - shown, not fatal: the gateway row says what it could read

@@ -39,8 +39,7 @@ class Pool:
         self.logs, self.now = logs, now
 
     def run(self, host, command, timeout=60):
-        if command.startswith("systemctl show"):
-            return types.SimpleNamespace(stdout="inv-1\n", stderr="")
+        assert "--since -360s" in command  # the bootstrap timeout and a minute: a small read
         unit = next(u for u in self.logs if u in command)
         return types.SimpleNamespace(stdout=self.now + "\n" + "\n".join(self.logs[unit]) + "\n", stderr="")
 
