@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pdops import ansible, membership
+from pdops import ansible, membership, orphans
 from pdops.errors import DeployFailed, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
@@ -180,8 +180,6 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
     steps += register_steps(inv, need, group="register")
     if obs.gateway_down or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
-        from pdops import orphans
-
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
     steps.append(verify_running_step(pl, inv))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "

@@ -135,7 +135,10 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
         steps += [
             Step(f"{prefix}wait-empty", inst.head.host, "until no request ID is open in its request log and every "
                  "queue (running, waiting, prefill bootstrap and in-flight KV, decode prealloc and transfer) is 0 on "
-                 "/v1/loads and /metrics; progress shown; at the deadline stop WITHOUT stopping the instance"
+                 "/v1/loads and /metrics; progress shown"
+                 + ("; what a prefill still holds that no decode holds (orphaned halves, pdops.orphans) is ended by "
+                    "request ID and named" if inst.role == "prefill" else "")
+                 + "; at the deadline stop WITHOUT stopping the instance"
                  + (" (--force-after: stop anyway, loss recorded)" if force_after else ""), wait_s,
                  kind="wait-empty", params={**p, "force_after": force_after}),
             Step(f"{prefix}empty-check-1", inst.head.host, "read every source again: request log, /v1/loads, /metrics",

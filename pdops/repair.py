@@ -18,11 +18,13 @@ from __future__ import annotations
 import datetime as _dt
 import re
 
-from pdops.errors import InvalidInput, Refused
+from pdops.errors import InvalidInput, PdopsError, Refused
+from pdops import orphans
 from pdops.facts import requestlog
 from pdops.inventory import Inventory
 from pdops.placement import Instance, Placement
-from pdops.runner import Outcome, Plan, RunContext, Step, register_executors
+from pdops.runner import Outcome, Plan, RunContext, Step, register_executors, walk
+from pdops.state import new_op_id
 
 INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
 
@@ -145,8 +147,7 @@ register_executors({"lost-work": do_lost_work})
 def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
     """`inv end-orphans`: every prefill's halves that no decode holds (pdops.orphans), ended by rid
     and named. Read-only until the walk: which requests are orphaned is read when the step runs."""
-    from pdops import orphans
-    from pdops.deploy import connect_step
+    from pdops.deploy import connect_step  # deploy <-> repair: the known circle (architecture.md)
 
     rev = state.current_revision()
     if rev is None:
@@ -161,10 +162,6 @@ def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
 
 def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateway) -> dict:
     """Walk it under the cluster lock; the verdict names what was ended."""
-    from pdops.errors import PdopsError
-    from pdops.runner import walk
-    from pdops.state import new_op_id
-
     op = new_op_id("end-orphans")
     with state.lock("end-orphans", op_id=op):
         ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl})

@@ -38,7 +38,7 @@ import pdops.drain  # noqa: F401
 import pdops.repair  # noqa: F401
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.admission import health_pause_command
-from pdops import membership
+from pdops import membership, orphans
 from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleFailed, Unverified
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
@@ -813,8 +813,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     rep = plan.repair or {}
     if rep and plan.current_placement.get(rep["instance"]).role == "decode":
         # the halves the ended decode process left on the prefills wait for a side that is gone
-        from pdops import orphans
-
         out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
     out.append(verify_running_step(tgt, inv))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
@@ -1178,8 +1176,6 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     a canary through it; one whose units are not active (or whose /health does not answer) is named
     out of service. Read from systemd, the instance and the gateway now."""
     from pdops.deploy import canary_pairs, register
-    from pdops.facts.gateway import DRAINING
-    from pdops.gateway import deadline_in
     from pdops.hosts import http_json
 
     d = ctx.data
@@ -1221,10 +1217,7 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
                 failed += [f"{x.id}: canary failed: {exc.message}" for x in back]
                 back = []
     for x in back:
-        try:
-            for w in ctx.gateway.list_workers():  # the drain's removal may still be settling
-                if w.url.rstrip("/") == x.url.rstrip("/") and w.status == DRAINING:
-                    ctx.gateway.wait_worker_gone(w.id, deadline_in(max(deadline - time.monotonic(), 10)))
+        try:  # register() waits out the worker the drain left draining at this URL
             restored[x.id] = register(ctx.gateway, x, ctx.say, max(deadline - time.monotonic(), 15))
         except PdopsError as exc:
             failed.append(f"{x.id}: not registered again: {exc.message}")
