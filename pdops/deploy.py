@@ -178,7 +178,7 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
                                  why="through every pair of a started or restarted instance, before registration"))
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
-    if obs.gateway_down or any(i.role == "decode" for i in down + restarted):
+    if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
     steps.append(verify_running_step(pl, inv))
@@ -207,7 +207,8 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={**live.extra, "repair_of": live.number, "repaired": plan.findings,
-                                          **({"configs": configs_of(ctx.data["running"])} if "running" in ctx.data
+                                          **({"configs": configs_of(ctx.data["running"]),
+                                              **gateway_pid_of(ctx.data["running"], ctx.inv)} if "running" in ctx.data
                                              else {})},
                                    snapshot=ctx.state.revision_snapshot(live.number))
     ctx.state.set_current(rev.number)
@@ -703,6 +704,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"]),
                                           "configs": configs_of(ctx.data["running"]),
+                                          **gateway_pid_of(ctx.data["running"], ctx.inv),
                                           "last_bootstrap": last_bootstrap_ports({}, pl)},
                                    snapshot=snapshot_of(ctx.inv, plan.files))
     ctx.state.set_current(rev.number)
@@ -766,6 +768,13 @@ def do_verify_running(ctx: RunContext, step: Step) -> Outcome:
 
 def configs_of(running: dict) -> dict[str, str]:
     return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
+
+
+def gateway_pid_of(running: dict, inv: Inventory) -> dict:
+    """{"gateway_main_pid": N} from what verify-running read, for a revision's record: a gateway
+    MainPID that differs later means systemd (or someone) restarted it (pdops.observe)."""
+    pid = (running.get(f"{inv.gateway.host}:{GATEWAY_UNIT}") or {}).get("main_pid")
+    return {"gateway_main_pid": pid} if pid else {}
 
 
 def undo_register_step(*, fresh: bool, instances: int) -> Step:

@@ -94,6 +94,19 @@ class Observation:
     start_list_error: str | None = None
     gateway_running: str | None = None  # the gateway process's config id
     gateway_expected: str | None = None
+    gateway_recorded_pid: int | None = None  # its MainPID when the revision was recorded (None: older records)
+
+    @property
+    def gateway_restarted(self) -> str | None:
+        """The gateway runs, but not as the process the revision recorded: systemd (or someone) started
+        it again. Its registrations came back from the start-up list; the requests it was carrying did
+        not, and their prefill halves wait out the bootstrap timeout (pdops.orphans)."""
+        u = self.gateway_unit
+        if self.gateway_down or not self.gateway_recorded_pid or not isinstance(u, UnitState) \
+                or u.main_pid == self.gateway_recorded_pid:
+            return None
+        return (f"gateway {GATEWAY_UNIT} restarted: MainPID {u.main_pid}, recorded {self.gateway_recorded_pid} "
+                f"(restarts by systemd: {u.n_restarts})")
 
     @property
     def gateway_stale(self) -> str | None:
@@ -123,6 +136,8 @@ class Observation:
             out.append(f"gateway {GATEWAY_UNIT}: {state}" + (f"; {self.gateway_error}" if self.gateway_error else ""))
         if self.gateway_stale:
             out.append(self.gateway_stale)
+        if self.gateway_restarted:
+            out.append(self.gateway_restarted)
         if self.start_list_error:
             out.append(f"the gateway's start-up list {membership.PATH} unreadable: {self.start_list_error}")
         for o in self.instances:
@@ -215,7 +230,8 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClien
     gw_key = f"{inv.gateway.host}:{GATEWAY_UNIT}"
     obs = Observation(rev.number, state_of(inv.gateway.host, GATEWAY_UNIT), gw_error, workers, start_list,
                       start_list_error=list_error, gateway_expected=expected.get(gw_key),
-                      gateway_running=running_of(inv.gateway.host, [GATEWAY_UNIT]).get(gw_key))
+                      gateway_running=running_of(inv.gateway.host, [GATEWAY_UNIT]).get(gw_key),
+                      gateway_recorded_pid=(rev.extra or {}).get("gateway_main_pid"))
     for inst in pl.instances:
         recorded = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
         obs.instances.append(InstanceObservation(

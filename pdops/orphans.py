@@ -50,6 +50,9 @@ class Reading:
 
     orphans: dict[str, list[Orphan]] = field(default_factory=dict)  # prefill id -> its orphans
     unknown: list[str] = field(default_factory=list)  # sources that could not be read: nothing concluded
+    # seconds until every prefill half that no decode holds but that is younger than GRACE_S is old
+    # enough to conclude on (0: none): right after a fault the halves it cut are that young
+    unsettled_s: float = 0.0
 
     @property
     def count(self) -> int:
@@ -102,6 +105,14 @@ def classify(prefills: dict[str, dict[str, float | None]], decode_open: set[str]
     return out
 
 
+def unsettled(prefills: dict[str, dict[str, float | None]], decode_open: set[str], *,
+              grace_s: float = GRACE_S) -> float:
+    """Pure: how long until the youngest prefill half that no decode holds is `grace_s` old (0: none)."""
+    ages = [age for rids in prefills.values() for rid, age in rids.items()
+            if rid not in decode_open and age is not None and age < grace_s]
+    return max((grace_s - a for a in ages), default=0.0)
+
+
 def read(pool, pl: Placement, inv, *, prefills: list[str] | None = None) -> Reading:
     """The orphaned halves on `prefills` (default: every prefill of `pl`), against every decode of
     `pl`. A decode whose request log cannot be read leaves nothing concluded (its halves may be there)."""
@@ -116,9 +127,9 @@ def read(pool, pl: Placement, inv, *, prefills: list[str] | None = None) -> Read
     if any(isinstance(res[d], Exception) for d in ds):
         return Reading({}, unknown)
     decode_open = {rid for d in ds for rid in res[d]}
-    found = classify({p.id: res[p] for p in ps if not isinstance(res[p], Exception)}, decode_open,
-                     now=time.time(), timeout_s=bootstrap_timeout_s(inv))
-    return Reading(found, unknown)
+    held = {p.id: res[p] for p in ps if not isinstance(res[p], Exception)}
+    found = classify(held, decode_open, now=time.time(), timeout_s=bootstrap_timeout_s(inv))
+    return Reading(found, unknown, unsettled(held, decode_open))
 
 
 def end(inst: Instance, orphans: list[Orphan], still_open: set[str]) -> tuple[list[str], list[str]]:
@@ -139,7 +150,8 @@ def end(inst: Instance, orphans: list[Orphan], still_open: set[str]) -> tuple[li
 
 def end_step(prefills: list[str], host: str | None = None) -> Step:
     return Step("end-orphans", host, f"read the open requests of {', '.join(prefills)} and of every decode; end each "
-                f"prefill half that no decode holds (held {GRACE_S:g}s or more) with /abort_request by its rid, named "
+                f"prefill half that no decode holds (held {GRACE_S:g}s or more; one younger is read again once it is "
+                f"{GRACE_S:g}s old) with /abort_request by its rid, named "
                 "in the journal, never sent again; read again to prove each one ended", 90, kind="end-orphans",
                 params={"prefills": list(prefills)})
 
@@ -147,6 +159,13 @@ def end_step(prefills: list[str], host: str | None = None) -> Step:
 def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
     pl: Placement = ctx.data["placement"]
     reading = read(ctx.pool, pl, ctx.inv, prefills=step.params["prefills"])
+    if reading.unsettled_s > 0:
+        # a fault just now (a decode or the gateway restarted) cut halves younger than the grace: the
+        # decode logs its half within milliseconds, so once they are GRACE_S old the reading concludes
+        ctx.say(f"  a prefill half no decode holds is younger than {GRACE_S:g}s: reading again in "
+                f"{reading.unsettled_s:.1f}s")
+        time.sleep(reading.unsettled_s + 0.2)
+        reading = read(ctx.pool, pl, ctx.inv, prefills=step.params["prefills"])
     if reading.unknown and not reading.orphans:
         return Outcome("noop", {"unknown": reading.unknown}, unverified=[f"orphaned halves not read: {u}"
                                                                          for u in reading.unknown],

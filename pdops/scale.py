@@ -1062,7 +1062,7 @@ def _instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None
 
 def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
             running: dict | None = None) -> Revision:
-    from pdops.deploy import configs_of
+    from pdops.deploy import configs_of, gateway_pid_of
 
     cur, tgt = plan.current, plan.target
     new_mf = manifest(plan.files)
@@ -1078,7 +1078,8 @@ def _record(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, mai
         "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
     }
     extra = {"gateway": plan.inv.gateway.url, "build": str(build) if build else None, "rollback": rollback,
-             "configs": configs_of(running or {}), "cordoned": list(plan.cordoned),
+             "configs": configs_of(running or {}), **gateway_pid_of(running or {}, plan.inv),
+             "cordoned": list(plan.cordoned),
              "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
                                                     last_bootstrap_ports({}, plan.current_placement), tgt),
              "scale": {"from_revision": cur.number, "from_topology": cur.topology,

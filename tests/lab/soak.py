@@ -8,8 +8,8 @@ Operations and faults, drawn with `random.Random(seed)`:
 - rollback: `inv rollback`;
 - maintenance: `inv drain --host H`, `inv uncordon --host H`, `inv deploy`;
 - engine-kill (fault): SIGKILL of an instance's MainPID (read from systemd), `inv repair`;
-- gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy`,
-  `inv end-orphans`;
+- gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy` (it
+  observes the restart and ends the prefill halves the crash cut);
 - reboot (fault): every lab host powered off and booted, `inv deploy`;
 - halted-change: a change whose new processes fail to start (a flag SGLang rejects) halts; the
   flag is taken out and `inv deploy` applies the inventory.
@@ -178,14 +178,12 @@ class Soak:
         pid = self.kill_main_pid(inv.gateway.host, "pdops-gateway.service")
         time.sleep(0.5)
         self.cli(cmds, "deploy", "--topology", self.topology())
-        self.cli(cmds, "end-orphans")
-        return f"SIGKILL gateway (MainPID {pid}), deploy, end-orphans"
+        return f"SIGKILL gateway (MainPID {pid}), one deploy"
 
     def op_reboot(self, cmds):
         lab_api.down()
         self.lab.ensure_up()
         self.cli(cmds, "deploy", "--topology", self.topology())
-        self.cli(cmds, "end-orphans")
         return "every host rebooted, one deploy"
 
     def op_halted_change(self, cmds):

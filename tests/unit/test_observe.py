@@ -191,3 +191,28 @@ def test_what_a_change_plans_from_names_each_instance_that_does_not_serve(live):
     assert seen.not_serving == {"d01": f"units not running: {h}:{u} failed/failed",
                                 "p01": "not in the gateway's start-up list"}
     assert Seen.of(observe(inv, rev, Pool(*healthy_world(pl)[::2]), Gateway(healthy_world(pl)[1]))).all_serving
+
+
+def test_a_gateway_systemd_restarted_is_a_finding_and_its_cut_halves_are_ended(live):
+    """SIGKILLed, the gateway came back by itself (Restart=) and registered every worker from its
+    start-up list: nothing is missing, but the requests it carried left prefill halves that no decode
+    holds. The recorded MainPID tells: the repair ends them and records the new MainPID."""
+    inv, pl, state = live
+    rev = state.current_revision()
+    state.set_current(state.write_revision(
+        topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement, manifest=rev.manifest,
+        outcome="deployed", instances=rev.instances, extra={**(rev.extra or {}), "gateway_main_pid": 700}).number)
+    units, workers, start_list = healthy_world(pl)
+    units[(inv.gateway.host, GATEWAY_UNIT)] = ("active", "running", 700)
+    assert plan(inv, state, units, workers, start_list).noop  # the recorded gateway process: no change
+    units[(inv.gateway.host, GATEWAY_UNIT)] = ("active", "running", 812, 1)
+    p = plan(inv, state, units, workers, start_list)
+    assert f"gateway {GATEWAY_UNIT} restarted: MainPID 812, recorded 700 (restarts by systemd: 1)" in p.findings
+    assert [s.name for s in p.steps] == ["connect", "end-orphans", "verify-running", "record"]
+
+
+def test_the_gateway_main_pid_is_recorded_from_what_verify_running_read():
+    inv = load_inventory(REPO / "inventory" / "lab")
+    running = {f"{inv.gateway.host}:{GATEWAY_UNIT}": {"main_pid": 812, "config": "c1"}}
+    assert dep.gateway_pid_of(running, inv) == {"gateway_main_pid": 812}
+    assert dep.gateway_pid_of({}, inv) == {}

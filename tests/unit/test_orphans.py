@@ -23,6 +23,13 @@ def test_a_half_no_decode_holds_is_orphaned_once_held_past_the_grace():
     assert [o.rid for o in found["p02"]] == ["e"]
 
 
+def test_a_half_cut_just_now_is_read_again_once_old_enough_to_conclude_on():
+    """Right after a fault the halves it cut are younger than the grace: the end step waits until the
+    youngest unpaired one is GRACE_S old (a paired one or one already past the grace asks no wait)."""
+    assert orphans.unsettled({"p01": {"a": 1.5, "b": 0.5, "c": 30.0}}, {"b"}) == pytest.approx(3.5)
+    assert orphans.unsettled({"p01": {"b": 0.5, "c": 30.0, "d": None}}, {"b"}) == 0.0
+
+
 def test_one_past_its_timeout_ends_now():
     [o] = orphans.classify({"p01": {"a": 400.0}}, set(), now=1000.0, timeout_s=300)["p01"]
     assert o.ends_by == 1000.0
@@ -55,7 +62,7 @@ def test_the_age_comes_from_the_engine_hosts_own_clock():
                  d.units[0][1]: [log_line("request.received", "paired", "2026-12-02T10:00:10")]})
     assert orphans.open_requests(pool, p) == {"held": 30.0, "paired": 20.0}
     r = orphans.read(pool, pl, inv)
-    assert [o.rid for o in r.orphans["p01"]] == ["held"] and r.unknown == []
+    assert [o.rid for o in r.orphans["p01"]] == ["held"] and r.unknown == [] and r.unsettled_s == 0.0
 
 
 def test_a_decode_log_that_cannot_be_read_concludes_nothing():
