@@ -91,6 +91,7 @@ class Req:
         self.done = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.abort_reason: RequestFailed | None = None
+        self.started = False  # its task ran: cancelling it reaches _run's handlers
         self.kvconn = None
         self._text = ""
         self._text_n = 0
@@ -266,7 +267,10 @@ class Engine:
         if req.finished or req.abort_reason is not None:
             return
         req.abort_reason = reason or RequestFailed("Aborted", status=None)
-        if req.task:
+        # a task cancelled before it first runs never enters _run: the request would stay in `reqs`
+        # and open in the request log for good (an HTTP client gone before the response's headers
+        # did that). One not started yet sees abort_reason as its first act instead.
+        if req.task and req.started:
             req.task.cancel()
 
     def abort_rid(self, rid: str, abort_all: bool) -> int:
@@ -283,8 +287,11 @@ class Engine:
 
     # ---------------------------------------------------------------- request task
     async def _run(self, req: Req) -> None:
+        req.started = True
         fake = req.bhost == FAKE_BOOTSTRAP_HOST
         try:
+            if req.abort_reason is not None:  # aborted before its task first ran
+                raise req.abort_reason
             if self.mode == "null" or (fake and self.mode == "prefill"):
                 await self._prefill_compute(req)
                 if self.mode == "prefill":

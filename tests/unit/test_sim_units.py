@@ -91,3 +91,25 @@ def test_scheduler_titles_like_sglang():
     assert scheduler_titles(1, 1, 1, 0) == ["sglang::scheduler"]
     assert scheduler_titles(4, 1, 2, 1) == ["sglang::scheduler_TP2", "sglang::scheduler_TP3"]
     assert scheduler_titles(2, 2, 1, 0)[-1] == "sglang::scheduler_PP1_TP1"
+
+
+def test_a_request_aborted_before_its_task_first_runs_still_ends_and_says_so():
+    """A client gone before the response's headers (the gateway dropping a prefill leg whose decode
+    leg failed) aborts the request at once. It must leave the engine and log request.finished like any
+    abort: before the fix it stayed open in the request log for good, an orphan no /abort_request ended."""
+    import asyncio
+
+    from pdops.sim.engine import Engine
+
+    args = parse_args(["--model-path", "m", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                       "18998"], env={})
+
+    async def go():
+        e = Engine(args, TimingModel(), parse_faults(""))
+        req = e.submit({"rid": "gone", "bootstrap_room": 7}, True, 10, 4)
+        e.abort(req)  # in the same step as the submit: the task has not run yet
+        await asyncio.wait_for(req.done.wait(), 5)
+        return e, req
+
+    e, req = asyncio.run(go())
+    assert req.finish_reason["type"] == "abort" and "gone" not in e.reqs
