@@ -51,9 +51,11 @@ def _epoch(iso: str) -> float:
 
 
 def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, force: bool = False,
-                force_after: bool = False, wait_s: float | None = None):
-    """The repair plan of one instance, decided from `status_doc` (pdops.status.collect_status, read
-    now). Returns a ScalePlan, or a str saying why there is nothing to do."""
+                force_after: bool = False, wait_s: float | None = None, seen=None):
+    """The repair plan of one instance, decided from `status_doc` (pdops.status.read_status, read
+    now) and `seen` (pdops.observe.Seen of the same reading; None: not read): a gateway that does not
+    answer is started first; another instance that does not serve is named, left as it is, and no
+    canary pair goes through it. Returns a ScalePlan, or a str saying why there is nothing to do."""
     from pdops import scale as sc
     from pdops.render import manifest, render_files
 
@@ -93,7 +95,8 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
                       fix=f"`inv deploy --topology {rev.topology}` applies the inventory's changes (it replaces what "
                           "differs), or restore the inventory of the running revision")
     why = f"repair ({row['state']}" + (f": {row['reasons'][0]}" if row["reasons"] else "") + ")"
-    plan = sc.plan_change(inv, rev, pl, replace_ids={iid: why}, max_unavailable=1, force=True)
+    plan = sc.plan_change(inv, rev, pl, replace_ids={iid: why}, max_unavailable=1, force=True, seen=seen,
+                          restart_not_serving=False)
     if [i.id for i in plan.replaced] != [iid] or plan.added or plan.removed or plan.gateway_restart:
         raise Refused(f"repairing {iid} would change more than {iid}",
                       evidence=plan.render(), fix=f"`inv deploy --topology {rev.topology}` plans the whole difference")

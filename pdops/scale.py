@@ -165,7 +165,9 @@ class ScalePlan:
         if self.seen is not None:
             if self.seen.gateway:
                 lines.append(f"  observed: the gateway does not answer ({self.seen.gateway}): started first")
-            lines += [f"  observed: {i} does not serve ({why})" for i, why in self.seen.not_serving.items()]
+            changed = {i.id for i in self.replaced + self.removed} | {o for o, _ in self.surge}
+            lines += [f"  observed: {i} does not serve ({why})" + ("" if i in changed else ": not part of this change")
+                      for i, why in self.seen.not_serving.items()]
             if self.seen.all_serving:
                 lines.append("  observed: every instance of the revision serves; the gateway answers")
         lines += [f"  floor: {b}" for b in self.broken]
@@ -286,7 +288,8 @@ def _current(inv: Inventory, state: StateDir, what: str) -> Revision:
 def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
                 skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
                 force: bool = False, replace_ids: dict[str, str] | None = None,
-                cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None) -> ScalePlan:
+                cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None,
+                restart_not_serving: bool = True) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -297,7 +300,9 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     `seen` (pdops.observe.Seen): what serves now. An instance of the revision that does not serve is
     replaced (started again), first in its role, and counts for no floor; one whose units are not
     running is not waited for (nothing runs to drain); a role of which nothing serves is said in the
-    plan, not refused; a gateway that does not answer is started as the first step."""
+    plan, not refused; a gateway that does not answer is started as the first step.
+    `restart_not_serving=False` (`inv repair`, one instance): what does not serve counts for no floor
+    and no canary pair, but only `replace_ids` are started again."""
     from pdops.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -309,7 +314,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     cur_pl = Placement.from_dict(cur.placement)
     cur_by_id = {i.id: i for i in cur_pl.instances}
     not_serving = {k: v for k, v in (seen.not_serving if seen else {}).items() if k in cur_by_id}
-    for iid, reason in not_serving.items():
+    for iid, reason in not_serving.items() if restart_not_serving else ():
         replace_ids.setdefault(iid, f"observed not serving ({reason}): started again")
     tgt_ids = {i.id for i in target_pl.instances}
     # a rollback returns to the files recorded with its target (its snapshot), not to what the

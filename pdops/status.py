@@ -200,8 +200,13 @@ def _strays(pool: HostPool, o) -> list[str]:
 
 
 def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
-    """Read every source and judge each instance and the gateway (see the module's doc).
-    `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
+    """Read every source and judge each instance and the gateway (see the module's doc)."""
+    return read_status(inv, state, remember=remember, prometheus=prometheus)[0]
+
+
+def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None):
+    """`collect_status`'s document and the Observation (pdops.observe) it judged; None when nothing is
+    deployed. `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
     from pdops import orphans as orphans_mod
     from pdops.observe import observe
     from pdops.placement import Placement
@@ -210,7 +215,7 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
     record = record_doc(state)
     if rev is None:
         return {"cluster": inv.cluster, "revision": None, "instances": [], "gateway": None, "record": record,
-                "note": "nothing deployed yet (no current revision)", "ok": True}
+                "note": "nothing deployed yet (no current revision)", "ok": True}, None
     client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
     with HostPool(inv) as pool:
         obs = observe(inv, rev, pool, client)
@@ -322,7 +327,7 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
     ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
             "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
-            "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
 
 
 def record_lines(record: dict | None) -> list[str]:

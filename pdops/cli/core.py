@@ -314,15 +314,17 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
     from pdops import scale as sc
     from pdops.hosts import connections
     from pdops.inventory import load_inventory
+    from pdops.observe import Seen
     from pdops.repair import check_instance_id, plan_repair
-    from pdops.status import collect_status
+    from pdops.status import read_status
 
     iid = check_instance_id(instance)
     wait_s = seconds(wait, "--wait")
     inv = load_inventory(inventory)
     state = dep.state_for(inv)
-    plan = plan_repair(inv, state, iid, collect_status(inv, state, remember=False), force=force,
-                       force_after=force_after, wait_s=wait_s)
+    doc, obs = read_status(inv, state, remember=False)
+    plan = plan_repair(inv, state, iid, doc, force=force, force_after=force_after, wait_s=wait_s,
+                       seen=Seen.of(obs) if obs is not None else None)
     if isinstance(plan, str):
         print(f"no change: {plan}")
         return

@@ -2,7 +2,7 @@
 observation, request) -> the exact step ids the runner will walk, parallel groups as lists, and its rescue
 steps (`rescue:`, what runs if a step fails).
 `observed:` is what the hosts and the gateway report, where the operation decides from it:
-repair's status rows, a live deploy's units and workers, a stop's recorded survivors. Adding a
+repair's status rows (and `gateway:`, why it does not answer), a live deploy's units and workers, a stop's recorded survivors. Adding a
 case is adding a file. The lab test (tests/lab/test_runner_lab.py) checks that a real run's
 journal has the same ids."""
 
@@ -143,8 +143,13 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] == "repair":
         from pdops import repair
 
+        from pdops.observe import Seen
+
         pl = Placement.from_dict(state.current_revision().placement)
-        return repair.plan_repair(inv, state, req["instance"], status_doc(pl, observed)).plan
+        rows = {k: v for k, v in observed.items() if k != "gateway"}
+        seen = Seen({k: f"observed {v}" for k, v in rows.items() if v != "ok"},
+                    frozenset(k for k, v in rows.items() if v == "down"), observed.get("gateway"))
+        return repair.plan_repair(inv, state, req["instance"], status_doc(pl, rows), seen=seen).plan
     if req["op"] == "kill-survivors":
         survivors = [{"host": h, "pid": 4242, "start_ticks": 1234, "boot_id": "b", "cmdline": "sglang::scheduler",
                       "cgroup": "/pdops.slice", "ports": [30010]} for h in observed.get("survivors_on", ())]
@@ -223,3 +228,12 @@ def test_a_scale_step_id_carries_the_instance_so_two_drains_are_told_apart(fleet
     assert [(s.name, s.instance) for s in checks] == [
         ("drain d03: empty-check-1", "d03"), ("drain d03: empty-check-2", "d03"),
         ("drain d04: empty-check-1", "d04"), ("drain d04: empty-check-2", "d04")]
+
+
+def test_a_repair_canaries_only_through_peers_that_serve(tmp_path, monkeypatch):
+    case = yaml.safe_load((REPO / "tests/data/plans/repair_d01_with_p02_and_the_gateway_down_of_2p1d.yml").read_text())
+    plan = make_plan(case, StateDir("lab", tmp_path / "state"), tmp_path, monkeypatch)
+    assert next(s for s in plan.steps if s.name == "canary d01").params["pairs"] == [("p01", "d01")]
+    case["observed"] = {"d01": "restarted"}  # p02 serves: both pairs
+    plan = make_plan(case, StateDir("lab", tmp_path / "state2"), tmp_path, monkeypatch)
+    assert next(s for s in plan.steps if s.name == "canary d01").params["pairs"] == [("p01", "d01"), ("p02", "d01")]

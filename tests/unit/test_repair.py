@@ -179,3 +179,25 @@ def test_failures_count_since_the_last_look_and_repair_sees_what_that_look_showe
     assert look(9) == 4
     assert look(9, write=False) == 4  # repair: still the failures the last `inv status` showed
     assert look(1, pid=8) == 1  # another process: counted from its start
+
+
+def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_answer(lab_inv, tmp_path):
+    """d01 repaired while d02 is down and the gateway does not answer: the gateway starts first and
+    waits for what serves (p01), and d02 is named and left as it is (not restarted). The canary pairs
+    with a prefill that is down: tests/data/plans/repair_d01_with_p02_and_the_gateway_down_of_2p1d.yml."""
+    from pdops.observe import Seen
+    from tests.unit.test_scale_plan import deployed
+
+    state = StateDir("lab", tmp_path / "state")
+    deployed(lab_inv, state, "1p2d")
+    seen = Seen({"d01": "observed restarted", "d02": "units not running: lab03:x inactive/dead"},
+                frozenset({"d02"}), "pdops-gateway.service failed/failed", False)
+    plan = rp.plan_repair(lab_inv, state, "d01", doc(d01="restarted", d02="down"), seen=seen, force=True)
+    assert [i.id for i in plan.replaced] == ["d01"] and not plan.added and not plan.removed
+    names = [s.name for s in plan.run]
+    assert names.index("gateway") < names.index("lost-work d01")
+    gw = next(s for s in plan.run if s.name == "gateway")
+    assert gw.params["wait_for"].keys() == {"p01"} and gw.params["restart"] is False
+    text = plan.render()
+    assert "observed: the gateway does not answer (pdops-gateway.service failed/failed): started first" in text
+    assert "observed: d02 does not serve (units not running: lab03:x inactive/dead): not part of this change" in text
