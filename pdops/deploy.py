@@ -19,6 +19,7 @@ from pdops.facts import q
 from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool, http_json
 from pdops.inventory import Inventory
+from pdops.observability import targets_step
 from pdops.placement import Instance, Placement, last_bootstrap_ports, place
 from pdops.admission import UNIT as ADMISSION_UNIT
 from pdops.render import (GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files, snapshot_of,
@@ -80,10 +81,11 @@ class DeployPlan:
             return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology),
                                                                 "repair_of": self.live.number,
                                                                 "findings": self.findings},
-                        footer=["verified at the end: what each repair step proved"], rescue=rescue)
+                        footer=["verified at the end: what each repair step proved"], rescue=rescue,
+                        always=[targets_step()])
         return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology)},
                     footer=["verified at the end: what each step above proved; anything it could not check is "
-                            "listed as not verified"], rescue=rescue)
+                            "listed as not verified"], rescue=rescue, always=[targets_step()])
 
     def render(self) -> str:
         if self.noop:
@@ -213,12 +215,9 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
                                    snapshot=ctx.state.revision_snapshot(live.number))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
-    from pdops.observability import targets_after_record
-
-    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
-    return Outcome(evidence={"revision": rev.number, "main_pids": seen, **tev},
+    return Outcome(evidence={"revision": rev.number, "main_pids": seen},
                    verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
-                             "active, MainPIDs as read from systemd now"] + tok, unverified=tno)
+                             "active, MainPIDs as read from systemd now"])
 
 
 # ---------------------------------------------------------------- step builders (shared by deploy and scale)
@@ -709,11 +708,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                    snapshot=snapshot_of(ctx.inv, plan.files))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
-    from pdops.observability import targets_after_record
-
-    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
-    return Outcome(evidence={"revision": rev.number, **tev},
-                   verified=[f"revision {rev.number} ({pl.topology}) recorded and current"] + tok, unverified=tno)
+    return Outcome(evidence={"revision": rev.number}, verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
 
 
 def verify_running_step(pl: Placement, inv: Inventory) -> Step:

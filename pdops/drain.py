@@ -26,6 +26,7 @@ from pdops.gateway import GatewayClient, deadline_in
 from pdops.hosts import HostPool, http_json
 from pdops.identity import RankIdentity, record_identity
 from pdops.inventory import Inventory
+from pdops.observability import targets_step
 from pdops.placement import Instance, Placement
 from pdops.render import SLICE_UNIT, UNIT_DIR
 from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk
@@ -55,7 +56,8 @@ class DrainPlan:
         verb = "drain" if not self.skip_gateway else "stop"
         title = (f"plan: {verb} {i.id} ({i.role}, {', '.join(f'{h}:{u}' for h, u in i.units)}) from revision "
                  f"{self.rev.number} ({self.rev.topology}), under the cluster lock")
-        return Plan(verb, title, self.steps, self.notes, head={"instance": i.id, "revision": self.rev.number})
+        return Plan(verb, title, self.steps, self.notes, head={"instance": i.id, "revision": self.rev.number},
+                    always=[targets_step()])
 
     def render(self) -> str:
         return self.plan.render()
@@ -843,11 +845,8 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                                           "gateway": plan.rev.extra.get("gateway"), **carried},
                                    snapshot=snapshot_subset(ctx.state.revision_snapshot(plan.rev.number), hosts_files))
     ctx.state.set_current(rev.number)
-    from pdops.observability import targets_after_record
-
-    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
-    return Outcome(evidence={"revision": rev.number, "rollback": rollback, **tev},
-                   verified=[f"revision {rev.number} ({new_pl.topology}) is current"] + tok, unverified=tno)
+    return Outcome(evidence={"revision": rev.number, "rollback": rollback},
+                   verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
 
 
 register_executors({"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from pdops.placement import Placement
+from pdops.runner import Outcome, RunContext, Step, register_executors
 from pdops.state import local_dir
 
 JOB_ENGINE, JOB_GATEWAY, JOB_ADMISSION = "pdops-engine", "pdops-gateway", "pdops-admission"
@@ -244,10 +245,28 @@ def panel_queries(cluster: str, revision: str = ".*") -> list[tuple[str, str]]:
     return out
 
 
+def targets_step() -> Step:
+    """The `always` step of every plan that may move `current` (pdops.runner.Plan.always)."""
+    return Step("publish-targets", None, "write the Prometheus target file of the revision current after the steps "
+                "(the new one, a partial one, or the one before): this machine's copy, and the Prometheus host's "
+                "where the inventory names one; one that cannot be written is said and undoes nothing", 30,
+                kind="publish-targets")
+
+
+def do_publish_targets(ctx: RunContext, step: Step) -> Outcome:
+    rev = ctx.state.current_revision()
+    if rev is None:
+        return Outcome.noop("nothing is deployed: no revision to describe")
+    ev, ok, no = targets_after_record(ctx.pool, ctx.inv, rev)
+    return Outcome(evidence={"revision": rev.number, **ev}, verified=ok, unverified=no)
+
+
+register_executors({"publish-targets": do_publish_targets})
+
+
 def targets_after_record(pool, inv, rev) -> tuple[dict, list[str], list[str]]:
-    """For a record step, right after `current` moved: (evidence, verified, unverified). A target
-    file that cannot be written does not undo the revision: it is said, with the command that
-    writes it."""
+    """Right after `current` moved: (evidence, verified, unverified). A target file that cannot be
+    written does not undo the revision: it is said, with the command that writes it."""
     try:
         ev = publish(pool, inv, rev.number, Placement.from_dict(rev.placement))
     except Exception as exc:  # noqa: BLE001 - reported in the verdict, never fatal after the record

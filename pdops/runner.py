@@ -101,6 +101,12 @@ class Plan:
     # what runs when a step fails, in order, before the failure is raised: each rescue step reads
     # what the walk did (the context), is journalled by its id, and never hides the failure
     rescue: list[Step] = field(default_factory=list)
+    # what runs last whatever the outcome (after the steps, or after the rescue), e.g. publishing
+    # the Prometheus targets of what is current. Journalled by id; one that fails is said and
+    # journalled, never hides the walk's failure and never fails a walk that passed. Not after an
+    # interrupt (Ctrl-C stops at once). The cluster lock is not a step: the caller's `with` holds
+    # it around the walk and the verdict, because the shared record journals through its session.
+    always: list[Step] = field(default_factory=list)
 
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
@@ -111,6 +117,9 @@ class Plan:
         if self.rescue:
             lines.append("  if a step fails, then (rescue), and the failure is reported:")
             lines += [f"  R{n}. {s.line()}" for n, s in enumerate(self.rescue, 1)]
+        if self.always:
+            lines.append("  whatever the outcome, last (always):")
+            lines += [f"  A{n}. {s.line()}" for n, s in enumerate(self.always, 1)]
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -201,29 +210,35 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
     host, exit status and output tail where it has them); the caller writes the failure verdict
     (it knows what to undo) and, on success, journals the verdict it returns."""
-    unknown = sorted({s.kind for s in plan.steps + plan.rescue} - set(EXECUTORS))
+    unknown = sorted({s.kind for s in plan.steps + plan.rescue + plan.always} - set(EXECUTORS))
     if unknown:  # before anything runs: a kind whose module was never imported is a pdops bug
         raise PdopsError(f"no executor for step kind(s) {', '.join(map(repr, unknown))} of the {plan.operation} "
                          "plan: nothing was run", fix="a pdops bug to report")
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
-                                            **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {})})
+                                            **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {}),
+                                            **({"always": [s.name for s in plan.always]} if plan.always else {})})
     try:
         verdict = run_steps(plan.steps, ctx)
     except Exception as exc:
         if plan.rescue:
             ctx.failure = exc
             run_rescue(plan.rescue, ctx)
+        run_rescue(plan.always, ctx, label="always")
         raise
+    last = run_rescue(plan.always, ctx, label="always")
+    verdict["verified"] += last["verified"]
+    verdict["unverified"] += last["unverified"]
     verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))
     return verdict
 
 
-def run_rescue(steps: list[Step], ctx: RunContext) -> None:
-    """A failed walk's rescue steps, each journalled by its id (ok, noop or failed); a rescue step
-    that fails is journalled and said, and the next one still runs: the walk's own failure is
-    what the caller raises."""
+def run_rescue(steps: list[Step], ctx: RunContext, *, label: str = "rescue") -> dict:
+    """A failed walk's rescue steps (or any walk's `always` steps), each journalled by its id (ok, noop
+    or failed); one that fails is journalled and said, and the next one still runs: the walk's own
+    failure is what the caller raises. Returns what they verified and could not."""
+    out: dict[str, list[str]] = {"verified": [], "unverified": []}
     for n, step in enumerate(steps, 1):
-        ctx.say(f"[rescue {n}/{len(steps)}] {step.name}")
+        ctx.say(f"[{label} {n}/{len(steps)}] {step.name}")
         target = {"target": step.host, **({"instance": step.instance} if step.instance else {})}
         try:
             r = _run_step(ctx, step)
@@ -235,10 +250,14 @@ def run_rescue(steps: list[Step], ctx: RunContext) -> None:
             ctx.journal.step(ctx.op, step.name, "failed",
                              {**target, "error": err, **(getattr(exc, "journal_evidence", None) or {})})
             ctx.say(f"  {step.name} failed: {err.splitlines()[0]}")
+            out["unverified"].append(f"{step.name} failed: {err.splitlines()[0]}")
             continue
         ctx.journal.step(ctx.op, step.name, r.status, {**target, **r.evidence})
+        out["verified"] += r.verified
+        out["unverified"] += r.unverified
         if r.status == "noop":
             ctx.say(f"  {step.name}: nothing to do: {r.reason}")
+    return out
 
 
 def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> dict:

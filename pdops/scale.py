@@ -43,6 +43,7 @@ from pdops.errors import DeployFailed, InvalidInput, PdopsError, Refused, ScaleF
 from pdops.gateway import GatewayClient
 from pdops.hosts import HostPool
 from pdops.inventory import Inventory
+from pdops.observability import targets_step
 from pdops.placement import Instance, Placement, gpu_slots, last_bootstrap_ports, make_instance
 from pdops.render import RenderedFile, files_of, manifest, render_files, snapshot_of
 from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, run_steps, walk
@@ -58,6 +59,12 @@ ROLES = ("prefill", "decode")
 
 
 # ---------------------------------------------------------------- plan
+
+
+def always_steps() -> list[Step]:
+    """The `always` part of every change plan (pdops.runner.Plan.always)."""
+    return [targets_step()]
+
 
 @dataclass(frozen=True)
 class ScaleStep:
@@ -137,7 +144,7 @@ class ScalePlan:
                           "kept": [i.id for i in self.kept], "dip": self.dip, "broken": self.broken,
                           **({"observed": {"not_serving": self.seen.not_serving, "gateway": self.seen.gateway}}
                              if self.seen is not None else {})},
-                    rescue=rescue_steps(self))
+                    rescue=rescue_steps(self), always=always_steps())
 
     @property
     def hosts(self) -> list[str]:
@@ -215,6 +222,8 @@ class ScalePlan:
         if rescue:
             lines.append("  if a step fails, then (rescue), and the failure is reported:")
             lines += [f"    R{n}. {st.line()}" for n, st in enumerate(rescue, 1)]
+        lines.append("  whatever the outcome, last (always):")
+        lines += [f"    A{n}. {st.line()}" for n, st in enumerate(always_steps(), 1)]
         mp, md = self.min_capacity()
         tp, td = len(self.target.role("prefill")), len(self.target.role("decode"))
         lines.append(f"  lowest capacity during the change: {mp} prefill (old {p0}, new {tp}), "
@@ -981,21 +990,10 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
                   ctx.data.get("running"))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
-    from pdops.observability import targets_after_record
-
-    tev, tok, tno = targets_after_record(ctx.pool, ctx.inv, rev)
-    return Outcome(evidence={"revision": rev.number, **tev},
+    return Outcome(evidence={"revision": rev.number},
                    verified=[f"revision {rev.number} ({plan.target.topology}) recorded and current; kept "
                              f"{', '.join(i.id for i in plan.kept) or 'none'} untouched "
-                             f"({plan.kept_files} rendered files identical)"] + tok, unverified=tno)
-
-
-def _partial_targets(ctx: RunContext, rev: Revision) -> None:
-    """A halted change's partial revision describes what is live: the targets follow it too."""
-    from pdops.observability import targets_after_record
-
-    ev, ok, no = targets_after_record(ctx.pool, ctx.inv, rev)
-    ctx.journal.step(ctx.op, "prometheus-targets", "ok" if ok else "unverified", {**ev, "notes": ok + no})
+                             f"({plan.kept_files} rendered files identical)"])
 
 
 # the kinds made here; a change also walks deploy's, drain's, repair's and the admission layer's
@@ -1138,7 +1136,7 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
                         120 + 60 * len(taken_out), kind="restore-service", params={"instances": taken_out}))
     out.append(Step("record-halt", None, f"if the walk stopped or replaced an instance: record a `partial` revision "
                     "that describes what runs (replaced instances by their new files, the others by revision "
-                    f"{plan.current.number}'s), move `current` to it and publish the Prometheus targets; otherwise "
+                    f"{plan.current.number}'s), and move `current` to it; otherwise "
                     f"revision {plan.current.number} stays current. The verdict names what was replaced, restored, "
                     "undone and left out of service", 60, kind="record-halt"))
     return out
@@ -1307,7 +1305,6 @@ def _halt_partial(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: li
                                           "target": str(plan.target.topology), "drained": drained,
                                           "gateway": plan.inv.gateway.url, "rollback": {"to_revision": cur.number}})
     ctx.state.set_current(rev.number)
-    _partial_targets(ctx, rev)
     return (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
             f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}; "
             f"`inv rollback` returns to revision {cur.number}"), rev
@@ -1360,7 +1357,6 @@ def _halt_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: li
                                                       last_bootstrap_ports({}, cur_pl), pl),
                "rollback": {"to_revision": cur.number}})
     ctx.state.set_current(rev.number)
-    _partial_targets(ctx, rev)
     not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
     return (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
             f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "

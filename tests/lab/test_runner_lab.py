@@ -13,6 +13,7 @@ from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
 pytestmark = pytest.mark.lab
 
 _LINE = re.compile(r"^\s+\d+\. (.+?) — ")
+_ALWAYS = re.compile(r"^\s+A\d+\. (.+?) — ")  # what runs last whatever the outcome
 PARALLEL = "(in parallel with the rest of its group)"
 
 
@@ -34,11 +35,12 @@ def dry_run_ids(out: str) -> list:
 
 def journal_ids(state, kind: str) -> tuple[list[str], list[str]]:
     """(steps of the newest operation of `kind` as journalled, minus the lock's, plan and verdict; the plan
-    record's ids)."""
+    record's ids, its `always` steps last)."""
     j = state.journal()
     op = [o for o in j.operations() if o.startswith(kind + "-")][-1]
     recs = [r for r in j.read(op) if not r["step"].startswith("lock.")]
-    return [r["step"] for r in recs if r["step"] not in ("plan", "verdict")], recs[0]["evidence"]["steps"]
+    ev = recs[0]["evidence"]
+    return [r["step"] for r in recs if r["step"] not in ("plan", "verdict")], ev["steps"] + ev.get("always", [])
 
 
 def matches(printed: list, journalled: list[str]) -> bool:
@@ -75,6 +77,9 @@ def test_the_journal_of_a_real_run_walks_exactly_the_dry_run(inv, kind, args):
     assert dry.returncode == 0, dry.stdout + dry.stderr
     printed = dry_run_ids(dry.stdout)
     assert printed, dry.stdout
+    last = [m.group(1) for m in map(_ALWAYS.match, dry.stdout.splitlines()) if m]
+    assert last == ["publish-targets"], dry.stdout  # every operation that moves `current` publishes its targets
+    printed += last
     real = inv_cmd(*args, "-i", str(inv))
     assert real.returncode == 0, real.stdout + real.stderr
     walked, planned = journal_ids(record(inv), kind)

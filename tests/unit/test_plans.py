@@ -1,6 +1,6 @@
 """Plans as data, with no host: each file in tests/data/plans/ is (inventory, recorded revision,
-observation, request) -> the exact step ids the runner will walk, parallel groups as lists, and its rescue
-steps (`rescue:`, what runs if a step fails).
+observation, request) -> the exact step ids the runner will walk, parallel groups as lists, its rescue
+steps (`rescue:`, what runs if a step fails) and its `always:` steps (what runs last, whatever the outcome).
 `observed:` is what the hosts and the gateway report, where the operation decides from it:
 repair's status rows (and `gateway:`, why it does not answer), a live deploy's units and workers, a stop's recorded survivors. Adding a
 case is adding a file. The lab test (tests/lab/test_runner_lab.py) checks that a real run's
@@ -184,6 +184,7 @@ def test_plan_is_exactly_the_steps_in_the_case_file(case_file, tmp_path, monkeyp
     plan = make_plan(case, StateDir("lab", tmp_path / "state"), tmp_path, monkeypatch)
     assert grouped_ids(plan) == case["steps"]
     assert [s.name for s in plan.rescue] == case.get("rescue", [])  # what runs if a step fails
+    assert [s.name for s in plan.always] == case.get("always", [])  # what runs last whatever the outcome
 
 
 @pytest.mark.parametrize("case_file", CASES, ids=[c.stem for c in CASES])
@@ -217,7 +218,7 @@ def test_every_step_kind_has_an_executor(tmp_path, monkeypatch):
         (tmp_path / case_file.stem).mkdir()
         plan = make_plan(yaml.safe_load(case_file.read_text()), StateDir("lab", tmp_path / case_file.stem / "state"),
                          tmp_path / case_file.stem, monkeypatch)
-        assert {s.kind for s in plan.steps + plan.rescue} <= known, case_file.name
+        assert {s.kind for s in plan.steps + plan.rescue + plan.always} <= known, case_file.name
 
 
 def test_a_scale_step_id_carries_the_instance_so_two_drains_are_told_apart(fleet, tmp_path):

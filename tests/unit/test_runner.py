@@ -232,3 +232,31 @@ def test_a_failed_walk_runs_the_plans_rescue_journals_it_and_raises_the_failure(
     ok = Plan("demo", "t", [Step("one", None, "", kind="ok")], rescue=[Step("undo-b", None, "", kind="undo")])
     walk(ok, _ctx(tmp_path / "2"))
     assert ran == []
+
+
+def test_always_steps_run_last_whatever_the_outcome_and_never_change_it(tmp_path, registry):
+    ran = []
+    registry.update({
+        "ok": lambda c, s: ran.append(s.name) or Outcome(),
+        "boom": lambda c, s: (_ for _ in ()).throw(Unverified("step two broke")),
+        "publish": lambda c, s: ran.append(s.name) or Outcome(verified=["targets follow revision 3"]),
+        "publish-bad": lambda c, s: (_ for _ in ()).throw(Unverified("the Prometheus host did not answer")),
+    })
+    always = [Step("last-a", None, "write the targets", kind="publish-bad"), Step("last-b", None, "", kind="publish")]
+    failing = Plan("demo", "t", [Step("one", None, "", kind="ok"), Step("two", None, "", kind="boom")],
+                   rescue=[Step("undo", None, "", kind="ok")], always=always)
+    assert "whatever the outcome, last (always):" in failing.render()
+    assert "  A1. last-a — write the targets" in failing.render()
+    ctx = _ctx(tmp_path)
+    with pytest.raises(Unverified, match="step two broke"):  # the walk's failure, neither always step's
+        walk(failing, ctx)
+    assert ran == ["one", "undo", "last-b"]  # after the rescue; the second ran although the first failed
+    recs = ctx.journal.read("op-1")
+    assert recs[0]["evidence"]["always"] == ["last-a", "last-b"]
+    assert [(r["step"], r["status"]) for r in recs[-2:]] == [("last-a", "failed"), ("last-b", "ok")]
+    # a walk that passes runs them too; one that fails is not verified, and the walk still passes
+    ran.clear()
+    v = walk(Plan("demo", "t", [Step("one", None, "", kind="ok")], always=always), _ctx(tmp_path / "2"))
+    assert ran == ["one", "last-b"]
+    assert "targets follow revision 3" in v["verified"]
+    assert any("last-a failed: " in u and "did not answer" in u for u in v["unverified"])
