@@ -10,10 +10,13 @@ Operations and faults, drawn with `random.Random(seed)`:
 - engine-kill (fault): SIGKILL of an instance's MainPID (read from systemd), `inv repair`;
 - gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy` (it
   observes the restart and ends the prefill halves the crash cut);
-- reboot (fault): every lab host powered off and booted, `inv deploy`;
+- reboot (fault): every lab host powered off and booted, then runbook hosts-rebooted.md:
+  `inv status` (exit 1), `inv deploy`, `inv verify`;
 - halted-change: a change whose new processes fail to start (a flag SGLang rejects) halts; the
   flag is taken out and `inv deploy` applies the inventory.
 
+Every command must exit with its documented status (0; 1 for `inv status` of a cluster that does
+not serve; 9 for the halted change's deploy), or it is counted (`unexpected_exits`).
 After each one the cluster must serve with every instance ok (`inv status` exit 0 within 120 s);
 if it does not, that is counted and `inv deploy` + `inv end-orphans` are run to go on. At the end
 every request that did not get its whole answer must fall inside a fault's window (from the fault
@@ -62,6 +65,7 @@ class Done:
     named_lost: list[str] = field(default_factory=list)
     fault_window: tuple[float, float] | None = None
     commands: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)  # commands whose exit status was not the expected one
 
 
 class Soak:
@@ -69,11 +73,17 @@ class Soak:
         self.lab, self.inv_dir, self.rng, self.say = lab, inv_dir, random.Random(seed), say
         self.done: list[Done] = []
         self.bundle = 64
+        self.unexpected: list[str] = []
 
     # ---------------------------------------------------------------- plumbing
-    def cli(self, cmds: list[str], *args):
+    def cli(self, cmds: list[str], *args, expect: int | None = 0):
+        """Run `inv *args`; an exit status other than `expect` (None: any) is counted against the operation."""
         proc = inv_cmd(*args, "-i", str(self.inv_dir), timeout=900)
-        cmds.append(f"inv {' '.join(args)} -> {proc.returncode}")
+        line = f"inv {' '.join(args)} -> {proc.returncode}"
+        if expect is not None and proc.returncode != expect:
+            line += f" (expected {expect})"
+            self.unexpected.append(f"{line}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+        cmds.append(line)
         return proc
 
     def topology(self) -> str:
@@ -181,14 +191,17 @@ class Soak:
         return f"SIGKILL gateway (MainPID {pid}), one deploy"
 
     def op_reboot(self, cmds):
+        """Runbook hosts-rebooted.md, each command: status (nothing serves: exit 1), deploy, verify."""
         lab_api.down()
         self.lab.ensure_up()
+        self.cli(cmds, "status", expect=1)
         self.cli(cmds, "deploy", "--topology", self.topology())
+        self.cli(cmds, "verify")
         return "every host rebooted, one deploy"
 
     def op_halted_change(self, cmds):
         self.set_profile(extra_args=["--no-such-sglang-flag"])
-        self.cli(cmds, "deploy", "--topology", BASE)
+        self.cli(cmds, "deploy", "--topology", BASE, expect=9)  # the change stops (ScaleFailed)
         self.set_profile(extra_args=None)
         self.cli(cmds, "deploy", "--topology", BASE)
         return "a bundle SGLang rejects: halted; then the fixed inventory deployed"
@@ -200,6 +213,7 @@ class Soak:
         with Load(inv.gateway.url) as load:
             for n, op in enumerate(sequence, 1):
                 before, cmds, t0 = self.ops_seen(), [], time.time()
+                self.unexpected = []
                 try:
                     detail = getattr(self, "op_" + op.replace("-", "_"))(cmds)
                     ok = True
@@ -208,11 +222,11 @@ class Soak:
                 t1 = time.time()
                 serving = self.serving()
                 if not serving:  # the documented way back, counted against the operation
-                    self.cli(cmds, "deploy", "--topology", BASE)
-                    self.cli(cmds, "end-orphans")
+                    self.cli(cmds, "deploy", "--topology", BASE, expect=None)
+                    self.cli(cmds, "end-orphans", expect=None)
                     self.serving()
                 d = Done(n, op, detail, t0, t1, ok, serving, self.named_since(before),
-                         (t0, t1 + 2.0) if op in FAULTS else None, cmds)
+                         (t0, t1 + 2.0) if op in FAULTS else None, cmds, list(self.unexpected))
                 self.done.append(d)
                 self.say(f"soak {n:3d}/{len(sequence)} {op:14s} {'serving' if serving else 'NOT SERVING'} "
                          f"{t1 - t0:6.1f}s  {detail}; {'; '.join(cmds)}")
@@ -229,7 +243,8 @@ class Soak:
                    "not_ok_in_fault_windows": len(in_window), "named_by_pdops": len(named),
                    "lost_outside_fault_windows": [r.rid for r in outside], "replayed": replayed,
                    "left_not_serving": [f"{d.n} {d.op}" for d in self.done if not d.serving_after],
-                   "operation_errors": [f"{d.n} {d.op}: {d.detail}" for d in self.done if not d.ok]}
+                   "operation_errors": [f"{d.n} {d.op}: {d.detail}" for d in self.done if not d.ok],
+                   "unexpected_exits": [f"{d.n} {d.op}: {u}" for d in self.done for u in d.unexpected]}
         return {"summary": summary, "operations": [asdict(d) for d in self.done],
                 "ledger": [r.to_dict() for r in rows]}
 
@@ -281,3 +296,4 @@ def test_soak(lab, tmp_path):
     print(f"soak summary (seed {seed}): " + json.dumps(s) + f"\nledger: {ledger}")
     stop_all(lab)
     assert not s["lost_outside_fault_windows"] and not s["replayed"] and not s["left_not_serving"], s
+    assert not s["operation_errors"] and not s["unexpected_exits"], s

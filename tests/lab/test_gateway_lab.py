@@ -1,8 +1,9 @@
 """The gateway's life on the lab (smg under systemd, sim engines): it comes back by itself after a
 crash with every worker and without a drained one, and `inv deploy` of the live topology repairs
-from what the hosts and the gateway report, after a reboot of every host too.
+from what the hosts and the gateway report. (A reboot of every host: the soak's `reboot` operation,
+tests/lab/test_soak_lab.py, runbook hosts-rebooted.md.)
 
-Runbooks exercised: docs/runbooks/gateway-crashed.md, docs/runbooks/hosts-rebooted.md.
+Runbook exercised: docs/runbooks/gateway-crashed.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.placement import Placement
 from pdops.render import GATEWAY_UNIT
-from pdops import lab as lab_api
 from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
@@ -237,25 +237,3 @@ def test_a_drained_instance_stays_out_after_a_gateway_restart(lab, cluster):
     after_restart = log.strip().splitlines()[-4:]
     assert not any(pl.get("d02").url in ln for ln in after_restart), after_restart
     assert all(r.ok for r in send(inv.gateway.url, requests=6, concurrency=3, max_new_tokens=4, rid_prefix="kept"))
-
-
-def test_every_host_rebooted_then_one_deploy_serves_again(lab, cluster):
-    """Runbook "hosts rebooted": power every lab host off and on, then one `inv deploy`."""
-    inv = load_inventory(cluster)
-    state = _state(cluster)
-    before = state.current_revision()
-    lab_api.down()
-    lab.ensure_up()
-    status = json.loads(inv_cmd("status", "-i", str(cluster), "--json").stdout)
-    assert not any(r["healthy"] for r in status["instances"])
-    proc = inv_cmd("deploy", "--topology", before.topology, "-i", str(cluster))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    assert "plan: repair revision" in out and "repaired revision" in out
-    for iid in before.instances:
-        assert f"start {iid}" in out and f"register {iid}" in out
-    assert f"gateway {GATEWAY_UNIT}: inactive/dead" in out
-    assert all(r.ok for r in send(inv.gateway.url, requests=8, concurrency=4, max_new_tokens=8, rid_prefix="reboot"))
-    proc = inv_cmd("verify", "-i", str(cluster))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert state.current_revision().extra["repair_of"] == before.number
