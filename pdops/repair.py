@@ -103,7 +103,7 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
     plan.repair = {"instance": iid, "state": row["state"], "reasons": list(row["reasons"]),
                    "down": row["state"] == "down", "force_after": bool(force_after), "since": _epoch(rev.created),
                    "wait_s": wait_s}
-    plan.run = sc.runner_steps(plan)
+    sc.compile_steps(plan)
     plan.state = state
     return plan
 

@@ -36,7 +36,9 @@ def test_no_import_circle_between_modules():
     import grimp
 
     graph = grimp.build_graph("pdops")
-    known = {"pdops.deploy", "pdops.scale", "pdops.repair", "pdops.admission_ops"}
+    known = {"pdops.deploy", "pdops.scale", "pdops.repair", "pdops.admission_ops",
+             # the change package's modules that build or walk other operations' steps (its model is not)
+             "pdops.scale.planner", "pdops.scale.steps", "pdops.scale.execute", "pdops.scale.rescue"}
     cli = {"pdops.cli.core", "pdops.cli.scale"}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
