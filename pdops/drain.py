@@ -97,8 +97,9 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     notes = []
     if inst.id in ns:
         notes.append(f"observed: {inst.id} does not serve ({ns[inst.id]})" + (
-            "; nothing runs to wait for: leave the gateway, then the verified stop (`inv repair` names the work "
-            "its ended process lost)" if down else ""))
+            "; nothing runs to wait for: " + ("the verified stop reads what is left of it" if skip_gateway else
+                                              "leave the gateway, then the verified stop")
+            + " (`inv repair` names the work its ended process lost)" if down else ""))
     if not skip_gateway:
         steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept",
                           kind="record-drain", params={"instance": inst.id}))

@@ -255,7 +255,7 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
                                                         interval_s=interval, force_after=force_after,
                                                         skip_gateway=skip_gateway, seen=seen),
                  dr.execute_drain, f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.",
-                 observe=not skip_gateway)
+                 observe=True)
 
 
 @task(help={"instance": "instance to drain, e.g. p07", "inventory": "inventory dir or file",

@@ -687,3 +687,16 @@ def test_the_last_decode_that_does_not_serve_may_be_drained(lab_inv, state):
         dr.plan_drain(lab_inv, state, "d01")
     seen = Seen({"d01": "units not running"}, frozenset({"d01"}))
     assert dr.plan_drain(lab_inv, state, "d01", seen=seen).instance.id == "d01"
+
+
+def test_a_stop_plans_from_what_it_observes_too(lab_inv, state):
+    """`inv stop` of an instance observed down says so, and keeps no gateway step and no floor."""
+    from pdops import drain as dr
+    from pdops.observe import Seen
+
+    deployed(lab_inv, state, "2p1d")
+    seen = Seen({"d01": "units not running: lab03:pdops-d01.service failed/failed"}, frozenset({"d01"}))
+    plan = dr.plan_drain(lab_inv, state, "d01", skip_gateway=True, seen=seen)
+    assert [s.name for s in plan.steps] == ["record-identity", "stop", "verify-stop"]
+    note = next(n for n in plan.notes if n.startswith("observed: d01 does not serve"))
+    assert "the verified stop reads what is left of it" in note and "leave the gateway" not in note
