@@ -9,11 +9,11 @@ import pytest
 
 from pdops import deploy as dep
 from pdops import membership
-from pdops.errors import Unreachable
+from pdops.errors import Refused, Unreachable
 from pdops.facts.gateway import Worker
 from pdops.inventory import load_inventory
 from pdops.placement import place
-from pdops.render import GATEWAY_UNIT
+from pdops.render import GATEWAY_UNIT, manifest, render_files
 from pdops.state import StateDir
 from pdops.topology import parse_topology
 from tests.unit.test_membership import REPO
@@ -54,9 +54,9 @@ def live(tmp_path):
     pl = place(inv, parse_topology("1p2d"))
     state = StateDir("lab", tmp_path)
     pids = {i.id: {f"{h}:{u}": 100 + n for n, (h, u) in enumerate(i.units)} for i in pl.instances}
-    files = dep.render_files(inv, pl)
+    files = render_files(inv, pl)
     rev = state.write_revision(topology="1p2d", inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=dep.manifest(files), outcome="deployed",
+                               manifest=manifest(files), outcome="deployed",
                                instances={i.id: {"url": i.url, "worker_id": f"w-{i.id}", "main_pids": pids[i.id]}
                                           for i in pl.instances})
     state.set_current(rev.number)
@@ -148,7 +148,7 @@ def test_not_ready_in_the_gateway_is_a_finding(live):
 def test_execute_refuses_a_live_plan_that_was_not_observed(live):
     inv, pl, state = live
     p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
-    with pytest.raises(dep.Refused):
+    with pytest.raises(Refused):
         dep.execute_deploy(p, pool=None, gateway=None)
 
 

@@ -4,9 +4,10 @@ passes every check, and each fault a user would care about fails the one check t
 
 import pytest
 
-from pdops import deploy as dep
 from pdops.inventory import load_inventory
 from pdops.placement import Placement, place
+from pdops.render import manifest as manifest_of
+from pdops.render import render_files
 from pdops.preflight.batch import batch_command
 from pdops.state import StateDir
 from pdops.topology import parse_topology
@@ -22,7 +23,7 @@ KEYS_MAP = "/etc/pdops/pdops-admission-keys.map"
 def plans(tmp_path_factory):
     inv = load_inventory(REPO / "inventory" / "lab")
     pl = place(inv, parse_topology("1p1d"))
-    manifest = dep.manifest(dep.render_files(inv, pl))
+    manifest = manifest_of(render_files(inv, pl))
     gw_host = inv.gateway.host
     for path in (ADMISSION_UNIT, ADMISSION_CFG, KEYS_MAP):
         manifest[gw_host][path] = {"sha256": "a" * 64, "mode": "0o600"}
