@@ -59,8 +59,11 @@ demo: $(STAMP)
 # (tests/lab/soak.py; not part of `make test`). Prints one line per operation and a summary.
 SOAK_OPS ?= 100
 SOAK_SEED ?= 1
+SOAK_HOSTS ?= 5
+SOAK_KINDS ?=
+# SOAK_KINDS: the kinds to draw from, comma-separated (empty: every kind tests/lab/soak.py knows)
 soak: $(STAMP)
-	SOAK_OPS=$(SOAK_OPS) SOAK_SEED=$(SOAK_SEED) $(VENV)/bin/pytest -s -p no:cacheprovider --timeout 0 tests/lab/soak.py
+	PDOPS_LAB_HOSTS=$(SOAK_HOSTS) SOAK_OPS=$(SOAK_OPS) SOAK_SEED=$(SOAK_SEED) SOAK_KINDS=$(SOAK_KINDS) $(VENV)/bin/pytest -s -p no:cacheprovider --timeout 0 tests/lab/soak.py
 
 # Flip each verifier's verdict to "yes" and show a test fails (not part of `make test`).
 mutate: $(STAMP)

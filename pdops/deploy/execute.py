@@ -177,17 +177,21 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
         instances[inst.id]["main_pids"] = seen[inst.id] = pids
         if inst.id in ctx.data.get("workers", {}):
             instances[inst.id]["worker_id"] = ctx.data["workers"][inst.id]
-    rev = ctx.state.write_revision(topology=live.topology, inventory_hash=live.inventory_hash,
+    # the inventory this deploy ran with renders the live files (plan_deploy compared them): it is the
+    # revision's inventory from now on, with its snapshot when it is not the recorded one
+    same_inventory = ctx.inv.digest == live.inventory_hash
+    rev = ctx.state.write_revision(topology=live.topology, inventory_hash=ctx.inv.digest,
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={**live.extra, "repair_of": live.number, "repaired": plan.findings,
                                           **({"configs": configs_of(ctx.data["running"]),
                                               **gateway_pid_of(ctx.data["running"], ctx.inv)} if "running" in ctx.data
                                              else {})},
-                                   snapshot=ctx.state.revision_snapshot(live.number))
+                                   snapshot=ctx.state.revision_snapshot(live.number) if same_inventory
+                                   else snapshot_of(ctx.inv, plan.files))
     ctx.state.set_current(rev.number)
     ctx.data["verdict"] = {"revision": rev.number}
-    return Outcome(evidence={"revision": rev.number, "main_pids": seen},
+    return Outcome(evidence={"revision": rev.number, "main_pids": seen, "inventory_hash": ctx.inv.digest},
                    verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
                              "active, MainPIDs as read from systemd now"])
 

@@ -126,13 +126,18 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
 def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) -> DeployPlan:
     """For a deploy of the live revision: observe what runs (pdops.observe) and plan the repairs:
     start what is down, canary every pair through a started or restarted instance, register what
-    the gateway lacks or does not route to, then record the MainPIDs seen. Nothing to repair: a
-    no-op whose message names what was observed."""
+    the gateway lacks or does not route to, then record the MainPIDs seen. An inventory that renders
+    the same files but is not the one recorded (a host that runs nothing added or taken out) is
+    recorded too, so the operations that require the running revision's inventory accept it.
+    Nothing to repair or record: a no-op whose message names what was observed."""
     from pdops.observe import observe
 
     inv, rev, pl = plan.inv, plan.live, plan.placement
     obs = observe(inv, rev, pool, gateway)
     findings = obs.findings()
+    if rev.inventory_hash != inv.digest:
+        findings.append(f"the inventory on disk (digest {inv.digest[:12]}) is not revision {rev.number}'s "
+                        f"({rev.inventory_hash[:12]}) but renders the same files: recorded with it")
     if not findings:
         return replace(plan, noop=f"revision {rev.number} ({pl.topology}) is live with identical rendered files; "
                                   f"{obs.summary()}")
@@ -165,5 +170,6 @@ def plan_reconcile(plan: DeployPlan, *, pool: HostPool, gateway: GatewayClient) 
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
     steps.append(verify_running_step(pl, inv))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
-                      "and topology); move `current` to it", kind="record-repair"))
+                      "and topology" + ("; the inventory on disk" if rev.inventory_hash != inv.digest else "")
+                      + "); move `current` to it", kind="record-repair"))
     return replace(plan, steps=steps, findings=findings)

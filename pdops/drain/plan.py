@@ -53,8 +53,10 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to drain", fix="deploy first (inv deploy)")
     if rev.inventory_hash != inv.digest:
-        raise Refused(f"the inventory changed since revision {rev.number} was deployed",
-                      fix="use the inventory of the running revision")
+        raise Refused(f"the inventory changed since revision {rev.number} was deployed "
+                      f"(digest {rev.inventory_hash[:12]} -> {inv.digest[:12]})",
+                      fix=f"use the inventory of the running revision, or apply this one first: `inv deploy --topology "
+                          f"{rev.topology}` (it records an inventory that renders the same files, or plans the change)")
     pl = Placement.from_dict(rev.placement)
     inst = pl.get(instance_id)
     same_role = pl.role(inst.role)

@@ -249,7 +249,8 @@ def refuse_changed_inventory(inv: Inventory, cur: Revision) -> None:
     if cur.inventory_hash != inv.digest:
         raise Refused(f"the inventory changed since revision {cur.number} was deployed "
                       f"(digest {cur.inventory_hash[:12]} -> {inv.digest[:12]})",
-                      fix="restore the inventory of the running revision; a topology change keeps the inventory")
+                      fix=f"restore the inventory of the running revision, or apply this one first: `inv deploy "
+                          f"--topology {cur.topology}`; a topology change keeps the inventory")
 
 
 def current_revision_of(inv: Inventory, state: StateDir, what: str) -> Revision:

@@ -13,7 +13,11 @@ Operations and faults, drawn with `random.Random(seed)`:
 - reboot (fault): every lab host powered off and booted, then runbook hosts-rebooted.md:
   `inv status` (exit 1), `inv deploy`, `inv verify`;
 - halted-change: a change whose new processes fail to start (a flag SGLang rejects) halts; the
-  flag is taken out and `inv deploy` applies the inventory.
+  flag is taken out and `inv deploy` applies the inventory;
+- host-add: lab05 (a fifth lab host, not in the soak's inventory) added to the inventory,
+  `inv scale --topology 3p2d` (p03 starts there), `inv scale --topology 2p2d`, lab05 taken out of
+  the inventory again and `inv deploy` (the inventory without it recorded). Skipped on a lab of
+  four hosts (`make soak` boots five; `make test`'s lab has four).
 
 Every command must exit with its documented status (0; 1 for `inv status` of a cluster that does
 not serve; 9 for the halted change's deploy), or it is counted (`unexpected_exits`).
@@ -25,7 +29,7 @@ work, an ended orphaned half, a drain's accepted loss); no request ID may reach 
 two decodes (none replayed). One line per operation, a summary, and the ledger (JSON) at
 $SOAK_LEDGER (default: soak-ledger.json beside the lab's state).
 
-    make soak                      # 100 operations, seed 1
+    make soak                      # 100 operations, seed 1, on a lab of five hosts
     make soak SOAK_OPS=20 SOAK_SEED=7
 """
 
@@ -42,14 +46,16 @@ import pytest
 import yaml
 
 from pdops import lab as lab_api
-from pdops.inventory import load_inventory
+from pdops.inventory import load_inventory, single_file_doc
 from pdops.placement import Placement
 from tests.lab.clusters import Load, derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
 
 BASE = "2p2d"
-OPS = ("drain", "scale", "change", "rollback", "maintenance", "engine-kill", "gateway-kill", "reboot", "halted-change")
+OPS = ("drain", "scale", "change", "rollback", "maintenance", "engine-kill", "gateway-kill", "reboot", "halted-change",
+       "host-add")
+SPARE = "lab05"  # the host that host-add adds: booted by `make soak` (PDOPS_LAB_HOSTS=5), never in the base inventory
 FAULTS = ("engine-kill", "gateway-kill", "reboot")
 
 
@@ -74,6 +80,7 @@ class Soak:
         self.done: list[Done] = []
         self.bundle = 64
         self.unexpected: list[str] = []
+        self.spare = _hosts(single_file_doc(Path(lab.inventory))).get(SPARE)  # its inventory entry, or None
 
     # ---------------------------------------------------------------- plumbing
     def cli(self, cmds: list[str], *args, expect: int | None = 0):
@@ -199,6 +206,27 @@ class Soak:
         self.cli(cmds, "verify")
         return "every host rebooted, one deploy"
 
+    def set_spare(self, present: bool) -> None:
+        p = self.inv_dir / "hosts.yml"
+        doc = yaml.safe_load(p.read_text())
+        if present:
+            _hosts(doc)[SPARE] = self.spare
+        else:
+            _hosts(doc).pop(SPARE, None)
+        p.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def op_host_add(self, cmds):
+        if self.spare is None:
+            return f"skipped: the lab has no {SPARE} (PDOPS_LAB_HOSTS=5)"
+        self.set_spare(True)
+        self.cli(cmds, "scale", "--topology", "3p2d")
+        added = {i.id: i for i in self.placement().instances}.get("p03")
+        where = "/".join(added.hosts) if added else "nowhere"
+        self.cli(cmds, "scale", "--topology", BASE)
+        self.set_spare(False)
+        self.cli(cmds, "deploy", "--topology", BASE)
+        return f"{SPARE} added, p03 started on {where}, scaled back, {SPARE} retired"
+
     def op_halted_change(self, cmds):
         self.set_profile(extra_args=["--no-such-sglang-flag"])
         self.cli(cmds, "deploy", "--topology", BASE, expect=9)  # the change stops (ScaleFailed)
@@ -207,9 +235,10 @@ class Soak:
         return "a bundle SGLang rejects: halted; then the fixed inventory deployed"
 
     # ---------------------------------------------------------------- the loop
-    def run(self, n_ops: int, ops: list[str] | None = None) -> dict:
+    def run(self, n_ops: int, ops: list[str] | None = None, kinds: tuple[str, ...] = OPS) -> dict:
+        """`n_ops` drawn from `kinds`, or exactly `ops` in that order."""
         inv = load_inventory(self.inv_dir)
-        sequence = ops or [self.rng.choice(OPS) for _ in range(n_ops)]
+        sequence = ops or [self.rng.choice(kinds) for _ in range(n_ops)]
         with Load(inv.gateway.url) as load:
             for n, op in enumerate(sequence, 1):
                 before, cmds, t0 = self.ops_seen(), [], time.time()
@@ -277,19 +306,29 @@ def replays(lab, pl: Placement) -> list[str]:
     return sorted(f"{role} {rid} x{n}" for (role, rid), n in counts.items() if n > 1)
 
 
+def _hosts(doc: dict) -> dict:
+    return doc["all"]["children"]["gpu_hosts"]["hosts"]
+
+
 def soak_cluster(lab, where: Path) -> Path:
+    """2p2d on lab01-lab04 (a fifth host, if booted, stays out of the inventory for host-add)."""
     stop_all(lab)
-    inv_dir = derived_inventory(lab, where, profile={})
+    inv_dir = derived_inventory(lab, where, profile={}, mutate=lambda doc: _hosts(doc).pop(SPARE, None))
     proc = inv_cmd("deploy", "--topology", BASE, "-i", str(inv_dir), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return inv_dir
 
 
 def test_soak(lab, tmp_path):
-    """`make soak`: $SOAK_OPS operations (default 100) drawn with $SOAK_SEED (default 1)."""
+    """`make soak`: $SOAK_OPS operations (default 100) drawn with $SOAK_SEED (default 1) from
+    $SOAK_KINDS (default every kind; e.g. SOAK_KINDS=host-add,drain)."""
     n, seed = int(os.environ.get("SOAK_OPS", 100)), int(os.environ.get("SOAK_SEED", 1))
+    kinds = tuple(k.strip() for k in (os.environ.get("SOAK_KINDS") or ",".join(OPS)).split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(OPS))
+    if unknown or not kinds:
+        pytest.fail(f"SOAK_KINDS: {', '.join(unknown) or 'empty'} not among {', '.join(OPS)}")
     inv_dir = soak_cluster(lab, tmp_path / "soak")
-    result = Soak(lab, inv_dir, seed).run(n)
+    result = Soak(lab, inv_dir, seed).run(n, kinds=kinds)
     ledger = Path(os.environ.get("SOAK_LEDGER") or lab.lab_dir / "soak-ledger.json")
     ledger.write_text(json.dumps(result, indent=1, default=str))
     s = result["summary"]

@@ -156,7 +156,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     import threading
     import uuid
 
-    from pdops.deploy import _both_sides  # the canary's own way of reaching exactly one pair
+    from pdops.deploy import both_sides  # the canary's own way of reaching exactly one pair
 
     stop_all(lab)
     inv_dir = derived_inventory(lab, tmp_path / "halted", profile={"env": {"PDOPS_SIM_DECODE_STEP_MS": "20"}},
@@ -176,7 +176,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
             "sampling_params": {"max_new_tokens": 1500, "temperature": 0},  # ~30 s at 20 ms a token
             "bootstrap_host": p01.head.data_addr, "bootstrap_port": p01.bootstrap_port, "bootstrap_room": 424242}
     long_result: dict = {}
-    t = threading.Thread(target=lambda: long_result.update(_both_sides(p01, d01, body, rid, 120)))
+    t = threading.Thread(target=lambda: long_result.update(both_sides(p01, d01, body, rid, 120)))
     t.start()
     wait_for(lambda: queue(d01.url) > 0, 30, "the long generation running on d01")
     inv = load_inventory(inv_dir)

@@ -216,3 +216,23 @@ def test_the_gateway_main_pid_is_recorded_from_what_verify_running_read():
     running = {f"{inv.gateway.host}:{GATEWAY_UNIT}": {"main_pid": 812, "config": "c1"}}
     assert dep.gateway_pid_of(running, inv) == {"gateway_main_pid": 812}
     assert dep.gateway_pid_of({}, inv) == {}
+
+
+def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts_it(live, tmp_path):
+    """A host that runs nothing taken out of (or added to) the inventory: the deploy of the live
+    topology records the inventory on disk (same files, same placement) instead of saying "no change"
+    and leaving a drain refused for "the inventory changed"."""
+    import dataclasses
+
+    from pdops import drain as dr
+
+    inv, pl, state = live
+    other = dataclasses.replace(inv, digest="f" * 64)  # what a host list edit does to the digest alone
+    with pytest.raises(Refused, match="the inventory changed since revision 1") as e:
+        dr.plan_drain(other, state, "d02")
+    assert "inv deploy --topology 1p2d" in e.value.fix
+    p = plan(other, state, *healthy_world(pl))
+    assert not p.noop
+    assert [s.name for s in p.steps] == ["connect", "verify-running", "record"]
+    assert any("renders the same files: recorded with it" in f for f in p.findings)
+    assert "the inventory on disk" in p.steps[-1].description
