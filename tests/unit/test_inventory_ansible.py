@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops.inventory import ANSIBLE_CFG, _inventory_files, load_inventory, read_with_ansible
+from pdops.inventory import ANSIBLE_CFG, inventory_files, load_inventory, read_with_ansible
 from pdops.placement import place
 from pdops.render import manifest, render_files
 from pdops.topology import parse_topology
@@ -49,7 +49,7 @@ def case_dir(name: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", CASES)
 def test_each_layout_reads_as_ansible_reads_it(name, tmp_path):
     d = case_dir(name, tmp_path)
-    files = _inventory_files(d)
+    files = inventory_files(d)
     ours = read_with_ansible(files).hostvars
     assert ours == ansible_inventory(files)
     inv = load_inventory(d)
@@ -58,7 +58,7 @@ def test_each_layout_reads_as_ansible_reads_it(name, tmp_path):
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_inventories_read_as_ansible_reads_them(path):
-    files = _inventory_files(path)
+    files = inventory_files(path)
     assert read_with_ansible(files).hostvars == ansible_inventory(files)
 
 
