@@ -1,0 +1,27 @@
+"""The cluster's record and lock, kept on a state host of the cluster (docs/state.md).
+
+The revisions, ``current`` and the journal live in ``pdops_state.dir`` on ``pdops_state.host``
+(default: the gateway host, ``/var/lib/pdops/state``), so every engineer of an on-call rotation
+with the inventory and SSH access reads and changes the same record. A change holds the cluster
+lock for its whole life: a process on the state host (``pdops/hostscripts/record.py hold``) holds
+``flock`` on the state dir for as long as the operator's SSH session lives, pinged every
+:data:`PING_S` seconds; a killed laptop process, a cut session or :data:`LEASE_S` seconds of silence
+end it, and the kernel frees the lock. Every write of the operation (revision, ``current``,
+journal line) goes through that process, so nothing is written by an operator who lost the lock.
+
+The operator machine keeps a read-only copy of the last record it read (``<local dir>/cache``):
+`inv status` and `inv history` show it, marked as such, when the state host cannot be reached;
+nothing that changes the cluster runs from it.
+
+The package, by concern (each module imports only those listed before it):
+- ``transport``: reaching the holder process on the state host (SSH, or locally);
+- ``shared``: the shared record, its journal and its lock;
+- ``commands``: push a local record, unlock, list operations.
+"""
+
+from pdops.record.commands import operations, push_local, unlock
+from pdops.record.shared import SharedJournal, SharedLock, SharedRecord, describe_holder, lock_line
+from pdops.record.transport import LEASE_S, PING_S, SCRIPT, LocalTransport, Session, SSHTransport
+
+__all__ = ["LEASE_S", "PING_S", "SCRIPT", "LocalTransport", "SSHTransport", "Session", "SharedJournal", "SharedLock",
+           "SharedRecord", "describe_holder", "lock_line", "operations", "push_local", "unlock"]
