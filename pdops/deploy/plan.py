@@ -47,8 +47,10 @@ class DeployPlan:
             return (f"plan: deploy {self.placement.topology} on {self.inv.cluster}: revision {self.live.number} has "
                     "these rendered files; what to do is decided from what the hosts and the gateway report")
         if self.live is not None:
+            what = ("what runs differs from it" if any(not f.startswith("the inventory on disk") for f in self.findings)
+                    else "nothing that runs differs from it, only the inventory")
             return (f"plan: repair revision {self.live.number} ({self.placement.topology}) on {self.inv.cluster}: "
-                    "its rendered files are in place; what runs differs from it, as observed now:\n"
+                    f"its rendered files are in place; {what}, as observed now:\n"
                     + "\n".join(f"  - {f}" for f in self.findings) + "\nunder the cluster lock")
         return (f"plan: deploy {self.placement.topology} on {self.inv.cluster} ({len(self.hosts)} hosts, engine "
                 f"{self.inv.engine}, profile {self.inv.profile.name}), under the cluster lock")

@@ -236,3 +236,4 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     assert [s.name for s in p.steps] == ["connect", "verify-running", "record"]
     assert any("renders the same files: recorded with it" in f for f in p.findings)
     assert "the inventory on disk" in p.steps[-1].description
+    assert "nothing that runs differs from it, only the inventory" in p.render()
