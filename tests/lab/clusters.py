@@ -1,13 +1,17 @@
 """Helpers for lab tests that deploy clusters: a derived inventory per test cluster (own
-state dir, optional profile and changes), the CLI as a user runs it, and a clean slate."""
+state dir, optional profile and changes), the CLI as a user runs it, a clean slate, and
+`deployed`, the one recipe of a module's test cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 from pdops.hosts import http_json
@@ -124,6 +128,33 @@ def stop_all(lab) -> None:
             c.run("systemctl stop " + " ".join(units) + " ; systemctl reset-failed " + " ".join(units),
                   hide=True, warn=True)
         c.close()
+
+
+class Deployed(NamedTuple):
+    inv_dir: Path
+    proc: subprocess.CompletedProcess | None  # the deploy's (None when nothing was deployed)
+
+
+@contextlib.contextmanager
+def deployed(lab, where: Path, topology: str | None, *, profile: dict | None = None, mutate=None,
+             args: Sequence[str] = (), env: dict | None = None) -> Iterator[Deployed]:
+    """One test cluster on a clean slate, for a module fixture: every lab host up, every pdops unit
+    stopped, an inventory derived at `where` (`profile`, `mutate`: as `derived_inventory`), then
+    `inv deploy --topology <topology> <args>` as an operator runs it (`env`: added to its
+    environment), which must exit 0 (else the failure shows its stdout and stderr).
+    Yields `Deployed(inv_dir, proc)`; `topology` None derives the inventory only (proc None), for
+    tests that deploy themselves. On leaving, even by a failure, every pdops unit is stopped."""
+    lab.ensure_up()
+    stop_all(lab)
+    try:
+        inv_dir = derived_inventory(lab, where, mutate=mutate, profile=profile)
+        proc = None
+        if topology is not None:
+            proc = inv_cmd("deploy", "--topology", topology, *args, "-i", str(inv_dir), env=env)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        yield Deployed(inv_dir, proc)
+    finally:
+        stop_all(lab)
 
 
 class Load:

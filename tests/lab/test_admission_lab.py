@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import REPO, deployed, inv_cmd
 
 from pdops.admission import KEYS_MAP_PATH, UNIT, key_id, parse_admission
 from pdops.deploy import state_for
@@ -43,8 +43,6 @@ def write_keys(path: Path, *keys: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     root = tmp_path_factory.mktemp("admission")
     keys = root / "admission.keys"
     write_keys(keys, KEY_A)
@@ -53,19 +51,13 @@ def cluster(lab, tmp_path_factory):
         doc["all"]["vars"]["pdops_admission"] = {"port": 18080, "cap": CAP, "queue": QUEUE, "queue_timeout_s": 60,
                                                  "overflow_status": 429, "api_keys_file": str(keys)}
     base_env = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())["env"]
-    inv_dir = derived_inventory(lab, root / "inv", mutate=add_admission,
-                                profile={"env": {**base_env, "PDOPS_SIM_DECODE_STEP_MS": STEP_MS}})
 
     def cli(*args, timeout=600):
         return inv_cmd(*args, timeout=timeout)
 
-    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    inv = load_inventory(inv_dir)
-    try:
-        yield inv_dir, inv, keys, cli, proc
-    finally:
-        stop_all(lab)
+    with deployed(lab, root / "inv", "1p1d", mutate=add_admission,
+                  profile={"env": {**base_env, "PDOPS_SIM_DECODE_STEP_MS": STEP_MS}}) as (inv_dir, proc):
+        yield inv_dir, load_inventory(inv_dir), keys, cli, proc
 
 
 def _wait(pred, timeout: float, what: str, interval: float = 0.2):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, Load, derived_inventory, inv_cmd, received_rids, record, stop_all
+from tests.lab.clusters import REPO, Load, deployed, derived_inventory, inv_cmd, received_rids, record, stop_all
 
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
@@ -88,16 +88,8 @@ def set_bundle(inv_dir: Path, **bundle) -> None:
 
 @pytest.fixture(scope="module")
 def live(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
-    root = tmp_path_factory.mktemp("change")
-    inv_dir = derived_inventory(lab, root / "c", profile={})
-    proc = cli(inv_dir, "deploy", "--topology", "2p2d")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    try:
-        yield inv_dir
-    finally:
-        stop_all(lab)
+    with deployed(lab, tmp_path_factory.mktemp("change") / "c", "2p2d", profile={}) as c:
+        yield c.inv_dir
 
 
 def test_a_bundle_change_restarts_every_instance_one_per_role_at_a_time(live):

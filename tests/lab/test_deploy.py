@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import deployed, derived_inventory, inv_cmd, record, stop_all
 
 from pdops import ansible
 from pdops.gateway import GatewayClient
@@ -84,11 +84,8 @@ def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab,
 
 @pytest.fixture(scope="module")
 def live(lab, fresh):
-    stop_all(lab)
-    inv = derived_inventory(lab, fresh / "live")
-    proc = inv_cmd("deploy", "--topology", "2p1d", "-i", str(inv))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return inv, proc
+    with deployed(lab, fresh / "live", "2p1d") as (inv, proc):
+        yield inv, proc
 
 
 def test_deploy_2p1d_serves_200_requests_through_the_gateway(live):

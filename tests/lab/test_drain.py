@@ -19,7 +19,7 @@ from pdops.hosts import http_json
 from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.placement import Placement
-from tests.lab.clusters import REPO, derived_inventory, inv_cmd, record, sshd, stop_all
+from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd
 
 pytestmark = pytest.mark.lab
 
@@ -31,16 +31,11 @@ PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1", "PDOPS_SIM_DECODE_STEP_MS":
 
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     # round_robin: both decodes get both kinds of request (smg's default policy keeps prompts
     # that share a prefix on one worker, and the test's prompts all do)
-    inv_dir = derived_inventory(lab, tmp_path_factory.mktemp("drain"), profile=PROFILE,
-                                mutate=lambda d: d["all"]["vars"]["pdops_gateway"].update(policy="round_robin"))
-    proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(inv_dir))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    yield inv_dir
-    stop_all(lab)
+    with deployed(lab, tmp_path_factory.mktemp("drain"), "2p2d", profile=PROFILE,
+                  mutate=lambda d: d["all"]["vars"]["pdops_gateway"].update(policy="round_robin")) as c:
+        yield c.inv_dir
 
 
 def _placement(inv_dir) -> Placement:

@@ -20,7 +20,7 @@ from pdops.inventory import load_inventory
 from pdops.load import send
 from pdops.placement import Placement
 from pdops.render import GATEWAY_UNIT
-from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import deployed, inv_cmd, record
 
 pytestmark = pytest.mark.lab
 
@@ -30,16 +30,11 @@ PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1", "PDOPS_SIM_DECODE_STEP_MS":
 
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
-    inv_dir = derived_inventory(lab, tmp_path_factory.mktemp("gateway"), profile=PROFILE)
-    proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(inv_dir))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    yield inv_dir
-    stop_all(lab)
+    with deployed(lab, tmp_path_factory.mktemp("gateway"), "2p2d", profile=PROFILE) as c:
+        yield c.inv_dir
 
 
-def _state(inv_dir) -> StateDir:
+def _state(inv_dir):
     return record(inv_dir)
 
 

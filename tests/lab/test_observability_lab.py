@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import derived_inventory, inv_cmd, queue, record, stop_all, wait_for
+from tests.lab.clusters import deployed, inv_cmd, queue, record, wait_for
 
 from pdops import observability as obs
 from pdops.inventory import load_inventory
@@ -51,17 +51,10 @@ def api(base: str, path: str, **params):
 
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     root = tmp_path_factory.mktemp("observe")
-    inv_dir = derived_inventory(lab, root / "c")
-    proc = cli(inv_dir, "deploy", "--topology", "1p2d")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Prometheus targets follow revision" in proc.stdout
-    try:
+    with deployed(lab, root / "c", "1p2d") as (inv_dir, proc):
+        assert "Prometheus targets follow revision" in proc.stdout
         yield inv_dir, root
-    finally:
-        stop_all(lab)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +62,7 @@ def prometheus(cluster):
     inv_dir, root = cluster
     inv = load_inventory(inv_dir)
     targets_file = obs.local_targets_path(inv)
-    assert targets_file.is_file()  # written by the deploy's record step
+    assert targets_file.is_file()  # written by the plan's publish-targets step (an `always` step, run last)
     (root / "rules.yml").write_text(obs.rules_text(inv))
     job = obs.scrape_config(inv, str(targets_file))["scrape_configs"][0]
     job["file_sd_configs"][0]["refresh_interval"] = "1s"
@@ -121,10 +114,18 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
              "every target of the file up")
     from pdops.sim.tokens import make_prompt
 
-    # distinct prompts: the gateway's cache-aware policy spreads them over both decodes
+    # distinct prompts through the gateway; its policy may still send them all to one decode (seen
+    # once in a run beside a soak), so every prefill x decode pair also gets generations of its own,
+    # sent straight to the pair as the canary sends them
     rows = send(inv.gateway.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2,
                 prompt_for=lambda i: make_prompt(30, i))
     assert all(r.ok for r in rows)
+    from pdops.deploy.actions import canary_pair
+
+    for p in pl.role("prefill"):
+        for d in pl.role("decode"):
+            for _ in range(4):
+                canary_pair(p, d)
     rev = str(record(inv_dir).current())
 
     def empty_panels() -> list[str]:
@@ -140,8 +141,12 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
         raise AssertionError(f"panels without data: {empty_panels()}") from None
     prefills = {i.id for i in pl.role("prefill")}
     decodes = {i.id for i in pl.role("decode")}
-    assert {s["metric"]["instance"] for s in query(base, "pdops:input_tpm:instance > 0")} == prefills
-    assert {s["metric"]["instance"] for s in query(base, "pdops:output_tpm:instance > 0")} == decodes
+
+    def with_tpm(rule: str) -> set[str]:
+        return {s["metric"]["instance"] for s in query(base, f"{rule} > 0")}
+    # each instance's rate turns positive once Prometheus has scraped it after its traffic
+    wait_for(lambda: with_tpm("pdops:input_tpm:instance") == prefills, 60, "input TPM of every prefill")
+    wait_for(lambda: with_tpm("pdops:output_tpm:instance") == decodes, 60, "output TPM of every decode")
     assert {s["metric"]["instance"] for s in query(base, f'sglang:num_running_reqs{{cluster="{inv.cluster}"}}')} == \
         prefills | decodes
     assert query(base, "pdops:total_tpm:cluster > 0")

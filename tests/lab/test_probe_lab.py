@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, cli, derived_inventory, record, stop_all
+from tests.lab.clusters import REPO, cli, deployed, record
 
 pytestmark = pytest.mark.lab
 
@@ -36,18 +36,15 @@ BUNDLES = {
 
 @pytest.fixture(scope="module")
 def live(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     root = tmp_path_factory.mktemp("probe")
-    inv_dir = derived_inventory(lab, root / "c", profile=PROFILE)
-    proc = cli(inv_dir, "deploy", "--topology", "1p1d")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _write_bundles(root)
+    with deployed(lab, root / "c", "1p1d", profile=PROFILE) as c:
+        yield c.inv_dir, root
+
+
+def _write_bundles(root: Path) -> None:
     for k, text in BUNDLES.items():
         (root / f"{k}.yml").write_text(text)
-    try:
-        yield inv_dir, root
-    finally:
-        stop_all(lab)
 
 
 def baseline(inv_dir: Path) -> dict:
@@ -145,14 +142,10 @@ def test_three_probes_the_table_and_the_restored_baseline(lab, live):
 @pytest.fixture(scope="module")
 def live_2p2d(lab, live, tmp_path_factory):
     """After the spare probes: a 2p2d cluster (every slot taken), for probes on serving pairs."""
-    stop_all(lab)
     root = tmp_path_factory.mktemp("probe2")
-    inv_dir = derived_inventory(lab, root / "c", profile=PROFILE)
-    proc = cli(inv_dir, "deploy", "--topology", "2p2d")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for k, text in BUNDLES.items():
-        (root / f"{k}.yml").write_text(text)
-    yield inv_dir, root
+    _write_bundles(root)
+    with deployed(lab, root / "c", "2p2d", profile=PROFILE) as c:
+        yield c.inv_dir, root
 
 
 def test_a_serving_pair_is_probed_out_of_the_gateway_restored_or_kept(live_2p2d):

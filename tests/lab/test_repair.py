@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import cli, derived_inventory, queue, record, stop_all, wait_for
+from tests.lab.clusters import cli, deployed, queue, record, wait_for
 
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
@@ -28,20 +28,12 @@ STREAM_DEADLINE_S = 60
 
 @pytest.fixture(scope="module")
 def live(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
-    root = tmp_path_factory.mktemp("repair")
     # decode steps of 10 ms: a 600-token stream runs ~6 s, long enough to be cut mid-stream; KV at
     # 2 MB/s: a 2000-token prompt's KV (2 MB) is in flight ~1 s, a short prompt's a few ms
-    inv_dir = derived_inventory(lab, root / "c", profile={"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1",
-                                                                  "PDOPS_SIM_DECODE_STEP_MS": "10",
-                                                                  "PDOPS_SIM_KV_BANDWIDTH_GBPS": "0.002"}})
-    proc = cli(inv_dir, "deploy", "--topology", "1p2d")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    try:
-        yield inv_dir
-    finally:
-        stop_all(lab)
+    profile = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1", "PDOPS_SIM_DECODE_STEP_MS": "10",
+                       "PDOPS_SIM_KV_BANDWIDTH_GBPS": "0.002"}}
+    with deployed(lab, tmp_path_factory.mktemp("repair") / "c", "1p2d", profile=profile) as c:
+        yield c.inv_dir
 
 
 def status(inv_dir: Path) -> tuple[int, dict]:

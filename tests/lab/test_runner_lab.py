@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.lab.clusters import derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import deployed, inv_cmd, record
 
 pytestmark = pytest.mark.lab
 
@@ -59,11 +59,10 @@ def matches(printed: list, journalled: list[str]) -> bool:
 
 @pytest.fixture(scope="module")
 def inv(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
+    # nothing deployed here: the first case is the deploy whose journal is checked
     profile = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1"}}
-    yield derived_inventory(lab, tmp_path_factory.mktemp("runner"), profile=profile)
-    stop_all(lab)
+    with deployed(lab, tmp_path_factory.mktemp("runner"), None, profile=profile) as c:
+        yield c.inv_dir
 
 
 @pytest.mark.parametrize("kind,args", [

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.lab.clusters import REPO, Load, derived_inventory, record, stop_all
+from tests.lab.clusters import REPO, Load, deployed, record
 
 from pdops.gateway import GatewayClient
 from pdops.inventory import load_inventory
@@ -62,18 +62,11 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     root = tmp_path_factory.mktemp("scale")
     (root / "cli").mkdir()
     (root / "cli" / "pdops_scale_tasks.py").write_text(SCRATCH)
-    c = Cluster(root, derived_inventory(lab, root / "c"))
-    proc = c.cli("deploy", "--topology", "1p1d")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    try:
-        yield c
-    finally:
-        stop_all(lab)
+    with deployed(lab, root / "c", "1p1d") as d:
+        yield Cluster(root, d.inv_dir)
 
 
 def _change(c: Cluster, *args):

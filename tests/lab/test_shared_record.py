@@ -16,22 +16,17 @@ import pytest
 
 from pdops.gateway import GatewayClient
 from pdops.inventory import load_inventory
-from tests.lab.clusters import REPO, derived_inventory, inv_cmd, record, sshd, stop_all
+from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, sshd
 
 PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1"}}
 
 
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     root = tmp_path_factory.mktemp("shared")
-    inv_dir = derived_inventory(lab, root / "inv", profile=PROFILE)
     ops = {name: {"PDOPS_OPERATOR": name, "PDOPS_STATE_DIR": str(root / f"laptop-{name}")} for name in ("alice", "bob")}
-    proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(inv_dir), env=ops["alice"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    yield inv_dir, ops
-    stop_all(lab)
+    with deployed(lab, root / "inv", "2p2d", profile=PROFILE, env=ops["alice"]) as c:
+        yield c.inv_dir, ops
 
 
 def _drain(inv_dir, env, *args) -> subprocess.Popen:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import derived_inventory, inv_cmd, stop_all
+from tests.lab.clusters import deployed, inv_cmd
 
 from pdops import bench as b
 
@@ -54,20 +54,16 @@ MIN_GAIN = 0.08
 
 @pytest.fixture(scope="module")
 def swept(lab, tmp_path_factory):
-    lab.ensure_up()
-    stop_all(lab)
     root = tmp_path_factory.mktemp("sweep")
-    inv = derived_inventory(lab, root / "c", profile=PROFILE,
-                            mutate=lambda doc: doc["all"]["vars"]["pdops_gateway"].update(ROUTING))
-    try:
+    # nothing deployed here: the sweep deploys each ratio itself; the lab is clean again before the tests
+    with deployed(lab, root / "c", None, profile=PROFILE,
+                  mutate=lambda doc: doc["all"]["vars"]["pdops_gateway"].update(ROUTING)) as (inv, _):
         sweep = inv_cmd("sweep", "--budget", "32", "--ratios", ",".join(RATIOS), "--concurrency",
                         ",".join(map(str, CONCS)), "--duration", str(DURATION_S), "--timeout", "120",
                         "--min-gain", str(MIN_GAIN),
                         "-i", str(inv), "--out", str(root / "sweep"), timeout=900)
         bench = inv_cmd("bench", "--concurrency", "2", "--requests", "4", "--ignore-eos", "-i", str(inv),
                         "--out", str(root / "bench"), timeout=300)
-    finally:
-        stop_all(lab)
     print(sweep.stdout)
     yield root, sweep, bench
 

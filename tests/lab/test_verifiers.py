@@ -30,7 +30,7 @@ from pdops.gateway import GatewayClient
 from pdops.hosts import http_json
 from pdops.inventory import load_inventory
 from pdops.placement import Placement
-from tests.lab.clusters import REPO, derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
 
@@ -114,11 +114,8 @@ def test_registration_the_gateway_never_shows_healthy(lab, fresh):
 
 @pytest.fixture(scope="module")
 def cluster(lab, fresh):
-    inv = derived_inventory(lab, fresh / "live", profile=PROFILE)
-    proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(inv), "--skip-check", "disk")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    yield inv, proc.stdout
-    stop_all(lab)
+    with deployed(lab, fresh / "live", "2p2d", profile=PROFILE, args=("--skip-check", "disk")) as (inv, proc):
+        yield inv, proc.stdout
 
 
 def test_verdict_lists_skipped_checks_as_not_verified_never_as_verified(cluster):
