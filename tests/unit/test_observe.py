@@ -237,3 +237,13 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     assert any("renders the same files: recorded with it" in f for f in p.findings)
     assert "the inventory on disk" in p.steps[-1].description
     assert "nothing that runs differs from it, only the inventory" in p.render()
+    # the record step writes the inventory on disk; then the drain accepts it
+    from pdops.deploy.execute import do_record_repair
+    from pdops.runner import RunContext
+
+    units, _, start_list = healthy_world(pl)
+    ctx = RunContext(other, state, "op-1", lambda s: None, Pool(units, start_list), None, {"deploy_plan": p})
+    do_record_repair(ctx, p.steps[-1])
+    rev = state.current_revision()
+    assert rev.number == 2 and rev.inventory_hash == "f" * 64 and rev.manifest == p.live.manifest
+    assert dr.plan_drain(other, state, "d02").instance.id == "d02"

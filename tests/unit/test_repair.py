@@ -201,3 +201,23 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
     text = plan.render()
     assert "observed: the gateway does not answer (pdops-gateway.service failed/failed): started first" in text
     assert "observed: d02 does not serve (units not running: lab03:x inactive/dead): not part of this change" in text
+
+
+def test_inv_repair_plans_with_what_the_status_reading_saw(lab_inv, live, monkeypatch, capsys):
+    """The task passes the Observation `inv status` judged to the planner: with the gateway observed
+    down, the dry run starts it first (the planner alone, given no observation, would not)."""
+    from pdops import deploy as dep
+    from pdops import status as st
+    from pdops.cli import core
+    from pdops.observe import Seen
+
+    reading = object()
+    monkeypatch.setattr(dep, "state_for", lambda inv, **kw: live)
+    monkeypatch.setattr(st, "read_status", lambda inv, state, **kw: (doc(d01="not registered"), reading))
+    monkeypatch.setattr(Seen, "of", classmethod(lambda cls, obs: Seen(
+        {"d01": "observed not registered"} if obs is reading else {}, frozenset(),
+        "pdops-gateway.service failed/failed", False)))
+    core.repair.body(None, inventory=str(lab_inv.path), instance="d01", dry_run=True)
+    out = capsys.readouterr().out
+    assert "observed: the gateway does not answer (pdops-gateway.service failed/failed): started first" in out
+    assert " gateway — " in out  # the gateway step is printed before the repair's own steps
