@@ -1,7 +1,7 @@
 """Latency the admission layer (HAProxy) adds, and the request rate it sustains, on loopback.
 
 Starts a prefill and a decode sim, the real gateway, and HAProxy rendered by
-pdops.admission (cap far above the load, so it never queues), then runs the same load
+pdops.model.admission (cap far above the load, so it never queues), then runs the same load
 straight at the gateway and through HAProxy, alternating, and prints p50/p99 latency of
 short non-streaming requests at concurrency 1 and the request rate at concurrency 32,
 with the ratios admission/direct. Every process is killed by PID at the end.
@@ -15,9 +15,9 @@ import argparse
 import statistics
 import tempfile
 
-from pdops.admission import AdmissionConfig
+from pdops.model.admission import AdmissionConfig
 from pdops.sim.testing import start_haproxy
-from pdops.load import send
+from pdops.remote.load import send
 from pdops.sim.testing import free_port, start_gateway, start_sim
 
 KEY = "bench-admission-key-0123456789"

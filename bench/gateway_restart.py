@@ -1,7 +1,7 @@
 """Benchmark: the gateway's restart, before and after it moved to its own environment.
 
 1. Gateway start to first routed request (no lab): smg launched as pdops renders it, then the
-   start-up registration its unit runs (pdops.membership's host script) for one prefill and one
+   start-up registration its unit runs (pdops.model.membership's host script) for one prefill and one
    decode sim, then `/generate` until one is answered 200. After: smg 1.13 from the gateway's own
    environment (.venv-gateway, as deployed now). Before: sglang-router 0.3.2 run by the engine's
    python (.venv, with torch and SGLang), as deployed before (installed with `pip --target` into
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops import membership  # noqa: E402
+from pdops.model import membership# noqa: E402
 from pdops.sim.testing import _spawn, free_port, http, start_sim  # noqa: E402
 
 
@@ -89,13 +89,13 @@ def local_part(runs: int) -> None:
 def lab_part(runs: int) -> None:
     import yaml
 
-    from pdops import deploy as dep
+    from pdops.ops import deploy as dep
     from pdops import lab as lab_api
-    from pdops.gateway import GatewayClient
-    from pdops.hosts import connections
-    from pdops.inventory import load_inventory, single_file_doc
-    from pdops.render import GATEWAY_UNIT
-    from pdops.topology import Topology
+    from pdops.remote.gateway import GatewayClient
+    from pdops.remote.hosts import connections
+    from pdops.model.inventory import load_inventory, single_file_doc
+    from pdops.model.render import GATEWAY_UNIT
+    from pdops.model.topology import Topology
 
     with open("/srv/pdops-lab.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

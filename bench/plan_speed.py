@@ -2,7 +2,7 @@
 
 The inventory is read with ansible-core's InventoryManager and VariableManager; importing them is
 most of the cost, so their reading is cached on the operator machine by the digest of every file
-it depends on (pdops.inventory.sources_digest; pdops's own rules run every time). Goal (issue 33):
+it depends on (pdops.model.inventory.sources_digest; pdops's own rules run every time). Goal (issue 33):
 under 0.5 s with the reading cached, median of 5; the first run after an inventory edit (no
 cache) is printed too, against the earlier goal of 1 s. Before Ansible read the inventory it
 took 0.33 s (issue figure). Usage: python bench/plan_speed.py [--runs 5]

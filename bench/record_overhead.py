@@ -20,10 +20,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops import deploy as dep  # noqa: E402
+from pdops.ops import deploy as dep# noqa: E402
 from pdops import lab as lab_api  # noqa: E402
-from pdops.inventory import load_inventory, single_file_doc  # noqa: E402
-from pdops.state import StateDir  # noqa: E402
+from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402
+from pdops.record.local import StateDir  # noqa: E402
 
 
 def timed(fn, rounds: int) -> list[float]:

@@ -16,11 +16,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops import deploy as dep  # noqa: E402
+from pdops.ops import deploy as dep# noqa: E402
 from pdops import lab as lab_api  # noqa: E402
-from pdops.hosts import connections  # noqa: E402
+from pdops.remote.hosts import connections  # noqa: E402
 from pdops.runner import RunContext, walk  # noqa: E402
-from pdops.topology import Topology  # noqa: E402
+from pdops.model.topology import Topology  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from deploy_overhead import lab_inventory  # noqa: E402

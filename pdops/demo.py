@@ -9,16 +9,16 @@ import time
 
 import yaml
 
-from pdops import deploy as dep
-from pdops import drain as dr
+from pdops.ops import deploy as dep
+from pdops.ops import drain as dr
 from pdops import lab as lab_api
-from pdops.bench import compute_figures, format_table
-from pdops.hosts import connections
-from pdops.inventory import load_inventory, single_file_doc
-from pdops.load import send
-from pdops.planning import REPO, format_placement, load_and_place
-from pdops.status import collect_status, format_status
-from pdops.topology import parse_topology
+from pdops.ops.bench import compute_figures, format_table
+from pdops.remote.hosts import connections
+from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.remote.load import send
+from pdops.model.planning import REPO, format_placement, load_and_place
+from pdops.reads.status import collect_status, format_status
+from pdops.model.topology import parse_topology
 from pdops.runner import Say
 
 
@@ -91,7 +91,7 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
 def _stop_previous(inv, say: Say) -> None:
     """A fresh demo: stop the units an earlier demo left on the lab hosts (by unit name)."""
     from pdops.facts import q
-    from pdops.hosts import HostPool
+    from pdops.remote.hosts import HostPool
 
     with HostPool(inv) as pool:
         for h in inv.hosts:

@@ -1025,7 +1025,7 @@ def _ensure_mount_points() -> None:
 
 def _write_inventory(lab_dir: Path, n: int, key: Path) -> bool:
     """Write <lab>/inventory/ (hosts.yml + group_vars/) for hosts 1..n; False when it was already so."""
-    from pdops.inventory import single_file_doc
+    from pdops.model.inventory import single_file_doc
 
     shipped = single_file_doc(repo_root() / "inventory" / "lab")
     files = inventory_files(inventory_doc(shipped, n, key, lab_dir), n)

@@ -25,23 +25,23 @@ def repo() -> Path:
 
 @pytest.fixture
 def fleet():
-    from pdops.inventory import load_inventory
+    from pdops.model.inventory import load_inventory
 
     return load_inventory(REPO / "inventory" / "rtx6000d")
 
 
 @pytest.fixture
 def lab_inv():
-    from pdops.inventory import load_inventory
+    from pdops.model.inventory import load_inventory
 
     return load_inventory(REPO / "inventory" / "lab")
 
 
 @pytest.fixture
 def local_record(tmp_path, monkeypatch):
-    """`pdops.deploy.state_for` answering with a shared record whose state host is this machine
+    """`pdops.ops.deploy.state_for` answering with a shared record whose state host is this machine
     (the real host script, run locally), its state dir and operator dir under tmp_path."""
-    from pdops import deploy as dep
+    from pdops.ops import deploy as dep
     from pdops.record import LocalTransport, SharedRecord
 
     def state_for(inv, **kw):

@@ -16,16 +16,16 @@ def keys(c, inventory=DEFAULT_INVENTORY, deadline=30):
     """Rotate API keys: re-read pdops_admission.api_keys_file (0600), deliver only the key map
     to the admission host, `systemctl reload pdops-admission.service` (in-flight streams
     continue), verify the new keys are accepted and revoked ones get 401. Journalled, locked."""
-    from pdops.admission_ops import rotate_keys
+    from pdops.ops.admission_keys import rotate_keys
     from pdops.errors import InvalidInput
-    from pdops.inventory import load_inventory
+    from pdops.model.inventory import load_inventory
 
     deadline_s = seconds(deadline, "--deadline")
     if deadline_s is None or deadline_s < 5:
         raise InvalidInput("--deadline", f"{deadline!r} is less than 5 seconds",
                            fix="give the reload time to take effect, e.g. --deadline 30")
     inv = load_inventory(inventory)
-    from pdops.hosts import connections
+    from pdops.remote.hosts import connections
 
     with connections(inv) as conns:
         ev = rotate_keys(inv, deadline_s=deadline_s, pool=conns["pool"])

@@ -29,7 +29,7 @@ def _num(value, field: str, *, positive: bool = True) -> float | None:
 
 
 def _workload(profile, workload):
-    from pdops.bench import Workload, parse_workload
+    from pdops.ops.bench import Workload, parse_workload
 
     if workload:
         return parse_workload(workload)
@@ -51,9 +51,9 @@ def _workload(profile, workload):
 def bench(c, concurrency, inventory=DEFAULT_INVENTORY, workload=None, requests=None, duration=None,
           ignore_eos=False, out=None, timeout=3600):
     """Drive the current revision's gateway at a fixed concurrency; one ledger row per request."""
-    from pdops import bench as b
-    from pdops.deploy import state_for
-    from pdops.inventory import load_inventory
+    from pdops.ops import bench as b
+    from pdops.ops.deploy import state_for
+    from pdops.model.inventory import load_inventory
 
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
@@ -81,7 +81,7 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
           requests=None, duration=None, ignore_eos=False, allow_partial=False, out=None, dry_run=False, render=None,
           timeout=3600, min_gain=None):
     """Plan and run every (ratio, concurrency) cell that fits a fixed GPU budget; write the matrix and plots."""
-    from pdops import sweep as sw
+    from pdops.ops import sweep as sw
 
     if render:
         m = sw.load_matrix(render)
@@ -90,10 +90,10 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
         if res["plots_skipped"]:
             print(f"plots: {res['plots_skipped']}")
         return
-    from pdops.bench import run_bench
-    from pdops.deploy import state_for
-    from pdops.inventory import load_inventory
-    from pdops.state import new_op_id
+    from pdops.ops.bench import run_bench
+    from pdops.ops.deploy import state_for
+    from pdops.model.inventory import load_inventory
+    from pdops.record.local import new_op_id
 
     for name, val in (("--budget", budget), ("--ratios", ratios), ("--concurrency", concurrency)):
         if val is None:
@@ -124,15 +124,15 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
 
 def _live_scale_to(inv):
     """The seam to deploy/scale: bring the cluster to a topology, verified, or raise."""
-    from pdops import deploy as dep
-    from pdops import scale as scale_mod
+    from pdops.ops import deploy as dep
+    from pdops.ops import scale as scale_mod
 
     def scale_to(topo):
         state = dep.state_for(inv)
         if state.current() is None:  # nothing live yet: the first cell deploys
             plan = dep.plan_deploy(inv, topo, state)
             print(plan.render())
-            from pdops.hosts import connections
+            from pdops.remote.hosts import connections
 
             with connections(inv) as conns:
                 dep.execute_deploy(plan, **conns)
@@ -142,7 +142,7 @@ def _live_scale_to(inv):
         plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
         print(plan.render())
         if not plan.noop:
-            from pdops.hosts import connections
+            from pdops.remote.hosts import connections
 
             with connections(inv) as conns:
                 scale_mod.execute_scale(plan, state, **conns)
@@ -164,8 +164,8 @@ def capacity(c, arrival_rate, ttft_target, tpot_target, prefill_tps, decode_step
              inventory=None, workload=None, profile=None, nic_gbps=None, nic_efficiency=None, decode_kv_gib=None,
              json=False):
     """Size P and D pools from model shape and measured per-instance rates; shows every input and assumption."""
-    from pdops.capacity import CapacityInputs, ModelShape, nics_per_instance, plan_capacity
-    from pdops.inventory import load_inventory, load_profile
+    from pdops.model.capacity import CapacityInputs, ModelShape, nics_per_instance, plan_capacity
+    from pdops.model.inventory import load_inventory, load_profile
 
     inv = load_inventory(inventory, profile=profile) if inventory else None
     prof = inv.profile if inv else load_profile(profile or "glm-flash-80k")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from invoke import task
 
-from pdops import planning
+from pdops.model import planning
 from pdops.cli import cli_errors, print_verdict, seconds
 from pdops.errors import InvalidInput
 
@@ -56,10 +56,10 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
            force=False, allow_capacity_dip=False):
     """Deploy a topology; on a live cluster, plan any difference (topology, inventory, profile, pdops's
     templates) as a rolling change: keep, replace, add, remove; or repair what observation finds."""
-    from pdops import deploy as dep
-    from pdops.inventory import load_inventory
-    from pdops.scale import ScalePlan
-    from pdops.topology import parse_topology
+    from pdops.ops import deploy as dep
+    from pdops.model.inventory import load_inventory
+    from pdops.ops.scale import ScalePlan
+    from pdops.model.topology import parse_topology
 
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
@@ -71,7 +71,7 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
                                allow_capacity_dip=allow_capacity_dip, seen=seen)
 
     plan = make(None)
-    from pdops.hosts import connections
+    from pdops.remote.hosts import connections
 
     if isinstance(plan, ScalePlan):
         return run_change(inv, state, make, dry_run, first=plan)
@@ -81,12 +81,14 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
             return
     with connections(inv) as conns:
         if plan.live is not None:  # the live topology and files: decide from what runs now
-            plan = dep.plan_reconcile(plan, **conns)
+            from pdops.reads.observe import observe
+
+            plan = dep.plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateway"]))
             if isinstance(plan, ScalePlan):
                 print(plan.render())
                 if dry_run:
                     return
-                from pdops import scale as sc
+                from pdops.ops import scale as sc
                 from pdops.cli.scale import print_change_verdict
 
                 return print_change_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
@@ -118,14 +120,14 @@ def whole_cluster(v, flag: str, default: int = 1) -> int:
 def run_change(inv, state, make, dry_run: bool, *, first=None, observe: bool = True) -> None:
     """A change of the live cluster (`make(seen)` -> ScalePlan), planned from what runs now: first
     from the record alone, so bad input is refused before any connection; then, with the hosts, systemd
-    and the gateway read (pdops.observe), again from that observation, which the printed plan states.
+    and the gateway read (pdops.reads.observe), again from that observation, which the printed plan states.
     A refusal of the first plan stands only if the observed plan refuses too (a floor counts what
     serves now). `observe=False`: the record alone (a change that starts and stops nothing)."""
-    from pdops import scale as sc
+    from pdops.ops import scale as sc
     from pdops.cli.scale import print_change_verdict
     from pdops.errors import Refused
-    from pdops.hosts import connections
-    from pdops.observe import Seen, observe as read
+    from pdops.remote.hosts import connections
+    from pdops.reads.observe import Seen, observe as read
 
     refused = None
     if first is None:
@@ -167,9 +169,9 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=No
 
     from invoke.exceptions import Exit
 
-    from pdops import deploy as dep
-    from pdops.inventory import load_inventory
-    from pdops.status import collect_status, format_status
+    from pdops.ops import deploy as dep
+    from pdops.model.inventory import load_inventory
+    from pdops.reads.status import collect_status, format_status
 
     every = None if watch is None else (5.0 if watch is True else seconds(watch, "--watch"))
     if every is not None and every <= 0:
@@ -199,9 +201,9 @@ def verify(c, inventory=DEFAULT_INVENTORY):
     """Check the current revision on every host (units, cgroups, 0600 env, ports, memlock, gateway,
     admission layer: one SSH command per host), then what runs now against it (MainPIDs, files,
     the gateway's workers)."""
-    from pdops import deploy as dep
-    from pdops.inventory import load_inventory
-    from pdops.verify import run_verify
+    from pdops.ops import deploy as dep
+    from pdops.model.inventory import load_inventory
+    from pdops.reads.verify import run_verify
 
     inv = load_inventory(inventory)
     print(f"verify {inv.cluster}: {run_verify(inv, dep.state_for(inv))}")
@@ -212,10 +214,10 @@ def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str
     it with the connections opened here and print the verdict. `observe`: planned first from the
     record (bad input refused before any connection), then again from what serves now (a refusal
     of the first plan stands only if the observed one refuses too)."""
-    from pdops import deploy as dep
+    from pdops.ops import deploy as dep
     from pdops.errors import Refused
-    from pdops.hosts import connections
-    from pdops.inventory import load_inventory
+    from pdops.remote.hosts import connections
+    from pdops.model.inventory import load_inventory
 
     if not instance:
         raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
@@ -236,7 +238,7 @@ def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str
             v = execute(plan, state, **conns)
         print_verdict(headline, v)
         return
-    from pdops.observe import Seen, observe as read
+    from pdops.reads.observe import Seen, observe as read
 
     with connections(inv) as conns:
         plan = make_plan(inv, state, Seen.of(read(inv, rev, **conns)))
@@ -248,7 +250,7 @@ def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str
 
 
 def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_after, skip_gateway):
-    from pdops import drain as dr
+    from pdops.ops import drain as dr
 
     _instance_op(instance, inventory, dry_run,
                  lambda inv, state, seen: dr.plan_drain(inv, state, instance, force=force, wait_s=wait,
@@ -272,7 +274,7 @@ def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=Fa
     if host is not None:
         if instance is not None:
             raise InvalidInput("--host", "given with --instance", fix="drain either one instance or one host")
-        from pdops import scale as sc
+        from pdops.ops import scale as sc
 
         return _host_op(host, inventory, dry_run,
                         lambda inv, state, seen: sc.plan_drain_host(inv, state, host, force=force, seen=seen))
@@ -285,14 +287,14 @@ def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=Fa
 @cli_errors
 def uncordon(c, host=None, inventory=DEFAULT_INVENTORY, dry_run=False):
     """Let placement use a host again after maintenance (nothing starts there until a change needs it)."""
-    from pdops import scale as sc
+    from pdops.ops import scale as sc
 
     _host_op(host, inventory, dry_run, lambda inv, state, seen: sc.plan_uncordon(inv, state, host), observe=False)
 
 
 def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> None:
-    from pdops import deploy as dep
-    from pdops.inventory import load_inventory
+    from pdops.ops import deploy as dep
+    from pdops.model.inventory import load_inventory
 
     if not host:
         raise InvalidInput("--host", "missing", fix="name an inventory host, e.g. --host lab04")
@@ -310,13 +312,13 @@ def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> No
 def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, force_after=False, wait=None):
     """A verified restart of one instance that `inv status` does not call ok: name its lost work, leave
     the gateway, drain, verified stop, start, health, canary its P x D pairs, register, record."""
-    from pdops import deploy as dep
-    from pdops import scale as sc
-    from pdops.hosts import connections
-    from pdops.inventory import load_inventory
-    from pdops.observe import Seen
-    from pdops.repair import check_instance_id, plan_repair
-    from pdops.status import read_status
+    from pdops.ops import deploy as dep
+    from pdops.ops import scale as sc
+    from pdops.remote.hosts import connections
+    from pdops.model.inventory import load_inventory
+    from pdops.reads.observe import Seen
+    from pdops.ops.repair import check_instance_id, plan_repair
+    from pdops.reads.status import read_status
 
     iid = check_instance_id(instance)
     wait_s = seconds(wait, "--wait")
@@ -344,10 +346,10 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
 def end_orphans(c, inventory=DEFAULT_INVENTORY, dry_run=False):
     """End the prefill halves no decode holds (their decode process ended or restarted): each by its
     request ID with /abort_request, named in the journal as lost work, never sent again."""
-    from pdops import deploy as dep
-    from pdops.hosts import connections
-    from pdops.inventory import load_inventory
-    from pdops.repair import execute_end_orphans, plan_end_orphans
+    from pdops.ops import deploy as dep
+    from pdops.remote.hosts import connections
+    from pdops.model.inventory import load_inventory
+    from pdops.ops.repair import execute_end_orphans, plan_end_orphans
 
     inv = load_inventory(inventory)
     state = dep.state_for(inv)
@@ -370,7 +372,7 @@ def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_surv
     if not kill_survivors:
         _drain_or_stop(instance, inventory, dry_run, True, None, None, False, True)
         return
-    from pdops import drain as dr
+    from pdops.ops import drain as dr
 
     _instance_op(instance, inventory, dry_run, lambda inv, state, seen: dr.plan_kill_survivors(inv, state, instance),
                  dr.execute_kill_survivors, f"the survivors of {instance}'s stop are ended; the stop is verified.")

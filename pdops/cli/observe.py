@@ -30,11 +30,11 @@ def _emit(text: str, out: str | None, what: str) -> None:
 def targets(c, inventory=DEFAULT_INVENTORY, out=None, deliver=False):
     """The file_sd target file of the current revision (engines, gateway, admission; labels cluster,
     instance, role, host, revision). pdops rewrites it after every deploy, scale, rollback, drain, repair."""
-    from pdops import deploy as dep
-    from pdops import observability as obs
+    from pdops.ops import deploy as dep
+    from pdops.ops import prometheus as obs
     from pdops.errors import Refused
-    from pdops.inventory import load_inventory
-    from pdops.placement import Placement
+    from pdops.model.inventory import load_inventory
+    from pdops.model.placement import Placement
 
     inv = load_inventory(inventory)
     rev = dep.state_for(inv, cached_ok=True).current_revision()
@@ -42,7 +42,7 @@ def targets(c, inventory=DEFAULT_INVENTORY, out=None, deliver=False):
         raise Refused("nothing is deployed (no current revision): no target to list", fix="`inv deploy` first")
     pl = Placement.from_dict(rev.placement)
     if deliver:
-        from pdops.hosts import HostPool
+        from pdops.remote.hosts import HostPool
 
         with HostPool(inv) as pool:
             ev = obs.publish(pool, inv, rev.number, pl)
@@ -55,8 +55,8 @@ def targets(c, inventory=DEFAULT_INVENTORY, out=None, deliver=False):
 @cli_errors
 def rules(c, inventory=DEFAULT_INVENTORY, out=None):
     """Recording and alert rules for PD clusters (TTFT threshold: the profile's slo.ttft_p99_s)."""
-    from pdops import observability as obs
-    from pdops.inventory import load_inventory
+    from pdops.ops import prometheus as obs
+    from pdops.model.inventory import load_inventory
 
     _emit(obs.rules_text(load_inventory(inventory)), out, "the rules")
 
@@ -67,8 +67,8 @@ def dashboard(c, inventory=DEFAULT_INVENTORY, out=None):
     """The Grafana dashboard (JSON, importable as is; cluster and revision are its variables)."""
     import json
 
-    from pdops import observability as obs
-    from pdops.inventory import load_inventory
+    from pdops.ops import prometheus as obs
+    from pdops.model.inventory import load_inventory
 
     _emit(json.dumps(obs.dashboard(load_inventory(inventory)), indent=2) + "\n", out, "the dashboard")
 
@@ -79,7 +79,7 @@ def scrape_config(c, inventory=DEFAULT_INVENTORY):
     """The scrape job to add to the fleet's prometheus.yml (file_sd over the target file; keys by file)."""
     import yaml
 
-    from pdops import observability as obs
-    from pdops.inventory import load_inventory
+    from pdops.ops import prometheus as obs
+    from pdops.model.inventory import load_inventory
 
     print(yaml.safe_dump(obs.scrape_config(load_inventory(inventory)), sort_keys=False), end="")

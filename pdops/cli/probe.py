@@ -1,4 +1,4 @@
-"""`inv probe`: try a candidate parameter bundle with a few long requests (pdops.probe)."""
+"""`inv probe`: try a candidate parameter bundle with a few long requests (pdops.ops.probe)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
           reading=None):
     """Apply a candidate bundle to a pair, send a few long requests from the ledgered client, keep the
     outcome per request and the failure signatures, restore the baseline; --list shows the probe table."""
-    from pdops import deploy as dep
-    from pdops import probe as pr
+    from pdops.ops import deploy as dep
+    from pdops.ops import probe as pr
     from pdops.errors import InvalidInput
-    from pdops.hosts import connections
-    from pdops.inventory import load_inventory
+    from pdops.remote.hosts import connections
+    from pdops.model.inventory import load_inventory
 
     if note is not None:
         pr.check_note(note, reading)

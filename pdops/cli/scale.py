@@ -30,11 +30,11 @@ def print_change_verdict(plan, verdict: dict) -> None:
 def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
           max_unavailable=None, force=False):
     """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
-    from pdops import deploy as dep
-    from pdops import scale as sc
+    from pdops.ops import deploy as dep
+    from pdops.ops import scale as sc
     from pdops.cli.core import run_change, whole_cluster
-    from pdops.inventory import load_inventory
-    from pdops.topology import parse_topology
+    from pdops.model.inventory import load_inventory
+    from pdops.model.topology import parse_topology
 
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
@@ -56,10 +56,10 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
 def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
              max_unavailable=None, force=False):
     """Return to the previous revision (or --to N), its recorded files and placement, as a rolling change."""
-    from pdops import deploy as dep
-    from pdops import scale as sc
+    from pdops.ops import deploy as dep
+    from pdops.ops import scale as sc
     from pdops.cli.core import run_change, whole_cluster
-    from pdops.inventory import load_inventory
+    from pdops.model.inventory import load_inventory
 
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
@@ -75,9 +75,9 @@ def history(c, inventory=None, json=False):
     """Recorded revisions: topology, time, operator, outcome; the current one marked."""
     import json as _json
 
-    from pdops import deploy as dep
-    from pdops.history import format_history, history_rows
-    from pdops.inventory import load_inventory
+    from pdops.ops import deploy as dep
+    from pdops.reads.history import format_history, history_rows
+    from pdops.model.inventory import load_inventory
 
     state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
     print(_json.dumps(history_rows(state), indent=2) if json else format_history(state))
@@ -91,10 +91,10 @@ def diff(c, a=None, b=None, inventory=None, json=False):
     """What changed between revisions A and B: instances added/removed/moved, files per host."""
     import json as _json
 
-    from pdops import deploy as dep
+    from pdops.ops import deploy as dep
     from pdops.errors import InvalidInput
-    from pdops.history import diff_revisions, format_diff
-    from pdops.inventory import load_inventory
+    from pdops.reads.history import diff_revisions, format_diff
+    from pdops.model.inventory import load_inventory
 
     if a is None or b is None:
         raise InvalidInput("diff", "needs two revision numbers", fix="e.g. `inv diff 3 4` (see `inv history`)")

@@ -10,8 +10,8 @@ DEFAULT_INVENTORY = "inventory/lab"
 
 
 def _record(inventory, **kw):
-    from pdops import deploy as dep
-    from pdops.inventory import load_inventory
+    from pdops.ops import deploy as dep
+    from pdops.model.inventory import load_inventory
 
     return dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), **kw)
 
@@ -24,7 +24,7 @@ def journal(c, inventory=None, op=None, last="20", json=False):
     import json as _json
 
     from pdops.errors import InvalidInput
-    from pdops.planning import format_table
+    from pdops.model.planning import format_table
     from pdops.record import operations
 
     if not str(last).isdigit() or int(last) < 1:

@@ -1,5 +1,5 @@
 # One command to HAProxy's runtime API, on the admission host (stdlib only; the host's python3).
-# pdops sends it over SSH as `python3 -c <this> SOCKET COMMAND` (pdops.admission.runtime_command)
+# pdops sends it over SSH as `python3 -c <this> SOCKET COMMAND` (pdops.model.admission.runtime_command)
 # and prints HAProxy's answer: empty for a command it carried out, else its message.
 import socket
 import sys

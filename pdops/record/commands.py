@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from pdops.errors import InvalidInput, Refused, Unverified
 from pdops.runner import Say
-from pdops.state import Journal, StateDir, default_machine, default_operator, new_op_id, now_iso
+from pdops.record.local import Journal, StateDir, default_machine, default_operator, new_op_id, now_iso
 
 from pdops.record.shared import SharedRecord, describe_holder, record_summary, revision_docs
 

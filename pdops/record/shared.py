@@ -11,7 +11,7 @@ from pathlib import Path
 from pdops import __version__
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.runner import Say
-from pdops.state import (
+from pdops.record.local import (
     Journal, RecordReads, Revision, StateDir, atomic_write, default_machine, default_operator, new_op_id, now_iso,
 )
 

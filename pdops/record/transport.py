@@ -114,7 +114,7 @@ class SSHTransport:
     """The host script over the state host's own SSH connection (not the operation's pool)."""
 
     def __init__(self, inv, host: str):
-        from pdops.hosts import HostPool
+        from pdops.remote.hosts import HostPool
 
         self.host = host
         self._pool = HostPool(inv)

@@ -1,6 +1,6 @@
 """Command line of the sim: SGLang 0.5.23's launch_server flags, same parser behaviour.
 
-The parser is built from the flag table extracted from SGLang (``pdops/sglang_flags.py``):
+The parser is built from the flag table extracted from SGLang (``pdops/model/sglang_flags.py``):
 same names, argparse abbreviations, choices and int/float types, so a flag SGLang
 rejects is rejected here with exit status 2. ``PDOPS_SIM_VALIDATE=sglang`` additionally
 runs SGLang's own ``prepare_server_args`` in a throw-away subprocess first (about 5 s
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from pdops.sglang_flags import FLAGS
+from pdops.model.sglang_flags import FLAGS
 
 _TYPES = {"int": int, "float": float, None: str}
 

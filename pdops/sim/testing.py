@@ -356,8 +356,8 @@ def metric(handle: SimHandle, name: str, **labels) -> float:
 def write_haproxy_local(cfg, workdir: str | Path, *, stats_socket: str | None = None) -> Path:
     """Write config, key map and errorfile into `workdir` (no root, no systemd); returns the config.
     `stats_socket`: where HAProxy's runtime API listens (none by default)."""
-    from pdops import admission as adm
-    from pdops.render import haproxy_config
+    from pdops.model import admission as adm
+    from pdops.model.render import haproxy_config
 
     d = Path(workdir)
     d.mkdir(parents=True, exist_ok=True)
@@ -370,11 +370,11 @@ def write_haproxy_local(cfg, workdir: str | Path, *, stats_socket: str | None = 
 
 
 def start_haproxy(cfg, workdir, timeout: float = 10.0, *, stats_socket: str | None = None) -> Proc:
-    """Run the admission layer (`haproxy -Ws -f`, config from pdops.admission) as a local process;
+    """Run the admission layer (`haproxy -Ws -f`, config from pdops.model.admission) as a local process;
     wait until it answers (401 without a key). Stop it with `.kill_all()`; reload with `.signal(SIGUSR2)`."""
     import shutil
 
-    from pdops import admission as adm
+    from pdops.model import admission as adm
 
     conf = write_haproxy_local(cfg, workdir, stats_socket=stats_socket)
     adm.check_config(conf)

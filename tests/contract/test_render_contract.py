@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from pdops.contract import check_gateway_args, check_sglang_args
+from pdops.model.contract import check_gateway_args, check_sglang_args
 from pdops.errors import InvalidInput
-from pdops.inventory import load_inventory, load_profile
-from pdops.placement import place
-from pdops.render import engine_args, gateway_args, render_files, write_build
-from pdops.topology import Topology
+from pdops.model.inventory import load_inventory, load_profile
+from pdops.model.placement import place
+from pdops.model.render import engine_args, gateway_args, render_files, write_build
+from pdops.model.topology import Topology
 
 pytestmark = pytest.mark.contract
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def test_gateway_command_parses_with_the_gateway_parser(fleet, lab_inv):
 def test_every_routing_policy_pdops_accepts_is_one_the_gateway_accepts(fleet):
     import dataclasses
 
-    from pdops.inventory import PREFILL_POLICIES, ROUTING_POLICIES
+    from pdops.model.inventory import PREFILL_POLICIES, ROUTING_POLICIES
 
     assert fleet.gateway.policy is None  # not set: the gateway's own default
     assert check_gateway_args(gateway_args(fleet)).policy == "cache_aware"
@@ -133,7 +133,7 @@ def test_systemd_analyze_catches_a_bad_value(tmp_path, fleet):
 def test_the_reports_probe_bundles_parse_with_sglang_as_pdops_renders_them(fleet, tmp_path):
     """`inv probe` checks a bundle against the flag table extracted from SGLang; here SGLang's own
     parser takes the command lines the probed instances get (the report's T1..T6 bundles)."""
-    from pdops.probe import load_bundle
+    from pdops.ops.probe import load_bundle
 
     bundles = ["{chunked-prefill-size: 16384}", "{chunked-prefill-size: 16384, mem-fraction-static: 0.75}",
                "{chunked-prefill-size: 16384, mem-fraction-static: 0.5, context-length: 524288, max-running-requests: 2}",

@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
-from pdops.admission import AdmissionConfig, write_keys_map
-from pdops.audit import audit
+from pdops.model.admission import AdmissionConfig, write_keys_map
+from pdops.reads.audit import audit
 from pdops.sim.testing import free_port, http, start_gateway, start_haproxy, start_sim, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed: scripts/setup-system.sh")
@@ -196,7 +196,7 @@ def _gw_status(sock) -> str:
     """HAProxy's own word for the gateway server (UP, DOWN, ...), from `show stat` on its runtime API."""
     import subprocess
 
-    from pdops.admission import runtime_command
+    from pdops.model.admission import runtime_command
 
     out = subprocess.run(runtime_command("show stat", str(sock)), shell=True, capture_output=True, text=True,
                          check=True).stdout
@@ -271,7 +271,7 @@ def test_a_paused_health_check_keeps_the_only_gateway_in_service_through_a_resta
     import subprocess
     import threading
 
-    from pdops.admission import health_pause_command
+    from pdops.model.admission import health_pause_command
 
     port = free_port()
     gw = _Gateway(port)

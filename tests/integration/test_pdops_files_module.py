@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdops.ansible import PLAYBOOKS, file_entry
+from pdops.remote.ansible import PLAYBOOKS, file_entry
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="writes root-owned files")
 

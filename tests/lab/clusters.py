@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import yaml
-from pdops.hosts import http_json
-from pdops.inventory import single_file_doc
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import single_file_doc
 from pdops.lab import own_record
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,8 +48,8 @@ class _Fresh:
         self.inv_dir = inv_dir
 
     def __getattr__(self, name):
-        from pdops.deploy import state_for
-        from pdops.inventory import load_inventory
+        from pdops.ops.deploy import state_for
+        from pdops.model.inventory import load_inventory
 
         return getattr(state_for(load_inventory(self.inv_dir)), name)
 
@@ -170,7 +170,7 @@ class Load:
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        from pdops.load import send
+        from pdops.remote.load import send
 
         n = 0
         try:
@@ -241,9 +241,9 @@ def received_rids(inv_dir: Path, rids: set[str]) -> set[str]:
     """Which of `rids` an engine of the cluster received, by its request log in the journal (every
     invocation of every instance unit any revision names)."""
     from pdops.facts import requestlog
-    from pdops.hosts import HostPool
-    from pdops.inventory import load_inventory
-    from pdops.placement import Placement
+    from pdops.remote.hosts import HostPool
+    from pdops.model.inventory import load_inventory
+    from pdops.model.placement import Placement
 
     if not rids:
         return set()

@@ -1,18 +1,18 @@
 """`python tests/lab/moved_pin.py VERSION <inv task and args>`: run an `inv` task as the pdops release
 that moves the SGLang pin to VERSION would (the SGLang-upgrade runbook's lab test). Nothing but the
-pin differs: the constant in pdops.versions and the modules that imported it."""
+pin differs: the constant in pdops.model.versions and the modules that imported it."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pdops.deploy  # noqa: E402
-import pdops.render  # noqa: E402
-import pdops.versions  # noqa: E402
+import pdops.ops.deploy  # noqa: E402
+import pdops.model.render  # noqa: E402
+import pdops.model.versions  # noqa: E402
 
 version = sys.argv[1]
-for mod in (pdops.versions, pdops.render, pdops.deploy):
+for mod in (pdops.model.versions, pdops.model.render, pdops.ops.deploy):
     mod.SGLANG_VERSION = version
 
 from invoke import Program  # noqa: E402

@@ -7,9 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pdops.render  # noqa: E402
+import pdops.model.render  # noqa: E402
 
-pdops.render.TEMPLATES = Path(sys.argv[1]).resolve()
+pdops.model.render.TEMPLATES = Path(sys.argv[1]).resolve()
 
 from invoke import Program  # noqa: E402
 

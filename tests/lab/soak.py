@@ -46,8 +46,8 @@ import pytest
 import yaml
 
 from pdops import lab as lab_api
-from pdops.inventory import load_inventory, single_file_doc
-from pdops.placement import Placement
+from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.placement import Placement
 from tests.lab.clusters import Load, derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab

@@ -19,10 +19,10 @@ import yaml
 
 from tests.lab.clusters import REPO, deployed, inv_cmd
 
-from pdops.admission import KEYS_MAP_PATH, UNIT, key_id, parse_admission
-from pdops.deploy import state_for
-from pdops.hosts import http_json
-from pdops.inventory import load_inventory
+from pdops.model.admission import KEYS_MAP_PATH, UNIT, key_id, parse_admission
+from pdops.ops.deploy import state_for
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import load_inventory
 
 pytestmark = pytest.mark.lab
 
@@ -119,8 +119,8 @@ def test_gateway_keeps_retries_and_its_token_bucket_off(lab, cluster):
 
 def _admission_checks(inv):
     """What `inv verify` judges of the admission layer, read on its host (one round trip)."""
-    from pdops.hosts import HostPool
-    from pdops.verify.checks import host_command, host_plans, judge, read_facts
+    from pdops.remote.hosts import HostPool
+    from pdops.reads.verify.checks import host_command, host_plans, judge, read_facts
 
     plan = next(p for p in host_plans(state_for(inv).current_revision()) if p.admission_units)
     with HostPool(inv) as pool:

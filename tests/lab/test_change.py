@@ -16,9 +16,9 @@ import yaml
 
 from tests.lab.clusters import REPO, Load, deployed, derived_inventory, inv_cmd, received_rids, record, stop_all
 
-from pdops.hosts import http_json
-from pdops.inventory import load_inventory
-from pdops.placement import Placement
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement
 
 pytestmark = pytest.mark.lab
 
@@ -177,7 +177,7 @@ def test_an_sglang_upgrade_rolls_every_instance_onto_the_new_pin(live):
     iv = out_intervals(live)
     for a, b in (("p01", "p02"), ("d01", "d02")):
         assert iv[a][1] < iv[b][0], iv
-    from pdops.hosts import HostPool
+    from pdops.remote.hosts import HostPool
 
     pl = Placement.from_dict(record(live).current_revision().placement)
     with HostPool(inv) as pool:
@@ -213,7 +213,7 @@ def test_a_template_change_alone_is_applied_not_just_recorded(live, tmp_path):
     # the running engines carry the new variable (read from the process, not the file)
     rev = record(live).current_revision()
     pl = Placement.from_dict(rev.placement)
-    from pdops.hosts import HostPool
+    from pdops.remote.hosts import HostPool
 
     with HostPool(load_inventory(live)) as pool:
         for i in pl.instances:

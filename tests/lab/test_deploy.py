@@ -13,10 +13,10 @@ import yaml
 
 from tests.lab.clusters import deployed, derived_inventory, inv_cmd, record, stop_all
 
-from pdops import ansible
-from pdops.gateway import GatewayClient
-from pdops.inventory import load_inventory
-from pdops.load import send
+from pdops.remote import ansible
+from pdops.remote.gateway import GatewayClient
+from pdops.model.inventory import load_inventory
+from pdops.remote.load import send
 
 pytestmark = pytest.mark.lab
 
@@ -178,9 +178,9 @@ def test_a_concurrent_operation_is_refused(lab, live, fresh):
 
 def test_ansible_playbooks_are_idempotent(live):
     """prepare.yml and deploy.yml run again on the live cluster report no change."""
-    from pdops import deploy as dep
-    from pdops.placement import Placement
-    from pdops.render import render_files
+    from pdops.ops import deploy as dep
+    from pdops.model.placement import Placement
+    from pdops.model.render import render_files
 
     inv_dir, _ = live
     inv = load_inventory(inv_dir)

@@ -15,10 +15,10 @@ import time
 import pytest
 
 from pdops.facts import requestlog
-from pdops.hosts import http_json
-from pdops.inventory import load_inventory
-from pdops.load import send
-from pdops.placement import Placement
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import load_inventory
+from pdops.remote.load import send
+from pdops.model.placement import Placement
 from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd
 
 pytestmark = pytest.mark.lab

@@ -15,11 +15,11 @@ from collections import Counter
 import pytest
 
 from pdops.facts import requestlog
-from pdops.gateway import GatewayClient
-from pdops.inventory import load_inventory
-from pdops.load import send
-from pdops.placement import Placement
-from pdops.render import GATEWAY_UNIT
+from pdops.remote.gateway import GatewayClient
+from pdops.model.inventory import load_inventory
+from pdops.remote.load import send
+from pdops.model.placement import Placement
+from pdops.model.render import GATEWAY_UNIT
 from tests.lab.clusters import deployed, inv_cmd, record
 
 pytestmark = pytest.mark.lab
@@ -72,7 +72,7 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.1) -> float:
 
 
 def _running(url: str) -> int:
-    from pdops.hosts import http_json
+    from pdops.remote.hosts import http_json
 
     try:
         return http_json("GET", f"{url}/v1/loads", timeout=2)[1]["loads"][0]["num_running_reqs"]
@@ -93,7 +93,7 @@ def _received_counts(lab, inst) -> Counter:
 
 def _open_on_prefills(lab, pl, prefix: str) -> set[str]:
     """Request IDs starting with `prefix` that a prefill's current process holds open (its request log)."""
-    from pdops.orphans import open_command
+    from pdops.reads.orphans import open_command
 
     out: set[str] = set()
     for p in pl.role("prefill"):

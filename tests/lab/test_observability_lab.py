@@ -22,9 +22,9 @@ import yaml
 
 from tests.lab.clusters import deployed, inv_cmd, queue, record, wait_for
 
-from pdops import observability as obs
-from pdops.inventory import load_inventory
-from pdops.placement import Placement
+from pdops.ops import prometheus as obs
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement
 
 pytestmark = [pytest.mark.lab,
               pytest.mark.skipif(shutil.which("prometheus") is None and not os.environ.get("CI"),
@@ -104,7 +104,7 @@ def query(base: str, expr: str) -> list[dict]:
 
 
 def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(prometheus):
-    from pdops.load import send
+    from pdops.remote.load import send
 
     base, inv_dir, _ = prometheus
     inv = load_inventory(inv_dir)
@@ -120,7 +120,7 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     rows = send(inv.gateway.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2,
                 prompt_for=lambda i: make_prompt(30, i))
     assert all(r.ok for r in rows)
-    from pdops.deploy.actions import canary_pair
+    from pdops.ops.deploy.actions import canary_pair
 
     for p in pl.role("prefill"):
         for d in pl.role("decode"):
@@ -171,7 +171,7 @@ def test_a_drained_instance_leaves_the_targets_within_one_refresh(prometheus):
 def test_a_decode_killed_mid_stream_makes_its_instance_down_alert_go_pending(lab, prometheus):
     import threading
 
-    from pdops.load import send
+    from pdops.remote.load import send
 
     base, inv_dir, _ = prometheus
     inv = load_inventory(inv_dir)

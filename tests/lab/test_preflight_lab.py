@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pdops import lab as lab_api
-from pdops.inventory import single_file_doc
+from pdops.model.inventory import single_file_doc
 
 pytestmark = pytest.mark.lab
 REPO = Path(__file__).resolve().parents[2]

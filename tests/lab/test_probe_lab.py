@@ -159,10 +159,10 @@ def test_a_serving_pair_is_probed_out_of_the_gateway_restored_or_kept(live_2p2d)
     # the way back is a recorded change: the revision's files, new processes, registered and ok
     rev1 = record(inv_dir).current_revision()
     assert rev1.number == rev0.number + 1
-    from pdops.hosts import http_json
-    from pdops.inventory import load_inventory
-    from pdops.placement import Placement
-    from pdops.render import manifest, render_files
+    from pdops.remote.hosts import http_json
+    from pdops.model.inventory import load_inventory
+    from pdops.model.placement import Placement
+    from pdops.model.render import manifest, render_files
 
     inv = load_inventory(inv_dir)
     assert manifest(render_files(inv, Placement.from_dict(rev1.placement))) == rev1.manifest

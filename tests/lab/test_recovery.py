@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from pdops import lab as lab_api
-from pdops.hosts import http_json
-from pdops.inventory import load_inventory
-from pdops.load import send
-from pdops.placement import Placement
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import load_inventory
+from pdops.remote.load import send
+from pdops.model.placement import Placement
 from tests.lab.clusters import Load, derived_inventory, inv_cmd, queue, record, stop_all, wait_for
 from tests.lab.test_change import main_pids, set_bundle
 
@@ -156,7 +156,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     import threading
     import uuid
 
-    from pdops.deploy import both_sides  # the canary's own way of reaching exactly one pair
+    from pdops.ops.deploy import both_sides  # the canary's own way of reaching exactly one pair
 
     stop_all(lab)
     inv_dir = derived_inventory(lab, tmp_path / "halted", profile={"env": {"PDOPS_SIM_DECODE_STEP_MS": "20"}},
@@ -198,7 +198,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     assert status.returncode == 0, status.stdout + status.stderr
     doc = json.loads(status.stdout)
     assert sorted(r["instance"] for r in doc["instances"] if r["healthy"]) == ["d01", "d02", "p01", "p02"]
-    from pdops.load import send
+    from pdops.remote.load import send
 
     after = send(inv.gateway.url, requests=8, concurrency=4, max_new_tokens=4, stream_every=2, rid_prefix="after-halt")
     assert all(r.ok for r in after), [r.to_dict() for r in after if not r.ok]

@@ -17,9 +17,9 @@ import pytest
 
 from tests.lab.clusters import cli, deployed, queue, record, wait_for
 
-from pdops.hosts import http_json
-from pdops.inventory import load_inventory
-from pdops.placement import Placement
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement
 
 pytestmark = pytest.mark.lab
 
@@ -55,7 +55,7 @@ class Batch:
     fault, so the loss is exactly what was in flight); every row counted."""
 
     def __init__(self, url: str, n: int, tokens: int, prefix: str, prompt_words: int = 0):
-        from pdops.load import send
+        from pdops.remote.load import send
         from pdops.sim.tokens import make_prompt
 
         self.rows: list = []

@@ -19,8 +19,8 @@ import pytest
 
 from tests.lab.clusters import REPO, Load, deployed, record
 
-from pdops.gateway import GatewayClient
-from pdops.inventory import load_inventory
+from pdops.remote.gateway import GatewayClient
+from pdops.model.inventory import load_inventory
 
 pytestmark = pytest.mark.lab
 

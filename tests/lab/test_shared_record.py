@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from pdops.gateway import GatewayClient
-from pdops.inventory import load_inventory
+from pdops.remote.gateway import GatewayClient
+from pdops.model.inventory import load_inventory
 from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, sshd
 
 PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1"}}
@@ -157,7 +157,7 @@ def test_the_state_dir_on_the_state_host_is_root_only(lab, cluster):
 def test_a_record_kept_on_one_laptop_is_pushed_to_the_state_host_once(lab, tmp_path):
     """A cluster whose record is only in an operator machine's dir (as before the shared record):
     refused with the offer to push; pushed over SSH; then another machine reads it."""
-    from pdops.state import StateDir
+    from pdops.record.local import StateDir
 
     lab.ensure_up()
     inv_dir = derived_inventory(lab, tmp_path / "inv")

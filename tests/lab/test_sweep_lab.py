@@ -20,7 +20,7 @@ import pytest
 
 from tests.lab.clusters import deployed, inv_cmd
 
-from pdops import bench as b
+from pdops.ops import bench as b
 
 pytestmark = pytest.mark.lab
 
@@ -120,7 +120,7 @@ def test_every_ledger_has_one_row_per_request_and_the_matrix_is_the_ledgers(swep
         assert manifest["topology"] == c["topology"] and manifest["gpus"] == 32
         assert manifest["parameters"]["concurrency"] == c["concurrency"]
         assert manifest["revision_check"]["changed"] is None
-        # the matrix figures are the ledger's, recomputed with pdops.bench
+        # the matrix figures are the ledger's, recomputed with pdops.ops.bench
         wall = b.wall_clock(rows)
         tot = b.total_tpm(rows, wall)
         p99 = b.percentile(b.ttfts(rows), 99)

@@ -26,10 +26,10 @@ import threading
 
 import pytest
 
-from pdops.gateway import GatewayClient
-from pdops.hosts import http_json
-from pdops.inventory import load_inventory
-from pdops.placement import Placement
+from pdops.remote.gateway import GatewayClient
+from pdops.remote.hosts import http_json
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement
 from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab

@@ -142,8 +142,8 @@ def test_dead_session_fails_every_request_fast_until_the_decode_restarts(pd_clus
 def test_smg_routes_nothing_to_a_worker_once_its_removal_is_accepted(sims):
     """pdops's drain relies on this: after `DELETE /workers/{id}` answers 202 the worker is
     `draining` (then gone); a stream already on it finishes; no new request reaches it."""
-    from pdops.gateway import GatewayClient, deadline_in
-    from pdops.load import send
+    from pdops.remote.gateway import GatewayClient, deadline_in
+    from pdops.remote.load import send
     from pdops.sim.testing import start_gateway
 
     from pdops.facts import requestlog
@@ -198,10 +198,10 @@ def test_smg_exports_the_metrics_docs_gateway_names(pd_cluster):
 def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
     """An instance added at the address of one drained moments ago (a scale 3p1d -> 2p2d puts d02
     where p03 was): smg keeps the old worker `draining` about 5 s and answers a POST of the same
-    URL with 409 and that worker. pdops.deploy.register waits until it is gone, then registers."""
-    from pdops.deploy import register
-    from pdops.gateway import GatewayClient, deadline_in
-    from pdops.placement import Instance, Rank
+    URL with 409 and that worker. pdops.ops.deploy.register waits until it is gone, then registers."""
+    from pdops.ops.deploy import register
+    from pdops.remote.gateway import GatewayClient, deadline_in
+    from pdops.model.placement import Instance, Rank
     from pdops.sim.testing import start_gateway
 
     p = sims(["--disaggregation-mode", "prefill"])
@@ -236,11 +236,11 @@ def test_decode_exports_inter_token_latency_as_sglang_names_it(pd_cluster):
 def test_registering_a_prefill_the_gateway_lists_under_its_old_bootstrap_port_replaces_that_worker(sims):
     """A gateway started with a prefill's old identity in its start-up list (its URL, the slot's
     other bootstrap port), the prefill now serving on the new port: requests routed through the
-    old entry would fail at the bootstrap. pdops.deploy.register removes the stale worker first
+    old entry would fail at the bootstrap. pdops.ops.deploy.register removes the stale worker first
     and proves the gateway lists the new port; generations then succeed."""
-    from pdops.deploy import register
-    from pdops.gateway import GatewayClient
-    from pdops.placement import Instance, Rank
+    from pdops.ops.deploy import register
+    from pdops.remote.gateway import GatewayClient
+    from pdops.model.placement import Instance, Rank
     from pdops.sim.testing import start_gateway
 
     p = sims(["--disaggregation-mode", "prefill"])

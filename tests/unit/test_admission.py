@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops import admission as adm
-from pdops import render
+from pdops.model import admission as adm
+from pdops.model import render
 from pdops.errors import InvalidInput
-from pdops.inventory import load_inventory
+from pdops.model.inventory import load_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 BAD = yaml.safe_load((REPO / "tests" / "data" / "admission" / "bad_cases.yml").read_text())
@@ -166,7 +166,7 @@ def test_gateway_stays_on_its_data_address_behind_the_admission_layer(fleet, tmp
     """docs/admission.md, "Where the gateway listens": pdops's own clients reach the gateway
     from the operator machine, so it keeps its data address; HAProxy's one server is that
     address, and the gateway keeps retries off and its token bucket as configured."""
-    from pdops.render import gateway_args
+    from pdops.model.render import gateway_args
 
     cfg = cfg_for(fleet, tmp_path)
     gw = fleet.gateway

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops import admission as adm
-from pdops import admission_ops as ops
+from pdops.model import admission as adm
+from pdops.ops import admission_keys as ops
 from pdops.errors import InvalidInput, Refused
-from pdops.inventory import load_inventory, single_file_doc
+from pdops.model.inventory import load_inventory, single_file_doc
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("pdops-key-one-0123456789", "Zm9vYmFyYmF6cXV4Cg==", "a.b_c~d+e/f=g-h0123456")

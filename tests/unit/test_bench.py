@@ -1,4 +1,4 @@
-"""pdops.bench: workload parsing, the figures against the field report's tables, the ledger,
+"""pdops.ops.bench: workload parsing, the figures against the field report's tables, the ledger,
 the revision guard, and run_bench against a real local HTTP/SSE server (no cluster)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from pdops import bench as b
+from pdops.ops import bench as b
 from pdops.errors import InvalidInput, Refused
-from pdops.load import LedgerRow
-from pdops.state import StateDir
+from pdops.remote.load import LedgerRow
+from pdops.record.local import StateDir
 
 # ---------------------------------------------------------------- workload strings
 
@@ -357,7 +357,7 @@ def test_run_bench_over_http_one_row_per_request_no_retries(tmp_path, lab_inv, m
 
 
 def test_load_duration_mode_stops_sending_and_waits_out_in_flight(tmp_path):
-    from pdops.load import send
+    from pdops.remote.load import send
 
     with _Server() as srv:
         rows = send(srv.url, duration=0.3, concurrency=3, max_new_tokens=4, stream_every=1, prompt="a b c")
@@ -380,7 +380,7 @@ def test_load_marks_a_stream_without_done_as_error():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        from pdops.load import run_load
+        from pdops.remote.load import run_load
 
         try:
             return await run_load(f"http://127.0.0.1:{port}", requests=2, concurrency=2, stream_every=1)

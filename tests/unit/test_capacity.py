@@ -1,4 +1,4 @@
-"""pdops.capacity: KV sizes, transfer bandwidth, prefill/decode sizing, against the reports' examples."""
+"""pdops.model.capacity: KV sizes, transfer bandwidth, prefill/decode sizing, against the reports' examples."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from invoke import Context
 from invoke.exceptions import Exit
 
-from pdops import capacity as cap
+from pdops.model import capacity as cap
 from pdops.errors import InvalidInput
 
 LLAMA70B = cap.ModelShape(layers=80, kv_heads=8, head_dim=128, kv_dtype_bytes=2)
@@ -25,7 +25,7 @@ def test_kv_size_of_the_second_reports_70b_example():
 
 
 def test_model_shape_from_the_profiles():
-    from pdops.inventory import load_profile
+    from pdops.model.inventory import load_profile
 
     glm = cap.ModelShape.from_dict(load_profile("glm-flash-80k").model_shape)
     assert cap.kv_bytes_per_token(glm) == 2 * 46 * 8 * 128 * 2

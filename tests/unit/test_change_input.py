@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops import scale as sc
+from pdops.ops import scale as sc
 from pdops.errors import InvalidInput, Refused
-from pdops.inventory import load_inventory, single_file_doc
-from pdops.placement import place
-from pdops.render import manifest, render_files
-from pdops.state import StateDir
-from pdops.topology import parse_topology
+from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.placement import place
+from pdops.model.render import manifest, render_files
+from pdops.record.local import StateDir
+from pdops.model.topology import parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
 

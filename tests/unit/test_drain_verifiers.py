@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from pdops import drain as dr
+from pdops.ops import drain as dr
 from pdops.facts import SKIP_MARKER
 from pdops.facts import cgroup as cg
 from pdops.facts import procs as proc_facts
-from pdops.identity import RankIdentity
+from pdops.reads.identity import RankIdentity
 
 UNIT = "pdops-p02.service"
 CGROUP = "/system.slice/pdops-p02.service"

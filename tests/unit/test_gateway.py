@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdops.errors import InvalidInput, Unreachable, Unverified
-from pdops.gateway import GatewayClient, deadline_in
+from pdops.remote.gateway import GatewayClient, deadline_in
 
 SMG = Path(sys.executable).parent / "smg"
 pytestmark = pytest.mark.contract

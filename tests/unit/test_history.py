@@ -6,12 +6,12 @@ import socket
 
 import pytest
 
-from pdops import history as hist
+from pdops.reads import history as hist
 from pdops.errors import InvalidInput
-from pdops.placement import place
-from pdops.render import manifest, render_files
-from pdops.state import StateDir
-from pdops.topology import parse_topology
+from pdops.model.placement import place
+from pdops.model.render import manifest, render_files
+from pdops.record.local import StateDir
+from pdops.model.topology import parse_topology
 
 
 def record(inv, state, pl, **extra):
@@ -92,7 +92,7 @@ def test_diff_of_unknown_revision_is_invalid_input(revs):
 
 
 def test_a_revision_from_before_the_shared_record_shows_its_operator_and_machine_apart():
-    from pdops.state import Revision
+    from pdops.record.local import Revision
 
     old = Revision.from_dict({"number": 1, "topology": "1p1d", "inventory_hash": "h", "placement": {},
                               "manifest": {}, "instances": {}, "operator": "alice@laptop-a", "created": "t"})

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops.inventory import ANSIBLE_CFG, inventory_files, load_inventory, read_with_ansible
-from pdops.placement import place
-from pdops.render import manifest, render_files
-from pdops.topology import parse_topology
+from pdops.model.inventory import ANSIBLE_CFG, inventory_files, load_inventory, read_with_ansible
+from pdops.model.placement import place
+from pdops.model.render import manifest, render_files
+from pdops.model.topology import parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = REPO / "tests" / "data" / "inventory_layouts"
@@ -123,7 +123,7 @@ def test_a_second_read_of_the_same_files_does_not_import_ansible(tmp_path):
     costs Invoke's start-up and pdops's rules (bench/plan_speed.py). The cache file is 0600."""
     d = _copy_lab(tmp_path)
     env = {**os.environ, "PDOPS_CACHE_DIR": str(tmp_path / "cache")}
-    code = (f"import sys; from pdops.inventory import load_inventory; inv = load_inventory({str(d)!r}); "
+    code = (f"import sys; from pdops.model.inventory import load_inventory; inv = load_inventory({str(d)!r}); "
             "print(inv.cluster, 'ansible' in sys.modules)")
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

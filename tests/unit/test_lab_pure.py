@@ -11,7 +11,7 @@ import yaml
 
 from pdops import lab
 from pdops.errors import InvalidInput, Refused
-from pdops.inventory import single_file_doc
+from pdops.model.inventory import single_file_doc
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = single_file_doc(REPO / "inventory" / "lab")

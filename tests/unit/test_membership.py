@@ -1,4 +1,4 @@
-"""The gateway's start-up worker list (pdops.membership): the host script run for real, here.
+"""The gateway's start-up worker list (pdops.model.membership): the host script run for real, here.
 
 The command pdops sends over SSH runs in a local shell; `register` runs against the REAL smg
 with pdops.sim engines, as the gateway unit's ExecStartPost does after every start.
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from pdops import membership, render
-from pdops.gateway import GatewayClient, deadline_in
-from pdops.inventory import load_inventory
-from pdops.placement import place
+from pdops.model import membership, render
+from pdops.remote.gateway import GatewayClient, deadline_in
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import place
 from pdops.sim.testing import free_port, start_gateway, start_sim
-from pdops.topology import parse_topology
+from pdops.model.topology import parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = {"PDOPS_SIM_SHUTDOWN_POLL_S": "0.2"}

@@ -1,4 +1,4 @@
-"""The Prometheus side of pdops (pdops.observability): target files that follow the revision, rules
+"""The Prometheus side of pdops (pdops.ops.prometheus): target files that follow the revision, rules
 checked by the real `promtool` (`check rules`, and `test rules` on series that show each alert
 firing and not firing), a dashboard whose queries are the recorded ones, nothing secret anywhere."""
 
@@ -13,11 +13,11 @@ import subprocess
 import pytest
 import yaml
 
-from pdops import observability as obs
+from pdops.ops import prometheus as obs
 from pdops.errors import InvalidInput
-from pdops.placement import Placement, place
-from pdops.prometheus_setting import PrometheusConfig, parse_prometheus
-from pdops.topology import parse_topology
+from pdops.model.placement import Placement, place
+from pdops.model.prometheus_setting import PrometheusConfig, parse_prometheus
+from pdops.model.topology import parse_topology
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("CI"),
                                     reason="promtool not installed (Debian package prometheus: scripts/setup-system.sh)")

@@ -1,4 +1,4 @@
-"""Deciding from observation (pdops.observe, deploy.plan_reconcile): what systemd, the gateway and
+"""Deciding from observation (pdops.reads.observe, deploy.plan_reconcile): what systemd, the gateway and
 its start-up list report, against the revision; no hosts (a pool answering `systemctl show` text
 and a gateway client answering /workers)."""
 
@@ -7,15 +7,16 @@ import types
 
 import pytest
 
-from pdops import deploy as dep
-from pdops import membership
+from pdops.reads.observe import observe
+from pdops.ops import deploy as dep
+from pdops.model import membership
 from pdops.errors import Refused, Unreachable
 from pdops.facts.gateway import Worker
-from pdops.inventory import load_inventory
-from pdops.placement import place
-from pdops.render import GATEWAY_UNIT, manifest, render_files
-from pdops.state import StateDir
-from pdops.topology import parse_topology
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import place
+from pdops.model.render import GATEWAY_UNIT, manifest, render_files
+from pdops.record.local import StateDir
+from pdops.model.topology import parse_topology
 from tests.unit.test_membership import REPO
 
 
@@ -73,7 +74,7 @@ def healthy_world(pl, **override):
 def plan(inv, state, units, workers, start_list, gw_error=None):
     p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
     assert p.live is not None and not p.steps  # same files: nothing decided before observing
-    return dep.plan_reconcile(p, pool=Pool(units, start_list), gateway=Gateway(workers, gw_error))
+    return dep.plan_reconcile(p, observe(p.inv, p.live, Pool(units, start_list), Gateway(workers, gw_error)))
 
 
 def test_all_as_recorded_is_no_change_naming_what_was_observed(live):
@@ -163,16 +164,16 @@ def test_an_unreadable_start_up_list_is_named_as_such(live):
         raise RemoteCommandFailed(host, "python3 -c ...", 1, "PermissionError: /etc/pdops/gateway-workers.json")
 
     pool.run = broken
-    p = dep.plan_reconcile(dep.plan_deploy(inv, parse_topology("1p2d"), state), pool=pool, gateway=Gateway(workers))
+    p = dep.plan_reconcile(p0 := dep.plan_deploy(inv, parse_topology("1p2d"), state), observe(inv, p0.live, pool, Gateway(workers)))
     assert any("start-up list /etc/pdops/gateway-workers.json unreadable" in f for f in p.findings), p.findings
     assert not any("not in the gateway's start-up list" in f for f in p.findings)
 
 
 def test_what_a_change_plans_from_names_each_instance_that_does_not_serve(live):
-    """pdops.observe.Seen: a unit not running (nothing to drain), a worker the gateway does not
+    """pdops.reads.observe.Seen: a unit not running (nothing to drain), a worker the gateway does not
     route to; with the gateway down, an instance out of its start-up list (a gateway start will
     not bring it back)."""
-    from pdops.observe import Seen, observe
+    from pdops.reads.observe import Seen, observe
 
     inv, pl, state = live
     rev = state.current_revision()
@@ -224,7 +225,7 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     and leaving a drain refused for "the inventory changed"."""
     import dataclasses
 
-    from pdops import drain as dr
+    from pdops.ops import drain as dr
 
     inv, pl, state = live
     other = dataclasses.replace(inv, digest="f" * 64)  # what a host list edit does to the digest alone
@@ -238,7 +239,7 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     assert "the inventory on disk" in p.steps[-1].description
     assert "nothing that runs differs from it, only the inventory" in p.render()
     # the record step writes the inventory on disk; then the drain accepts it
-    from pdops.deploy.execute import do_record_repair
+    from pdops.ops.deploy.execute import do_record_repair
     from pdops.runner import RunContext
 
     units, _, start_list = healthy_world(pl)

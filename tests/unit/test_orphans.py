@@ -1,4 +1,4 @@
-"""Orphaned halves (pdops.orphans): a prefill's open requests that no decode holds, read from the
+"""Orphaned halves (pdops.reads.orphans): a prefill's open requests that no decode holds, read from the
 engines' request logs with each host's clock; what `inv status` says of them. No hosts."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import types
 
 import pytest
 
-from pdops import orphans
-from pdops.inventory import load_inventory
-from pdops.placement import place
-from pdops.topology import parse_topology
+from pdops.reads import orphans
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import place
+from pdops.model.topology import parse_topology
 from tests.unit.test_membership import REPO
 
 
@@ -93,7 +93,7 @@ def test_an_orphan_whose_rid_prefixes_another_open_request_is_named_not_aborted(
 
 
 def test_status_calls_a_prefill_with_orphans_degraded_and_names_them():
-    from pdops.status import judge
+    from pdops.reads.status import judge
 
     o = types.SimpleNamespace(id="p01", units={}, down=[], restarted=[], worker=object(), gateway_problem=None,
                               in_list=True, stale=[])

@@ -3,9 +3,9 @@ import dataclasses
 import pytest
 
 from pdops.errors import InvalidInput
-from pdops.inventory import load_inventory
-from pdops.placement import Placement, place, placement_table
-from pdops.topology import Topology, parse_topology
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement, place, placement_table
+from pdops.model.topology import Topology, parse_topology
 
 
 def _no_collisions(pl):

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops import deploy as dep
-from pdops import drain as dr
-from pdops import scale as sc
-from pdops.inventory import load_inventory
-from pdops.placement import Placement, place
-from pdops.render import manifest, render_files
-from pdops.state import StateDir
-from pdops.topology import Topology, parse_topology
+from pdops.reads.observe import observe
+from pdops.ops import deploy as dep
+from pdops.ops import drain as dr
+from pdops.ops import scale as sc
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement, place
+from pdops.model.render import manifest, render_files
+from pdops.record.local import StateDir
+from pdops.model.topology import Topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = sorted((REPO / "tests" / "data" / "plans").glob("*.yml"))
@@ -49,7 +50,7 @@ def with_admission(tmp: Path, state: StateDir):
     """The lab inventory with an admission layer (one 0600 key file), its record `state`."""
     import os
 
-    from pdops.inventory import single_file_doc
+    from pdops.model.inventory import single_file_doc
 
     keys = tmp / "admission.keys"
     keys.write_text("pdops-plan-case-key-" + "k" * 16 + "\n")
@@ -67,7 +68,7 @@ def observed_world(inv, pl: Placement, observed: dict):
     import json
     import types
 
-    from pdops import membership
+    from pdops.model import membership
     from pdops.facts import systemd
     from pdops.facts.gateway import Worker
 
@@ -99,9 +100,9 @@ def observed_world(inv, pl: Placement, observed: dict):
 
 
 def seen_of(observed: dict):
-    """A change's observation (pdops.observe.Seen) as a case writes it: `not_serving` {id: why},
+    """A change's observation (pdops.reads.observe.Seen) as a case writes it: `not_serving` {id: why},
     `down` (units not running: nothing to drain), `gateway` (why it does not answer). None: not read."""
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
 
     if not observed:
         return None
@@ -127,7 +128,7 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] == "deploy" and observed:
         p = dep.plan_deploy(inv, parse_topology(req["topology"]), state)
         pool, gateway = observed_world(inv, p.placement, observed)
-        return dep.plan_reconcile(p, pool=pool, gateway=gateway).plan
+        return dep.plan_reconcile(p, observe(p.inv, p.live, pool, gateway)).plan
     if req["op"] == "deploy":
         return dep.plan_deploy(inv, parse_topology(req["topology"]), state).plan
     if req["op"] in ("drain", "stop"):
@@ -141,9 +142,9 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] == "uncordon":
         return sc.plan_uncordon(inv, state, req["host"]).plan
     if req["op"] == "repair":
-        from pdops import repair
+        from pdops.ops import repair
 
-        from pdops.observe import Seen
+        from pdops.reads.observe import Seen
 
         pl = Placement.from_dict(state.current_revision().placement)
         rows = {k: v for k, v in observed.items() if k != "gateway"}
@@ -157,7 +158,7 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
                              {"instance": req["instance"], "survivors": survivors})
         return dr.plan_kill_survivors(inv, state, req["instance"]).plan
     if req["op"] == "probe":
-        from pdops import probe as pr
+        from pdops.ops import probe as pr
         from pdops.runner import Plan
 
         bundle = tmp / "bundle.yml"
@@ -166,7 +167,7 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
                            instances=req.get("instances"))
         return Plan("probe", "probe", pp.steps)
     if req["op"] == "admission-keys":
-        from pdops import admission_ops
+        from pdops.ops import admission_keys as admission_ops
 
         monkeypatch.setattr(dep, "state_for", lambda inv, **kw: state)
         return admission_ops.plan_rotate_keys(inv)

@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from pdops import preflight as pf
+from pdops.reads import preflight as pf
 from pdops.facts import host as hf
-from pdops.preflight import batch as pbatch
-from pdops.preflight import checks as pchecks
-from pdops.preflight import expected as pexp
-from pdops.preflight import pairing as ppair
-from pdops.preflight import results as presults
+from pdops.reads.preflight import batch as pbatch
+from pdops.reads.preflight import checks as pchecks
+from pdops.reads.preflight import expected as pexp
+from pdops.reads.preflight import pairing as ppair
+from pdops.reads.preflight import results as presults
 from pdops.errors import InvalidInput, Refused, RemoteCommandFailed, Unreachable
 from pdops.facts import Skipped, nvidia, rdma
 from pdops.facts import ports as port_facts
 from pdops.facts import systemd as systemd_facts
-from pdops.inventory import Nic
-from pdops.placement import place
-from pdops.topology import parse_topology
+from pdops.model.inventory import Nic
+from pdops.model.placement import place
+from pdops.model.topology import parse_topology
 
 FACTS = Path(__file__).resolve().parents[1] / "data" / "facts"
 DATA = Path(__file__).resolve().parents[1] / "data" / "preflight"

@@ -9,11 +9,11 @@ import io
 
 import pytest
 
-from pdops import probe as pr
+from pdops.ops import probe as pr
 from pdops.errors import InvalidInput, Refused
-from pdops.load import LedgerRow
-from pdops.render import engine_args, override_args
-from pdops.state import StateDir
+from pdops.remote.load import LedgerRow
+from pdops.model.render import engine_args, override_args
+from pdops.record.local import StateDir
 from tests.unit.test_scale_plan import deployed
 
 
@@ -54,8 +54,8 @@ def test_a_bundle_is_checked_against_sglangs_flag_table(tmp_path):
 def test_the_bundle_replaces_the_profiles_flags_on_the_probed_instance_only(lab_inv, tmp_path):
     import dataclasses
 
-    from pdops.placement import place
-    from pdops.topology import parse_topology
+    from pdops.model.placement import place
+    from pdops.model.topology import parse_topology
 
     pl = place(lab_inv, parse_topology("2p1d"))
     b = pr.load_bundle(bundle_file(tmp_path, "flags: {chunked-prefill-size: 16384, enable-mixed-chunk: true}\n"))

@@ -16,7 +16,7 @@ import pytest
 
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable
 from pdops.record import SCRIPT, LocalTransport, SharedRecord, lock_line, operations, push_local, unlock
-from pdops.state import StateDir
+from pdops.record.local import StateDir
 
 REPO = Path(__file__).resolve().parents[2]
 

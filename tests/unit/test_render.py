@@ -1,9 +1,9 @@
 import json
 import stat
 
-from pdops.placement import place
-from pdops.render import engine_args, engine_env, gateway_args, render_files, write_build
-from pdops.topology import parse_topology
+from pdops.model.placement import place
+from pdops.model.render import engine_args, engine_env, gateway_args, render_files, write_build
+from pdops.model.topology import parse_topology
 
 
 def _files(inv, topo):

@@ -1,5 +1,5 @@
 """`inv status`'s state words and `inv repair`'s plan, decided from observation; no host: the
-observation is built here as pdops.observe makes it, the status document as collect_status does."""
+observation is built here as pdops.reads.observe makes it, the status document as collect_status does."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from pdops import repair as rp
+from pdops.ops import repair as rp
 from pdops.errors import InvalidInput, Refused
 from pdops.facts import requestlog
 from pdops.facts.gateway import Worker
 from pdops.facts.systemd import parse_by_id
-from pdops.observe import InstanceObservation
-from pdops.placement import place
-from pdops.state import StateDir
-from pdops.status import judge
-from pdops.topology import parse_topology
+from pdops.reads.observe import InstanceObservation
+from pdops.model.placement import place
+from pdops.record.local import StateDir
+from pdops.reads.status import judge
+from pdops.model.topology import parse_topology
 
 
 def unit(active="active", sub="running", pid=100, restarts=0):
@@ -157,7 +157,7 @@ def test_a_down_instance_is_not_waited_for_and_a_prefill_takes_its_other_bootstr
 def test_a_repair_refuses_an_inventory_that_renders_other_files(lab_inv, live, tmp_path):
     from tests.unit.test_change_input import edited
 
-    from pdops.inventory import load_inventory
+    from pdops.model.inventory import load_inventory
 
     def edit(doc):
         doc["all"]["vars"]["pdops_drain"]["budget_s"] = 33
@@ -168,7 +168,7 @@ def test_a_repair_refuses_an_inventory_that_renders_other_files(lab_inv, live, t
 
 
 def test_failures_count_since_the_last_look_and_repair_sees_what_that_look_showed(lab_inv, tmp_path, monkeypatch):
-    from pdops import status as st
+    from pdops.reads import status as st
 
     monkeypatch.setattr(st, "_look_path", lambda inv: tmp_path / "look.json")
     look = lambda n, pid=7, write=True: st._counter_deltas(  # noqa: E731
@@ -185,7 +185,7 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
     """d01 repaired while d02 is down and the gateway does not answer: the gateway starts first and
     waits for what serves (p01), and d02 is named and left as it is (not restarted). The canary pairs
     with a prefill that is down: tests/data/plans/repair_d01_with_p02_and_the_gateway_down_of_2p1d.yml."""
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
     from tests.unit.test_scale_plan import deployed
 
     state = StateDir("lab", tmp_path / "state")
@@ -206,10 +206,10 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
 def test_inv_repair_plans_with_what_the_status_reading_saw(lab_inv, live, monkeypatch, capsys):
     """The task passes the Observation `inv status` judged to the planner: with the gateway observed
     down, the dry run starts it first (the planner alone, given no observation, would not)."""
-    from pdops import deploy as dep
-    from pdops import status as st
+    from pdops.ops import deploy as dep
+    from pdops.reads import status as st
     from pdops.cli import core
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
 
     reading = object()
     monkeypatch.setattr(dep, "state_for", lambda inv, **kw: live)

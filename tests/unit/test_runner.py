@@ -73,7 +73,7 @@ import time as _time  # noqa: E402
 
 from pdops.errors import PdopsError, Unverified  # noqa: E402
 from pdops.runner import DeadlineExceeded, Outcome, Plan, RunContext, walk  # noqa: E402
-from pdops.state import StateDir  # noqa: E402
+from pdops.record.local import StateDir  # noqa: E402
 
 
 @pytest.fixture

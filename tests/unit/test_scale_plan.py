@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdops import scale as sc
+from pdops.ops import scale as sc
 from pdops.errors import InvalidInput, Refused
-from pdops.inventory import load_inventory, single_file_doc
-from pdops.placement import Placement, place
-from pdops.render import manifest, render_files
-from pdops.state import StateDir
-from pdops.topology import parse_topology
+from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.placement import Placement, place
+from pdops.model.render import manifest, render_files
+from pdops.record.local import StateDir
+from pdops.model.topology import parse_topology
 
 from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
@@ -285,12 +285,12 @@ def lab_inv_4(repo, tmp_path):
 
 
 def test_shrinking_drains_one_and_growing_takes_the_lowest_free_id(lab_inv, state):
-    from pdops.placement import place_change
+    from pdops.model.placement import place_change
 
     pl3 = place(lab_inv, parse_topology("3p1d"))
     # 3p1d holding p01, p03, p04 (p02 drained earlier): ids need not be contiguous
     p = {i.id: i for i in pl3.instances}
-    from pdops.placement import make_instance, gpu_slots
+    from pdops.model.placement import make_instance, gpu_slots
     p04 = make_instance(lab_inv, "prefill", 4, gpu_slots(lab_inv)[1])
     holes = Placement(parse_topology("3p1d"), (p["p01"], p["p03"], p04, p["d01"]))
     deployed(lab_inv, state, "3p1d", pl=holes)
@@ -455,7 +455,7 @@ def test_a_cordoned_host_is_avoided_until_uncordoned(lab_inv, state):
 
 
 def test_rollback_returns_to_the_recorded_files_even_after_the_inventory_was_edited(lab_inv, state, tmp_path, repo):
-    from pdops.render import snapshot_of
+    from pdops.model.render import snapshot_of
 
     pl = place(lab_inv, parse_topology("2p2d"))
     files = render_files(lab_inv, pl)
@@ -477,7 +477,7 @@ def test_rollback_returns_to_the_recorded_files_even_after_the_inventory_was_edi
 
 
 def test_a_prefill_re_added_on_a_slot_takes_the_port_its_last_prefill_did_not_use(lab_inv, state):
-    from pdops.placement import last_bootstrap_ports, slot_name
+    from pdops.model.placement import last_bootstrap_ports, slot_name
 
     full = place(lab_inv, parse_topology("3p1d"))
     p03 = full.get("p03")
@@ -497,7 +497,7 @@ def test_a_prefill_re_added_on_a_slot_takes_the_port_its_last_prefill_did_not_us
 
 def test_an_sglang_upgrade_rolls_every_instance(lab_inv, state, monkeypatch):
     deployed(lab_inv, state, "2p2d")
-    import pdops.render as render
+    import pdops.model.render as render
 
     monkeypatch.setattr(render, "SGLANG_VERSION", "0.5.24")
     plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state)
@@ -507,7 +507,7 @@ def test_an_sglang_upgrade_rolls_every_instance(lab_inv, state, monkeypatch):
 
 def test_a_gateway_upgrade_restarts_the_gateway_alone(lab_inv, state, monkeypatch):
     deployed(lab_inv, state, "2p2d")
-    import pdops.render as render
+    import pdops.model.render as render
 
     monkeypatch.setattr(render, "SMG_VERSION", "1.14.0")
     plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state)
@@ -585,7 +585,7 @@ def test_a_gateway_restart_behind_the_admission_layer_keeps_the_gateway_in_servi
 
 
 def test_the_health_pause_sends_one_quoted_runtime_api_command():
-    from pdops.admission import STATS_SOCKET, health_pause_command
+    from pdops.model.admission import STATS_SOCKET, health_pause_command
 
     import shlex
     argv = shlex.split(health_pause_command(True))
@@ -601,7 +601,7 @@ def test_a_floor_already_broken_is_said_not_refused(lab_inv, state):
     """3p1d fills the 4-host lab; replacing the lone decode has no free slot to surge into: refused
     while d01 serves. Observed down (nothing serves decode now), the same change is the way back: the
     plan says so and brings d01 up first, with no wait for a process that does not run."""
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "3p1d")
     with pytest.raises(Refused, match="replacing d01 would leave no serving decode"):
@@ -618,7 +618,7 @@ def test_a_floor_already_broken_is_said_not_refused(lab_inv, state):
 def test_an_instance_that_does_not_serve_goes_first_and_costs_no_capacity(lab_inv, state):
     """2p2d with d01 down: `inv scale --topology 2p2d` replaces d01 (and nothing else); a decode
     serves at every step; d02 is never taken out."""
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p2d")
     assert sc.plan_scale(lab_inv, parse_topology("2p2d"), state).noop
@@ -632,7 +632,7 @@ def test_an_instance_that_does_not_serve_goes_first_and_costs_no_capacity(lab_in
 def test_a_serving_instance_is_replaced_after_the_one_that_does_not_serve(lab_inv, state):
     """Both decodes are replaced by a change; d02 is observed out of the gateway: it goes in the
     first wave, so d01 keeps serving until d02 is back."""
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p2d")
     seen = Seen({"d02": "not in the gateway's /workers"})
@@ -644,7 +644,7 @@ def test_a_serving_instance_is_replaced_after_the_one_that_does_not_serve(lab_in
 
 
 def test_a_gateway_that_does_not_answer_is_started_first_and_waited_for(lab_inv, state):
-    from pdops.observe import Seen
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p2d")
     seen = Seen({"d01": "units not running"}, frozenset({"d01"}), gateway="pdops-gateway.service failed/failed",
@@ -664,8 +664,8 @@ def test_a_drain_floor_counts_only_what_serves_now(lab_inv, state):
     """2p1d with p02 observed down: draining p01 would leave no prefill serving (refused, naming
     p02); the record alone would have allowed it. Draining p02 itself costs nothing that serves:
     allowed, and not waited for (its units do not run)."""
-    from pdops import drain as dr
-    from pdops.observe import Seen
+    from pdops.ops import drain as dr
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p1d")
     assert dr.plan_drain(lab_inv, state, "p01")  # the record alone: p02 serves
@@ -679,8 +679,8 @@ def test_a_drain_floor_counts_only_what_serves_now(lab_inv, state):
 
 
 def test_the_last_decode_that_does_not_serve_may_be_drained(lab_inv, state):
-    from pdops import drain as dr
-    from pdops.observe import Seen
+    from pdops.ops import drain as dr
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p1d")
     with pytest.raises(Refused, match="last decode instance"):
@@ -691,8 +691,8 @@ def test_the_last_decode_that_does_not_serve_may_be_drained(lab_inv, state):
 
 def test_a_stop_plans_from_what_it_observes_too(lab_inv, state):
     """`inv stop` of an instance observed down says so, and keeps no gateway step and no floor."""
-    from pdops import drain as dr
-    from pdops.observe import Seen
+    from pdops.ops import drain as dr
+    from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p1d")
     seen = Seen({"d01": "units not running: lab03:pdops-d01.service failed/failed"}, frozenset({"d01"}))

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from pdops import state as st
+from pdops.record import local as st
 from pdops.errors import InvalidInput, Refused
 from pdops.facts import procs
 
@@ -162,7 +162,7 @@ def test_two_threads_contend_exactly_one_wins(tmp_path):
 
 _HOLD = """
 import sys, time
-from pdops import state
+from pdops.record import local as state
 sd = state.StateDir("lab", sys.argv[1])
 with sd.lock("deploy 8p4d", operator="carol@h"):
     print("held", flush=True)

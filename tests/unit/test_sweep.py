@@ -1,4 +1,4 @@
-"""pdops.sweep: fixed-budget planning, the matrix (measured / tried and failed / not tried),
+"""pdops.ops.sweep: fixed-budget planning, the matrix (measured / tried and failed / not tried),
 repeats, the knee on the field report's numbers, rendering, plots, and execute_sweep with fakes."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from pdops import sweep as sw
-from pdops.bench import Figures
+from pdops.ops import sweep as sw
+from pdops.ops.bench import Figures
 from pdops.errors import InvalidInput, Unverified
-from pdops.topology import Topology
+from pdops.model.topology import Topology
 
 # Field report 000, section 4.3: DS model, 160K/1300, 96 GPUs (12 instances of TP8), total TPM and TTFT p99.
 REPORT_160K = {
@@ -248,10 +248,10 @@ def test_bad_knee_thresholds_are_refused(bad):
 
 
 def test_live_scale_to_deploys_first_then_scales_allowing_the_capacity_dip(monkeypatch):
-    from pdops import deploy as dep
-    from pdops import scale as scale_mod
+    from pdops.ops import deploy as dep
+    from pdops.ops import scale as scale_mod
     from pdops.cli import bench as cli_bench
-    from pdops.topology import parse_topology
+    from pdops.model.topology import parse_topology
 
     calls = []
 
@@ -273,9 +273,9 @@ def test_live_scale_to_deploys_first_then_scales_allowing_the_capacity_dip(monke
     monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo))) or Plan())
     import contextlib
 
-    import pdops.hosts
+    import pdops.remote.hosts
 
-    monkeypatch.setattr(pdops.hosts, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
+    monkeypatch.setattr(pdops.remote.hosts, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
     monkeypatch.setattr(dep, "execute_deploy", lambda plan, **conns: calls.append(("deploy",)) or 1)
     monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))
                         or Plan())

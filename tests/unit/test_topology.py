@@ -1,7 +1,7 @@
 import pytest
 
 from pdops.errors import InvalidInput
-from pdops.topology import Topology, parse_topology
+from pdops.model.topology import Topology, parse_topology
 
 
 @pytest.mark.parametrize("spec,expected", [("8p4d", Topology(8, 4)), ("8P4D", Topology(8, 4)),

@@ -1,17 +1,17 @@
-"""`inv verify`'s host checks (pdops.verify.checks) judged from output in the documented formats
+"""`inv verify`'s host checks (pdops.reads.verify.checks) judged from output in the documented formats
 (`systemctl show`, `ss -Hltnp`, proc(5) limits, `stat`/`sha256sum`), no host: a healthy host
 passes every check, and each fault a user would care about fails the one check that owns it."""
 
 import pytest
 
-from pdops.inventory import load_inventory
-from pdops.placement import Placement, place
-from pdops.render import manifest as manifest_of
-from pdops.render import render_files
-from pdops.preflight.batch import batch_command
-from pdops.state import StateDir
-from pdops.topology import parse_topology
-from pdops.verify.checks import ADMISSION_KEYS_SUFFIX, HostPlan, host_command, host_plans, judge, read_facts
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement, place
+from pdops.model.render import manifest as manifest_of
+from pdops.model.render import render_files
+from pdops.reads.preflight.batch import batch_command
+from pdops.record.local import StateDir
+from pdops.model.topology import parse_topology
+from pdops.reads.verify.checks import ADMISSION_KEYS_SUFFIX, HostPlan, host_command, host_plans, judge, read_facts
 from tests.unit.test_membership import REPO
 
 ADMISSION_UNIT = "/etc/systemd/system/pdops-admission.service"

@@ -1,0 +1,191 @@
+"""The inventory as pdops holds it: hosts, GPUs, NICs, gateway, ports, the model profile (data)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+from pdops.errors import InvalidInput
+
+
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+
+
+ENGINES = ("sglang", "sim")
+
+
+LINK_LAYERS = ("RoCE", "IB")
+
+
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+
+
+HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+# Mooncake's RPC port range (docs/design/sglang.md): instance ports must stay clear of it.
+MOONCAKE_RPC_PORTS = range(15000, 17001)
+
+
+@dataclass(frozen=True)
+class Nic:
+    device: str
+    netdev: str
+    link_layer: str
+    gid_index: int
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    ssh_addr: str
+    data_addr: str
+    gpu_count: int
+    gpu_model: str
+    gpu_memory_gib: float
+    nics: tuple[Nic, ...]
+    # ansible_port, where set: Ansible and pdops's own SSH use the same one. None: as Ansible does,
+    # the ssh_config's Port for the host, else 22
+    ssh_port: int | None = None
+
+    def nic_for_gpu(self, gpu: int) -> Nic:
+        for nic in self.nics:
+            if gpu in nic.gpus:
+                return nic
+        raise InvalidInput(f"hosts.{self.name}.pdops_nics", f"GPU {gpu} has no RDMA device mapped",
+                           fix=f"add GPU {gpu} to the `gpus` list of the NIC that serves it")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    model_path: str
+    served_model_name: str
+    tp: int
+    ep: int
+    pp: int
+    transfer_backend: str
+    decode_allocation_policy: str
+    bundle: dict
+    workload: dict
+    model_shape: dict
+    extra_args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+    # service objectives the alert rules use (pdops.ops.prometheus), e.g. {"ttft_p99_s": 5}
+    slo: dict = field(default_factory=dict)
+    # memory of one GPU of the instances' hosts (GiB); the sim's memory model runs against it
+    gpu_memory_gib: float | None = None
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Gateway:
+    host: str
+    addr: str
+    port: int
+    prometheus_port: int
+    api_key_file: str | None
+    max_concurrent_requests: int
+    queue_size: int
+    health_check_interval_secs: int
+    # The python of the gateway's own environment (smg installed, no torch); smg sits beside it
+    python: str = "/opt/pdops/gateway-venv/bin/python"
+    # Routing (smg --policy / --prefill-policy / --decode-policy); None: the gateway's default
+    policy: str | None = None
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}"
+
+
+DEFAULT_STATE_DIR = "/var/lib/pdops/state"
+
+
+@dataclass(frozen=True)
+class StateLocation:
+    """Where the cluster's record and lock live (`pdops_state`): a host of the inventory and a dir."""
+
+    host: str
+    dir: str = DEFAULT_STATE_DIR
+
+
+@dataclass(frozen=True)
+class Ports:
+    http_base: int
+    bootstrap_base: int
+    dist_init_base: int
+    # Each instance slot on a host gets base + stride * slot for each kind of port;
+    # SGLang derives further internal ports from the dist-init port, so keep a gap.
+    stride: int = 10
+
+
+@dataclass(frozen=True)
+class Inventory:
+    cluster: str
+    path: Path
+    engine: str
+    profile: Profile
+    hosts: tuple[Host, ...]
+    gateway: Gateway
+    ports: Ports
+    engine_python: str
+    virtual_hardware: bool
+    digest: str
+    drain_budget_s: int = 1800
+    stop_timeout_s: int = 1920
+    # The YAML files read: tools are given these, never the directory, because Ansible
+    # runs any executable file in an inventory directory as a dynamic inventory script.
+    files: tuple[Path, ...] = ()
+    vars: dict = field(default_factory=dict, compare=False, repr=False)
+    # engine sim only: {instance id: PDOPS_SIM_FAULTS value} (docs/sim.md), for lab tests
+    sim_faults: dict = field(default_factory=dict, compare=False)
+    # {instance id: ((flag, value or None), ...)}: SGLang flags that replace or add to the profile's
+    # for that instance only (`inv probe` renders a candidate bundle this way; never read from a file)
+    engine_overrides: dict = field(default_factory=dict, compare=False)
+    # the admission layer (pdops.model.admission.AdmissionConfig), validated once at load; None: none
+    admission: Any = field(default=None, compare=False, repr=False)
+    # where Prometheus reads the target file (pdops.model.prometheus_setting.PrometheusConfig); None: nowhere
+    prometheus: Any = field(default=None, compare=False, repr=False)
+    # where the shared record and lock live (`pdops_state`); None only for inventories built by hand
+    state: StateLocation | None = field(default=None, compare=False)
+
+    def reserved_port_ranges(self) -> dict[str, range]:
+        """The port ranges instance slots take on every host (the port plan), by the setting that owns them."""
+        ports = self.ports
+        span = ports.stride * max(max_slots(self.hosts, self.profile) - 1, 0) + 1
+        return {
+            "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
+            # each slot has two bootstrap ports: a replaced prefill takes the one its predecessor did not use
+            "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span + 1),
+            "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
+            "Mooncake's RPC range": MOONCAKE_RPC_PORTS,
+        }
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise InvalidInput("host", f"unknown host {name!r}", fix=f"use one of: {', '.join(h.name for h in self.hosts)}")
+
+    @property
+    def gateway_binary(self) -> str:
+        return str(Path(self.gateway.python).parent / "smg")
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(h.gpu_count for h in self.hosts)
+
+
+def max_slots(hosts: tuple[Host, ...], profile: Profile) -> int:
+    g = profile.gpus_per_instance
+    return max((h.gpu_count // g if g <= h.gpu_count else 1) for h in hosts)

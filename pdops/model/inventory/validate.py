@@ -1,0 +1,212 @@
+"""Every rule of pdops on an inventory, each error naming the field and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from pdops.model.admission import parse_admission
+from pdops.errors import InvalidInput
+from pdops.model.prometheus_setting import parse_prometheus
+
+from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, Gateway, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
+                                   Profile, StateLocation, max_slots)
+from pdops.model.inventory.parse import (cluster_vars, load_profile, parse_host, port_number, required, resolve_engine_python,
+                                   resolve_gateway_python)
+
+
+def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: str | None) -> "Inventory":
+    """Every rule of pdops, on the variables Ansible merged for each host."""
+    all_vars = cluster_vars(hostvars)
+    cluster = str(all_vars.get("pdops_cluster") or path.stem)
+    if not re.match(r"^[A-Za-z0-9_.-]+$", cluster):
+        raise InvalidInput("pdops_cluster", f"{cluster!r} is not a valid cluster name", fix="letters, digits, '-', '_', '.'")
+    engine = all_vars.get("pdops_engine", "sglang")
+    if engine not in ENGINES:
+        raise InvalidInput("pdops_engine", f"{engine!r} is not one of {ENGINES}", fix="use sglang (production) or sim (lab)")
+    prof = load_profile(profile or required(all_vars, "pdops_profile", "all.vars", (str,), "name a profile from pdops/profiles/"),
+                        path if path.is_dir() else path.parent)
+
+    hosts = tuple(parse_host(n, hv) for n, hv in hostvars.items())
+    _check_unique(hosts)
+
+    pv = required(all_vars, "pdops_ports", "all.vars", (dict,), "set pdops_ports: {http_base, bootstrap_base, dist_init_base}")
+    ports = Ports(
+        http_base=port_number(pv.get("http_base"), "pdops_ports.http_base"),
+        bootstrap_base=port_number(pv.get("bootstrap_base"), "pdops_ports.bootstrap_base"),
+        dist_init_base=port_number(pv.get("dist_init_base"), "pdops_ports.dist_init_base"),
+        stride=_stride(pv.get("stride", 10)),
+    )
+    gv = required(all_vars, "pdops_gateway", "all.vars", (dict,), "set pdops_gateway: {host, port, prometheus_port, ...}")
+    gw_host = required(gv, "host", "pdops_gateway", (str,), "name the inventory host that runs the gateway")
+    names = {h.name: h for h in hosts}
+    if gw_host not in names:
+        raise InvalidInput("pdops_gateway.host", f"{gw_host!r} is not a host of this inventory",
+                           fix=f"use one of: {', '.join(names)}")
+    mcr = gv.get("max_concurrent_requests", -1)
+    qs = gv.get("queue_size", 0)
+    if not isinstance(mcr, int) or (mcr < 1 and mcr != -1):
+        raise InvalidInput("pdops_gateway.max_concurrent_requests", f"{mcr!r} must be -1 (off) or at least 1",
+                           fix="the real cap belongs to the admission layer; leave -1")
+    if not isinstance(qs, int) or qs < 0:
+        raise InvalidInput("pdops_gateway.queue_size", f"{qs!r} must be 0 or more", fix="set a non-negative queue size")
+    key_file = gv.get("api_key_file")
+    if key_file is not None and not str(key_file).startswith("/"):
+        raise InvalidInput("pdops_gateway.api_key_file", f"{key_file!r} is not an absolute path", fix="use an absolute path")
+    policies = {k: _routing_policy(gv, k) for k in ("policy", "prefill_policy", "decode_policy")}
+    gateway = Gateway(
+        host=gw_host, addr=names[gw_host].data_addr,
+        port=port_number(gv.get("port"), "pdops_gateway.port"),
+        prometheus_port=port_number(gv.get("prometheus_port"), "pdops_gateway.prometheus_port"),
+        api_key_file=key_file, max_concurrent_requests=mcr, queue_size=qs,
+        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)),
+        python=resolve_gateway_python(str(gv.get("python", "/opt/pdops/gateway-venv/bin/python"))), **policies,
+    )
+    _check_port_plan(hosts, ports, gateway, prof)
+    state = _state_location(all_vars.get("pdops_state"), names, gw_host)
+
+    drain = all_vars.get("pdops_drain") or {}
+    budget = drain.get("budget_s", 1800)
+    margin = drain.get("stop_margin_s", 120)
+    for k, v in (("budget_s", budget), ("stop_margin_s", margin)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidInput(f"pdops_drain.{k}", f"{v!r} must be a positive number of seconds", fix="set whole seconds")
+    for k in ("pdops_start_timeout_s", "pdops_register_timeout_s"):
+        v = all_vars.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise InvalidInput(k, f"{v!r} must be a positive number of seconds", fix=f"e.g. {k}: 60")
+    sim_faults = _sim_faults(all_vars.get("pdops_sim_faults"), engine)
+    canonical = json.dumps({"vars": all_vars, "hosts": hostvars}, sort_keys=True, default=str)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    inv = Inventory(
+        cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
+        engine_python=resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
+        virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
+        drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
+        vars=all_vars, sim_faults=sim_faults, state=state,
+    )
+    return dataclasses.replace(inv, admission=parse_admission(all_vars, inv),
+                               prometheus=parse_prometheus(all_vars, [h.name for h in hosts]))
+
+
+def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:
+    """`pdops_state: {host, dir}`: default the gateway host and /var/lib/pdops/state."""
+    fix = f"e.g. pdops_state: {{host: {gw_host}, dir: {DEFAULT_STATE_DIR}}}"
+    if val is None:
+        return StateLocation(gw_host)
+    if not isinstance(val, dict):
+        raise InvalidInput("pdops_state", f"{val!r} is not a mapping", fix=fix)
+    unknown = sorted(set(val) - {"host", "dir"})
+    if unknown:
+        raise InvalidInput("pdops_state", f"unknown key(s) {', '.join(map(str, unknown))}", fix=fix)
+    host = val.get("host", gw_host)
+    if not isinstance(host, str) or host not in names:
+        raise InvalidInput("pdops_state.host", f"{host!r} is not a host of this inventory",
+                           fix=f"use one of: {', '.join(names)} (the record lives on a host of the cluster)")
+    d = val.get("dir", DEFAULT_STATE_DIR)
+    if not isinstance(d, str) or not d.startswith("/"):
+        raise InvalidInput("pdops_state.dir", f"{d!r} is not an absolute path", fix=fix)
+    if os.path.normpath(d) != d.rstrip("/") or d.rstrip("/") in ("", "/") or any(c in d for c in "\n\0"):
+        raise InvalidInput("pdops_state.dir", f"{d!r} is not a plain absolute directory path",
+                           fix=f"a path such as {DEFAULT_STATE_DIR}, without '..' or '//'")
+    return StateLocation(host, d.rstrip("/"))
+
+
+def _sim_faults(val: Any, engine: str) -> dict[str, str]:
+    """`pdops_sim_faults: {p02: fail_transfer}`: faults the sim engine starts with, per instance."""
+    if val is None:
+        return {}
+    if engine != "sim":
+        raise InvalidInput("pdops_sim_faults", f"set with engine {engine!r}; faults exist only in the sim engine",
+                           fix="remove pdops_sim_faults (it is for lab tests with pdops_engine: sim)")
+    if not isinstance(val, dict):
+        raise InvalidInput("pdops_sim_faults", f"{val!r} is not a mapping", fix="e.g. {p02: fail_transfer}")
+    from pdops.sim.faults import parse_faults
+
+    out = {}
+    for k, v in val.items():
+        if not re.match(r"^[pd][0-9]{2,}$", str(k)):
+            raise InvalidInput(f"pdops_sim_faults.{k}", "is not an instance id", fix="use ids such as p01 or d02")
+        try:
+            parse_faults(str(v))
+        except ValueError as e:
+            raise InvalidInput(f"pdops_sim_faults.{k}", str(e), fix="see docs/sim.md, Faults") from None
+        out[str(k)] = str(v)
+    return out
+
+
+# The choices of `smg launch` (smg 1.13's parser) for each routing flag pdops supports. `manual`
+# routes by a client-sent routing key, which pdops's canary, drain and bench do not send.
+ROUTING_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+
+
+PREFILL_POLICIES = ROUTING_POLICIES + ("bucket",)
+
+
+def _routing_policy(gv: dict, key: str) -> str | None:
+    val = gv.get(key)
+    if val is None:
+        return None
+    allowed = PREFILL_POLICIES if key == "prefill_policy" else ROUTING_POLICIES
+    if val not in allowed:
+        raise InvalidInput(f"pdops_gateway.{key}", f"{val!r} is not a routing policy pdops supports",
+                           fix=f"use one of: {', '.join(allowed)} (or leave it out for the gateway's default, "
+                           "cache_aware)")
+    return val
+
+
+def _check_unique(hosts: tuple[Host, ...]) -> None:
+    for attr, label in (("ssh_addr", "ansible_host"), ("data_addr", "pdops_data_addr")):
+        seen: dict[str, str] = {}
+        for h in hosts:
+            val = getattr(h, attr)
+            if val in seen:
+                raise InvalidInput(f"hosts.{h.name}.{label}", f"{val} is also the {label} of {seen[val]}",
+                                   fix="every host needs its own address")
+            seen[val] = h.name
+
+
+def _stride(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+        raise InvalidInput("pdops_ports.stride", f"{v!r} is not a whole number of at least 2",
+                           fix="each slot takes base + stride * slot, and a prefill slot two bootstrap ports: "
+                               "use the default 10")
+    return v
+
+
+def _check_port_plan(hosts: tuple[Host, ...], ports: Ports, gateway: Gateway, profile: Profile) -> None:
+    """Port ranges of instance slots must not overlap each other, the gateway or Mooncake's RPC range."""
+    slots = max_slots(hosts, profile)
+    span = ports.stride * max(slots - 1, 0) + 1
+    ranges = {
+        "pdops_ports.http_base": range(ports.http_base, ports.http_base + span),
+        "pdops_ports.bootstrap_base": range(ports.bootstrap_base, ports.bootstrap_base + span + 1),
+        # SGLang takes a few ports above the dist-init port for its own sockets.
+        "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
+    }
+    singles = {"pdops_gateway.port": gateway.port, "pdops_gateway.prometheus_port": gateway.prometheus_port}
+    if gateway.port == gateway.prometheus_port:
+        raise InvalidInput("pdops_gateway.prometheus_port", f"port {gateway.port} is also pdops_gateway.port",
+                           fix="give Prometheus its own port")
+    names = list(ranges)
+    for i, a in enumerate(names):
+        ra = ranges[a]
+        if ra[-1] > 65535:
+            raise InvalidInput(a, f"ports up to {ra[-1]} exceed 65535", fix="lower the base port")
+        for b in names[i + 1:]:
+            rb = ranges[b]
+            if ra.start < rb.stop and rb.start < ra.stop:
+                raise InvalidInput(b, f"ports {rb.start}-{rb.stop - 1} collide with {a} ({ra.start}-{ra.stop - 1})",
+                                   fix="move one base so the ranges do not overlap")
+        if ra.start < MOONCAKE_RPC_PORTS.stop and MOONCAKE_RPC_PORTS.start < ra.stop:
+            raise InvalidInput(a, f"ports {ra.start}-{ra.stop - 1} collide with Mooncake's RPC range 15000-17000",
+                               fix="move the base outside 15000-17000")
+        for s, p in singles.items():
+            if p in ra:
+                raise InvalidInput(s, f"port {p} collides with {a} ({ra.start}-{ra.stop - 1})",
+                                   fix="pick a gateway port outside the instance port ranges")

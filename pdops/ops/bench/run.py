@@ -1,0 +1,207 @@
+"""Running a bench against a cluster: the revision marks around it, the prompts, the ledgered client."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from pdops.errors import InvalidInput, Refused
+from pdops.remote.load import LedgerRow
+
+from pdops.ops.bench.figures import Figures, compute_figures, format_table
+from pdops.ops.bench.ledger import LEDGER_CSV, LEDGER_JSONL, MANIFEST, write_ledger
+from pdops.ops.bench.workload import Workload, parse_concurrency, parse_workload, stop_condition
+
+
+@dataclass(frozen=True)
+class RevisionMark:
+    """What must not change during a run: the current pointer (and when it was last
+    written) and the newest revision number."""
+
+    current: int | None
+    latest: int | None
+    current_mtime_ns: int | None
+    current_inode: int | None = None  # atomic_write replaces the file: a new inode on every write
+
+    def describe(self) -> str:
+        return f"current={self.current} latest={self.latest}"
+
+
+def revision_mark(state) -> RevisionMark:
+    """Read the mark of a record: the shared one is read again from its state host; a local
+    StateDir also gives its `current` file's mtime and inode (no host is contacted)."""
+    if hasattr(state, "refresh"):
+        state.refresh()
+        mtime = ino = None
+    else:
+        try:
+            st = state.current_file.stat()
+            mtime, ino = st.st_mtime_ns, st.st_ino
+        except FileNotFoundError:
+            mtime = ino = None
+    nums = state.revision_numbers()
+    return RevisionMark(state.current(), nums[-1] if nums else None, mtime, ino)
+
+
+def revision_change(before: RevisionMark, after: RevisionMark) -> str | None:
+    """None if nothing changed, else why the run is invalid."""
+    if before.current != after.current:
+        return f"the current revision changed during the run ({before.current} -> {after.current})"
+    if before.latest != after.latest:
+        return f"revision {after.latest} was recorded during the run (current was {before.current})"
+    if (before.current_mtime_ns, before.current_inode) != (after.current_mtime_ns, after.current_inode):
+        return f"the current pointer was rewritten during the run (still {after.current}: a rollback or re-deploy)"
+    return None
+
+
+def prompt_maker(workload: Workload, seed: int = 0) -> Callable[[int], str]:
+    """prompt_for(i): a prompt of exactly `workload.input_tokens` tokens as the sim counts them.
+
+    A shared body plus a 4-token lead that differs per request, so the engine's prefix
+    cache cannot serve one request from another's KV (the lead comes first).
+    """
+    from pdops.sim.tokens import make_prompt
+
+    n = workload.input_tokens
+    lead = min(4, n)
+    body = make_prompt(n - lead, seed)
+
+    def prompt_for(i: int) -> str:
+        head = make_prompt(lead, seed * 1_000_003 + i + 1)
+        return f"{head} {body}" if body else head
+
+    return prompt_for
+
+
+@dataclass
+class BenchResult:
+    run_dir: Path
+    manifest: dict
+    rows: list[LedgerRow]
+    figures: Figures
+
+    @property
+    def valid(self) -> bool:
+        return not self.manifest.get("invalid")
+
+
+def _read_key(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise InvalidInput("pdops_gateway.api_key_file", f"cannot read {path}: {e.strerror}",
+                           fix="make the key file readable for the operator running the bench") from None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _versions(inv) -> dict:
+    from pdops import __version__
+    from pdops.model.versions import SGLANG_VERSION, SMG_VERSION
+
+    engine = {"engine": inv.engine, "sglang": SGLANG_VERSION}
+    if inv.engine == "sim":
+        from pdops.sim import SIM_VERSION
+
+        engine = {"engine": "sim", "sim_of_sglang": SIM_VERSION}
+    return {"pdops": __version__, **engine, "smg": SMG_VERSION}
+
+
+def gpus_of_revision(rev, gpus_per_instance: int) -> int:
+    """GPUs of a revision's topology: its instances x TP x PP."""
+    instances = (rev.placement or {}).get("instances")
+    if instances:
+        return len(instances) * gpus_per_instance
+    from pdops.model.topology import parse_topology
+
+    t = parse_topology(rev.topology)
+    return (t.prefill + t.decode) * gpus_per_instance
+
+
+def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requests: int | str | None = None,
+              duration: float | str | None = None, ignore_eos: bool = True, out_dir: str | os.PathLike | None = None,
+              *, timeout: float = 3600.0, load: Callable | None = None, prompt_for: Callable[[int], str] | None = None,
+              resolve_routing: Callable[[list[LedgerRow]], None] | None = None,
+              say: Callable[[str], None] = print) -> BenchResult:
+    """Drive the gateway of the current revision at a fixed concurrency; write ledger + manifest.
+
+    `load(base_url, **kw) -> rows` defaults to `pdops.remote.load.send`. The run is marked
+    invalid when the revision changed between its start and its end.
+    """
+    from pdops.remote.load import send
+    from pdops.record.local import new_op_id, now_iso
+
+    wl = workload if isinstance(workload, Workload) else parse_workload(workload)
+    conc = parse_concurrency(concurrency)
+    n_req, dur = stop_condition(requests, duration)
+    before = revision_mark(state)
+    rev = state.current_revision()
+    if rev is None:
+        raise Refused(f"{inv.cluster} has no current revision: nothing to benchmark",
+                      fix="deploy first (`inv deploy --topology 1p1d`)")
+    gpus = gpus_of_revision(rev, inv.profile.gpus_per_instance)
+    run_id = new_op_id("bench")
+    run_dir = Path(out_dir) if out_dir is not None else state.path / "bench" / run_id
+    manifest = {
+        "run_id": run_id, "cluster": inv.cluster, "kind": "bench",
+        "revision": {"number": rev.number, "topology": rev.topology, "inventory_hash": rev.inventory_hash,
+                     "op_id": rev.op_id},
+        "topology": rev.topology, "gpus": gpus, "gpus_per_instance": inv.profile.gpus_per_instance,
+        "profile": {"name": inv.profile.name, "model_path": inv.profile.model_path,
+                    "bundle": inv.profile.bundle, "parallel": {"tp": inv.profile.tp, "ep": inv.profile.ep,
+                                                               "pp": inv.profile.pp}},
+        "parameters": {"workload": str(wl), "input_tokens": wl.input_tokens, "output_tokens": wl.output_tokens,
+                       "concurrency": conc, "requests": n_req, "duration_s": dur, "ignore_eos": ignore_eos,
+                       "stream": True, "timeout_s": timeout, "retries": 0},
+        "gateway": inv.gateway.url, "versions": _versions(inv), "load_client": "pdops.remote.load",
+        "inventory_digest": inv.digest,
+        "inventory_matches_revision": inv.digest == rev.inventory_hash,
+        "routing": "not resolved (hook resolve_routing not wired)" if resolve_routing is None else "resolved",
+    }
+    what = f"{n_req} requests" if n_req is not None else f"{dur:g} s"
+    say(f"bench: {wl} at C{conc}, {what}, against {inv.gateway.url} (revision {rev.number}, {rev.topology}, "
+        f"{gpus} GPUs); ledger -> {run_dir}")
+    kw = dict(requests=n_req, duration=dur, concurrency=conc, max_new_tokens=wl.output_tokens, stream_every=1,
+              timeout=timeout, rid_prefix=run_id, ignore_eos=ignore_eos, headers=_read_key(inv.gateway.api_key_file),
+              prompt_for=prompt_for or prompt_maker(wl))
+    manifest["started"] = now_iso()
+    t0 = time.monotonic()
+    rows = (load or send)(inv.gateway.url, **kw)
+    manifest["ended"] = now_iso()
+    manifest["client_elapsed_s"] = round(time.monotonic() - t0, 3)
+    after = revision_mark(state)
+    invalid = revision_change(before, after)
+    manifest["revision_check"] = {"before": asdict(before), "after": asdict(after), "changed": invalid}
+    manifest["invalid"] = invalid
+    if resolve_routing is not None:
+        resolve_routing(rows)
+    mismatched = sum(1 for r in rows if r.ok and r.prompt_tokens != wl.input_tokens)
+    manifest["prompt_tokens_mismatch"] = mismatched
+    figs = compute_figures(rows, gpus=gpus, invalid=invalid)
+    manifest["figures"] = figs.to_dict()
+    write_ledger(run_dir, rows, manifest)
+    return BenchResult(run_dir, manifest, rows, figs)
+
+
+def format_result(res: BenchResult) -> str:
+    """The table of one run, plus the caveats that belong next to it."""
+    m = res.manifest
+    lines = [format_table([(f"{m['topology']} C{m['parameters']['concurrency']} {m['parameters']['workload']}",
+                            res.figures)])]
+    if m.get("prompt_tokens_mismatch"):
+        lines.append(f"note: {m['prompt_tokens_mismatch']} requests reported a prompt length other than "
+                     f"{m['parameters']['input_tokens']} tokens; the figures use the reported counts")
+    if not m.get("inventory_matches_revision", True):
+        lines.append("note: the inventory on disk differs from the one the revision was deployed with")
+    lines.append(f"ledger: {res.run_dir / LEDGER_CSV}, {res.run_dir / LEDGER_JSONL}; manifest: {res.run_dir / MANIFEST}")
+    if m.get("invalid"):
+        lines.append(f"verdict: INVALID run: {m['invalid']}")
+    elif res.figures.any_failure:
+        lines.append(f"verdict: run with failures: {res.figures.mark}")
+    else:
+        lines.append(f"verdict: all {res.figures.sent} requests succeeded; revision unchanged during the run")
+    return "\n".join(lines)

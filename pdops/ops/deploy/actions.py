@@ -1,0 +1,364 @@
+"""What a deploy does on the hosts and the gateway, step by step: deliver with Ansible, start the
+gateway, the admission layer and each instance (health-gated), register with the gateway, canary
+every pair, read what runs. Called by the executors (pdops.ops.deploy.execute) and by a change's."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from pathlib import Path
+
+from pdops.model import membership
+from pdops.remote import ansible
+from pdops.errors import DeployFailed, PdopsError, Unreachable, Unverified
+from pdops.facts import q
+from pdops.remote.gateway import GatewayClient, deadline_in
+from pdops.remote.hosts import HostPool, http_json
+from pdops.model.inventory import Inventory
+from pdops.model.placement import Instance, Placement
+from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
+from pdops.runner import Say, failures, run_parallel
+from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
+
+
+# ---------------------------------------------------------------- doing
+
+
+def _ansible_files(build: Path, files: list[RenderedFile]) -> dict:
+    """{host: [pdops_files entry]} from the written build (what was recorded is what is sent)."""
+    out: dict[str, list] = {}
+    for f in files:
+        data = (build / f.host / f.path.lstrip("/")).read_bytes()
+        out.setdefault(f.host, []).append(ansible.file_entry(f.path, data, f.mode))
+    return out
+
+
+def _units_by_host(pl: Placement, inv: Inventory) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
+    adm = admission_config(inv)
+    if adm is not None:
+        out.setdefault(adm.host, []).append(ADMISSION_UNIT)
+    for inst in pl.instances:
+        for host, unit in inst.units:
+            out.setdefault(host, []).append(unit)
+    return out
+
+
+def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Path, remove: dict | None,
+            say: Say) -> dict:
+    """Ansible: prepare.yml then deploy.yml, in one ansible-playbook run. Returns evidence.
+
+    prepare.yml's folder task is skipped: deploy.yml's one module run per host makes the same
+    folders (playbooks/vars/pdops.yml) and checks the engine's python."""
+    hosts = sorted({f.host for f in files} | set((remove or {}).keys()))
+    extra = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
+             "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_smg_version": SMG_VERSION,
+             "pdops_gateway_python": inv.gateway.python, "pdops_gateway_host": inv.gateway.host,
+             "pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
+             "pdops_units": _units_by_host(pl, inv)}
+    t0 = time.monotonic()
+    res = ansible.run_playbook(inv, ["prepare.yml", "deploy.yml"], extra, hosts, skip_tags=("pdops-folders",))
+    secs = round(time.monotonic() - t0, 1)
+    say(f"  prepare.yml + deploy.yml: {len(res.recap)} hosts ok, {res.changed} changes ({secs}s)")
+    return {"playbooks": res.playbook, "changed": res.changed, "seconds": secs,
+            "hosts": {h: vars(r) for h, r in res.recap.items()}}
+
+
+def start_gateway(inv: Inventory, pool: HostPool, client: GatewayClient, say: Say, restart: bool,
+                  deadline_s: float = 60, clear_list: bool | None = None) -> dict:
+    """Start (or restart) the gateway unit and wait for its /health, bounded by `deadline_s`.
+    `clear_list` (default: on a restart) empties its start-up list first."""
+    gw = inv.gateway
+    verb = "restart" if restart else "start"
+    if restart if clear_list is None else clear_list:
+        # a fresh cluster: a list left by an earlier life of it must not register anything
+        membership.update(pool, inv, clear=True)
+    # a unit that hit its start limit refuses `start` until reset: this start is the operator's
+    pool.run(gw.host, f"systemctl reset-failed {q(GATEWAY_UNIT)} || true; systemctl {verb} {q(GATEWAY_UNIT)}")
+    deadline = deadline_in(deadline_s)
+    while True:
+        try:
+            client.health()
+            break
+        except (Unreachable, Unverified):
+            st = pool.unit_states(gw.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+            if st.active_state == "failed" or time.monotonic() > deadline:
+                raise DeployFailed(f"gateway {GATEWAY_UNIT} on {gw.host} did not answer {gw.url}/health "
+                                   f"(unit {st.active_state}/{st.sub_state})",
+                                   evidence=pool.journal_tail(gw.host, GATEWAY_UNIT)) from None
+            time.sleep(0.3)
+    st = pool.unit_states(gw.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+    say(f"  gateway up: {gw.url} (MainPID {st.main_pid})")
+    return {"url": gw.url, "main_pid": st.main_pid, "unit": GATEWAY_UNIT}
+
+
+def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 30) -> dict | None:
+    """Start the admission layer (HAProxy) after the gateway; wait until it answers HTTP."""
+    adm = admission_config(inv)
+    if adm is None:
+        return None
+    pool.run(adm.host, f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
+    deadline = deadline_in(deadline_s)
+    while True:
+        try:
+            status, _ = http_json("GET", f"{adm.url}/health", timeout=3)
+            break  # any HTTP answer (401 without a key) means it serves
+        except Unreachable:
+            if time.monotonic() > deadline:
+                raise DeployFailed(f"admission layer {ADMISSION_UNIT} on {adm.host} did not answer {adm.url}",
+                                   evidence=pool.journal_tail(adm.host, ADMISSION_UNIT)) from None
+            time.sleep(0.3)
+    say(f"  admission layer up: {adm.url} (cap {adm.cap}, queue {adm.queue}; unauthenticated probe got {status})")
+    return {"url": adm.url, "cap": adm.cap, "probe_status": status}
+
+
+def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: float, say: Say,
+                   restart: bool) -> dict:
+    """Start every rank's unit (rank 0 first), then wait for rank 0's /health with a deadline.
+    A unit that fails stops the wait with the tail of its journal."""
+    verb = "restart" if restart else "start"
+    for host, unit in inst.units:
+        # reset a start limit hit by a crash loop: this start is the operator's, and watched below
+        pool.run(host, f"systemctl reset-failed {q(unit)} || true; systemctl {verb} {q(unit)}")
+    deadline = time.monotonic() + deadline_s
+    t0 = time.monotonic()
+    last_check = t0  # the unit's state is read from 2 s on: most instances are healthy before
+    while True:
+        try:
+            status, _ = http_json("GET", f"{inst.url}/health", timeout=5)
+        except Unreachable:
+            status = None
+        if status == 200:
+            break
+        if time.monotonic() - last_check > 2:
+            last_check = time.monotonic()
+            for host, unit in inst.units:
+                st = pool.unit_states(host, [unit])[unit]
+                if st.active_state in ("failed", "inactive") or st.n_restarts > 0:
+                    raise DeployFailed(f"{inst.id}: {unit} on {host} is {st.active_state}/{st.sub_state} "
+                                       f"(result {st.result}, restarts {st.n_restarts}) before becoming healthy",
+                                       fix="read the journal below; fix the cause and deploy again",
+                                       evidence=pool.journal_tail(host, unit))
+        if time.monotonic() > deadline:
+            raise DeployFailed(f"{inst.id} did not answer {inst.url}/health within {deadline_s:.0f}s (last: {status})",
+                               evidence=pool.journal_tail(inst.head.host, inst.unit(0)))
+        time.sleep(0.25)
+    pids = {}
+    for host, unit in inst.units:
+        st = pool.unit_states(host, [unit])[unit]
+        pids[f"{host}:{unit}"] = st.main_pid
+    say(f"  {inst.id} healthy in {time.monotonic() - t0:.1f}s at {inst.url} (MainPID {', '.join(map(str, pids.values()))})")
+    return {"url": inst.url, "main_pids": pids, "ready_s": round(time.monotonic() - t0, 2)}
+
+
+def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float = 60) -> str:
+    """POST the instance to the gateway and wait until /workers lists it healthy. A worker still
+    draining at this URL (the previous process at this address, drained moments ago: smg keeps it
+    about 5 s) is waited out first: a POST now would answer 409 with that worker, which then goes."""
+    from pdops.facts.gateway import DRAINING
+
+    deadline = deadline_in(timeout_s)
+    try:
+        stale = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")
+                 and w.status == DRAINING]
+    except PdopsError:
+        stale = []  # the POST below says what is wrong with the gateway
+    for w in stale:
+        say(f"  {inst.id}: the gateway still drains worker {w.id} at {inst.url}; waiting until it is gone")
+        client.wait_worker_gone(w.id, deadline)
+    for w in other_identity(client.list_workers(), inst):
+        # the same URL under another bootstrap port: an earlier process of it (a registration the
+        # gateway retried in the background); requests routed there would fail at the bootstrap
+        say(f"  {inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port {w.bootstrap_port}, "
+            f"not {inst.bootstrap_port}: removing it first")
+        client.remove_worker(w.id)
+        client.wait_worker_gone(w.id, deadline)
+    worker_id = client.add_worker(inst.url, inst.role, inst.bootstrap_port)
+    w = client.wait_worker_healthy(inst.url, deadline)
+    wrong = other_identity([w], inst)
+    if wrong:
+        raise Unverified(f"{inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port "
+                         f"{w.bootstrap_port}, not {inst.bootstrap_port}: requests routed to it would fail at the "
+                         "bootstrap", fix="run the operation again: it removes the stale worker first")
+    say(f"  {inst.id} registered: worker {w.id} healthy")
+    return w.id or worker_id
+
+
+def other_identity(workers, inst: Instance) -> list:
+    """Workers at the instance's URL registered with another bootstrap port (a prefill's old identity)."""
+    return [w for w in workers if w.url.rstrip("/") == inst.url.rstrip("/") and inst.bootstrap_port is not None
+            and w.bootstrap_port is not None and w.bootstrap_port != inst.bootstrap_port]
+
+
+def undo_registrations(client: GatewayClient, pl: Placement, workers: dict, bad: list, fresh: bool,
+                        say: Say) -> dict:
+    """After a failed registration: remove from the gateway what this deploy could not verify (any
+    worker listed for a failed instance) and, on a fresh cluster, what it registered (no revision
+    will describe it). Returns what was removed and what is left."""
+    removed, left = [], []
+    try:
+        listed = client.list_workers()
+    except PdopsError as exc:
+        return {"removed": [], "left": [f"gateway unreadable: {exc.message}"]}
+    targets = {i.url: i.id for i in bad}
+    if fresh:
+        targets.update({i.url: i.id for i in pl.instances if i.id in workers})
+    for w in listed:
+        if w.url in targets:
+            try:
+                client.remove_worker(w.id)
+                client.wait_worker_gone(w.id, deadline_in(30))
+                removed.append(f"{targets[w.url]} ({w.id})")
+            except PdopsError as exc:
+                left.append(f"{targets[w.url]} ({w.id}): {exc.message}")
+    if removed:
+        say(f"  removed from the gateway: {', '.join(removed)}")
+    return {"removed": removed, "left": left}
+
+
+def preflight_unverified(report, skip_checks: set[str]) -> list[str]:
+    """The preflight checks that did not run, by check: skipped by the operator or for a reason
+    (no nvidia-smi in the lab). Never part of what an operation calls verified."""
+    from pdops.reads.preflight import SKIPPED
+
+    out = [f"preflight {c}: skipped by the operator (--skip-check)" for c in sorted(skip_checks)]
+    by_check: dict[str, dict[str, list[str]]] = {}
+    for r in report.results:
+        if r.status == SKIPPED and r.check not in skip_checks:
+            by_check.setdefault(r.check, {}).setdefault(r.reason, []).append(r.host)
+    for check, reasons in by_check.items():
+        for reason, hosts in reasons.items():
+            out.append(f"preflight {check}: skipped on {len(hosts)} host(s): {reason}")
+    return out
+
+
+def canary_pair(p: Instance, d: Instance, timeout: float = 60) -> dict:
+    """One generation through exactly this prefill and this decode, sent as the gateway does:
+    the same body (with a shared bootstrap room) to both, concurrently."""
+    rid = f"pdops-canary-{p.id}-{d.id}-{uuid.uuid4().hex[:8]}"
+    body = {"text": f"pdops canary {p.id} to {d.id}", "rid": rid, "stream": False,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": p.head.data_addr, "bootstrap_port": p.bootstrap_port,
+            "bootstrap_room": random.getrandbits(62)}
+    res = both_sides(p, d, body, rid, timeout)
+    out = {"rid": rid}
+    for role, r in res.items():
+        if isinstance(r, Exception):
+            raise Unverified(f"canary {p.id} x {d.id}: {role} did not answer: {r}")
+        status, doc = r
+        out[role] = status
+        if status != 200:
+            raise Unverified(f"canary {p.id} x {d.id}: {role} answered HTTP {status}", evidence=str(doc)[-400:])
+    meta = res["decode"][1].get("meta_info", {}) if isinstance(res["decode"][1], dict) else {}
+    if not meta.get("completion_tokens"):
+        raise Unverified(f"canary {p.id} x {d.id}: decode produced no tokens", evidence=str(res["decode"][1])[-400:])
+    out["completion_tokens"] = meta.get("completion_tokens")
+    return out
+
+
+def both_sides(p: Instance, d: Instance, body: dict, rid: str, timeout: float) -> dict:
+    """POST the canary to the prefill and the decode at once. When the decode fails first (its
+    bootstrap or transfer failed), the prefill would hold the room until its own timeout: it is told
+    to drop it (POST /abort_request with the canary's rid), so a failed canary fails in seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(inst: Instance):
+        return http_json("POST", f"{inst.url}/generate", body, timeout=timeout, headers={"x-request-id": rid})
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        fp, fd = ex.submit(post, p), ex.submit(post, d)
+        res: dict = {}
+        try:
+            res["decode"] = fd.result()
+        except Exception as e:  # noqa: BLE001 - reported with the pair below
+            res["decode"] = e
+        dec = res["decode"]
+        if isinstance(dec, Exception) or dec[0] != 200:
+            try:
+                http_json("POST", f"{p.url}/abort_request", {"rid": rid}, timeout=5)
+            except PdopsError:
+                pass  # the prefill's own answer (or timeout) says the rest
+        try:
+            res["prefill"] = fp.result()
+        except Exception as e:  # noqa: BLE001
+            res["prefill"] = e
+    return {"prefill": res["prefill"], "decode": res["decode"]}
+
+
+def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once: bool = False,
+                 deadline_s: float | None = None) -> dict:
+    """One canary through each pair, in parallel; DeployFailed naming every pair that failed.
+
+    `retry_once`: a decode keeps the route to a prefill's bootstrap address and drops it only
+    when a transfer through it fails, so an instance re-added at an address it had before
+    (rollback, re-scale) fails its first canary with each decode that knew the old process.
+    One retry per pair, before the instance is registered (no user request can reach it)."""
+    timeout = min(60.0, deadline_s / (2 if retry_once else 1)) if deadline_s else 60.0
+    res = run_parallel(pairs, lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
+    bad = failures(res)
+    retried = {}
+    if bad and retry_once:
+        retried = {f"{p.id}x{d.id}": str(e) for (p, d), e in bad.items()}
+        say(f"  first canary failed for {', '.join(retried)} (a decode may hold a stale route to this address); "
+            "retrying each once")
+        again = run_parallel(list(bad), lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
+        res.update(again)
+        bad = failures(again)
+    if bad:
+        names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
+        raise DeployFailed(f"canary failed for {names}", fix="the named pair cannot serve; check its transfer "
+                           "settings (bootstrap port reachable, NIC/GID) with `inv preflight`",
+                           evidence="\n".join(f"{e}" + (f": {e.evidence}" if getattr(e, "evidence", None) else "")
+                                              for e in bad.values()))
+    say(f"  canary ok through {len(pairs)} prefill x decode pair(s)")
+    out = {f"{p.id}x{d.id}": r for (p, d), r in res.items()}
+    if retried:
+        out["first_attempt_failed"] = retried
+    return out
+
+
+def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[RenderedFile]) -> dict:
+    """{"host:unit": {main_pid, config}} for every unit of `pl` and the gateway, each checked against
+    the config id its rendered env file carries; Unverified naming every unit that differs."""
+    from pdops.reads.observe import with_configs
+    from pdops.model.render import config_ids
+
+    want = config_ids(files)
+    by_host: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
+    for inst in pl.instances:
+        for h, u in inst.units:
+            by_host.setdefault(h, []).append(u)
+    res = run_parallel(list(by_host), lambda h: with_configs(pool, h, by_host[h]))
+    out, bad = {}, []
+    for h, units in by_host.items():
+        r = res[h]
+        if isinstance(r, Exception):
+            bad.append(f"{h}: unreadable: {getattr(r, 'message', r)}")
+            continue
+        states, configs = r
+        for u in units:
+            k, st = f"{h}:{u}", states.get(u)
+            if st is None or st.active_state != "active" or not st.main_pid:
+                bad.append(f"{k} is {st.active_state + '/' + st.sub_state if st else 'not reported'}")
+                continue
+            out[k] = {"main_pid": st.main_pid, "config": configs.get(u)}
+            if k in want and configs.get(u) != want[k]:
+                bad.append(f"{k} (MainPID {st.main_pid}) runs files {configs.get(u) or 'without a config id'}, "
+                           f"this revision's are {want[k]}")
+    if bad:
+        raise Unverified("not every process runs this revision's files: " + "; ".join(bad),
+                         fix="nothing was recorded; `inv deploy` again plans a replace of what runs other files")
+    return out
+
+
+def configs_of(running: dict) -> dict[str, str]:
+    return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
+
+
+def gateway_pid_of(running: dict, inv: Inventory) -> dict:
+    """{"gateway_main_pid": N} from what verify-running read, for a revision's record: a gateway
+    MainPID that differs later means systemd (or someone) restarted it (pdops.reads.observe)."""
+    pid = (running.get(f"{inv.gateway.host}:{GATEWAY_UNIT}") or {}).get("main_pid")
+    return {"gateway_main_pid": pid} if pid else {}

@@ -1,0 +1,270 @@
+"""Carrying a deploy out: the executors of its step kinds (shared with a change), the record of a
+deploy and of a repair, and the walk under the lock."""
+
+from __future__ import annotations
+
+import time
+
+from pdops.model import membership
+from pdops.errors import DeployFailed, PdopsError, Refused, Unverified
+from pdops.remote.gateway import GatewayClient
+from pdops.remote.hosts import HostPool
+from pdops.model.placement import Instance, Placement, last_bootstrap_ports
+from pdops.model.render import GATEWAY_UNIT, manifest, snapshot_of, write_build
+from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.record.local import new_op_id
+
+from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, gateway_pid_of, preflight_unverified, register,
+                                  running_evidence, start_admission, start_gateway, start_instance, undo_registrations)
+from pdops.ops.deploy.plan import DeployPlan
+
+
+def _placement_of(ctx: RunContext) -> Placement:
+    return ctx.data["placement"]
+
+
+def _inst(ctx: RunContext, step: Step) -> Instance:
+    return _placement_of(ctx).get(step.instance)
+
+
+def do_connect(ctx: RunContext, step: Step) -> Outcome:
+    return Outcome(evidence=ctx.pool.connect_all(step.params["hosts"]))
+
+
+def do_preflight(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.reads.preflight import preflight_gate
+
+    skip = set(step.params["skip"])
+    report, ev = preflight_gate(ctx.inv, step.params["placement"], ctx.pool, skip, ctx.say,
+                                previous=step.params["previous"])
+    from pdops.reads.preflight import PASS
+
+    passed = sum(r.status == PASS for r in report.results)
+    pairing = "" if report.matrix is None or report.matrix.skipped else "; P x D pairing matrix: every cell ok"
+    return Outcome(evidence=ev, verified=[f"preflight: {passed} check(s) passed on {len(report.hosts)} host(s), "
+                                          f"none failed{pairing}"],
+                   unverified=preflight_unverified(report, skip))
+
+
+def do_render(ctx: RunContext, step: Step) -> Outcome:
+    build = ctx.state.path / "builds" / ctx.op
+    write_build(step.params["files"], build, {"op": ctx.op, **step.params["meta"]})
+    ctx.data["build"] = build
+    ctx.data["files"] = step.params["files"]
+    return Outcome(evidence={"build": str(build), "files": len(step.params["files"])})
+
+
+def do_deliver(ctx: RunContext, step: Step) -> Outcome:
+    ctx.say(f"  delivering {len(ctx.data['files'])} rendered files with Ansible")
+    return Outcome(evidence=deliver(ctx.inv, step.params["placement"], ctx.data["files"], ctx.data["build"], None,
+                                    ctx.say))
+
+
+def do_gateway(ctx: RunContext, step: Step) -> Outcome:
+    """Start the gateway; with `wait_for` ({instance: url}), until it lists each healthy and ready."""
+    from pdops.remote.gateway import deadline_in
+
+    t0 = time.monotonic()
+    if step.params.get("unlist"):
+        membership.update(ctx.pool, ctx.inv, remove=step.params["unlist"])
+    ev = start_gateway(ctx.inv, ctx.pool, ctx.gateway, ctx.say, restart=step.params["restart"],
+                       deadline_s=step.deadline, clear_list=step.params.get("clear_list"))
+    ctx.data.setdefault("started", []).append(f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}")
+    wait_for = step.params.get("wait_for") or {}
+    deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 5))
+    for url in wait_for.values():
+        ctx.gateway.wait_worker_healthy(url, deadline)
+    listed = ([f"the gateway lists {', '.join(wait_for)} healthy and ready (registered from its start-up list)"]
+              if wait_for else [])
+    return Outcome(evidence={**ev, "listed": sorted(wait_for)},
+                   verified=[f"gateway {GATEWAY_UNIT} active and answering {ctx.inv.gateway.url}/health"] + listed)
+
+
+def do_admission(ctx: RunContext, step: Step) -> Outcome:
+    ev = start_admission(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline)
+    return Outcome(evidence=ev, verified=[f"admission layer answering {ev['url']}"])
+
+
+def do_start(ctx: RunContext, step: Step) -> Outcome:
+    inst = _inst(ctx, step)
+    ctx.data.setdefault("started_instances", {})[inst.id] = inst
+    ctx.data.setdefault("started", []).extend(f"{h}:{u}" for h, u in inst.units)
+    try:
+        ev = start_instance(ctx.inv, ctx.pool, inst, step.deadline, ctx.say, step.params["restart"])
+    except PdopsError as exc:
+        raise DeployFailed(f"{inst.id} did not start: {exc.message}", evidence=exc.evidence,
+                           fix="nothing was registered with the gateway; read the evidence, fix the cause and "
+                               "deploy again") from None
+    ctx.data.setdefault("healthy", set()).add(inst.id)
+    ctx.data.setdefault("main_pids", {})[inst.id] = ev["main_pids"]
+    return Outcome(evidence=ev, verified=[f"{inst.id} active and healthy on its own /health (MainPID "
+                                          f"{', '.join(map(str, ev['main_pids'].values()))})"])
+
+
+def serving(ctx: RunContext, iid: str) -> Instance:
+    """The instance as it serves at this point of the operation: a replaced one that is not started
+    yet still runs its old process (old ports; a prefill's old bootstrap port)."""
+    if iid in ctx.data.get("replacing", ()) and iid not in ctx.data.get("started_instances", {}):
+        return ctx.data["old_placement"].get(iid)
+    return _placement_of(ctx).get(iid)
+
+
+def do_canary(ctx: RunContext, step: Step) -> Outcome:
+    pairs = [(serving(ctx, p), serving(ctx, d)) for p, d in step.params["pairs"]]
+    ev = canary_pairs(pairs, ctx.say, retry_once=step.params["retry_once"], deadline_s=step.deadline)
+    return Outcome(evidence=ev, verified=[f"a canary generation through each of {len(pairs)} prefill x decode "
+                                          f"pair(s): {', '.join(f'{p.id} x {d.id}' for p, d in pairs)}"])
+
+
+def do_register(ctx: RunContext, step: Step) -> Outcome:
+    inst = _inst(ctx, step)
+    ctx.data.setdefault("posted", set()).add(inst.id)
+    try:
+        wid = register(ctx.gateway, inst, ctx.say, step.deadline)
+    except PdopsError as exc:
+        raise DeployFailed(f"{inst.id} not registered healthy: {exc.message}", evidence=exc.evidence,
+                           fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
+                               "gateway's; fix the cause and deploy again") from None
+    ctx.data.setdefault("workers", {})[inst.id] = wid
+    return Outcome(evidence={"worker_id": wid},
+                   verified=[f"{inst.id} registered (worker {wid}), listed healthy and ready by the gateway's /workers"])
+
+
+def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
+    """One update of the start-up list for a registration group (each registered and ready by now)."""
+    pl = _placement_of(ctx)
+    add = [pl.get(i) for i in step.params["instances"]]
+    missing = [i.id for i in add if i.id not in ctx.data.get("workers", {})]
+    if missing:
+        raise Unverified(f"not registered, so not put in the gateway's start-up list: {', '.join(missing)}")
+    listed = membership.listed_ids(membership.update(ctx.pool, ctx.inv, add=add))
+    return Outcome(evidence={"gateway_list": listed},
+                   verified=[f"{', '.join(i.id for i in add)} in the gateway's start-up list"])
+
+
+def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
+    plan: DeployPlan = ctx.data["deploy_plan"]
+    pl, workers = plan.placement, ctx.data["workers"]
+    instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
+                        "worker_id": workers[i.id], "url": i.url,
+                        "main_pids": ctx.data.get("main_pids", {}).get(i.id)} for i in pl.instances}
+    rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
+                                   placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
+                                   outcome="deployed", op_id=ctx.op,
+                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"]),
+                                          "configs": configs_of(ctx.data["running"]),
+                                          **gateway_pid_of(ctx.data["running"], ctx.inv),
+                                          "last_bootstrap": last_bootstrap_ports({}, pl)},
+                                   snapshot=snapshot_of(ctx.inv, plan.files))
+    ctx.state.set_current(rev.number)
+    ctx.data["verdict"] = {"revision": rev.number}
+    return Outcome(evidence={"revision": rev.number}, verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
+
+
+def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
+    """A new revision: the live one's files and topology, with the MainPIDs and worker ids seen now."""
+    plan: DeployPlan = ctx.data["deploy_plan"]
+    live = plan.live
+    instances = {k: dict(v) for k, v in live.instances.items()}
+    seen = {}
+    for inst in plan.placement.instances:
+        pids = {}
+        for host, unit in inst.units:
+            st = ctx.pool.unit_states(host, [unit])[unit]
+            if st.active_state != "active" or not st.main_pid:
+                raise Unverified(f"{inst.id}: {host}:{unit} is {st.active_state}/{st.sub_state} after the repair")
+            pids[f"{host}:{unit}"] = st.main_pid
+        instances[inst.id]["main_pids"] = seen[inst.id] = pids
+        if inst.id in ctx.data.get("workers", {}):
+            instances[inst.id]["worker_id"] = ctx.data["workers"][inst.id]
+    # the inventory this deploy ran with renders the live files (plan_deploy compared them): it is the
+    # revision's inventory from now on, with its snapshot when it is not the recorded one
+    same_inventory = ctx.inv.digest == live.inventory_hash
+    rev = ctx.state.write_revision(topology=live.topology, inventory_hash=ctx.inv.digest,
+                                   placement=live.placement, manifest=live.manifest, instances=instances,
+                                   outcome="deployed", op_id=ctx.op,
+                                   extra={**live.extra, "repair_of": live.number, "repaired": plan.findings,
+                                          **({"configs": configs_of(ctx.data["running"]),
+                                              **gateway_pid_of(ctx.data["running"], ctx.inv)} if "running" in ctx.data
+                                             else {})},
+                                   snapshot=ctx.state.revision_snapshot(live.number) if same_inventory
+                                   else snapshot_of(ctx.inv, plan.files))
+    ctx.state.set_current(rev.number)
+    ctx.data["verdict"] = {"revision": rev.number}
+    return Outcome(evidence={"revision": rev.number, "main_pids": seen, "inventory_hash": ctx.inv.digest},
+                   verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
+                             "active, MainPIDs as read from systemd now"])
+
+
+def do_verify_running(ctx: RunContext, step: Step) -> Outcome:
+    files = ctx.data.get("files") or (ctx.data.get("scale_plan") or ctx.data["deploy_plan"]).files
+    ev = running_evidence(ctx.pool, ctx.inv, ctx.data["target"], files)
+    ctx.data["running"] = ev
+    return Outcome(evidence={"units": ev}, verified=[f"{len(ev)} unit(s) active, each MainPID started from this "
+                                                     "revision's files (config id noted by its launch script)"])
+
+
+def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
+    workers = ctx.data.get("workers", {})
+    posted = ctx.data.get("posted", set())
+    if not posted:
+        return Outcome.noop("this deploy registered nothing")
+    fresh = step.params["fresh"]
+    pl = _placement_of(ctx)
+    bad = [pl.get(i) for i in posted if i not in workers]
+    undone = undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
+    # what the gateway no longer serves leaves its start-up list too (a restart must not revive it)
+    drop = [i.id for i in bad] + ([i for i in workers] if fresh else [])
+    if drop:
+        try:
+            undone["gateway_list"] = membership.listed_ids(membership.update(ctx.pool, ctx.inv, remove=drop))
+        except PdopsError as e:
+            undone["left"].append(f"gateway start-up list not updated: {e.message}")
+    if undone["left"]:
+        exc = Unverified("the deploy's registrations were not all undone", evidence="\n".join(undone["left"]))
+        exc.journal_evidence = undone
+        raise exc
+    return Outcome(evidence=undone)
+
+
+# the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
+register_executors({"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
+          "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
+          "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
+          "record-repair": do_record_repair, "verify-running": do_verify_running,
+          "undo-register": do_undo_register})
+
+
+def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
+    """Walk a deploy plan with the runner. Returns the verdict: the new revision, what was verified
+    and what could not be (skipped checks never count as verified). Raises with a verdict on failure.
+    `pool` and `gateway` are the operation's connections, opened by the caller (pdops.remote.hosts.connections)."""
+    inv, pl = plan.inv, plan.placement
+    if plan.live is not None and not plan.steps:
+        raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "
+                      "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
+    state = plan.state
+    if state is None:
+        raise PdopsError("a deploy plan without the record it was read from (plan it with plan_deploy): nothing was run",
+                         fix="a pdops bug to report")
+    op = new_op_id("deploy")
+    with state.lock("deploy", op_id=op):
+        state.check_basis(plan.basis)
+        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan, "target": pl})
+        try:
+            verdict = walk(plan.plan, ctx)
+        except PdopsError as exc:
+            _deploy_failed(ctx, exc)
+            raise
+        state.journal().step(op, "verdict", "ok", verdict)
+        return verdict
+
+
+def _deploy_failed(ctx: RunContext, exc: PdopsError) -> None:
+    """The failure verdict (after the plan's rescue ran): what runs, what is current."""
+    started = ctx.data.get("started", [])
+    current = ctx.state.current()
+    ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render(), "left_running": started,
+                                                   "current": current, "completed": ctx.done})
+    exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
+                    f"units started by this deploy (left for inspection): {', '.join(started) or 'nothing'}")

@@ -1,0 +1,177 @@
+"""What `inv deploy --topology T` will do (pure apart from reading the record): a fresh deploy, a
+repair of the live revision decided from what the hosts and the gateway report (plan_reconcile),
+or any other difference as a change (pdops.ops.scale.plan_apply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from pdops.reads import orphans
+from pdops.model.inventory import Inventory
+from pdops.ops.prometheus import targets_step
+from pdops.model.placement import Placement, place
+from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files
+from pdops.runner import Plan, Step
+from pdops.facts.systemd import UnitState
+from pdops.record.local import Revision
+from pdops.model.topology import Topology
+
+if TYPE_CHECKING:
+    from pdops.reads.observe import Observation
+
+from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps,
+                                undo_register_step, verify_running_step)
+
+
+@dataclass
+class DeployPlan:
+    inv: Inventory
+    placement: Placement
+    files: list[RenderedFile]
+    steps: list[Step]
+    noop: str | None = None
+    hosts: list[str] = field(default_factory=list)
+    skip_checks: set[str] = field(default_factory=set)
+    previous: Placement | None = None
+    # the live revision when its topology and rendered files are the ones asked for: what to do
+    # is then decided from observation (plan_reconcile), never from the record alone
+    live: Revision | None = None
+    findings: list[str] = field(default_factory=list)
+    # the record the plan was read from, and its `current` then (checked again under the lock)
+    state: object = field(default=None, repr=False, compare=False)
+    basis: int | None = None
+
+    @property
+    def title(self) -> str:
+        if self.live is not None and not self.findings:
+            return (f"plan: deploy {self.placement.topology} on {self.inv.cluster}: revision {self.live.number} has "
+                    "these rendered files; what to do is decided from what the hosts and the gateway report")
+        if self.live is not None:
+            what = ("what runs differs from it" if any(not f.startswith("the inventory on disk") for f in self.findings)
+                    else "nothing that runs differs from it, only the inventory")
+            return (f"plan: repair revision {self.live.number} ({self.placement.topology}) on {self.inv.cluster}: "
+                    f"its rendered files are in place; {what}, as observed now:\n"
+                    + "\n".join(f"  - {f}" for f in self.findings) + "\nunder the cluster lock")
+        return (f"plan: deploy {self.placement.topology} on {self.inv.cluster} ({len(self.hosts)} hosts, engine "
+                f"{self.inv.engine}, profile {self.inv.profile.name}), under the cluster lock")
+
+    @property
+    def plan(self) -> Plan:
+        rescue = [undo_register_step(fresh=self.previous is None and self.live is None,
+                                     instances=len(self.placement.instances))]
+        if self.live is not None:
+            return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology),
+                                                                "repair_of": self.live.number,
+                                                                "findings": self.findings},
+                        footer=["verified at the end: what each repair step proved"], rescue=rescue,
+                        always=[targets_step()])
+        return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology)},
+                    footer=["verified at the end: what each step above proved; anything it could not check is "
+                            "listed as not verified"], rescue=rescue, always=[targets_step()])
+
+    def render(self) -> str:
+        if self.noop:
+            return self.title + f"\nno change: {self.noop}"
+        return self.plan.render()
+
+
+def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None, *,
+                max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False, seen=None):
+    """Pure apart from reading the record: what a deploy of `topo` will do, or why not. On a live
+    cluster: the live revision's placement and files (a DeployPlan whose repairs are decided from
+    observation, plan_reconcile), or any other difference as a rolling change (pdops.ops.scale.plan_apply:
+    keep, replace, add, remove)."""
+    from pdops.model.placement import place_change
+    from pdops.reads.preflight import validate_skip
+
+    skip_checks = validate_skip(skip_checks)
+    current = state.current_revision()
+    previous = Placement.from_dict(current.placement) if current else None
+    if current is not None:
+        from pdops.ops import scale as sc
+
+        pl = place_change(inv, topo, previous, avoid=frozenset(sc.cordoned_hosts(current)))
+        files = render_files(inv, pl)
+        if pl == previous and current.manifest == manifest(files):
+            # same placement, same files: whether anything is to be done is read from the hosts and
+            # the gateway (plan_reconcile), not assumed from the record
+            return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
+                              previous=previous, live=current, state=state, basis=current.number)
+        plan = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
+                             force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
+        plan.state = state
+        return plan
+    pl = place(inv, topo, previous)
+    files = render_files(inv, pl)
+    hosts = sorted({f.host for f in files})
+    fresh = current is None
+    steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
+    steps += delivery_steps(inv, pl, files)
+    steps.append(Step("gateway", inv.gateway.host, f"{'restart' if fresh else 'start'} {GATEWAY_UNIT} with no "
+                      f"workers, wait for {inv.gateway.url}/health", 60, kind="gateway", params={"restart": fresh},
+                      verifies="the gateway answers /health"))
+    adm = admission_config(inv)
+    if adm is not None:
+        steps.append(Step("admission", adm.host, f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of "
+                          f"the gateway, wait for {adm.url} to answer", 30, kind="admission", params={"restart": fresh}))
+    steps += start_steps(inv, pl.instances, restart=fresh, group="start")
+    pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode")]
+    steps.append(canary_step("canary", pairs, retry_once=False,
+                             why="sent straight to each pair before anything is registered"))
+    steps += register_steps(inv, pl.instances, group="register")
+    steps.append(verify_running_step(pl, inv))
+    steps.append(Step("record", None, "write the revision, move `current` to it", kind="record-deploy"))
+    return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, state=state,
+                      basis=current.number if current else None)
+
+
+def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
+    """For a deploy of the live revision, from what runs (`obs`: pdops.reads.observe.observe, read by
+    the caller) plan the repairs:
+    start what is down, canary every pair through a started or restarted instance, register what
+    the gateway lacks or does not route to, then record the MainPIDs seen. An inventory that renders
+    the same files but is not the one recorded (a host that runs nothing added or taken out) is
+    recorded too, so the operations that require the running revision's inventory accept it.
+    Nothing to repair or record: a no-op whose message names what was observed."""
+    inv, rev, pl = plan.inv, plan.live, plan.placement
+    findings = obs.findings()
+    if rev.inventory_hash != inv.digest:
+        findings.append(f"the inventory on disk (digest {inv.digest[:12]}) is not revision {rev.number}'s "
+                        f"({rev.inventory_hash[:12]}) but renders the same files: recorded with it")
+    if not findings:
+        return replace(plan, noop=f"revision {rev.number} ({pl.topology}) is live with identical rendered files; "
+                                  f"{obs.summary()}")
+    stale = {o.id: "its process runs other files: " + "; ".join(o.stale) for o in obs.instances if o.stale}
+    if stale and not any(o.down for o in obs.instances) and not obs.gateway_down:
+        # processes started from other files than the revision's: replaced, rolling, as any change
+        from pdops.ops import scale as sc
+
+        change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale)
+        change.state = plan.state
+        return change
+    steps = [connect_step(plan.hosts)]
+    if obs.gateway_down:
+        restart = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
+        steps.append(Step("gateway", inv.gateway.host, f"{'restart' if restart else 'start'} {GATEWAY_UNIT} (after "
+                          "each start it queues its start-up list itself), wait for "
+                          f"{inv.gateway.url}/health", 60, kind="gateway", params={"restart": restart}))
+    down = [o.instance for o in obs.instances if o.down]
+    restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
+    steps += start_steps(inv, down, restart=False, group="start")
+    touched = {i.id for i in down + restarted}
+    pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode") if {p.id, d.id} & touched]
+    if pairs:
+        steps.append(canary_step("canary", pairs, retry_once=True,
+                                 why="through every pair of a started or restarted instance, before registration"))
+    need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
+    steps += register_steps(inv, need, group="register")
+    if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
+        # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
+        steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
+    steps.append(verify_running_step(pl, inv))
+    steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
+                      "and topology" + ("; the inventory on disk" if rev.inventory_hash != inv.digest else "")
+                      + "); move `current` to it", kind="record-repair"))
+    return replace(plan, steps=steps, findings=findings)

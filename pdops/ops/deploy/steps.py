@@ -1,0 +1,80 @@
+"""The step builders deploy and a change share (pure): connect, preflight, render and deliver, start,
+canary, register, verify what runs, and the rescue that takes back what a failed deploy registered."""
+
+from __future__ import annotations
+
+
+from pdops.model import membership
+from pdops.model.inventory import Inventory
+from pdops.model.placement import Placement
+from pdops.model.render import RenderedFile
+from pdops.runner import Step
+
+
+# ---------------------------------------------------------------- step builders (shared by deploy and scale)
+
+def connect_step(hosts: list[str]) -> Step:
+    return Step("connect", None, f"SSH to {len(hosts)} hosts in parallel: {', '.join(hosts)}", 30, kind="connect",
+                params={"hosts": list(hosts)})
+
+
+def preflight_step(skip_checks: set[str], pl: Placement, previous: Placement | None) -> Step:
+    return Step("preflight", None, "host, limits, ports, versions and P x D pairing checks; refuse a failing host"
+                + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else ""), kind="preflight",
+                params={"skip": sorted(skip_checks), "placement": pl, "previous": previous})
+
+
+def delivery_steps(inv: Inventory, pl: Placement, files: list[RenderedFile], meta: dict | None = None) -> list[Step]:
+    return [Step("render", None, f"{len(files)} files into the revision's build folder, with a manifest",
+                 kind="render", params={"files": files, "meta": meta or {}}),
+            Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
+                 "units, launch scripts, 0600 env files, daemon-reload, enable)", kind="deliver",
+                 params={"placement": pl})]
+
+
+def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> list[Step]:
+    start_s = float(inv.vars.get("pdops_start_timeout_s", 900))
+    return [Step(f"start {i.id}", i.head.host, f"{i.id} ({i.role}): {'restart' if restart else 'start'} "
+                 f"{', '.join(f'{h}:{u}' for h, u in i.units)}, wait {i.url}/health", start_s,
+                 kind="start", params={"instance": i.id, "restart": restart}, group=group) for i in insts]
+
+
+def canary_step(name: str, pairs: list[tuple[str, str]], *, retry_once: bool, why: str, instance: str | None = None,
+                kind: str = "canary") -> Step:
+    return Step(name, None, f"{len(pairs)} generation request(s), one through each prefill x decode pair "
+                f"({', '.join(f'{p} x {d}' for p, d in pairs)}), {why}", 120, kind=kind,
+                params={"pairs": pairs, "retry_once": retry_once, **({"instance": instance} if instance else {})})
+
+
+def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
+    reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
+    out = []
+    for i in insts:
+        bp = f" bootstrap {i.bootstrap_port}" if i.bootstrap_port else ""
+        out.append(Step(f"register {i.id}", inv.gateway.host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}), "
+                        "wait until /workers lists it healthy and ready",
+                        reg_s, kind="register", params={"instance": i.id},
+                        group=group))
+    if insts:
+        ids = [i.id for i in insts]
+        out.append(Step("gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), inv.gateway.host,
+                        f"add {', '.join(ids)} to the gateway's start-up list ({membership.PATH}): from now on a "
+                        "gateway restart registers them by itself", 30, kind="gateway-list", params={"instances": ids}))
+    return out
+
+
+def verify_running_step(pl: Placement, inv: Inventory) -> Step:
+    n = sum(len(i.units) for i in pl.instances) + 1
+    return Step("verify-running", None, f"every unit of the revision ({n}, the gateway's too) active, and its "
+                "MainPID started from this revision's files (the PID and config id its launch script noted in "
+                "/run/pdops/<unit>/config before exec)", 60,
+                kind="verify-running", verifies="the running processes use the revision's files")
+
+
+def undo_register_step(*, fresh: bool, instances: int) -> Step:
+    """A deploy's rescue: what it registered but cannot record leaves the gateway. Its budget: each
+    removal waits up to 30 s for the gateway to stop listing the worker, one at a time."""
+    return Step("undo-register", None, "remove from the gateway (and its start-up list) every instance this deploy "
+                "registered that was not verified healthy" + (", and on this fresh cluster every one it registered "
+                "(no revision will describe them)" if fresh else "") + "; the units it started are left running "
+                "for inspection", 60 + 35 * instances, kind="undo-register", params={"fresh": fresh})

@@ -1,0 +1,386 @@
+"""Carrying a drain or a stop out: the executors of their step kinds and the walk under the lock."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pdops.model import membership
+from pdops.reads import orphans
+from pdops.errors import DrainFailed, PdopsError, Refused, Unverified
+from pdops.facts import nvidia as nv_facts
+from pdops.facts import ports as port_facts
+from pdops.facts import skipped_in
+from pdops.remote.gateway import GatewayClient, deadline_in
+from pdops.remote.hosts import HostPool
+from pdops.model.placement import Instance, Placement
+from pdops.model.render import SLICE_UNIT, UNIT_DIR
+from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.record.local import StateDir, new_op_id
+
+from pdops.ops.drain.plan import DrainPlan, GONE_WAIT_S, KillPlan
+from pdops.ops.drain.stopping import (alive_survivors, describe_survivor, kill_command, last_stop_record, leave_gateway,
+                                  read_emptiness, record_identities, stop_evidence, stop_units, verify_units_stopped)
+
+
+def do_check_units(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    for h, u in inst.units:
+        st = ctx.pool.unit_states(h, [u])[u]
+        if st.is_active:
+            raise Refused(f"{u} on {h} is {st.active_state} again: its processes are not survivors now",
+                          fix=f"`inv stop --instance {inst.id}` first")
+    return Outcome(evidence={"units": [u for _, u in inst.units]})
+
+
+def do_kill_survivors(ctx: RunContext, step: Step) -> Outcome:
+    out = ctx.pool.run(step.host, kill_command(step.params["records"])).stdout
+    results = json.loads(out.strip().splitlines()[-1])
+    for res in results:
+        ctx.say(f"  {step.host} PID {res['pid']}: {res['status']}" + (f" ({res['why']})" if res.get("why") else ""))
+    killed = [f"PID {r['pid']}" for r in results if r["status"] == "killed"]
+    return Outcome(evidence={"results": results},
+                   verified=[f"ended {', '.join(killed) or 'nothing (already gone)'} on {step.host} by PID and "
+                             "start time"])
+
+
+def do_verify_gone(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    deadline = ctx.deadline(step) - 10
+    while True:
+        left = alive_survivors(ctx.pool, step.params["records"])
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    listeners = port_facts.parse(ctx.pool.run(inst.head.host, port_facts.command()).stdout)
+    ports = [p for p in (inst.http_port, inst.bootstrap_port)
+             if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+    sk = skipped_in(ctx.pool.run(inst.head.host, nv_facts.apps_command()).stdout)
+    ev = {"instance": inst.id, "verified": not left and not ports, "survivors": left, "ports_open": ports,
+          "gpu": f"skipped: {sk.reason}" if sk is not None else "read"}
+    if left or ports:
+        exc = Unverified(f"{inst.id}: the stop is still NOT verified",
+                         evidence="\n".join([f"survivor: {describe_survivor(r)}" for r in left]
+                                            + ([f"ports still listening: {ports}"] if ports else [])),
+                         fix="inspect these by hand; pdops kills only recorded processes")
+        exc.journal_evidence = ev
+        raise exc
+    return Outcome(evidence=ev, verified=["every recorded PID gone or reused",
+                                          f"ports {', '.join(str(p) for p in (inst.http_port, inst.bootstrap_port) if p)}"
+                                          " closed"],
+                   unverified=[f"GPU processes: skipped: {sk.reason}"] if sk is not None else [])
+
+
+def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool,
+                           gateway: GatewayClient) -> dict:
+    """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
+    op = new_op_id("stop")
+    with state.lock("stop", op_id=op):
+        state.check_basis(plan.rev.number)
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": Placement.from_dict(plan.rev.placement)})
+        try:
+            verdict = walk(plan.plan, ctx)
+        except PdopsError as exc:
+            ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
+            raise
+        verdict["instance"] = plan.instance.id
+        verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
+                                f"{plan.instance.id}` resumes the drain and records it")
+        state.journal().step(op, "verdict", "ok", verdict)
+    return verdict
+
+
+# ---------------------------------------------------------------- doing: one executor per step kind
+
+def _earlier_drain_passed_empty_checks(j, instance: str, this_op: str) -> bool:
+    """Did the last earlier drain of `instance` (a drain, scale or rollback step of it) pass
+    empty-check-2? Read by step id and instance, never by free text."""
+    drain_kinds = ("leave-gateway", "wait-empty", "empty-check-1", "empty-check-2")
+    for op in reversed(j.operations()):
+        if op == this_op:
+            continue
+        recs = j.read(op)
+        plan_inst = (recs[0].get("evidence") or {}).get("instance") if recs and recs[0].get("step") == "plan" else None
+        mine = [r for r in recs if r["step"].rsplit(": ", 1)[-1] in drain_kinds
+                and ((r.get("evidence") or {}).get("instance", plan_inst) == instance)]
+        if mine:
+            return any(r["step"].endswith("empty-check-2") and r["status"] == "ok" for r in mine)
+    return False
+
+
+def _drain_state(ctx: RunContext, inst: Instance, step: Step) -> dict:
+    """Per-instance scratch of a drain; whether its units were already stopped (inactive or
+    failed, not restarting) is read once, at the instance's first step, from systemd: a resumed
+    drain. With `resume=False` (undoing an add) the units are always stopped."""
+    key = ("drain", inst.id)
+    if key not in ctx.data:
+        states = {u: ctx.pool.unit_states(h, [u])[u] for h, u in inst.units}
+        stopped = all(st.active_state in ("inactive", "failed") and st.sub_state != "auto-restart"
+                      for st in states.values())
+        ctx.data[key] = {"already_stopped": stopped and step.params.get("resume", True)}
+    return ctx.data[key]
+
+
+def _instance(ctx: RunContext, step: Step) -> Instance:
+    """The instance a drain step names; for a replacement (`old`), its running process's placement."""
+    if step.params.get("old"):
+        return ctx.data["old_placement"].get(step.instance)
+    return ctx.data["placement"].get(step.instance)
+
+
+def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    _drain_state(ctx, inst, step)
+    if step.params.get("in_change"):  # out of service from now on: a halted change's rescue reads this
+        left_ = ctx.data.setdefault("left_gateway", [])
+        if inst.id not in left_:
+            left_.append(inst.id)
+    # out of the gateway's start-up list first: a gateway restart from now on does not bring it back
+    left = membership.update(ctx.pool, ctx.inv, remove=[inst.id])
+    removed = leave_gateway(ctx.gateway, inst, step.params.get("worker_id"), deadline_s=step.deadline)
+    if not removed:
+        return Outcome("noop", {"already_removed": step.params.get("worker_id"),
+                                "gateway_list": membership.listed_ids(left)},
+                       verified=[f"{inst.id} is not in the gateway's /workers"],
+                       reason=f"{inst.id} is not in the gateway's /workers (already removed)")
+    ctx.say(f"  {inst.id} left the gateway: worker {', '.join(removed)} removed, draining (no new request routed to it)")
+    return Outcome(evidence={"removed": removed, "gateway_list": membership.listed_ids(left)},
+                   verified=[f"{inst.id} out of the gateway's start-up list and draining in the gateway (no new "
+                             "request routed to it)"])
+
+
+def _resumed_without_checks(ctx: RunContext, step: Step, inst: Instance) -> Outcome | None:
+    """For an instance stopped before this drain: the checks happened in an earlier drain, or it fails."""
+    if not _drain_state(ctx, inst, step)["already_stopped"]:
+        return None
+    if not _earlier_drain_passed_empty_checks(ctx.journal, inst.id, ctx.op):
+        raise DrainFailed(f"{inst.id}'s units are already stopped but no drain of it passed the empty checks: its "
+                          "in-flight work cannot be accounted for",
+                          fix="read the journal; use `inv stop` to verify the stop and record it")
+    return Outcome.noop(f"{inst.id} was stopped by an earlier drain that passed both empty checks")
+
+
+def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    resumed = _resumed_without_checks(ctx, step, inst)
+    if resumed:
+        return resumed
+    deadline = ctx.deadline(step)
+    last, t0 = "", time.monotonic()
+    ended: dict[str, list[str]] = {}
+    next_orphan_look = t0 + orphans.GRACE_S
+    while True:
+        r = read_emptiness(ctx.pool, inst)
+        if r.empty:
+            return Outcome(evidence={"waited_s": round(time.monotonic() - t0, 2),
+                                     **({"orphans_ended": ended} if ended else {})},
+                           verified=[f"{inst.id}: ended {len(v)} orphaned half(s) whose decode side is gone, the only "
+                                     f"work it still held (lost, not replayed): {', '.join(v)}"
+                                     for v in ended.values()])
+        if inst.role == "prefill" and r.open_rids and time.monotonic() >= next_orphan_look:
+            # what it still holds may be halves no decode will ever take: end those, named
+            next_orphan_look = time.monotonic() + orphans.GRACE_S
+            ended.setdefault(inst.id, []).extend(_end_orphans_if_all_open_are(ctx, inst, r.open_rids))
+        desc = r.describe()
+        if desc != last:
+            ctx.say(f"  waiting ({time.monotonic() - t0:.0f}s): {desc}")
+            last = desc
+        if time.monotonic() + 0.5 > deadline:
+            if step.params.get("force_after"):
+                ctx.say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
+                        "(recorded in the journal as accepted loss)")
+                ctx.data[("accepted_loss", inst.id)] = list(r.open_rids)
+                return Outcome("accepted-loss", {"open_rids": r.open_rids, "reading": desc},
+                               unverified=[f"{inst.id}: {len(r.open_rids)} request(s) still open at the deadline "
+                                           "(--force-after: accepted loss)"])
+            exc = DrainFailed(f"{inst.id} still has work after {step.deadline:g}s; the instance was NOT stopped "
+                              f"(it is out of the gateway; re-add it with `inv rollback` or retry the drain)",
+                              evidence="open request IDs: " + (", ".join(r.open_rids) or "none") + f"\n{desc}",
+                              fix="wait and run the drain again, or --force-after to accept the loss")
+            exc.journal_evidence = {"open_rids": r.open_rids, "reading": desc}
+            raise exc
+        time.sleep(0.5)
+
+
+def _end_orphans_if_all_open_are(ctx: RunContext, inst: Instance, open_rids: list[str]) -> list[str]:
+    """When every request the prefill holds is an orphaned half (pdops.reads.orphans), end them by rid."""
+    try:
+        found = orphans.read(ctx.pool, ctx.data["placement"], ctx.inv, prefills=[inst.id]).orphans.get(inst.id, [])
+    except PdopsError as exc:  # a reading, not the drain: the wait goes on and its own deadline decides
+        ctx.say(f"  {inst.id}: orphaned halves not read: {exc.message}")
+        return []
+    if not found or {o.rid for o in found} != set(open_rids):
+        return []
+    done, left = orphans.end(inst, found, set(open_rids))
+    ctx.say(f"  {inst.id}: all it still holds are orphaned halves (no decode holds them): ended {', '.join(done)}"
+            + (f"; not ended: {'; '.join(left)}" if left else ""))
+    return done
+
+
+def do_empty_check(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    resumed = _resumed_without_checks(ctx, step, inst)
+    if resumed:
+        return resumed
+    n, pause = step.params["n"], step.params["pause"]
+    if ("accepted_loss", inst.id) in ctx.data:
+        return Outcome.noop(f"--force-after: {inst.id} is stopped with its open work at the deadline accepted as "
+                            "lost (named by wait-empty); not checked for emptiness")
+    time.sleep(pause)
+    r = read_emptiness(ctx.pool, inst)
+    if not r.empty:
+        exc = DrainFailed(f"{inst.id}: empty check {n}" + (f" ({pause:g}s after check 1)" if n == 2 else "")
+                          + f" found work: {r.describe()}; the instance was NOT stopped and stays out of the gateway",
+                          fix="something still sends it requests directly (not through the gateway); find it, then "
+                              "run the drain again")
+        exc.journal_evidence = {"reading": r.describe(), "open_rids": r.open_rids}
+        raise exc
+    ctx.say(f"  empty-check {n} passed" + (f" ({pause:g}s later)" if n == 2 else ""))
+    return Outcome(evidence={"reading": "empty", "interval_s": pause},
+                   verified=[f"no open request ID and all queues 0, twice, {pause:g}s apart ({inst.id})"] if n == 2 else [])
+
+
+def do_record_identity(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    st = _drain_state(ctx, inst, step)
+    if st["already_stopped"]:
+        return Outcome.noop(f"{inst.id}'s units are already inactive")
+    st["idents"] = record_identities(ctx.pool, inst)
+    return Outcome(evidence={u: {"main_pid": i.main_pid, "cgroup": i.control_group, "pids": sorted(i.tree)}
+                             for u, i in st["idents"].items()})
+
+
+def do_stop(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    st = _drain_state(ctx, inst, step)
+    if st["already_stopped"]:
+        return Outcome.noop(f"{inst.id}'s units are already inactive")
+    st["seconds"] = stop_units(ctx.pool, inst, ctx.inv.stop_timeout_s, ctx.say)
+    return Outcome(evidence={"seconds": st["seconds"], "units": [u for _, u in inst.units]})
+
+
+def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
+    inst = _instance(ctx, step)
+    st = _drain_state(ctx, inst, step)
+    if st["already_stopped"]:
+        out = _verify_resumed_stop(ctx, inst)
+    else:
+        res = verify_units_stopped(ctx.pool, inst, st["idents"], st["seconds"],
+                                   check_ports=step.params.get("check_ports", True), say=ctx.say)
+        verified = [f"cgroup empty, every recorded PID gone or reused, ports closed ({inst.id})"]
+        if res.strays:
+            verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
+        if res.sigkill:
+            verified.append("needed systemd's SIGKILL after TimeoutStopSec")
+        out = Outcome(evidence=stop_evidence(inst, res), verified=verified,
+                      unverified=sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")}))
+    wid = step.params.get("gateway_worker")
+    if wid and ctx.gateway is not None:
+        # right after the stop smg may still list the removed worker as draining: the drain ends when
+        # the gateway's view is the revision's (an `inv status` at once then counts what runs)
+        try:
+            ctx.gateway.wait_worker_gone(wid, deadline_in(GONE_WAIT_S))
+            out.verified.append(f"the gateway no longer lists worker {wid} ({inst.id})")
+        except PdopsError as exc:
+            out.unverified.append(f"the gateway still lists worker {wid} of {inst.id}: {exc.message}")
+    if step.params.get("in_change"):
+        ctx.data.setdefault("replaced_out" if step.params.get("old") else "drained", []).append(inst.id)
+    return out
+
+
+def _verify_resumed_stop(ctx: RunContext, inst: Instance) -> Outcome:
+    """The stop happened in an earlier run: verify what can still be read now."""
+    pool = ctx.pool
+    for h, u in inst.units:
+        if pool.unit_states(h, [u])[u].is_active:
+            raise Unverified(f"{u} on {h} is active again")
+    listeners = port_facts.parse(pool.run(inst.head.host, port_facts.command()).stdout)
+    open_ports = [p for p in (inst.http_port, inst.bootstrap_port)
+                  if p and port_facts.is_listening(listeners, inst.head.data_addr, p)]
+    if open_ports:
+        raise Unverified(f"{inst.id} is stopped but ports {open_ports} are listening",
+                         fix=f"`inv stop --instance {inst.id} --kill-survivors` if the last stop listed survivors")
+    last = last_stop_record(ctx.journal, inst.id, failed_only=True)
+    recorded = (last or {}).get("evidence", {}).get("survivors") or []
+    left = alive_survivors(pool, recorded) if recorded else []
+    if left:
+        raise Unverified(f"{inst.id} is stopped but processes recorded by its last stop still run",
+                         evidence="\n".join(describe_survivor(r) for r in left),
+                         fix=f"`inv stop --instance {inst.id} --kill-survivors`")
+    return Outcome(evidence={"instance": inst.id, "verified": True, "survivors": [], "resumed": True},
+                   verified=["units inactive and ports closed (PIDs were recorded by the earlier run)"
+                             + (f"; the {len(recorded)} survivor(s) the last unverified stop recorded are gone now"
+                                if recorded else "")])
+
+
+def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
+    plan: DrainPlan = ctx.data["drain_plan"]
+    inst = plan.instance
+    new_pl = Placement(plan.placement.topology.__class__(
+        len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
+        len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
+        tuple(i for i in plan.placement.instances if i.id != inst.id))
+    instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
+    hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
+                   for h, files in plan.rev.manifest.items()}
+    # a host left with nothing of the revision but pdops.slice is no host of it (render agrees:
+    # a deploy of the new topology renders no file there, so the manifests compare equal)
+    slice_path = f"{UNIT_DIR}/{SLICE_UNIT}"
+    hosts_files = {h: f for h, f in hosts_files.items() if set(f) - {slice_path}}
+    removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
+                     for h, files in plan.rev.manifest.items()}
+    rollback = {"restore": inst.id, "from_revision": plan.rev.number,
+                "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
+                "holds_while": "its hosts and rendered files are unchanged",
+                "files": {h: f for h, f in removed_files.items() if f},
+                "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
+    from pdops.model.placement import last_bootstrap_ports
+    from pdops.model.render import snapshot_subset
+
+    units = {f"{h}:{u}" for h, u in inst.units}
+    carried = {"configs": {k: v for k, v in (plan.rev.extra.get("configs") or {}).items() if k not in units},
+               "cordoned": list(plan.rev.extra.get("cordoned") or []),
+               # the slot remembers its last prefill's bootstrap port: a re-add takes the other one
+               "last_bootstrap": last_bootstrap_ports(plan.rev.extra.get("last_bootstrap") or {}, plan.placement)}
+    rev = ctx.state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
+                                   placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
+                                   outcome="deployed", op_id=ctx.op,
+                                   extra={"drained": inst.id, "rollback": rollback,
+                                          "gateway": plan.rev.extra.get("gateway"), **carried},
+                                   snapshot=snapshot_subset(ctx.state.revision_snapshot(plan.rev.number), hosts_files))
+    ctx.state.set_current(rev.number)
+    return Outcome(evidence={"revision": rev.number, "rollback": rollback},
+                   verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
+
+
+register_executors({"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
+          "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop,
+          "record-drain": do_record_drain, "check-units": do_check_units, "kill-survivors": do_kill_survivors,
+          "verify-gone": do_verify_gone})
+
+
+def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,
+                  gateway: GatewayClient) -> dict:
+    """Walk a drain (or stop) plan with the runner. An interruption (SSH lost, engine unreachable,
+    a check failing) ends with a journalled verdict naming the last completed step; the instance
+    is never recorded as stopped unless the stop was verified. Re-running the same drain resumes:
+    a worker already removed is a no-op, an instance already stopped is only accepted when an
+    earlier drain of it passed both empty checks."""
+    op = new_op_id(plan.plan.operation)
+    with state.lock(plan.plan.operation, op_id=op):
+        state.check_basis(plan.rev.number)
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": plan.placement, "drain_plan": plan})
+        try:
+            verdict = walk(plan.plan, ctx)
+        except PdopsError as exc:
+            last = ctx.done[-1] if ctx.done else "none"
+            current = state.current()
+            ctx.journal.step(op, "verdict", "interrupted", {"error": exc.render(), "last_completed_step": last,
+                                                           "current": current})
+            exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
+                            f"current revision: {current}. Re-run the same command to resume "
+                            "(each step re-checks what is already done).")
+            raise
+        verdict["instance"] = plan.instance.id
+        ctx.journal.step(op, "verdict", "ok", verdict)
+        return verdict

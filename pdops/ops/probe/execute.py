@@ -1,0 +1,213 @@
+"""Carrying a probe out: its executors, and the walk under the lock with its way back."""
+
+from __future__ import annotations
+
+import time
+
+# imported for their step kinds' executors too (pdops.runner.EXECUTORS): a probe walks them
+import pdops.ops.scale  # noqa: F401
+from pdops.ops.deploy import do_canary
+from pdops.errors import PdopsError, Unverified
+from pdops.model.placement import Placement
+from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
+from pdops.record.local import new_op_id, now_iso
+
+from pdops.ops.probe.plan import ProbePlan, change_after, restore_steps
+from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures
+
+
+# ---------------------------------------------------------------- doing
+
+def _journal_command(unit: str, since: float) -> str:
+    from pdops.facts import q
+
+    return f"journalctl -u {q(unit)} --since @{int(since)} -o cat --no-pager"
+
+
+def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.remote.load import send_pair
+    from pdops.sim.tokens import make_prompt
+
+    plan: ProbePlan = ctx.data["probe_plan"]
+    p, d = plan.pair
+    pool = ctx.pool
+    units = [(h, u) for x in plan.pair for h, u in x.units]
+    before = {f"{h}:{u}": pool.unit_states(h, [u])[u].main_pid for h, u in units}
+    t0 = time.time()
+    i_tok, o_tok = plan.workload
+    ctx.say(f"  probe: {plan.requests} request(s) of {i_tok}/{o_tok} tokens to {p.id} x {d.id} ...")
+    rows = send_pair(p.url, d.url, p.head.data_addr, p.bootstrap_port, requests=plan.requests,
+                     concurrency=plan.concurrency, prompt_for=lambda k: make_prompt(i_tok, 7919 * (k + 1)),
+                     max_new_tokens=o_tok, timeout=plan.timeout_s, rid_prefix=f"pdops-probe-{ctx.op[-8:]}")
+    groups, read_errors = [], []
+    for h, u in units:
+        try:
+            text = pool.run(h, _journal_command(u, t0 - 1), timeout=60).stdout
+        except PdopsError as exc:
+            read_errors.append(f"{h}:{u}: {exc.message}")
+            continue
+        groups.append(signatures(text, f"{h}:{u}"))
+    sigs = merge_signatures(groups)
+    after = {f"{h}:{u}": pool.unit_states(h, [u])[u].main_pid for h, u in units}
+    restarts = [k for k in before if after.get(k) != before[k]]
+    outcomes = attribute_crash([classify(r, sigs) for r in rows], restarts, sigs)
+    canary_retried = bool(((ctx.data.get("canary_evidence") or {}).get("first_attempt_failed")))
+    doc = {"outcomes": [{"rid": r.rid, "outcome": o, "status": r.status, "http_status": r.http_status,
+                         "prefill": (r.extra or {}).get("prefill"), "error": (r.error or "")[:300],
+                         "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                         "seconds": round((r.end or t0) - r.start, 2)} for r, o in zip(rows, outcomes)],
+           "result": result_line(outcomes), "signatures": sigs, "restarts": restarts,
+           "mixed_reasons": mixed_reasons(outcomes, restarts, canary_retried, sigs), "window": [t0, time.time()],
+           "journal_unread": read_errors}
+    ctx.data["probe_result"] = doc
+    ctx.say(f"  probe result: {doc['result']}" + (f"; mixed: {'; '.join(doc['mixed_reasons'])}"
+                                                  if doc["mixed_reasons"] else ""))
+    verified = [f"{len(rows)} request(s) answered or ended, each in the ledger: {doc['result']}",
+                f"failure signatures read from {len(groups)} rank journal(s): {len(sigs)}"]
+    return Outcome(evidence=doc, verified=verified,
+                   unverified=[f"journal not read: {e}" for e in read_errors])
+
+
+def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.ops.deploy import deliver
+
+    plan: ProbePlan = ctx.data["probe_plan"]
+    remove: dict[str, list[str]] = {}
+    for f in plan.files:
+        remove.setdefault(f.host, []).append(f.path)
+    ev = deliver(ctx.inv, plan.baseline, [], ctx.data["build"], remove, ctx.say)
+    return Outcome(evidence=ev, verified=[f"{', '.join(plan.ids)}'s files removed ({sum(map(len, remove.values()))})"])
+
+
+def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.ops.deploy import running_evidence
+    from pdops.model.render import files_of
+
+    plan: ProbePlan = ctx.data["probe_plan"]
+    snap = ctx.state.revision_snapshot(plan.rev.number)
+    if snap is not None:
+        files = files_of(snap)
+    else:  # checked at plan time: the inventory renders the revision's files
+        from pdops.model.render import render_files
+
+        files = render_files(plan.inv, plan.baseline)
+    ev = running_evidence(ctx.pool, ctx.inv, plan.baseline, files)
+    moved = []
+    for i in plan.baseline.instances:
+        rec = (plan.rev.instances.get(i.id) or {}).get("main_pids") or {}
+        for k, pid in rec.items():
+            now = (ev.get(k) or {}).get("main_pid")
+            if now is not None and pid and int(now) != int(pid):
+                moved.append(f"{k} MainPID {now}, recorded {pid}")
+    left = []
+    for x in plan.pair:
+        for h, u in x.units:
+            st = ctx.pool.unit_states(h, [u])[u]
+            if st.active_state not in ("inactive", "failed") or st.load_state not in ("not-found", "masked", ""):
+                if st.active_state == "active" or st.load_state == "loaded":
+                    left.append(f"{h}:{u} is {st.load_state}/{st.active_state}")
+    if moved or left:
+        raise Unverified("the baseline is not as recorded after the probe: " + "; ".join(moved + left),
+                         fix="`inv status` shows what runs; `inv repair` or `inv stop` what differs")
+    return Outcome(evidence={"units": ev},
+                   verified=[f"revision {plan.rev.number}: {len(ev)} unit(s) active with their recorded MainPIDs and "
+                             "the revision's files; the spare pair's units gone"])
+
+
+def do_probe_canary(ctx: RunContext, step: Step) -> Outcome:
+    """The deploy canary through the probed pair; its evidence kept for the result table."""
+    out = do_canary(ctx, step)
+    ctx.data["canary_evidence"] = out.evidence
+    return out
+
+
+# the kinds made here; a probe also walks deploy's, drain's and a change's kinds (scale, imported above)
+register_executors({"probe-canary": do_probe_canary, "probe-requests": do_probe_requests,
+          "probe-remove-files": do_probe_remove_files, "probe-verify-baseline": do_probe_verify_baseline})
+
+
+def next_probe_id(journal) -> str:
+    n = sum(1 for r in journal.records() if r.get("step") == "probe-result")
+    return f"T{n + 1}"
+
+
+def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
+    """Carry out a probe under the cluster lock; the probe-result record (also in the journal).
+    The way back always runs, whether the probe's own steps passed or not."""
+    from pdops.ops import scale as sc
+    from pdops.record.local import default_operator
+
+    state = plan.state
+    op = new_op_id("probe")
+    p, d = plan.pair
+    with state.lock("probe", op_id=op):
+        state.check_basis(plan.rev.number)
+        j = state.journal()
+        pid = next_probe_id(j)
+        say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
+        union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
+        ctx = RunContext(plan.probe_inv, state, op, say, pool, gateway,
+                         {"placement": union, "old_placement": plan.baseline, "probe_plan": plan,
+                          "target": union})
+        j.step(op, "plan", "ok", {"operation": "probe", "probe": pid, "bundle": plan.bundle.as_dict(),
+                                  "mode": plan.mode, "pair": plan.ids, "steps": [s.name for s in plan.steps]})
+        failure: PdopsError | None = None
+        interrupted = False
+        proven: dict = {"verified": [], "unverified": []}
+        try:
+            v0 = run_steps(plan.steps, ctx)
+            proven["verified"] += v0["verified"]
+            proven["unverified"] += v0["unverified"]
+        except PdopsError as exc:
+            failure = exc
+            say(f"probe {pid}: stopped at a step: {exc.message}")
+        except KeyboardInterrupt:  # the way back still runs: a candidate is never left behind
+            interrupted = True
+            failure = PdopsError("interrupted by the operator")
+            say(f"probe {pid}: interrupted; the requests in flight are abandoned (never sent again); "
+                "taking the pair back now")
+        result = ctx.data.get("probe_result")
+        all_ok = bool(result) and all(o["outcome"] == "ok" for o in result["outcomes"]) and not result["mixed_reasons"]
+        keep = plan.keep and all_ok and failure is None
+        after: dict = {}
+        back_error: PdopsError | None = None
+        try:
+            if plan.mode == "spare":
+                ctx.inv = plan.inv
+                v1 = run_steps(restore_steps(plan), ctx)
+                proven["verified"] += v1["verified"]
+                proven["unverified"] += v1["unverified"]
+                after = {"restored": True, "how": "spare pair stopped and removed; the revision verified untouched"}
+            else:
+                if plan.keep and not keep:
+                    say(f"probe {pid}: --keep not applied: not every request was ok (or the window was mixed); "
+                        "restoring the baseline")
+                ch = change_after(plan, keep)
+                v = sc.walk_scale(ch, state, op, say, pool=pool, gateway=gateway)
+                proven["verified"] += v.get("verified", [])
+                proven["unverified"] += v.get("unverified", [])
+                after = {"restored": not keep, "kept": keep, "revision": v.get("revision"),
+                         "how": "kept as a new revision" if keep else "the revision's files, as a new revision"}
+        except PdopsError as exc:
+            back_error = exc
+            after = {"restored": False, "error": exc.message}
+        doc = {"probe": pid, "op": op, "when": now_iso(), "operator": default_operator(),
+               "revision": plan.rev.number, "bundle": plan.bundle.as_dict(), "mode": plan.mode, "pair": plan.ids,
+               "workload": {"input_tokens": plan.workload[0], "output_tokens": plan.workload[1]},
+               "requests": plan.requests, "concurrency": plan.concurrency,
+               "variables": plan.variables, "n_variables": len(plan.variables),
+               "multi_variable": len(plan.variables) > 1,
+               "result": (result or {}).get("result") or f"not run: {failure.message if failure else 'unknown'}",
+               "outcomes": (result or {}).get("outcomes", []), "signatures": (result or {}).get("signatures", []),
+               "mixed": bool((result or {}).get("mixed_reasons")) or (failure is not None and result is None),
+               "mixed_reasons": (result or {}).get("mixed_reasons", []) +
+               ([f"the probe stopped before its requests: {failure.message}"] if failure and result is None else []),
+               "after": after, "verified": proven["verified"], "unverified": proven["unverified"]}
+        j.step(op, "probe-result", "ok" if back_error is None else "failed", doc)
+        if interrupted and back_error is None:
+            raise KeyboardInterrupt
+        if back_error is not None:
+            back_error.message = (f"probe {pid} ({doc['result']}): the way back did not complete: "
+                                  f"{back_error.message}")
+            raise back_error
+        return doc

@@ -1,0 +1,278 @@
+"""What the fleet's Prometheus and Grafana need for exactly what pdops deployed: a `file_sd` target
+file that follows the current revision, recording and alert rules for PD clusters, and a
+dashboard. Pure builders here; `publish` writes the target file (docs/observability.md).
+
+Target labels: `cluster`, `instance` (p01.., `gateway`, `admission`), `role` (prefill, decode,
+gateway, admission), `host`, `revision`; `job` is pdops-engine, pdops-gateway or pdops-admission.
+Nothing secret is in a target file or a label: where engines or the gateway need an API key,
+the scrape config (`scrape_config`) names its file (`authorization.credentials_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdops.model.placement import Placement
+from pdops.runner import Outcome, RunContext, Step, register_executors
+from pdops.record.local import local_dir
+
+JOB_ENGINE, JOB_GATEWAY, JOB_ADMISSION = "pdops-engine", "pdops-gateway", "pdops-admission"
+DEFAULT_TTFT_P99_S = 5.0
+
+
+# ---------------------------------------------------------------- targets
+
+def targets(inv, revision: int, placement: Placement) -> list[dict]:
+    """The file_sd document of one revision: each engine's metrics endpoint (rank 0 serves HTTP),
+    the gateway's Prometheus port and, where configured, the admission layer's exporter."""
+    base = {"cluster": inv.cluster, "revision": str(revision)}
+    out = []
+    for i in placement.instances:
+        out.append({"targets": [f"{i.head.data_addr}:{i.http_port}"],
+                    "labels": {**base, "job": JOB_ENGINE, "instance": i.id, "role": i.role, "host": i.head.host}})
+    gw = inv.gateway
+    out.append({"targets": [f"{gw.addr}:{gw.prometheus_port}"],
+                "labels": {**base, "job": JOB_GATEWAY, "instance": "gateway", "role": "gateway", "host": gw.host}})
+    adm = inv.admission
+    if adm is not None and getattr(adm, "metrics_port", None):
+        out.append({"targets": [f"{adm.metrics_addr}:{adm.metrics_port}"],
+                    "labels": {**base, "job": JOB_ADMISSION, "instance": "admission", "role": "admission",
+                               "host": adm.host}})
+    return out
+
+
+def targets_text(doc: list[dict]) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def local_targets_path(inv) -> Path:
+    return local_dir(inv) / "prometheus" / f"pdops-{inv.cluster}.json"
+
+
+def publish(pool, inv, revision: int, placement: Placement) -> dict:
+    """Write the target file of `revision`: this machine's copy always, and the Prometheus host's
+    (`pdops_prometheus`) over SSH, atomically (temp file + rename: Prometheus never reads half a
+    file). Returns the evidence for the record step."""
+    text = targets_text(targets(inv, revision, placement))
+    local = local_targets_path(inv)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(local)
+    ev: dict[str, Any] = {"targets_file": str(local), "targets": len(json.loads(text))}
+    cfg = getattr(inv, "prometheus", None)
+    if cfg is not None:
+        path = cfg.targets_file(inv.cluster)
+        q = shlex.quote
+        pool.run(cfg.host, f"mkdir -p {q(cfg.targets_dir)} && umask 022 && cat > {q(path + '.tmp')} <<'PDOPS_EOF'\n"
+                           f"{text}PDOPS_EOF\nmv -f {q(path + '.tmp')} {q(path)}", timeout=30)
+        ev["delivered"] = f"{cfg.host}:{path}"
+    return ev
+
+
+def scrape_config(inv, targets_file: str | None = None) -> dict:
+    """The scrape jobs for the fleet's prometheus.yml (pdops does not own that file): file_sd over
+    the target file; an API key by file reference, never inline."""
+    cfg = getattr(inv, "prometheus", None)
+    path = targets_file or (cfg.targets_file(inv.cluster) if cfg else str(local_targets_path(inv)))
+    job = {"job_name": f"pdops-{inv.cluster}", "file_sd_configs": [{"files": [path]}],
+           # each target's own `job` label (pdops-engine, -gateway, -admission) wins over job_name
+           "honor_labels": False}
+    # pdops starts engines without a key; where the gateway has one, the scrape presents it from
+    # its file (an endpoint that does not check it ignores the header)
+    key_file = inv.gateway.api_key_file
+    if key_file:
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(key_file)}
+    return {"scrape_configs": [job]}
+
+
+# ---------------------------------------------------------------- rules
+
+ENGINE = f'job="{JOB_ENGINE}"'
+
+
+def ttft_threshold_s(inv) -> float:
+    """The profile's `slo.ttft_p99_s`, else DEFAULT_TTFT_P99_S."""
+    v = (inv.profile.slo or {}).get("ttft_p99_s")
+    return float(v) if v else DEFAULT_TTFT_P99_S
+
+
+def recording_rules() -> list[dict]:
+    """TPM as the bench ledger defines it (60 x tokens per second; prompt tokens counted on the
+    prefills, generated tokens on the decodes, so a PD request counts once), latency percentiles,
+    per cluster and role and per instance."""
+    r = []
+    r.append({"record": "pdops:input_tpm:instance", "expr":
+              f'60 * sum by (cluster, instance, role, revision) (rate(sglang:prompt_tokens_total{{{ENGINE},role="prefill"}}[1m]))'})
+    r.append({"record": "pdops:output_tpm:instance", "expr":
+              f'60 * sum by (cluster, instance, role, revision) (rate(sglang:generation_tokens_total{{{ENGINE},role="decode"}}[1m]))'})
+    r.append({"record": "pdops:output_tpm:cluster", "expr": "sum by (cluster) (pdops:output_tpm:instance)"})
+    r.append({"record": "pdops:total_tpm:cluster", "expr":
+              "sum by (cluster) (pdops:input_tpm:instance) + sum by (cluster) (pdops:output_tpm:instance)"})
+    for q in ("0.5", "0.99"):
+        tag = q.replace("0.", "p").replace("p5", "p50")
+        r.append({"record": f"pdops:ttft_seconds:{tag}", "expr":
+                  f"histogram_quantile({q}, sum by (cluster, le) (rate(sglang:time_to_first_token_seconds_bucket{{{ENGINE}}}[1m])))"})
+        r.append({"record": f"pdops:itl_seconds:{tag}", "expr":
+                  f"histogram_quantile({q}, sum by (cluster, le) (rate(sglang:inter_token_latency_seconds_bucket{{{ENGINE}}}[1m])))"})
+    r.append({"record": "pdops:pd_failures:rate5m", "expr":
+              f"sum by (cluster, instance, role) (rate(sglang:num_bootstrap_failed_reqs_total{{{ENGINE}}}[5m]) "
+              f"+ rate(sglang:num_transfer_failed_reqs_total{{{ENGINE}}}[5m]))"})
+    return r
+
+
+def alert_rules(inv) -> list[dict]:
+    ttft = ttft_threshold_s(inv)
+
+    def alert(name, expr, for_, severity, summary, **extra):
+        return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
+                "annotations": {"summary": summary, **extra}}
+
+    return [
+        alert("PdopsInstanceDown", f"up{{{ENGINE}}} == 0", "1m", "page",
+              "{{ $labels.cluster }} {{ $labels.instance }} ({{ $labels.role }}) on {{ $labels.host }} is not scraped",
+              runbook="docs/runbooks/instance-crashed.md", action="inv status; inv repair --instance {{ $labels.instance }}"),
+        alert("PdopsBootstrapFailures", f"increase(sglang:num_bootstrap_failed_reqs_total{{{ENGINE}}}[5m]) > 0", "0m",
+              "ticket", "{{ $labels.instance }}: PD bootstrap failures in the last 5 minutes (sglang#9926 on an idle pair?)",
+              runbook="docs/runbooks/kv-transfer-failures.md"),
+        alert("PdopsTransferFailuresRising", f"increase(sglang:num_transfer_failed_reqs_total{{{ENGINE}}}[5m]) > 3",
+              "5m", "page", "{{ $labels.instance }}: KV transfer failures keep rising (dead session? sglang#13054)",
+              runbook="docs/runbooks/kv-transfer-failures.md", action="inv repair --instance {{ $labels.instance }}"),
+        alert("PdopsPrefillQueueGrowing",
+              f'min_over_time(sglang:num_queue_reqs{{{ENGINE},role="prefill"}}[10m]) > 0 and '
+              f'deriv(sglang:num_queue_reqs{{{ENGINE},role="prefill"}}[10m]) > 0', "10m", "ticket",
+              "{{ $labels.instance }}: the prefill queue has grown for 10 minutes (add prefills or shed load)",
+              runbook="docs/runbooks/stuck-queue.md"),
+        alert("PdopsKVTransferStuck",
+              f'min_over_time(sglang:num_prefill_inflight_queue_reqs{{{ENGINE}}}[5m]) > 0 and '
+              f'changes(sglang:num_prefill_inflight_queue_reqs{{{ENGINE}}}[5m]) == 0', "5m", "page",
+              "{{ $labels.instance }}: KV in flight has not moved for 5 minutes", runbook="docs/runbooks/stuck-queue.md"),
+        alert("PdopsDecodeQueueGrowing",
+              f'min_over_time((sglang:num_decode_prealloc_queue_reqs{{{ENGINE}}} + '
+              f'sglang:num_decode_transfer_queue_reqs{{{ENGINE}}})[10m:1m]) > 0 and '
+              f'deriv((sglang:num_decode_prealloc_queue_reqs{{{ENGINE}}} + '
+              f'sglang:num_decode_transfer_queue_reqs{{{ENGINE}}})[10m:1m]) > 0', "10m", "ticket",
+              "{{ $labels.instance }}: the decode prealloc/transfer queues have grown for 10 minutes",
+              runbook="docs/runbooks/stuck-queue.md"),
+        alert("PdopsKVCacheNearlyFull", f"sglang:token_usage{{{ENGINE}}} > 0.95", "5m", "ticket",
+              "{{ $labels.instance }}: KV token usage above 95% for 5 minutes"),
+        alert("PdopsTTFTHigh", f"pdops:ttft_seconds:p99 > {ttft:g}", "5m", "ticket",
+              f"{{{{ $labels.cluster }}}}: TTFT p99 above {ttft:g}s (the profile's slo.ttft_p99_s) for 5 minutes"),
+        alert("PdopsAdmissionQueueFull",
+              f'haproxy_backend_current_queue{{job="{JOB_ADMISSION}",proxy="gateway"}} > 0 and on (cluster) '
+              f'increase(haproxy_frontend_http_responses_total{{job="{JOB_ADMISSION}",proxy="admission",code="4xx"}}[5m]) > 0',
+              "2m", "ticket", "{{ $labels.cluster }}: the admission queue is in use and requests are refused",
+              runbook="docs/admission.md"),
+        alert("PdopsNoServingRole",
+              f'count by (cluster, role) (up{{{ENGINE}}}) unless on (cluster, role) '
+              f'(sum by (cluster, role) (up{{{ENGINE}}}) > 0)', "1m", "page",
+              "{{ $labels.cluster }}: no {{ $labels.role }} instance is up: the gateway has no healthy worker of it",
+              runbook="docs/runbooks/instance-crashed.md"),
+    ]
+
+
+def rules(inv) -> dict:
+    return {"groups": [{"name": f"pdops-{inv.cluster}-recording", "rules": recording_rules()},
+                       {"name": f"pdops-{inv.cluster}-alerts", "rules": alert_rules(inv)}]}
+
+
+def rules_text(inv) -> str:
+    return ("# Rendered by pdops (pdops.ops.prometheus): recording and alert rules for PD clusters.\n"
+            + yaml.safe_dump(rules(inv), sort_keys=False, width=200))
+
+
+# ---------------------------------------------------------------- dashboard
+
+PANELS = [
+    # (title, unit, [expr, ...]); $cluster and $revision are the dashboard's variables
+    ("Total TPM (input + output)", "short", ["pdops:total_tpm:cluster{cluster=\"$cluster\"}"]),
+    ("Output TPM per decode", "short", ["pdops:output_tpm:instance{cluster=\"$cluster\"}"]),
+    ("Input TPM per prefill", "short", ["pdops:input_tpm:instance{cluster=\"$cluster\"}"]),
+    ("TTFT p50 / p99", "s", ["pdops:ttft_seconds:p50{cluster=\"$cluster\"}", "pdops:ttft_seconds:p99{cluster=\"$cluster\"}"]),
+    ("Inter-token latency p50 / p99", "s", ["pdops:itl_seconds:p50{cluster=\"$cluster\"}",
+                                            "pdops:itl_seconds:p99{cluster=\"$cluster\"}"]),
+    ("Prefill queue and KV in flight", "short",
+     [f'sglang:num_queue_reqs{{{ENGINE},cluster="$cluster",revision=~"$revision",role="prefill"}}',
+      f'sglang:num_prefill_inflight_queue_reqs{{{ENGINE},cluster="$cluster",revision=~"$revision",role="prefill"}}']),
+    ("Decode prealloc / transfer queues", "short",
+     [f'sglang:num_decode_prealloc_queue_reqs{{{ENGINE},cluster="$cluster",revision=~"$revision",role="decode"}}',
+      f'sglang:num_decode_transfer_queue_reqs{{{ENGINE},cluster="$cluster",revision=~"$revision",role="decode"}}']),
+    ("Running requests", "short", [f'sglang:num_running_reqs{{{ENGINE},cluster="$cluster",revision=~"$revision"}}']),
+    ("KV token usage", "percentunit", [f'sglang:token_usage{{{ENGINE},cluster="$cluster",revision=~"$revision"}}']),
+    ("PD failures (bootstrap + transfer) per second", "short", ["pdops:pd_failures:rate5m{cluster=\"$cluster\"}"]),
+    ("Instance health (1 = scraped)", "short", [f'up{{{ENGINE},cluster="$cluster",revision=~"$revision"}}']),
+]
+
+
+def dashboard(inv) -> dict:
+    """A Grafana dashboard (importable JSON; datasource chosen at import), one panel per signal."""
+    panels = []
+    for n, (title, unit, exprs) in enumerate(PANELS):
+        panels.append({
+            "id": n + 1, "type": "timeseries", "title": title,
+            "gridPos": {"h": 8, "w": 12, "x": (n % 2) * 12, "y": (n // 2) * 8},
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [{"refId": chr(65 + k), "expr": e, "legendFormat": "{{instance}}"} for k, e in enumerate(exprs)],
+        })
+    var = lambda name, query: {  # noqa: E731
+        "name": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "query": {"query": query, "refId": name}, "definition": query, "refresh": 2, "includeAll": name == "revision",
+        "multi": False, "allValue": ".*" if name == "revision" else None, "current": {}}
+    return {
+        "title": "pdops PD cluster", "uid": "pdops-pd", "schemaVersion": 39, "version": 1, "editable": True,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "tags": ["pdops", "sglang", "pd"],
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "current": {}},
+            var("cluster", f'label_values(up{{{ENGINE}}}, cluster)'),
+            var("revision", f'label_values(up{{{ENGINE},cluster="$cluster"}}, revision)'),
+        ]},
+        "panels": panels,
+    }
+
+
+def panel_queries(cluster: str, revision: str = ".*") -> list[tuple[str, str]]:
+    """(panel title, expr with the variables filled in) for every panel: what the lab test evaluates."""
+    out = []
+    for title, _, exprs in PANELS:
+        for e in exprs:
+            out.append((title, e.replace("$cluster", cluster).replace("$revision", revision)))
+    return out
+
+
+def targets_step() -> Step:
+    """The `always` step of every plan that may move `current` (pdops.runner.Plan.always)."""
+    return Step("publish-targets", None, "write the Prometheus target file of the revision current after the steps "
+                "(the new one, a partial one, or the one before): this machine's copy, and the Prometheus host's "
+                "where the inventory names one; one that cannot be written is said and undoes nothing", 30,
+                kind="publish-targets")
+
+
+def do_publish_targets(ctx: RunContext, step: Step) -> Outcome:
+    rev = ctx.state.current_revision()
+    if rev is None:
+        return Outcome.noop("nothing is deployed: no revision to describe")
+    ev, ok, no = targets_after_record(ctx.pool, ctx.inv, rev)
+    return Outcome(evidence={"revision": rev.number, **ev}, verified=ok, unverified=no)
+
+
+register_executors({"publish-targets": do_publish_targets})
+
+
+def targets_after_record(pool, inv, rev) -> tuple[dict, list[str], list[str]]:
+    """Right after `current` moved: (evidence, verified, unverified). A target file that cannot be
+    written does not undo the revision: it is said, with the command that writes it."""
+    try:
+        ev = publish(pool, inv, rev.number, Placement.from_dict(rev.placement))
+    except Exception as exc:  # noqa: BLE001 - reported in the verdict, never fatal after the record
+        msg = getattr(exc, "message", None) or str(exc)
+        return ({"targets_error": msg}, [],
+                [f"Prometheus target file of revision {rev.number} not written ({msg}); `inv observe.targets` writes it"])
+    where = ev.get("delivered") or ev["targets_file"]
+    return ({"prometheus_targets": ev},
+            [f"Prometheus targets follow revision {rev.number}: {ev['targets']} target(s) in {where}"], [])

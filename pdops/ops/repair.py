@@ -1,0 +1,177 @@
+"""`inv repair --instance d01`: a verified restart of one instance, as one planned change.
+
+It is the change planner's replacement (pdops.ops.scale) aimed at one instance with the revision's
+own files: leave the gateway, drain what can be drained (the drain's deadline and its
+`--force-after` rule; an instance observed down has nothing to wait for), verified stop, start,
+health, canary through its P x D pairs, register, verify what runs, record. Before the drain it
+names the work the instance lost: request IDs its ended processes received and never finished
+(from the engine's request log in the unit's journal, one invocation per process), marked failed
+in the journal and never sent again.
+
+Its peers forget the old process: a repaired prefill starts on its slot's other bootstrap port
+(no decode holds a cached route to it); a repaired decode gets a new transfer session (SGLang's
+prefills key what they keep of a decode by its session id, so nothing stale is reused).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+
+from pdops.errors import InvalidInput, PdopsError, Refused
+from pdops.reads import orphans
+from pdops.facts import requestlog
+from pdops.model.inventory import Inventory
+from pdops.model.placement import Instance, Placement
+from pdops.runner import Outcome, Plan, RunContext, Step, register_executors, walk
+from pdops.record.local import new_op_id
+
+INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
+
+
+def check_instance_id(value) -> str:
+    """The operator's `--instance` value, checked before any connection."""
+    if not value:
+        raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance d01 (see `inv status`)")
+    v = str(value).strip()
+    if not INSTANCE_ID.match(v):
+        raise InvalidInput("--instance", f"{value!r} is not an instance id", fix="e.g. --instance p01 or d02 "
+                           "(`inv status` lists them)")
+    return v
+
+
+def _epoch(iso: str) -> float:
+    try:
+        t = _dt.datetime.fromisoformat(str(iso).replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return t.timestamp()
+
+
+def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, force: bool = False,
+                force_after: bool = False, wait_s: float | None = None, seen=None):
+    """The repair plan of one instance, decided from `status_doc` (pdops.reads.status.read_status, read
+    now) and `seen` (pdops.reads.observe.Seen of the same reading; None: not read): a gateway that does not
+    answer is started first; another instance that does not serve is named, left as it is, and no
+    canary pair goes through it. Returns a ScalePlan, or a str saying why there is nothing to do."""
+    from pdops.ops import scale as sc
+    from pdops.model.render import manifest, render_files
+
+    iid = check_instance_id(instance_id)
+    rev = state.current_revision()
+    if rev is None:
+        raise Refused("nothing is deployed (no current revision)", fix="`inv deploy --topology T` first")
+    pl = Placement.from_dict(rev.placement)
+    ids = [i.id for i in pl.instances]
+    if iid not in ids:
+        raise InvalidInput("--instance", f"{iid} is not an instance of revision {rev.number} ({rev.topology})",
+                           fix=f"one of: {', '.join(ids)}")
+    rows = {r["instance"]: r for r in status_doc["instances"]}
+    row = rows[iid]
+    if row["state"] == "unknown":
+        raise Refused(f"{iid} cannot be judged: {'; '.join(row['reasons'])}",
+                      fix=row.get("action") or "restore SSH to its hosts, then `inv status` again")
+    if row["state"] == "ok" and not force:
+        return (f"{iid} is ok (unit active with its recorded MainPID, registered and healthy in the gateway, no PD "
+                "failure since the last look, no stray process): nothing to repair; --force restarts it anyway")
+    serving = row["registered"] and row["healthy"] and row["state"] not in ("down",)
+    others = [r["instance"] for r in status_doc["instances"]
+              if r["role"] == row["role"] and r["instance"] != iid and r["healthy"]]
+    if serving and not others and not force:
+        raise Refused(f"{iid} is the last serving {row['role']} instance and it still serves (observed "
+                      f"{row['state']}: {'; '.join(row['reasons']) or 'ok'}): restarting it leaves no {row['role']} "
+                      "for the time of the restart",
+                      fix=f"--force to accept that, or add a {row['role']} first (`inv scale`)")
+    # the revision's own files: the inventory on disk must still render them
+    now = manifest(render_files(inv, pl))
+    changes = [f"{k}: {'changed' if k in now and k in rev.manifest else 'added' if k in now else 'removed'}"
+               for k in sorted(set(now) | set(rev.manifest)) if now.get(k) != rev.manifest.get(k)]
+    if changes:
+        raise Refused(f"the inventory on disk renders other files than revision {rev.number}: a repair restarts "
+                      "with the revision's files and changes nothing else",
+                      evidence="\n".join(changes[:20]),
+                      fix=f"`inv deploy --topology {rev.topology}` applies the inventory's changes (it replaces what "
+                          "differs), or restore the inventory of the running revision")
+    why = f"repair ({row['state']}" + (f": {row['reasons'][0]}" if row["reasons"] else "") + ")"
+    plan = sc.plan_change(inv, rev, pl, replace_ids={iid: why}, max_unavailable=1, force=True, seen=seen,
+                          restart_not_serving=False)
+    if [i.id for i in plan.replaced] != [iid] or plan.added or plan.removed or plan.gateway_restart:
+        raise Refused(f"repairing {iid} would change more than {iid}",
+                      evidence=plan.render(), fix=f"`inv deploy --topology {rev.topology}` plans the whole difference")
+    plan.repair = {"instance": iid, "state": row["state"], "reasons": list(row["reasons"]),
+                   "down": row["state"] == "down", "force_after": bool(force_after), "since": _epoch(rev.created),
+                   "wait_s": wait_s}
+    sc.compile_steps(plan)
+    plan.state = state
+    return plan
+
+
+def lost_work_step(inst: Instance, rep: dict) -> Step:
+    host, unit = inst.units[0]
+    return Step(f"lost-work {inst.id}", host, f"read {unit}'s request log in the journal since the revision, per "
+                "process (invocation): request IDs an ended process received and never finished are lost; they are "
+                "named here, marked failed, never sent again", 60, kind="lost-work",
+                params={"instance": inst.id, "old": True, "since": rep.get("since", 0)})
+
+
+def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.facts import q
+
+    inst = ctx.data["old_placement"].get(step.instance)
+    host, unit = inst.units[0]
+    out = ctx.pool.run(host, requestlog.invocations_command(unit, step.params.get("since", 0)), timeout=60).stdout
+    logs = requestlog.by_invocation(out)
+    st = ctx.pool.unit_states(host, [unit])[unit]
+    current = ctx.pool.run(host, f"systemctl show -p InvocationID --value {q(unit)}").stdout.strip() \
+        if st.active_state == "active" else None
+    lost, failed = requestlog.lost_work(logs, current)
+    plan = ctx.data.get("scale_plan")
+    if plan is not None and plan.repair:
+        plan.repair["lost"], plan.repair["failed"] = lost, failed
+    ended = [k for k in logs if k != current]
+    if lost:
+        ctx.say(f"  lost with {inst.id}'s ended process(es): {len(lost)} request(s): {', '.join(lost)} "
+                "(marked failed; pdops sends none of them again)")
+    ev = {"instance": inst.id, "lost": lost, "lost_status": "failed (not replayed)", "failed_with_error": failed,
+          "processes_read": len(logs), "ended_processes": len(ended)}
+    verified = [f"lost work named: {len(lost)} request(s) in flight when {inst.id}'s process ended"
+                + (f": {', '.join(lost)}" if lost else "") + " (failed, not replayed)"]
+    if failed:
+        verified.append(f"{len(failed)} request(s) ended with an error on {inst.id} since the revision "
+                        f"(answered, not replayed): {', '.join(failed[:20])}{' ...' if len(failed) > 20 else ''}")
+    return Outcome(evidence=ev, verified=verified)
+
+
+register_executors({"lost-work": do_lost_work})
+
+
+def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
+    """`inv end-orphans`: every prefill's halves that no decode holds (pdops.reads.orphans), ended by rid
+    and named. Read-only until the walk: which requests are orphaned is read when the step runs."""
+    from pdops.ops.deploy import connect_step  # deploy <-> repair: the known circle (architecture.md)
+
+    rev = state.current_revision()
+    if rev is None:
+        raise Refused(f"{inv.cluster} has no current revision: no prefill to look at",
+                      fix="deploy first (`inv deploy --topology 1p1d`)")
+    pl = Placement.from_dict(rev.placement)
+    hosts = sorted({h for i in pl.instances for h in i.hosts})
+    return Plan("end-orphans", f"plan: end the orphaned halves of {inv.cluster} (revision {rev.number}, {rev.topology})",
+                [connect_step(hosts), orphans.end_step([p.id for p in pl.role("prefill")])],
+                head={"revision": rev.number}), pl
+
+
+def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateway) -> dict:
+    """Walk it under the cluster lock; the verdict names what was ended."""
+    op = new_op_id("end-orphans")
+    with state.lock("end-orphans", op_id=op):
+        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl})
+        try:
+            verdict = walk(plan, ctx)
+        except PdopsError as exc:
+            ctx.journal.step(op, "verdict", "failed", {"error": exc.render(), "completed": ctx.done})
+            raise
+        ctx.journal.step(op, "verdict", "ok", verdict)
+        return verdict

@@ -1,0 +1,202 @@
+"""Carrying a change out: the executors of its own step kinds, the walk under the lock, and the
+revision it records."""
+
+from __future__ import annotations
+
+import time
+
+# imported for their step kinds' executors (pdops.runner.EXECUTORS): a change walks them
+import pdops.ops.admission_keys  # noqa: F401
+import pdops.ops.deploy  # noqa: F401
+import pdops.ops.drain  # noqa: F401
+import pdops.ops.repair  # noqa: F401
+from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.model.admission import health_pause_command
+from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unverified
+from pdops.remote.gateway import GatewayClient
+from pdops.remote.hosts import HostPool
+from pdops.model.placement import Placement, last_bootstrap_ports
+from pdops.model.render import manifest, snapshot_of
+from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.record.local import Revision, StateDir, new_op_id
+
+from pdops.ops.scale.model import ScalePlan, instance_files, union_placement
+
+
+def _admission_health_check(pool, host: str, *, paused: bool) -> None:
+    """Pause or resume HAProxy's health check of the gateway (runtime API); Unverified with the
+    way out when HAProxy answers anything but its empty success."""
+    answer = pool.run(host, health_pause_command(paused), timeout=15).stdout.strip()
+    if answer:
+        verb = "pause" if paused else "resume"
+        raise Unverified(f"admission layer on {host}: HAProxy did not {verb} its health check of the gateway: {answer}",
+                         fix=f"systemctl reload {ADMISSION_UNIT} on {host} re-reads its config (checks on); "
+                             "then run the change again")
+
+
+def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
+    """Restart the gateway on its new files; every instance of the target back in its /workers."""
+    from pdops.facts import q
+    from pdops.remote.gateway import deadline_in
+    from pdops.model.render import GATEWAY_UNIT
+
+    inv, pool, gw = ctx.inv, ctx.pool, ctx.gateway
+    old_pid = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
+    adm_host = step.params.get("admission_host")
+    if adm_host:
+        _admission_health_check(pool, adm_host, paused=True)
+    t0 = time.monotonic()
+    try:
+        pool.run(inv.gateway.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
+        restarted_s = round(time.monotonic() - t0, 2)
+        st = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+        if st.active_state != "active" or st.main_pid == old_pid:
+            raise Unverified(f"gateway {GATEWAY_UNIT} is {st.active_state}/{st.sub_state} (MainPID {st.main_pid}, was "
+                             f"{old_pid}) after the restart", evidence=pool.journal_tail(inv.gateway.host, GATEWAY_UNIT))
+        deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
+        pl = ctx.data["placement"]
+        for iid in step.params["instances"]:
+            gw.wait_worker_healthy(pl.get(iid).url, deadline)
+    except BaseException:
+        if adm_host:  # back whatever the restart did: HAProxy must see a gateway that is really down
+            try:
+                _admission_health_check(pool, adm_host, paused=False)
+            except PdopsError as exc:
+                ctx.say(f"  also: {exc.message}; fix: {exc.fix}")
+        raise
+    if adm_host:  # resumed once the new gateway serves: a check in its start-up would mark it DOWN
+        _admission_health_check(pool, adm_host, paused=False)
+    ctx.say(f"  gateway restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
+            f"{len(step.params['instances'])} worker(s) healthy and ready again")
+    held = ([f"the admission layer on {adm_host} kept the gateway in service through the restart (HAProxy's "
+             "health check of it paused, then resumed: both acknowledged)"] if adm_host else [])
+    return Outcome(evidence={"old_main_pid": old_pid, "main_pid": st.main_pid, "restart_s": restarted_s,
+                             "ready_s": round(time.monotonic() - t0, 2),
+                             **({"admission_health_check": f"paused and resumed on {adm_host}"} if adm_host else {})},
+                   verified=[f"gateway restarted from the new files (MainPID {st.main_pid}); every instance listed "
+                             "healthy and ready by /workers again"] + held)
+
+
+def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
+    """The own files of a wave's instances (their old processes are stopped by now)."""
+    from pdops.ops.deploy import deliver
+
+    plan: ScalePlan = ctx.data["scale_plan"]
+    ids = step.params["instances"]
+    own = set()
+    mf = manifest(plan.files)
+    for i in ids:
+        own |= set(instance_files(mf, i))
+    files = [f for f in plan.files if (f.host, f.path) in own]
+    sub = Placement(plan.target.topology, tuple(plan.target.get(i) for i in ids))
+    ev = deliver(ctx.inv, sub, files, ctx.data["build"], None, ctx.say)
+    return Outcome(evidence=ev, verified=[f"the new files of {', '.join(ids)} in place (Ansible)"])
+
+
+def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
+    plan: ScalePlan = ctx.data["scale_plan"]
+    rev = record_change(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data.get("build"), ctx.data.get("main_pids"),
+                  ctx.data.get("running"))
+    ctx.state.set_current(rev.number)
+    ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
+    return Outcome(evidence={"revision": rev.number},
+                   verified=[f"revision {rev.number} ({plan.target.topology}) recorded and current; kept "
+                             f"{', '.join(i.id for i in plan.kept) or 'none'} untouched "
+                             f"({plan.kept_files} rendered files identical)"])
+
+
+# kinds, registered by those modules (imported at the top of this one)
+register_executors({"record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart})
+
+
+def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
+                  gateway: GatewayClient) -> dict:
+    """Walk a scale or rollback plan with the runner; returns the verdict (with the new revision).
+    Raises ScaleFailed with a verdict on failure, after undoing what it can."""
+    if plan.noop:
+        raise Refused(f"nothing to do: {plan.noop}")
+    kind = plan.operation
+    op = new_op_id(kind)
+    with state.lock(kind, op_id=op):
+        state.check_basis(plan.current.number)
+        return walk_scale(plan, state, op, say, pool=pool, gateway=gateway)
+
+
+def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, pool: HostPool,
+               gateway: GatewayClient) -> dict:
+    """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv probe` between its
+    own steps); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
+    ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": union_placement(plan), "scale_plan": plan,
+                                                               "old_placement": plan.current_placement,
+                                                               "replacing": {i.id for i in plan.replaced},
+                                                               "target": plan.target})
+    try:
+        verdict = walk(plan.plan, ctx)
+    except PdopsError as exc:
+        if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
+            exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
+        exc.message += "\n" + ctx.data.get("halt_verdict", "verdict: the rescue did not finish (see the journal: "
+                                                            f"`inv history --op {op}`); read `inv status`")
+        raise exc from None
+    ctx.journal.step(op, "verdict", "ok", verdict)
+    return verdict
+
+
+def instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None],
+                   main_pids: dict | None = None) -> dict:
+    """Each instance's record: kept ones as recorded, added ones new; the MainPIDs of what this
+    change started (pdops.reads.observe compares them with what systemd reports later)."""
+    out = {}
+    main_pids = main_pids or {}
+    for i in pl.instances:
+        if i.id in plan.current.instances and i.id not in plan.why:
+            out[i.id] = dict(plan.current.instances[i.id])
+            if i.id in workers:
+                out[i.id]["worker_id"] = workers[i.id]
+        else:
+            out[i.id] = {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
+                         "worker_id": workers.get(i.id), "url": i.url}
+        if i.id in main_pids:
+            out[i.id]["main_pids"] = main_pids[i.id]
+    return out
+
+
+def record_change(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
+            running: dict | None = None) -> Revision:
+    from pdops.ops.deploy import configs_of, gateway_pid_of
+
+    cur, tgt = plan.current, plan.target
+    new_mf = manifest(plan.files)
+    rollback = {
+        "to_revision": cur.number, "to_topology": cur.topology,
+        "restore": [i.id for i in plan.removed], "drain": [i.id for i in plan.added],
+        "replace": [i.id for i in plan.replaced],
+        "how": "`inv rollback`: add back what was removed (start, health-gate, canary, register), then drain what "
+               "was added",
+        "holds_while": f"the inventory digest is {cur.inventory_hash[:12]} and the rendered files of the restored "
+                       f"instances match revision {cur.number}'s manifest",
+        "inventory_hash": cur.inventory_hash,
+        "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
+    }
+    extra = {"gateway": plan.inv.gateway.url, "build": str(build) if build else None, "rollback": rollback,
+             "configs": configs_of(running or {}), **gateway_pid_of(running or {}, plan.inv),
+             "cordoned": list(plan.cordoned),
+             "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
+                                                    last_bootstrap_ports({}, plan.current_placement), tgt),
+             "scale": {"from_revision": cur.number, "from_topology": cur.topology,
+                       "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
+                       "replaced": {i.id: plan.why[i.id] for i in plan.replaced}, "surge": plan.surge,
+                       "kept": [i.id for i in plan.kept], "capacity_dip": plan.dip}}
+    if plan.rollback_of:
+        extra["rollback_of"] = plan.rollback_of
+    if plan.repair:
+        extra["repair"] = {k: plan.repair.get(k) for k in ("instance", "state", "reasons", "lost", "failed")}
+    if plan.base_snapshot is not None:  # a rollback: what runs is the target's rendering
+        snap = {**plan.base_snapshot, "files": snapshot_of(plan.inv, plan.files)["files"]}
+        inv_hash = plan.rollback_inventory_hash or plan.inv.digest
+    else:
+        snap, inv_hash = snapshot_of(plan.inv, plan.files), plan.inv.digest
+    return state.write_revision(topology=str(tgt.topology), inventory_hash=inv_hash,
+                                placement=tgt.to_dict(), manifest=new_mf,
+                                instances=instances_doc(plan, tgt, workers, main_pids), outcome="deployed", op_id=op,
+                                extra=extra, snapshot=snap)

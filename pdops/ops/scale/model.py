@@ -1,0 +1,273 @@
+"""What a change is, as data: `ScaleStep`, `ScalePlan` (and how `--dry-run` prints it), and the
+helpers that compare two revisions' files. Pure: no host, no executor."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdops.errors import Refused
+from pdops.model.inventory import Inventory
+from pdops.ops.prometheus import targets_step
+from pdops.model.placement import Instance, Placement
+from pdops.model.render import RenderedFile
+from pdops.runner import Plan, Step
+from pdops.record.local import Revision, StateDir
+
+
+if TYPE_CHECKING:
+    from pdops.reads.observe import Seen
+
+ROLES = ("prefill", "decode")
+
+
+def always_steps() -> list[Step]:
+    """The `always` part of every change plan (pdops.runner.Plan.always)."""
+    return [targets_step()]
+
+
+@dataclass(frozen=True)
+
+
+class ScaleStep:
+    """One step of a change: add (start, health-gate, canary, register) or drain an instance."""
+
+    kind: str  # "add" | "drain" | "replace-out" | "replace-in"
+    instance: Instance
+    capacity: tuple[int, int]  # (prefill, decode) serving after this step
+    why: str = ""
+
+    def describe(self) -> str:
+        i = self.instance
+        where = f"{'/'.join(i.hosts)} GPUs {gpu_range(i.head.gpus)}"
+        if self.kind == "add":
+            return (f"add {i.id} ({i.role}) on {where}: start, wait {i.url}/health, canary its new P x D pairs, "
+                    "register with the gateway")
+        if self.kind == "replace-out":
+            return f"replace {i.id} ({i.role}, {self.why}): drain the running process"
+        if self.kind == "replace-in":
+            return f"replace {i.id} ({i.role}, {self.why}): start from the new files, canary, register"
+        return f"drain {i.id} ({i.role}) on {where}: leave the gateway, wait empty, two empty checks, verified stop"
+
+
+@dataclass
+
+
+class ScalePlan:
+    inv: Inventory
+    current: Revision
+    current_placement: Placement
+    target: Placement
+    files: list[RenderedFile]
+    added: list[Instance]
+    removed: list[Instance]
+    kept: list[Instance]
+    steps: list[ScaleStep]
+    dip: list[str] = field(default_factory=list)  # why the capacity dips (GPUs to free first)
+    noop: str | None = None
+    rollback_of: int | None = None
+    skip_checks: set[str] = field(default_factory=set)
+    kept_files: int = 0
+    run: list = field(default_factory=list)  # the runner's steps (pdops.runner.Step), made by plan_change
+    rescue: list = field(default_factory=list)  # what runs if one of them fails (pdops.ops.scale.rescue)
+    replaced: list[Instance] = field(default_factory=list)  # as they will run (same id and slot)
+    why: dict[str, str] = field(default_factory=dict)  # replaced id -> what differs
+    waves: list[list[str]] = field(default_factory=list)
+    surge: list[tuple[str, str]] = field(default_factory=list)  # (old id, the new id that replaces it)
+    max_unavailable: int = 1
+    gateway_restart: list[str] = field(default_factory=list)  # the gateway's files that change (restart it)
+    cordoned: list[str] = field(default_factory=list)  # hosts placement avoids after this change
+    admission_reload: list[str] = field(default_factory=list)  # its config files that change (a graceful reload)
+    base_snapshot: dict | None = field(default=None, repr=False)  # a rollback's target: its files and inventory
+    rollback_inventory_hash: str | None = None
+    # `inv repair`: {"instance", "state", "reasons", "down", "force_after", "since"} (pdops.ops.repair)
+    repair: dict | None = None
+    state: object = field(default=None, repr=False, compare=False)  # the record it was read from
+    seen: Seen | None = None  # what the hosts and the gateway reported when it was planned (None: not read)
+    broken: list[str] = field(default_factory=list)  # roles with no serving instance before the change
+
+    @property
+    def start_capacity(self) -> tuple[int, int]:
+        """(prefill, decode) serving before the change: what was observed serving (the record's count
+        when nothing was read)."""
+        ns = self.seen.not_serving if self.seen else {}
+        return (sum(i.id not in ns for i in self.current_placement.role("prefill")),
+                sum(i.id not in ns for i in self.current_placement.role("decode")))
+
+    @property
+    def operation(self) -> str:
+        return "repair" if self.repair else "rollback" if self.rollback_of else "scale"
+
+    @property
+    def plan(self) -> Plan:
+        op = self.operation
+        return Plan(op, self.render().splitlines()[0], self.run,
+                    head={"from": self.current.number, "to": str(self.target.topology), "rollback_of": self.rollback_of,
+                          "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
+                          "replaced": {i.id: self.why[i.id] for i in self.replaced}, "waves": self.waves,
+                          "surge": self.surge, "max_unavailable": self.max_unavailable,
+                          "kept": [i.id for i in self.kept], "dip": self.dip, "broken": self.broken,
+                          **({"observed": {"not_serving": self.seen.not_serving, "gateway": self.seen.gateway}}
+                             if self.seen is not None else {})},
+                    rescue=self.rescue, always=always_steps())
+
+    @property
+    def hosts(self) -> list[str]:
+        """Hosts the change touches: every host of the target (Ansible delivers there) and of removed instances."""
+        hs = {r.host for i in self.target.instances for r in i.ranks} | {self.inv.gateway.host}
+        hs |= {h for i in self.removed for h in i.hosts}
+        return sorted(hs)
+
+    def min_capacity(self) -> tuple[int, int]:
+        caps = [self.start_capacity] + [s.capacity for s in self.steps]
+        return (min(c[0] for c in caps), min(c[1] for c in caps))
+
+    def render(self) -> str:
+        cur = self.current
+        verb = f"rollback to revision {self.rollback_of}" if self.rollback_of else "scale"
+        head = (f"plan: {verb}: {self.inv.cluster} from revision {cur.number} ({cur.topology}) "
+                f"to {self.target.topology}")
+        if self.repair:
+            r = self.repair
+            head = (f"plan: repair {r['instance']} of {self.inv.cluster} (revision {cur.number}, {cur.topology}): "
+                    f"observed {r['state']}" + (f": {'; '.join(r['reasons'])}" if r["reasons"] else " (--force)"))
+        if self.noop:
+            return head + f"\nno change: {self.noop}"
+        lines = [head]
+        if self.seen is not None:
+            if self.seen.gateway:
+                lines.append(f"  observed: the gateway does not answer ({self.seen.gateway}): started first")
+            changed = {i.id for i in self.replaced + self.removed} | {o for o, _ in self.surge}
+            lines += [f"  observed: {i} does not serve ({why})" + ("" if i in changed else ": not part of this change")
+                      for i, why in self.seen.not_serving.items()]
+            if self.seen.all_serving:
+                lines.append("  observed: every instance of the revision serves; the gateway answers")
+        lines += [f"  floor: {b}" for b in self.broken]
+        lines.append("  added:   " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
+                                                f"{gpu_range(i.head.gpus)}, {i.url}" for i in self.added) or "none"))
+        lines.append("  removed: " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
+                                                f"{gpu_range(i.head.gpus)} (drained)" for i in self.removed) or "none"))
+        old_by_id = {i.id: i for i in self.current_placement.instances}
+        for i in self.replaced:
+            o = old_by_id[i.id]
+            port = (f"; bootstrap port {o.bootstrap_port} -> {i.bootstrap_port} (a port no decode has a cached "
+                    "route to)" if o.bootstrap_port != i.bootstrap_port else "")
+            lines.append(f"  replaced: {i.id} ({i.role}) on {'/'.join(i.hosts)}: {self.why[i.id]}{port}")
+        for o, n in self.surge:
+            lines.append(f"  surge:   {o} is replaced by {n} ({self.target.get(n).url}), started before {o} drains")
+        was = sorted(cordoned_hosts(cur))
+        if self.cordoned != was:
+            lines.append(f"  cordoned: {', '.join(self.cordoned) or 'none'} (was {', '.join(was) or 'none'}): placement "
+                         "avoids these hosts until `inv uncordon --host H`")
+        if self.gateway_restart:
+            lines.append(f"  gateway: restarted after the instances ({len(self.gateway_restart)} of its files change: "
+                         + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "
+                         "finishes first, requests arriving while it restarts are refused, every worker registered "
+                         "again from its start-up list")
+        if self.admission_reload:
+            lines.append("  admission layer: reloaded gracefully at the end (HAProxy's master stays, old workers "
+                         "finish their streams): " + "; ".join(c.split(' (sha256')[0] for c in self.admission_reload))
+        if self.waves:
+            lines.append(f"  rolling: {len(self.waves)} wave(s), at most {max(self.max_unavailable, 1)} per role out "
+                         "at once: " + "; ".join(", ".join(w) for w in self.waves))
+        lines.append("  kept:    " + (", ".join(i.id for i in self.kept) or "none")
+                     + f" (untouched: {self.kept_files} rendered files identical to revision {cur.number})")
+        p0, d0 = self.start_capacity
+        lines.append(f"  serving now: {p0} prefill, {d0} decode; under the cluster lock, the steps:")
+        cap_after = {}
+        for st in self.steps:
+            last = {"add": f"register {st.instance.id}", "drain": f"drain {st.instance.id}: verify-stop",
+                    "replace-out": f"replace {st.instance.id}: verify-stop",
+                    "replace-in": f"register {st.instance.id}"}[st.kind]
+            cap_after[last] = st.capacity
+        for n, st in enumerate(self.run, 1):
+            cap = cap_after.get(st.name)
+            lines.append(f"    {n:2d}. {st.line()}" + (f" => serving {cap[0]} prefill, {cap[1]} decode" if cap else ""))
+        rescue = self.rescue
+        if rescue:
+            lines.append("  if a step fails, then (rescue), and the failure is reported:")
+            lines += [f"    R{n}. {st.line()}" for n, st in enumerate(rescue, 1)]
+        lines.append("  whatever the outcome, last (always):")
+        lines += [f"    A{n}. {st.line()}" for n, st in enumerate(always_steps(), 1)]
+        mp, md = self.min_capacity()
+        tp, td = len(self.target.role("prefill")), len(self.target.role("decode"))
+        lines.append(f"  lowest capacity during the change: {mp} prefill (old {p0}, new {tp}), "
+                     f"{md} decode (old {d0}, new {td})")
+        for d in self.dip:
+            lines.append(f"  capacity dip (--allow-capacity-dip): {d}")
+        if any(i.role == "prefill" for i in self.removed):
+            lines.append("  note: a drained prefill's prefix cache is lost: cold inputs will be slower for a while")
+        return "\n".join(lines)
+
+
+def gpu_range(gpus: tuple[int, ...]) -> str:
+    g = list(gpus)
+    if g and g == list(range(g[0], g[-1] + 1)) and len(g) > 1:
+        return f"{g[0]}-{g[-1]}"
+    return ",".join(map(str, g))
+
+
+def slot_key(inst: Instance) -> tuple:
+    return (inst.hosts, inst.slot)
+
+
+def gpu_set(inst: Instance) -> set[tuple[str, int]]:
+    return {(r.host, g) for r in inst.ranks for g in r.gpus}
+
+
+_OWN_FILE = "pdops-{id}(-r[0-9]+)?\\.(service|sh|env)$"
+
+
+def instance_files(mf: dict, inst_id: str) -> dict[tuple[str, str], dict]:
+    """{(host, path): {sha256, mode}} of one instance's files (unit, launch script, env) in a manifest."""
+    rx = re.compile(_OWN_FILE.format(id=re.escape(inst_id)))
+    return {(h, p): m for h, files in mf.items() for p, m in files.items() if rx.search(p.rsplit("/", 1)[-1])}
+
+
+def shared_files(mf: dict, ids: set[str]) -> dict[tuple[str, str], dict]:
+    own = set()
+    for i in ids:
+        own |= set(instance_files(mf, i))
+    return {(h, p): m for h, files in mf.items() for p, m in files.items() if (h, p) not in own}
+
+
+def file_changes(old: dict, new: dict) -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if k not in new:
+            out.append(f"{k[0]}:{k[1]} would be removed")
+        elif k not in old:
+            out.append(f"{k[0]}:{k[1]} would be added")
+        elif old[k].get("sha256") != new[k].get("sha256") or old[k].get("mode") != new[k].get("mode"):
+            out.append(f"{k[0]}:{k[1]} changed (sha256 {str(old[k].get('sha256'))[:12]} -> "
+                       f"{str(new[k].get('sha256'))[:12]})")
+    return out
+
+
+def refuse_changed_inventory(inv: Inventory, cur: Revision) -> None:
+    if cur.inventory_hash != inv.digest:
+        raise Refused(f"the inventory changed since revision {cur.number} was deployed "
+                      f"(digest {cur.inventory_hash[:12]} -> {inv.digest[:12]})",
+                      fix=f"restore the inventory of the running revision, or apply this one first: `inv deploy "
+                          f"--topology {cur.topology}`; a topology change keeps the inventory")
+
+
+def current_revision_of(inv: Inventory, state: StateDir, what: str) -> Revision:
+    cur = state.current_revision()
+    if cur is None:
+        raise Refused(f"{inv.cluster} has no current revision: nothing to {what}",
+                      fix="deploy first (`inv deploy --topology 1p1d`)")
+    return cur
+
+
+def cordoned_hosts(rev: Revision) -> list[str]:
+    return list((rev.extra or {}).get("cordoned", []))
+
+
+def union_placement(plan: ScalePlan) -> Placement:
+    """Every instance a change names (kept, added and removed), for the executors' lookups; a replaced
+    one as it will run (its running process: `old_placement`)."""
+    ids = {i.id for i in plan.target.instances}
+    return Placement(plan.target.topology, plan.target.instances
+                     + tuple(i for i in plan.current_placement.instances if i.id not in ids))

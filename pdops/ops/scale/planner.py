@@ -1,0 +1,469 @@
+"""The change planners (pure apart from reading the record): `plan_change` (from a revision to a
+placement: keep, replace, add, remove; surge; floors from what serves now), and the operations
+that are one: scale, apply (a deploy's pending change), rollback, `drain --host`, uncordon."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.errors import InvalidInput, Refused
+from pdops.model.inventory import Inventory
+from pdops.model.placement import Instance, Placement, gpu_slots, make_instance
+from pdops.model.render import files_of, manifest, render_files
+from pdops.record.local import Revision, StateDir
+from pdops.model.topology import Topology
+
+from pdops.ops.scale.model import (ROLES, ScalePlan, ScaleStep, cordoned_hosts, current_revision_of, file_changes, gpu_range,
+                               gpu_set, instance_files, refuse_changed_inventory, shared_files, slot_key)
+from pdops.ops.scale.steps import rescue_steps, runner_steps
+
+if TYPE_CHECKING:
+    from pdops.reads.observe import Seen
+
+
+def compile_steps(plan: ScalePlan) -> ScalePlan:
+    """The runner's steps of a change plan and its rescue, from what the plan decided (again after
+    a caller such as `inv repair` adds to it)."""
+    plan.run = runner_steps(plan)
+    plan.rescue = rescue_steps(plan)
+    return plan
+
+def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
+                skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
+                force: bool = False, replace_ids: dict[str, str] | None = None,
+                cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None,
+                restart_not_serving: bool = True) -> ScalePlan:
+    """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
+    is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
+    in `replace_ids`, what its processes were observed to run differ: drained, then started from the
+    new files, a prefill on its slot's other bootstrap port), added or removed. Replacements roll in
+    waves of at most `max_unavailable` per role; a role that would be left with no serving instance
+    surges into a free slot (new id, started before the old one drains) or is refused unless `force`.
+
+    `seen` (pdops.reads.observe.Seen): what serves now. An instance of the revision that does not serve is
+    replaced (started again), first in its role, and counts for no floor; one whose units are not
+    running is not waited for (nothing runs to drain); a role of which nothing serves is said in the
+    plan, not refused; a gateway that does not answer is started as the first step.
+    `restart_not_serving=False` (`inv repair`, one instance): what does not serve counts for no floor
+    and no canary pair, but only `replace_ids` are started again."""
+    from pdops.reads.preflight import validate_skip
+
+    skip_checks = validate_skip(skip_checks)
+    if isinstance(max_unavailable, bool) or not isinstance(max_unavailable, int) or max_unavailable < 0:
+        raise InvalidInput("--max-unavailable", f"{max_unavailable!r} is not a whole number >= 0",
+                           fix="instances per role out at once during a rolling change: 1 (default), or 0 to surge "
+                               "every replacement into free GPUs")
+    replace_ids = dict(replace_ids or {})
+    cur_pl = Placement.from_dict(cur.placement)
+    cur_by_id = {i.id: i for i in cur_pl.instances}
+    not_serving = {k: v for k, v in (seen.not_serving if seen else {}).items() if k in cur_by_id}
+    for iid, reason in not_serving.items() if restart_not_serving else ():
+        replace_ids.setdefault(iid, f"observed not serving ({reason}): started again")
+    tgt_ids = {i.id for i in target_pl.instances}
+    # a rollback returns to the files recorded with its target (its snapshot), not to what the
+    # inventory on disk renders now
+    files = files_of(snapshot) if snapshot is not None else render_files(inv, target_pl)
+    new_mf = manifest(files)
+    # which kept ids run other files or another placement now: replaced
+    why: dict[str, str] = {}
+    for i in target_pl.instances:
+        if i.id not in cur_by_id:
+            continue
+        old = cur_by_id[i.id]
+        changes = file_changes(instance_files(cur.manifest, i.id), instance_files(new_mf, i.id))
+        if old.ranks != i.ranks or old.http_port != i.http_port or old.dist_init_port != i.dist_init_port:
+            why[i.id] = f"moves: {'/'.join(old.hosts)} {old.url} -> {'/'.join(i.hosts)} {i.url}"
+        elif changes:
+            why[i.id] = f"{len(changes)} file(s) changed: " + "; ".join(c.split(" (sha256")[0] for c in changes)
+        elif i.id in replace_ids:
+            why[i.id] = replace_ids[i.id]
+    # shared files (the gateway's, the admission layer's) must not change under a change plan
+    old_sh = shared_files(cur.manifest, set(cur_by_id))
+    new_sh = shared_files(new_mf, tgt_ids)
+    shared = [c for c in file_changes(old_sh, {k: v for k, v in new_sh.items() if k in old_sh})
+              if not c.endswith("would be removed")]
+
+    adm_paths = set()
+    if inv.admission is not None:
+        from pdops.model.render import render_admission_files
+
+        adm_paths = {f"{f.host}:{f.path}" for f in render_admission_files(inv, inv.admission)}
+    adm_changes = [c for c in shared if c.split(" ", 1)[0] in adm_paths]
+    unit_changes = [c for c in adm_changes if ADMISSION_UNIT in c]
+    if unit_changes:
+        raise Refused(f"the change would rewrite the admission layer's unit ({ADMISSION_UNIT}) of revision "
+                      f"{cur.number}: applying it means a restart, which cuts every stream through it",
+                      evidence="\n".join(unit_changes),
+                      fix="keep the settings that render the unit as they are for this change, or restart the "
+                          "admission layer in a maintenance window")
+    gateway_restart = [c for c in shared if c not in adm_changes]
+    # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
+    if snapshot is None and any(cur_by_id[i].role == "prefill" for i in why):
+        from pdops.model.placement import remake, uses_alt_port
+
+        target_pl = Placement(target_pl.topology, tuple(
+            remake(inv, i, alt=not uses_alt_port(inv, cur_by_id[i.id])) if i.id in why and i.role == "prefill" else i
+            for i in target_pl.instances))
+        files = render_files(inv, target_pl)
+        new_mf = manifest(files)
+    # surge: a role whose every instance is replaced with nothing left serving, or --max-unavailable 0.
+    # An instance the change adds on free GPUs (no removed instance holds them) is started and
+    # registered before any replacement (the step order below), so it serves through them: it
+    # counts, and the replacements go in place after it instead of surging.
+    surge: list[tuple[str, str]] = []
+    replaced_by_role = {r: [i for i in target_pl.role(r) if i.id in why] for r in ROLES}
+    leaving = [r for r in cur_pl.instances if r.id not in tgt_ids]
+    for role in ROLES:
+        reps = replaced_by_role[role]
+        if not reps:
+            continue
+        if not [i for i in cur_pl.role(role) if i.id not in not_serving]:
+            continue  # nothing of this role serves now: no floor to keep (said in the plan)
+        existing = [i for i in target_pl.role(role) if i.id in cur_by_id]
+        added_first = [i for i in target_pl.role(role) if i.id not in cur_by_id and not any(
+            gpu_set(i) & gpu_set(r) or slot_key(i) == slot_key(r) for r in leaving)]
+        serving = len(existing) + len(added_first)
+        if max_unavailable >= 1 and (serving > 1 or force):
+            continue
+        if snapshot is not None:
+            if force or max_unavailable >= 1 and serving > 1:
+                continue
+            raise Refused(f"returning to the recorded files replaces {', '.join(i.id for i in reps)}, the only "
+                          f"{role} instance(s): that would leave no serving {role}",
+                          fix="--force to accept it for the time of the replacement")
+        target_pl, made = _surge(inv, target_pl, reps, cur_pl, role, chained=bool(surge))
+        if made is None:
+            if max_unavailable == 0:
+                raise Refused(f"--max-unavailable 0: every {role} replacement must start before its old instance "
+                              f"drains, and the inventory has no free slot for a {role} instance to start on",
+                              fix="add a host (or free GPUs), or allow one out at a time: --max-unavailable 1")
+            raise Refused(f"replacing {', '.join(i.id for i in reps)} would leave no serving {role} instance and "
+                          "there is no free slot to start a replacement first (surge)",
+                          fix="add a host to the inventory so the new instance starts beside the old one, or "
+                              "--force to accept serving no " + role + " during the replacement")
+        for old_i, new_i in made:
+            surge.append((old_i.id, new_i.id))
+            why.pop(old_i.id, None)
+        files = render_files(inv, target_pl)
+        new_mf = manifest(files)
+        tgt_ids = {i.id for i in target_pl.instances}
+    added = [i for i in target_pl.instances if i.id not in cur_by_id]
+    removed = [i for i in cur_pl.instances if i.id not in tgt_ids]
+    replaced = sorted((i for i in target_pl.instances if i.id in why), key=lambda i: i.id not in not_serving)
+    kept = [i for i in target_pl.instances if i.id in cur_by_id and i.id not in why]
+    n_kept_files = sum(len(instance_files(new_mf, i.id)) for i in kept)
+    cordoned = sorted(cordoned_hosts(cur) if cordoned is None else cordoned)
+    cordon_change = cordoned != sorted(cordoned_hosts(cur))
+    gateway_down = bool(seen and seen.gateway)
+    if not added and not removed and not replaced and not gateway_restart and not cordon_change and not adm_changes \
+            and not gateway_down:
+        return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
+                         noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
+                              "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
+                         skip_checks=skip_checks)
+    # Which removals must come before which adds (the add needs GPUs or ports a removed instance holds)
+    needs: dict[str, list[Instance]] = {}
+    for a in added:
+        held = [r for r in removed if gpu_set(a) & gpu_set(r) or (slot_key(a) == slot_key(r))]
+        if held:
+            needs[a.id] = held
+    # capacity counts what serves now: taking out an instance that does not serve costs nothing
+    p, d = (sum(i.id not in not_serving for i in cur_pl.role(r)) for r in ROLES)
+    cap = {"prefill": p, "decode": d}
+    serving0 = dict(cap)
+    steps: list[ScaleStep] = []
+    drained: set[str] = set()
+
+    def step(kind: str, inst: Instance, why_: str = "", delta: int | None = None) -> None:
+        if kind in ("drain", "replace-out") and inst.id in not_serving:
+            delta = 0
+        cap[inst.role] += (1 if kind == "add" else -1) if delta is None else delta
+        steps.append(ScaleStep(kind, inst, (cap["prefill"], cap["decode"]), why_))
+
+    for a in added:
+        if a.id not in needs:
+            step("add", a, f"surge replacement of {dict((n, o) for o, n in surge)[a.id]}"
+                 if a.id in {n for _, n in surge} else "")
+    # replacement waves: at most max_unavailable per role out at once (at least one: --force or surge)
+    # per role: at most max_unavailable, and never all of a role's instances at once (one keeps serving)
+    k = {r: min(max(max_unavailable, 1), max(sum(i.id in cur_by_id for i in target_pl.role(r)) - 1, 1))
+         for r in ROLES}
+    waves: list[list[Instance]] = []
+    by_role = {r: [i for i in replaced if i.role == r] for r in ROLES}
+    while any(by_role.values()):
+        wave = []
+        for r in ROLES:
+            take, by_role[r] = by_role[r][:k[r]], by_role[r][k[r]:]
+            wave += take
+        waves.append(wave)
+    for n, wave in enumerate(waves, 1):
+        for i in wave:
+            step("replace-out", i, f"wave {n}", delta=-1)
+        for i in wave:
+            step("replace-in", i, f"wave {n}", delta=+1)
+    dip: list[str] = []
+    for a in added:
+        if a.id not in needs:
+            continue
+        for r in needs[a.id]:
+            if r.id in drained:
+                continue
+            gpus = sorted(gpu_set(a) & gpu_set(r))
+            hosts = sorted({h for h, _ in gpus})
+            where = "; ".join(f"{h} GPUs {gpu_range(tuple(g for hh, g in gpus if hh == h))}" for h in hosts)
+            step("drain", r, f"frees {where} for {a.id}")
+            drained.add(r.id)
+            # a surge chain drains the old instance its earlier replacement already covers: no dip;
+            # nor does draining one that does not serve now
+            if r.id not in not_serving and (a.id not in {n for _, n in surge} or
+                                            cap[r.role] < min(serving0[r.role], len(target_pl.role(r.role)))):
+                dip.append(f"{a.id} ({a.role}) needs {where}, held by {r.id} ({r.role}): {r.id} is drained first; "
+                           f"serving drops to {cap['prefill']} prefill + {cap['decode']} decode "
+                           f"({cap['prefill'] + cap['decode']} instances) until {a.id} is registered")
+        step("add", a, f"on the GPUs freed by {', '.join(r.id for r in needs[a.id])}")
+    for r in removed:
+        if r.id not in drained:
+            step("drain", r)
+            drained.add(r.id)
+    new_count = {"prefill": len(target_pl.role("prefill")), "decode": len(target_pl.role("decode"))}
+    old_count = {"prefill": p, "decode": d}
+    zero, broken = [], []
+    for role_i, role in enumerate(ROLES):
+        # a rolling replacement's own dip (at most max_unavailable) is the plan's, not a capacity dip
+        low = min((s.capacity[role_i] for s in steps if not s.kind.startswith("replace")), default=old_count[role])
+        if low < min(old_count[role], new_count[role]):
+            dip.append(f"{role} capacity drops to {low} (old {old_count[role]}, new {new_count[role]})")
+        if old_count[role] == 0:  # a floor already broken: the change is the way back, not refused
+            first = next((s.instance.id for s in steps if s.instance.role == role and s.kind in ("add", "replace-in")),
+                         None)
+            broken.append(f"no {role} serves now" + (f" ({', '.join(i for i in not_serving if cur_by_id[i].role == role)} "
+                                                    "observed not serving)" if cur_pl.role(role) else "")
+                          + (f": this change brings {first} up first" if first else ": this change starts none"))
+        elif min((s.capacity[role_i] for s in steps), default=old_count[role]) < 1:
+            zero.append(role)
+    plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
+                     rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
+                     replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
+                     max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
+                     base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken)
+    compile_steps(plan)
+    if zero and not force:
+        raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
+                      fix="add hosts so replacements start beside the old instances, or --force to accept it",
+                      evidence=plan.render())
+    if dip and not allow_capacity_dip:
+        raise Refused(f"{cur.topology} -> {target_pl.topology} cannot add before it drains: "
+                      + "; ".join(dip),
+                      fix="pass --allow-capacity-dip to accept the temporary capacity, or add hosts so the new "
+                          "instances fit beside the old ones",
+                      evidence=plan.render())
+    return plan
+
+
+def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: Placement, role: str,
+           chained: bool = False):
+    """Each of `reps` replaced by a new instance (the lowest unused id), started before the old one
+    drains: on a free slot, then on the slot the previous surge's old instance frees (a chain: one
+    free slot is enough; the planner orders each drain before the add that needs its GPUs). A
+    prefill on a slot an instance of `cur_pl` holds takes the other bootstrap port. (pl, None):
+    no free slot at all."""
+
+    in_target = {slot_key(i) for i in target_pl.instances if i not in reps}
+    tgt_ids = {i.id for i in target_pl.instances if i not in reps}
+    held_now = {slot_key(i) for i in cur_pl.instances}
+    key = lambda sl: (tuple(h.name for h in sl[0]), sl[1])  # noqa: E731
+    free = [sl for sl in gpu_slots(inv) if key(sl) not in in_target and key(sl) not in held_now]
+    # slots an instance leaving the placement holds: free once it drained (an earlier surge in this
+    # change covers it), the chain's next links
+    freed = [sl for sl in gpu_slots(inv) if key(sl) not in in_target and key(sl) in held_now and
+             all(i.id not in tgt_ids for i in cur_pl.instances if slot_key(i) == key(sl))
+             and not any(slot_key(r) == key(sl) for r in reps)]
+    if not free and not (chained and freed):
+        return target_pl, None
+    free += freed
+    by_key = {(tuple(h.name for h in sl[0]), sl[1]): sl for sl in gpu_slots(inv)}
+    held = {slot_key(i): i for i in cur_pl.instances}
+    taken = {int(i.id[1:]) for i in target_pl.role(role)} | {int(i.id[1:]) for i in cur_pl.role(role)}
+    made, n = [], 0
+    insts = [i for i in target_pl.instances if i not in reps]
+    for old in reps:
+        n += 1
+        while n in taken:
+            n += 1
+        taken.add(n)
+        sl = free.pop(0)
+        prev = held.get((tuple(h.name for h in sl[0]), sl[1]))
+        alt = role == "prefill" and prev is not None and prev.role == "prefill" and \
+            prev.bootstrap_port == inv.ports.bootstrap_base + inv.ports.stride * sl[1]
+        new = make_instance(inv, role, n, sl, alt)
+        made.append((old, new))
+        insts.append(new)
+        free.append(by_key[slot_key(old)])  # freed once `old` drains
+    insts.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    return Placement(target_pl.topology, tuple(insts)), made
+
+
+def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+               skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
+               replace_ids: dict[str, str] | None = None, avoid: frozenset[str] | None = None,
+               seen: Seen | None = None) -> ScalePlan:
+    """What `inv deploy --topology T` (or `inv scale`) does on a live cluster: the smallest change from
+    the current revision to what the inventory, `target` and this pdops render now. Reads only the record."""
+    from pdops.model.placement import place_change
+
+    cur = current_revision_of(inv, state, "change")
+    cur_pl = Placement.from_dict(cur.placement)
+    cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
+    target_pl = place_change(inv, target, cur_pl, avoid=cordoned, last_ports=(cur.extra or {}).get("last_bootstrap"))
+    return plan_change(inv, cur, target_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+                       max_unavailable=max_unavailable, force=force, replace_ids=replace_ids, seen=seen)
+
+
+def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool = False,
+                    skip_checks: set[str] | None = None, seen: Seen | None = None) -> ScalePlan:
+    """`inv drain --host H` (maintenance): every instance with a rank on H leaves it. Where free
+    slots off the cordoned hosts allow, each is replaced there first (a new id, started and
+    registered before the old one drains); else it is drained and the role shrinks, refused when a
+    role would be left with no serving instance unless `force`. H is cordoned in the revision."""
+
+    inv.host(host)  # InvalidInput naming the hosts when unknown
+    cur = current_revision_of(inv, state, "drain")
+    cur_pl = Placement.from_dict(cur.placement)
+    cordoned = sorted(set(cordoned_hosts(cur)) | {host})
+    leaving = [i for i in cur_pl.instances if host in i.hosts]
+    staying = [i for i in cur_pl.instances if host not in i.hosts]
+    used = {slot_key(i) for i in cur_pl.instances}
+    free = [sl for sl in gpu_slots(inv) if (tuple(h.name for h in sl[0]), sl[1]) not in used
+            and not {h.name for h in sl[0]} & set(cordoned)]
+    out = list(staying)
+    moved = []
+    for old in leaving:
+        if not free:
+            continue
+        taken = {int(i.id[1:]) for i in out + leaving if i.role == old.role}
+        n = 1
+        while n in taken:
+            n += 1
+        new = make_instance(inv, old.role, n, free.pop(0))
+        out.append(new)
+        moved.append((old.id, new.id))
+    out.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    target = Placement(Topology(sum(i.role == "prefill" for i in out), sum(i.role == "decode" for i in out)), tuple(out))
+    zero = [r for r in ROLES if not target.role(r)]
+    if zero and not force:
+        raise Refused(f"draining {host} ({', '.join(i.id for i in leaving)}) would leave no serving "
+                      f"{' and no '.join(zero)} instance, and no free slot off the cordoned hosts takes its place",
+                      fix="add a host (or uncordon one) so the instance moves there first, or --force")
+    plan = plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
+                       allow_capacity_dip=True, seen=seen)
+    plan.surge = moved
+    return plan
+
+
+def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
+    """`inv uncordon --host H`: placement may use H again (nothing starts there by itself)."""
+    inv.host(host)
+    cur = current_revision_of(inv, state, "uncordon")
+    was = cordoned_hosts(cur)
+    if host not in was:
+        raise Refused(f"{host} is not cordoned in revision {cur.number} (cordoned: {', '.join(was) or 'none'})",
+                      fix="`inv status` shows the cordoned hosts")
+    return plan_change(inv, cur, Placement.from_dict(cur.placement), cordoned=[h for h in was if h != host])
+
+
+def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+               skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
+               seen: Seen | None = None) -> ScalePlan:
+    """`inv scale --topology T`: the same planner as `inv deploy` of a live cluster (plan_apply)."""
+    return plan_apply(inv, target, state, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+                      max_unavailable=max_unavailable, force=force, seen=seen)
+
+
+def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[str]:
+    """What changed since `tgt` that makes returning to it unsafe (empty: the conditions hold)."""
+    changed: list[str] = []
+    if tgt.inventory_hash != inv.digest:
+        changed.append(f"inventory digest {tgt.inventory_hash[:12]} at revision {tgt.number}, "
+                       f"{inv.digest[:12]} now")
+    tgt_pl = Placement.from_dict(tgt.placement)
+    names = {h.name: h for h in inv.hosts}
+    for i in tgt_pl.instances:
+        for r in i.ranks:
+            h = names.get(r.host)
+            if h is None:
+                changed.append(f"host {r.host} of {i.id} is no longer in the inventory")
+            elif h.data_addr != r.data_addr:
+                changed.append(f"host {r.host} of {i.id}: data address {r.data_addr} -> {h.data_addr}")
+    if not changed:
+        try:
+            from pdops.model.placement import place_change
+
+            again = place_change(inv, tgt_pl.topology, tgt_pl)
+            if again != tgt_pl:
+                changed.append(f"revision {tgt.number}'s placement no longer follows from the inventory")
+        except InvalidInput as exc:
+            changed.append(exc.message)
+    cur_pl = Placement.from_dict(cur.placement)
+    cur_by_id = {i.id: i for i in cur_pl.instances}
+    for i in tgt_pl.instances:
+        if i.id in cur_by_id and cur_by_id[i.id] != i:
+            changed.append(f"{i.id} runs on {'/'.join(cur_by_id[i.id].hosts)} slot {cur_by_id[i.id].slot} now, "
+                           f"on {'/'.join(i.hosts)} slot {i.slot} in revision {tgt.number}")
+    if not changed:
+        new_mf = manifest(render_files(inv, tgt_pl))
+        for i in tgt_pl.instances:
+            if i.id not in cur_by_id:
+                changed += [f"{i.id}: {c}" for c in
+                            file_changes(instance_files(tgt.manifest, i.id), instance_files(new_mf, i.id))]
+    return changed
+
+
+def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
+                  skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
+                  seen: Seen | None = None) -> ScalePlan:
+    """A change back to the previous deployed revision (or revision `to`): to its recorded placement
+    and the files recorded with it (its snapshot), whatever the inventory on disk renders now; only
+    its hosts must still be in the inventory (to be reached). A revision recorded before snapshots:
+    returned to only while the inventory and the rendering are unchanged (Refused naming what changed)."""
+    cur = current_revision_of(inv, state, "roll back")
+    if to is None:
+        tgt = state.previous()
+        if tgt is None:
+            raise Refused(f"{inv.cluster} has no deployed revision before revision {cur.number}: nothing to roll "
+                          "back to", fix="`inv history` lists the recorded revisions")
+    else:
+        try:
+            n = int(to)
+        except (TypeError, ValueError):
+            raise InvalidInput("--to", f"{to!r} is not a revision number", fix="see `inv history`") from None
+        if n == cur.number:
+            raise Refused(f"revision {n} is already current: nothing to roll back",
+                          fix="name an earlier revision (`inv history`)")
+        tgt = state.read_revision(n)
+        if tgt.outcome != "deployed":
+            raise Refused(f"revision {n} ended '{tgt.outcome}': only a deployed revision can be returned to",
+                          fix="choose a revision whose outcome is deployed (`inv history`)")
+    snap = state.revision_snapshot(tgt.number)
+    if snap is not None:
+        tgt_pl = Placement.from_dict(tgt.placement)
+        known = {h.name for h in inv.hosts}
+        gone = sorted({h for i in tgt_pl.instances for h in i.hosts} - known)
+        if gone:
+            raise Refused(f"cannot roll back to revision {tgt.number}: its hosts {', '.join(gone)} are not in the "
+                          "inventory, so they cannot be reached", fix="add them back to the inventory (the files and "
+                          f"placement of revision {tgt.number} are recorded; only the hosts' addresses are read from it)")
+        plan = plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+                           rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force,
+                           seen=seen)
+        plan.rollback_inventory_hash = tgt.inventory_hash
+        return plan
+    refuse_changed_inventory(inv, cur)
+    changed = rollback_conditions(inv, cur, tgt)
+    if changed:
+        raise Refused(f"cannot roll back to revision {tgt.number} ({tgt.topology}): its rollback conditions no "
+                      "longer hold", evidence="\n".join(changed),
+                      fix="restore what changed, or plan the change as a new scale (`inv scale --topology "
+                          f"{tgt.topology}`)")
+    return plan_change(inv, cur, Placement.from_dict(tgt.placement), allow_capacity_dip=allow_capacity_dip,
+                       skip_checks=skip_checks, rollback_of=tgt.number, seen=seen)

@@ -1,0 +1,249 @@
+"""A halted change: the plan's rescue steps and their executors."""
+
+from __future__ import annotations
+
+import time
+
+from pdops.model import membership
+from pdops.errors import PdopsError, Unverified
+from pdops.model.placement import Placement, last_bootstrap_ports
+from pdops.model.render import manifest, render_files
+from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
+from pdops.model.topology import Topology
+
+from pdops.ops.scale.model import ROLES, ScalePlan, cordoned_hosts, instance_files, shared_files, union_placement
+from pdops.ops.scale.execute import instances_doc
+from pdops.ops.scale.steps import undo_steps
+
+
+# ---------------------------------------------------------------- a halted change (the plan's rescue)
+#
+# What a failed step leaves is read from what the walk did (the steps that ran) and from what the
+# hosts and the gateway report now; the three rescue steps are declared by the plan and printed by
+# `--dry-run`: R1 undoes what the change added and cannot keep, R2 puts back in service every
+# instance the change took out of the gateway but did not stop, R3 records what runs.
+
+def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
+    """R1: an added instance that is registered stays only if a drain or a replacement already
+    happened (undoing it would drop capacity further); a replaced instance registered with its new
+    files serves on. Everything else this change started is drained (if registered) or stopped."""
+    plan: ScalePlan = ctx.data["scale_plan"]
+    d = ctx.data
+    started = {i: inst for i, inst in d.get("started_instances", {}).items() if i in step.params["instances"]}
+    workers, posted, healthy = d.get("workers", {}), d.get("posted", set()), d.get("healthy", set())
+    changed = d.get("drained") or d.get("replaced_out")
+    replaced_ids = {i.id for i in plan.replaced}
+    kept, undone, left = [], [], []
+    for iid, inst in reversed(list(started.items())):
+        if (changed or iid in replaced_ids) and iid in workers:
+            kept.append(iid)
+            continue
+        try:
+            run_steps(undo_steps(inst, plan, registered=iid in posted, listened=iid in healthy,
+                                 worker_id=workers.get(iid)), ctx, progress=False)
+            undone.append(f"{iid} (drained and stopped, verified)" if iid in posted
+                          else f"{iid} (never registered; stopped, verified)")
+        except PdopsError as e2:
+            left.append(f"{iid}: undo failed: {e2.message}")
+    d["halt"] = {**d.get("halt", {}), "kept_added": kept, "undone": undone, "left": left}
+    if not started:
+        return Outcome.noop("no start step ran")
+    if left:
+        exc = Unverified("not every added instance was undone", evidence="\n".join(left))
+        exc.journal_evidence = {"kept": kept, "undone": undone, "left": left}
+        raise exc
+    return Outcome(evidence={"kept": kept, "undone": undone},
+                   verified=[f"undone: {u}" for u in undone] + [f"kept, serving: {k}" for k in kept])
+
+
+def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
+    """R2: an instance out of the gateway whose process was not stopped goes back in service, after
+    a canary through it; one whose units are not active (or whose /health does not answer) is named
+    out of service. Read from systemd, the instance and the gateway now."""
+    from pdops.ops.deploy import canary_pairs, register
+    from pdops.remote.hosts import http_json
+
+    d = ctx.data
+    stopped = set(d.get("drained", [])) | set(d.get("replaced_out", []))
+    cands = [i for i in step.params["instances"] if i in d.get("left_gateway", []) and i not in stopped]
+    halt = d.setdefault("halt", {})
+    if not cands:
+        return Outcome.noop("no instance left the gateway without being stopped")
+    old: Placement = d["old_placement"]
+    running, down = [], []
+    for iid in cands:
+        inst = old.get(iid)
+        states = [ctx.pool.unit_states(h, [u])[u] for h, u in inst.units]
+        try:
+            health = http_json("GET", f"{inst.url}/health", timeout=5)[0]
+        except PdopsError:
+            health = None
+        (running if all(st.is_active for st in states) and health == 200 else down).append(inst)
+    halt["down"] = [i.id for i in down]
+    deadline = ctx.deadline(step)
+    by_url = {i.url.rstrip("/"): i for i in union_placement(d["scale_plan"]).instances + old.instances}
+    serving_now = [by_url[w.url.rstrip("/")] for w in ctx.gateway.list_workers()
+                   if w.routable and w.url.rstrip("/") in by_url]
+    restored: dict[str, str] = {}
+    failed: list[str] = [f"{i.id}: units not active or /health not answering" for i in down]
+    back = list(running)
+    if back:
+        pairs = []
+        for x in back:
+            for o in serving_now + back:
+                if o.role != x.role and o.id != x.id:
+                    pair = (x, o) if x.role == "prefill" else (o, x)
+                    if pair not in pairs:
+                        pairs.append(pair)
+        if pairs:
+            try:
+                canary_pairs(pairs, ctx.say, retry_once=True, deadline_s=max(deadline - time.monotonic(), 30))
+            except PdopsError as exc:
+                failed += [f"{x.id}: canary failed: {exc.message}" for x in back]
+                back = []
+    for x in back:
+        try:  # register() waits out the worker the drain left draining at this URL
+            restored[x.id] = register(ctx.gateway, x, ctx.say, max(deadline - time.monotonic(), 15))
+        except PdopsError as exc:
+            failed.append(f"{x.id}: not registered again: {exc.message}")
+    if restored:
+        membership.update(ctx.pool, ctx.inv, add=[old.get(i) for i in restored])
+        d.setdefault("workers", {}).update(restored)
+    halt["restored"] = sorted(restored)
+    halt["not_restored"] = failed
+    ev = {"restored": restored, "not_restored": failed}
+    if failed and not restored:
+        exc = Unverified("no instance taken out of the gateway could be put back", evidence="\n".join(failed))
+        exc.journal_evidence = ev
+        raise exc
+    return Outcome(evidence=ev, verified=[f"{i} back in service: canaried, registered (worker {w}), in the "
+                                          "gateway's start-up list" for i, w in restored.items()],
+                   unverified=[f"not back in service: {f}" for f in failed])
+
+
+def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
+    """R3: what runs after the rescue, recorded (a `partial` revision when something was stopped or
+    replaced), and the failure verdict journalled."""
+    plan: ScalePlan = ctx.data["scale_plan"]
+    exc = ctx.failure
+    err = exc if isinstance(exc, PdopsError) else PdopsError(f"{type(exc).__name__}: {exc}")
+    d = ctx.data
+    halt = d.setdefault("halt", {})
+    removed_ids = {i.id for i in plan.removed} | {i.id for i in plan.replaced}
+    drained = [i for i in d.get("drained", []) if i in removed_ids]
+    replaced_out = list(d.get("replaced_out", []))
+    down = list(halt.get("down", []))
+    restored = list(halt.get("restored", []))
+    out_of_gateway = [i for i in d.get("left_gateway", []) if i not in drained and i not in replaced_out
+                      and i not in down and i not in restored]
+    if replaced_out:
+        verdict, rev = _halt_rolling(plan, ctx, err, drained + down, replaced_out)
+    elif drained or down:
+        verdict, rev = _halt_partial(plan, ctx, err, drained + down)
+    else:
+        live = [i.id for i in plan.current_placement.instances]
+        verdict, rev = (f"verdict: the change stopped; current revision unchanged: {plan.current.number} "
+                        f"({plan.current.topology}); live now: {', '.join(live)}"), None
+    verdict += f"; undone: {', '.join(halt.get('undone', [])) or 'nothing was started'}"
+    if restored:
+        verdict += f"; back in service (were out of the gateway, never stopped): {', '.join(restored)}"
+    if down:
+        verdict += f"; out of service (left the gateway, not running now): {', '.join(down)}"
+    if out_of_gateway:
+        verdict += (f"; OUT OF THE GATEWAY but running, not restored: {', '.join(out_of_gateway)} "
+                    "(`inv deploy` puts them back)")
+    if halt.get("left"):
+        verdict += "; NOT undone: " + "; ".join(halt["left"])
+    d["halt_verdict"] = verdict
+    ctx.journal.step(ctx.op, "verdict", "failed", {
+        "error": err.render(), "current": rev.number if rev else plan.current.number, "partial": rev is not None,
+        "live": sorted(rev.instances) if rev else [i.id for i in plan.current_placement.instances],
+        "replaced": halt.get("replaced", []), "out_of_service": halt.get("out_of_service", []) + down,
+        "restored": restored, "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []),
+        "left": halt.get("left", [])})
+    if rev is None:
+        return Outcome.noop(f"nothing was stopped or replaced: revision {plan.current.number} stays current")
+    return Outcome(evidence={"revision": rev.number, "partial": True},
+                   verified=[f"revision {rev.number} (partial) recorded and current"])
+
+
+def _halt_partial(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: list[str]):
+    """Something was drained (or is down): the old revision no longer describes the hosts."""
+    halt = ctx.data["halt"]
+    kept_added = set(halt.get("kept_added", []))
+    cur = plan.current
+    live_insts = [i for i in plan.current_placement.instances if i.id not in drained]
+    live_insts += [i for i in plan.target.instances if i.id in kept_added]
+    order = {i.id: n for n, i in enumerate(plan.target.instances)}
+    live_insts.sort(key=lambda i: (i.role != "prefill", order.get(i.id, 999), i.id))
+    pl = Placement(Topology(sum(i.role == "prefill" for i in live_insts), sum(i.role == "decode" for i in live_insts)),
+                   tuple(live_insts))
+    all_mf = manifest(render_files(plan.inv, pl))
+    rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+                                   manifest=all_mf, instances=instances_doc(plan, pl, dict(ctx.data.get("workers", {}))),
+                                   outcome="partial", op_id=ctx.op,
+                                   extra={"scale_failed": exc.message, "from_revision": cur.number,
+                                          "target": str(plan.target.topology), "drained": drained,
+                                          "gateway": plan.inv.gateway.url, "rollback": {"to_revision": cur.number}})
+    ctx.state.set_current(rev.number)
+    return (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
+            f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}; "
+            f"`inv rollback` returns to revision {cur.number}"), rev
+
+
+def _halt_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: list[str], replaced_out: list[str]):
+    """The rollout halted after replacing (or taking out) some instances: record what is live as a
+    `partial` revision whose every instance is described by the files its process runs: the ones not
+    yet replaced by revision `current` (their files were never touched), the replaced ones by the new
+    files. `inv rollback` returns to revision `current`."""
+    from pdops.model.render import config_ids
+
+    halt = ctx.data["halt"]
+    kept_added = set(halt.get("kept_added", []))
+    cur = plan.current
+    cur_pl = plan.current_placement
+    done = [i for i in replaced_out if i in kept_added]
+    out_now = [i for i in replaced_out if i not in kept_added]
+    halt["replaced"], halt["out_of_service"] = done, out_now
+    live_insts = [i for i in cur_pl.instances if i.id not in drained and i.id not in replaced_out]
+    live_insts += [plan.target.get(i) for i in kept_added]
+    live_insts.sort(key=lambda i: (ROLES.index(i.role), int(i.id[1:])))
+    pl = Placement(Topology(sum(i.role == "prefill" for i in live_insts), sum(i.role == "decode" for i in live_insts)),
+                   tuple(live_insts))
+    new_mf, new_cfg = manifest(plan.files), config_ids(plan.files)
+    old_cfg = (cur.extra or {}).get("configs") or {}
+    mf: dict = {}
+    cfg: dict = {}
+    for (h, p), m in shared_files(new_mf, {i.id for i in plan.target.instances}).items():
+        mf.setdefault(h, {})[p] = m
+    for i in live_insts:
+        src_mf, src_cfg = (new_mf, new_cfg) if i.id in kept_added else (cur.manifest, old_cfg)
+        for (h, p), m in instance_files(src_mf, i.id).items():
+            mf.setdefault(h, {})[p] = m
+        for h, u in i.units:
+            if f"{h}:{u}" in src_cfg:
+                cfg[f"{h}:{u}"] = src_cfg[f"{h}:{u}"]
+    gw_key = next((k for k in old_cfg if k.endswith(":pdops-gateway.service")), None)
+    if gw_key:
+        cfg[gw_key] = old_cfg[gw_key]
+    rev = ctx.state.write_revision(
+        topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+        manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
+        instances=instances_doc(plan, pl, dict(ctx.data.get("workers", {})), ctx.data.get("main_pids", {})),
+        outcome="partial", op_id=ctx.op,
+        extra={"scale_failed": exc.message, "from_revision": cur.number, "target": str(plan.target.topology),
+               "drained": drained, "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
+               "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
+               "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
+                                                      last_bootstrap_ports({}, cur_pl), pl),
+               "rollback": {"to_revision": cur.number}})
+    ctx.state.set_current(rev.number)
+    not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
+    return (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
+            f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "
+            f"still serving revision {cur.number}'s files, untouched: {', '.join(not_yet) or 'none'}; `current` "
+            f"moved to revision {rev.number} (partial, {pl.topology}) to describe what is live; `inv rollback` "
+            f"returns to revision {cur.number}"), rev
+
+
+register_executors({"undo-added": do_undo_added, "restore-service": do_restore_service, "record-halt": do_record_halt})

@@ -1,0 +1,223 @@
+"""A change plan compiled into the runner's steps (pure): adds before drains, rolling waves of
+replacements (each a drain sub-plan, its own delivery, start, canary, register), the gateway
+started first when it was observed down."""
+
+from __future__ import annotations
+
+
+from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.reads import orphans
+from pdops.model.placement import Instance, Placement
+from pdops.runner import Step
+from pdops.model.topology import Topology
+
+from pdops.ops.scale.model import ScalePlan
+
+
+def runner_steps(plan: ScalePlan) -> list[Step]:
+    """The steps the runner walks for a change (pure): connect, preflight, render, deliver; then
+    each add (consecutive adds start in parallel; each is canaried with the pairs it will serve,
+    then registered) and each drain (the drain sub-plan, ids prefixed `drain <id>: `); record."""
+    from pdops.ops.deploy import canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps
+    from pdops.ops.drain import drain_steps
+
+    inv, cur, tgt = plan.inv, plan.current, plan.target
+    first = gateway_start_steps(plan)
+    if not plan.steps and not plan.gateway_restart and not plan.admission_reload:
+        # only the cordons change: what runs is checked, then the revision records them
+        from pdops.ops.deploy import verify_running_step
+
+        return first + [verify_running_step(tgt, inv),
+                        Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
+                             f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale")]
+    # instances that take GPUs a removed one holds are checked after that one is drained (its ports
+    # and GPUs are busy now, by design): preflight checks the others
+    later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why and not s.why.startswith("surge")}
+    later |= {i.id for i in plan.replaced}  # their ports are the running processes' until the wave drains them
+    pre = tuple(i for i in tgt.instances if i.id not in later)
+    pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
+    out = [connect_step(plan.hosts)] + first + [preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
+    out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
+    if plan.replaced:
+        out[-1].params["hold"] = [i.id for i in plan.replaced]
+        out[-1].description += (f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
+                                "own files in its wave, after its old process stopped")
+    live = {i.id for i in plan.current_placement.instances} - set(plan.seen.not_serving if plan.seen else ())
+    down = plan.seen.down if plan.seen else frozenset()
+    interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
+    i, batch_no = 0, 0
+    while i < len(plan.steps):
+        batch = []
+        while i < len(plan.steps) and plan.steps[i].kind == "add":
+            batch.append(plan.steps[i].instance)
+            i += 1
+        if batch:
+            batch_no += 1
+            out += start_steps(inv, batch, restart=False, group=f"start-{batch_no}" if len(batch) > 1 else None)
+            for x in batch:
+                other = "decode" if x.role == "prefill" else "prefill"
+                peers = [o for o in tgt.role(other) if o.id in live]
+                pairs = [(x.id, o.id) if x.role == "prefill" else (o.id, x.id) for o in peers]
+                if pairs:
+                    out.append(canary_step(f"canary {x.id}", pairs, retry_once=True, instance=x.id,
+                                           why="straight to each pair before it is registered (one retry per pair)"))
+                out += register_steps(inv, [x], group=None)
+                live.add(x.id)
+            continue
+        if plan.steps[i].kind == "replace-out":
+            wave = []
+            while i < len(plan.steps) and plan.steps[i].kind.startswith("replace"):
+                if plan.steps[i].kind == "replace-out":
+                    wave.append(plan.steps[i].instance)
+                i += 1
+                if i < len(plan.steps) and plan.steps[i].kind == "replace-out" and \
+                        plan.steps[i - 1].kind == "replace-in":
+                    break  # the next wave
+            out += wave_steps(plan, wave, live)
+            continue
+        s = plan.steps[i]
+        i += 1
+        wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
+        out += drain_steps(inv, s.instance, wid, wait_s=float(inv.drain_budget_s), interval_s=interval,
+                           prefix=f"drain {s.instance.id}: ", in_change=True, wait=s.instance.id not in down)
+        live.discard(s.instance.id)
+    from pdops.ops.deploy import verify_running_step
+    from pdops.model.render import GATEWAY_UNIT, gateway_grace_s
+
+    if plan.gateway_restart:
+        out.append(Step("gateway-restart", inv.gateway.host, f"systemctl restart {GATEWAY_UNIT}: smg finishes what is "
+                        f"in flight (up to {gateway_grace_s(inv)}s), the new process starts from the new files and "
+                        "registers every worker of its start-up list; wait until /workers lists each healthy and ready"
+                        + (f"; the admission layer on {inv.admission.host} keeps the gateway in service meanwhile "
+                           "(HAProxy's health check of it paused through the runtime API until the new gateway "
+                           "lists every worker healthy, resumed whatever the outcome; refused connections retried)" if inv.admission else ""),
+                        gateway_grace_s(inv) + 120, kind="gateway-restart",
+                        params={"instances": [i.id for i in tgt.instances],
+                                "admission_host": inv.admission.host if inv.admission else None}))
+    if plan.admission_reload:
+        host = inv.admission.host
+        out.append(Step("admission-check", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
+                        kind="admission-check"))
+        out.append(Step("admission-reload", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: old "
+                        "workers finish their streams); the master MainPID must stay", 60, kind="admission-reload"))
+    rep = plan.repair or {}
+    if rep and plan.current_placement.get(rep["instance"]).role == "decode":
+        # the halves the ended decode process left on the prefills wait for a side that is gone
+        out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
+    out.append(verify_running_step(tgt, inv))
+    out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
+                    kind="record-scale"))
+    return out
+
+
+def gateway_start_steps(plan: ScalePlan) -> list[Step]:
+    """A gateway observed not answering is started before anything else (it registers its start-up
+    list itself after each start); the change goes on once it lists every instance that serves."""
+    seen = plan.seen
+    if not seen or not seen.gateway:
+        return []
+    from pdops.model.render import GATEWAY_UNIT
+
+    inv = plan.inv
+    serving = {i.id: i.url for i in plan.current_placement.instances if i.id not in seen.not_serving}
+    # what this change starts again leaves the start-up list first: a worker the gateway queues while
+    # its engine is down is retried in the background and may be listed later with its old identity
+    # (a prefill's old bootstrap port); each is listed again once registered
+    unlist = [i for i in seen.not_serving if i in {x.id for x in plan.replaced + plan.removed}]
+    verb = "restart" if seen.gateway_active else "start"
+    return [Step("gateway", inv.gateway.host, f"observed: {seen.gateway}; "
+                 + (f"{', '.join(unlist)} out of its start-up list (started again by this change, listed again once "
+                    "registered); " if unlist else "")
+                 + f"{verb} {GATEWAY_UNIT} (after each start it registers its start-up list), wait for "
+                 f"{inv.gateway.url}/health" + (f" and until it lists {', '.join(serving)} healthy and ready"
+                                                if serving else ""),
+                 60 + 15 * len(serving), kind="gateway",
+                 params={"restart": seen.gateway_active, "clear_list": False, "wait_for": serving, "unlist": unlist})]
+
+
+def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[Step]:
+    """One wave of a rolling replacement: drain the wave's running processes side by side (the drain
+    sub-plan of each, step for step in parallel), deliver their new files, start them, canary every
+    pair through them, register them. `live` (ids serving) is updated."""
+    from pdops.ops.deploy import canary_step, register_steps, start_steps
+    from pdops.ops.drain import drain_steps
+
+    inv, cur = plan.inv, plan.current
+    old = {i.id: i for i in plan.current_placement.instances}
+    down = plan.seen.down if plan.seen else frozenset()
+    ids = [i.id for i in wave]
+    tag = "+".join(ids)
+    interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
+    rep = plan.repair or {}
+    subs = [drain_steps(inv, old[i.id], (cur.instances.get(i.id) or {}).get("worker_id"),
+                        wait_s=float(rep.get("wait_s") or inv.drain_budget_s), interval_s=interval,
+                        prefix=f"replace {i.id}: ", in_change=True, extra={"old": True},
+                        force_after=bool(rep.get("force_after")),
+                        wait=not (rep.get("down") and rep.get("instance") == i.id) and i.id not in down) for i in wave]
+    out: list[Step] = []
+    for i in wave:
+        if rep.get("instance") == i.id:
+            from pdops.ops.repair import lost_work_step
+
+            out.append(lost_work_step(old[i.id], rep))
+    for n, row in enumerate(zip(*subs)):
+        for st in row:
+            st.group = f"out {tag} {n}" if len(row) > 1 else None
+            out.append(st)
+    live -= set(ids)
+    out.append(Step(f"deliver {tag}", None, f"the new files of {', '.join(ids)} (units, launch scripts, 0600 env "
+                    "files) with Ansible; daemon-reload; enable", kind="deliver-wave", params={"instances": ids}))
+    out += start_steps(inv, wave, restart=False, group=f"start {tag}" if len(wave) > 1 else None)
+    pairs = []
+    for p in plan.target.role("prefill"):
+        for d in plan.target.role("decode"):
+            if {p.id, d.id} & set(ids) and {p.id, d.id} <= live | set(ids):
+                pairs.append((p.id, d.id))
+    if pairs:
+        out.append(canary_step(f"canary {tag}", pairs, retry_once=True, instance=ids[0] if len(ids) == 1 else None,
+                               why="straight to each pair before registration (no decode knows the new bootstrap "
+                                   "address; one retry per pair all the same)"))
+    out += register_steps(inv, wave, group=f"register {tag}" if len(wave) > 1 else None)
+    live |= set(ids)
+    return out
+
+
+def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool, listened: bool, worker_id: str | None) -> list[Step]:
+    """Undo of one added instance: drain it if it was registered, else the verified stop alone."""
+    from pdops.ops.drain import drain_steps
+
+    inv = plan.inv
+    return drain_steps(inv, inst, worker_id, wait_s=float(inv.drain_budget_s),
+                       interval_s=float(inv.vars.get("pdops_empty_check_interval_s", 5)), gateway=registered,
+                       prefix=f"undo {inst.id}: ", check_ports=listened, resume=False)
+
+
+def rescue_steps(plan: ScalePlan) -> list[Step]:
+    """The rescue of a change (pure): which instances each rescue step may touch is decided here;
+    which of them it does touch depends on how far the walk got, and each step names the steps it
+    reads that from."""
+    if plan.noop or not (plan.steps or plan.gateway_restart or plan.admission_reload):
+        return []
+    inv = plan.inv
+    out: list[Step] = []
+    started = [s.instance.id for s in plan.steps if s.kind in ("add", "replace-in")]
+    if started:
+        budget = float(inv.drain_budget_s) + inv.stop_timeout_s + 180
+        out.append(Step("undo-added", None, f"each of {', '.join(started)} that its `start` step started: kept if it "
+                        "serves in place of one already drained or replaced (its `register` step passed), otherwise "
+                        "drained if its `register` step ran (leave the gateway, wait empty, verified stop), else the "
+                        "verified stop alone", budget * len(started), kind="undo-added",
+                        params={"instances": started}))
+    taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
+    if taken_out:
+        out.append(Step("restore-service", inv.gateway.host, f"each of {', '.join(taken_out)} whose `leave-gateway` "
+                        "step ran and whose `stop` step did not: if its units are active and its /health answers, a "
+                        "canary through it and the instances the gateway serves, then registered again and back in "
+                        "the gateway's start-up list; otherwise named out of service",
+                        120 + 60 * len(taken_out), kind="restore-service", params={"instances": taken_out}))
+    out.append(Step("record-halt", None, f"if the walk stopped or replaced an instance: record a `partial` revision "
+                    "that describes what runs (replaced instances by their new files, the others by revision "
+                    f"{plan.current.number}'s), and move `current` to it; otherwise "
+                    f"revision {plan.current.number} stays current. The verdict names what was replaced, restored, "
+                    "undone and left out of service", 60, kind="record-halt"))
+    return out

@@ -1,0 +1,37 @@
+"""`inv sweep`: P:D ratio x concurrency sweeps on a fixed GPU budget.
+
+Plan (pure): the budget and the GPUs per instance (TP x PP of the profile) give a number
+of instances; each ratio p:d takes the largest k with k*(p+d) instances, and must use the
+whole budget (else its cells are "not tried", with the reason, unless partial use is
+allowed: only reporting TPM per GPU keeps "more GPUs" from passing for "better ratio").
+A topology that the inventory cannot place is "not tried" too. A budget that leaves no
+cell to run is refused as invalid input.
+
+Do (`execute_sweep`): per topology, scale to it (injected `scale_to`, and an optional
+`verify`), then run each concurrency (injected `run_cell`), `repeats` times. Every cell
+ends as one of:
+- measured: figures of each repeat, the median and the range/median spread; a run with
+  failed requests is still measured but carries its mark everywhere it is shown;
+- tried and failed: the failure (scale failed, HTTP 503 on every request, run invalid...);
+- not tried: the reason. Not-tried cells are never drawn in a plot.
+
+The knee of a ratio is the last concurrency whose next step adds less than `min_gain`
+(default 2%) total TPM: past it, added concurrency only adds latency.
+
+The package, by concern (each module imports only those listed before it):
+- ``plan``: parsing, the cells, the plan (pure);
+- ``matrix``: the knee, the table, the CSV, the plots;
+- ``execute``: the walk over topologies and concurrencies.
+"""
+
+from pdops.ops.sweep.execute import execute_sweep
+from pdops.ops.sweep.matrix import (Knee, Matrix, cell_text, find_knee, load_matrix, matrix_csv_rows, plot_matrix,
+                                render_matrix, write_matrix)
+from pdops.ops.sweep.plan import (DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED, PLANNED, Cell, Ratio, SweepPlan,
+                              parse_concurrencies, parse_min_gain, parse_ratios, plan_sweep, topology_for_ratio)
+
+__all__ = [
+    "Ratio", "parse_ratios", "parse_concurrencies", "parse_min_gain", "Cell", "SweepPlan", "topology_for_ratio", "plan_sweep",
+    "Knee", "find_knee", "Matrix", "cell_text", "render_matrix", "matrix_csv_rows", "write_matrix", "load_matrix",
+    "plot_matrix", "execute_sweep", "MEASURED", "FAILED", "NOT_TRIED", "PLANNED", "DEFAULT_MIN_GAIN",
+]

@@ -1,0 +1,242 @@
+"""The sweep's plan (pure): ratios x concurrencies on a fixed GPU budget, each cell planned,
+measured, failed or not tried with its reason."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+from pdops.ops.bench import Workload, parse_concurrency, parse_positive_int
+from pdops.errors import InvalidInput
+from pdops.model.topology import Topology
+
+
+MEASURED = "measured"
+
+
+FAILED = "failed"
+
+
+NOT_TRIED = "not_tried"
+
+
+PLANNED = "planned"
+
+
+STATE_LABEL = {MEASURED: "measured", FAILED: "tried and failed", NOT_TRIED: "not tried", PLANNED: "planned"}
+
+
+DEFAULT_MIN_GAIN = 0.02
+
+
+_RATIO_FIX = "write ratios as P:D pairs separated by commas, e.g. 2:1,3:1,5:1"
+
+
+_CONC_FIX = "write concurrencies as whole numbers >= 1 separated by commas, e.g. 8,16,32,64"
+
+
+@dataclass(frozen=True, order=True)
+class Ratio:
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}:{self.decode}"
+
+    @property
+    def reduced(self) -> tuple[int, int]:
+        from math import gcd
+
+        g = gcd(self.prefill, self.decode)
+        return self.prefill // g, self.decode // g
+
+
+def _split(spec: object, field_name: str, fix: str) -> list[str]:
+    if isinstance(spec, (list, tuple)):
+        parts = [str(p) for p in spec]
+    elif spec is None or not str(spec).strip():
+        raise InvalidInput(field_name, "missing", fix=fix)
+    else:
+        parts = str(spec).split(",")
+    parts = [p.strip() for p in parts]
+    if any(not p for p in parts):
+        raise InvalidInput(field_name, f"{spec!r} has an empty entry", fix=fix)
+    return parts
+
+
+def parse_ratios(spec: object, field_name: str = "--ratios") -> list[Ratio]:
+    """`2:1,3:1,5:1` -> [Ratio(2,1), ...]; duplicates (also 4:2 next to 2:1) and junk are refused."""
+    out: list[Ratio] = []
+    seen: dict[tuple[int, int], str] = {}
+    for p in _split(spec, field_name, _RATIO_FIX):
+        a, sep, b = p.partition(":")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+            raise InvalidInput(field_name, f"{p!r} is not a P:D ratio", fix=_RATIO_FIX)
+        r = Ratio(int(a), int(b))
+        if r.prefill < 1 or r.decode < 1:
+            raise InvalidInput(field_name, f"{p!r}: a PD topology needs at least one prefill and one decode",
+                               fix=_RATIO_FIX)
+        if r.reduced in seen:
+            raise InvalidInput(field_name, f"{p!r} is the same ratio as {seen[r.reduced]!r}", fix="list each ratio once")
+        seen[r.reduced] = p
+        out.append(r)
+    return out
+
+
+def parse_concurrencies(spec: object, field_name: str = "--concurrency") -> list[int]:
+    """`8,16,32,64` -> [8, 16, 32, 64] (sorted, each >= 1, no duplicates)."""
+    vals = [parse_concurrency(p, field_name) for p in _split(spec, field_name, _CONC_FIX)]
+    if len(set(vals)) != len(vals):
+        raise InvalidInput(field_name, f"{spec!r} lists a concurrency twice", fix=_CONC_FIX)
+    return sorted(vals)
+
+
+def parse_min_gain(value: object, field_name: str = "--min-gain") -> float:
+    """The knee threshold: a fraction in (0, 1), e.g. 0.02 for 2% total TPM per step."""
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidInput(field_name, f"{value!r} is not a number", fix="e.g. --min-gain 0.02 (2%)") from None
+    if not 0 < v < 1:
+        raise InvalidInput(field_name, f"{value!r} must be a fraction between 0 and 1", fix="e.g. --min-gain 0.02 (2%)")
+    return v
+
+
+@dataclass
+class Cell:
+    ratio: str
+    topology: str | None
+    concurrency: int
+    state: str = PLANNED
+    reason: str | None = None  # why not tried, or what failed
+    runs: list = field(default_factory=list)  # per repeat: Figures.to_dict() + run_dir, or {"error": ...}
+    gpus: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.ratio, self.concurrency)
+
+    # -- repeats
+    def measured_runs(self) -> list[dict]:
+        return [r for r in self.runs if not r.get("error") and r.get("total_tpm") is not None]
+
+    def median(self, name: str) -> float | None:
+        vals = [r[name] for r in self.measured_runs() if r.get(name) is not None]
+        return statistics.median(vals) if vals else None
+
+    def spread(self, name: str = "total_tpm") -> float | None:
+        """(max - min) / median over the measured repeats; None with fewer than two."""
+        vals = [r[name] for r in self.measured_runs() if r.get(name) is not None]
+        if len(vals) < 2:
+            return None
+        med = statistics.median(vals)
+        return (max(vals) - min(vals)) / med if med else None
+
+    @property
+    def mark(self) -> str:
+        """Failures of any repeat, as every table must show them."""
+        marks = [r["mark"] for r in self.runs if r.get("mark")]
+        marks += [f"repeat {i + 1}: {r['error']}" for i, r in enumerate(self.runs) if r.get("error")]
+        return "; ".join(marks)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Cell":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class SweepPlan:
+    budget: int
+    gpus_per_instance: int
+    workload: str
+    ratios: list[str]
+    concurrencies: list[int]
+    repeats: int
+    cells: list[Cell]
+    topologies: dict  # ratio -> topology string or None
+    notes: list[str] = field(default_factory=list)
+
+    def runnable(self) -> list[Cell]:
+        return [c for c in self.cells if c.state == PLANNED]
+
+    def render(self) -> str:
+        n = self.budget // self.gpus_per_instance
+        lines = [f"plan: sweep {self.workload} on a fixed budget of {self.budget} GPUs "
+                 f"({n} instances of {self.gpus_per_instance} GPUs), {len(self.runnable())} of {len(self.cells)} cells "
+                 f"to run, {self.repeats} repeat(s) each"]
+        for r in self.ratios:
+            topo = self.topologies.get(r)
+            cells = [c for c in self.cells if c.ratio == r]
+            if topo is None:
+                lines.append(f"  {r}: not tried: {cells[0].reason}")
+                continue
+            todo = [f"C{c.concurrency}" for c in cells if c.state == PLANNED]
+            skip = [f"C{c.concurrency} ({c.reason})" for c in cells if c.state == NOT_TRIED]
+            lines.append(f"  {r} -> {topo} ({cells[0].gpus} GPUs): scale, verify, run {', '.join(todo) or 'nothing'}"
+                         + (f"; not tried: {', '.join(skip)}" if skip else ""))
+        lines += [f"  note: {x}" for x in self.notes]
+        return "\n".join(lines)
+
+
+def topology_for_ratio(budget: int, gpus_per_instance: int, ratio: Ratio, *, allow_partial: bool = False
+                       ) -> tuple[Topology | None, str | None]:
+    """(topology, None) for the largest k*(p:d) within the budget, or (None, why not)."""
+    instances = budget // gpus_per_instance
+    k = instances // (ratio.prefill + ratio.decode)
+    if k < 1:
+        return None, (f"{ratio} needs at least {ratio.prefill + ratio.decode} instances "
+                      f"({(ratio.prefill + ratio.decode) * gpus_per_instance} GPUs), the budget holds {instances}")
+    topo = Topology(k * ratio.prefill, k * ratio.decode)
+    used = (topo.prefill + topo.decode) * gpus_per_instance
+    if used != budget and not allow_partial:
+        return None, (f"{ratio} cannot use the whole budget: {topo} takes {used} of {budget} GPUs "
+                      "(allow partial use to run it anyway; compare it by TPM per GPU)")
+    return topo, None
+
+
+def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: Sequence[int] | str,
+               workload: Workload | str, *, gpus_per_instance: int, inv=None, repeats: int | str = 1,
+               allow_partial: bool = False) -> SweepPlan:
+    """Every (ratio, concurrency) cell, planned or not tried with its reason. Pure but for
+    the inventory's placement check. Raises InvalidInput if no cell can run."""
+    from pdops.ops.bench import parse_workload
+
+    budget = parse_positive_int(budget, "--budget", "GPU budget")
+    repeats = parse_positive_int(repeats, "--repeats", "number of repeats")
+    rs = parse_ratios(ratios) if isinstance(ratios, str) else list(ratios)
+    cs = parse_concurrencies(concurrencies) if isinstance(concurrencies, str) else sorted(concurrencies)
+    wl = workload if isinstance(workload, Workload) else parse_workload(workload)
+    g = gpus_per_instance
+    if budget % g:
+        raise InvalidInput("--budget", f"{budget} GPUs is not a whole number of {g}-GPU instances (TP x PP of the profile)",
+                           fix=f"use a multiple of {g}, e.g. {max(g, budget - budget % g)}")
+    notes = []
+    if inv is not None and budget > inv.total_gpus:
+        notes.append(f"the budget ({budget} GPUs) exceeds the inventory ({inv.total_gpus} GPUs)")
+    cells: list[Cell] = []
+    topologies: dict[str, str | None] = {}
+    for r in rs:
+        topo, why = topology_for_ratio(budget, g, r, allow_partial=allow_partial)
+        if topo is not None and inv is not None:
+            from pdops.model.placement import place
+
+            try:
+                place(inv, topo)
+            except InvalidInput as e:
+                topo, why = None, f"{topo} does not fit the inventory: {e.message}"
+        topologies[str(r)] = None if topo is None else str(topo)
+        gpus = None if topo is None else (topo.prefill + topo.decode) * g
+        for c in cs:
+            cells.append(Cell(str(r), None if topo is None else str(topo), c,
+                              PLANNED if topo is not None else NOT_TRIED, why, gpus=gpus))
+    plan = SweepPlan(budget, g, str(wl), [str(r) for r in rs], cs, repeats, cells, topologies, notes)
+    if not plan.runnable():
+        reasons = "; ".join(f"{r}: {next(c.reason for c in cells if c.ratio == r)}" for r in plan.ratios)
+        raise InvalidInput("--budget", f"a budget of {budget} GPUs fits no topology of the requested ratios ({reasons})",
+                           fix="choose a budget that holds a whole number of every ratio's instances and fits the "
+                               "inventory, e.g. 96 GPUs for 2:1, 3:1 and 5:1 with 8-GPU instances")
+    return plan

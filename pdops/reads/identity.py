@@ -1,0 +1,47 @@
+"""A unit's identity as systemd and the kernel report it now: MainPID, control group, the
+cgroup's processes and MainPID's descendants with their start times. Read before a stop (so
+the stop can be verified against it) and by `inv status` (processes that escaped MainPID)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdops.facts import cgroup as cg_facts
+from pdops.facts import procs as proc_facts
+from pdops.remote.hosts import HostPool
+
+
+@dataclass
+class RankIdentity:
+    host: str
+    unit: str
+    main_pid: int | None
+    control_group: str | None
+    layout: object
+    cgroup_pids: list[int]
+    tree: dict  # pid -> Proc (the cgroup's processes and MainPID's descendants)
+
+    @property
+    def strays(self) -> list[str]:
+        """Processes in the unit's cgroup that are not MainPID or its descendants (e.g. a
+        double-forked grandchild): stopped with the cgroup, reported by PID and command line."""
+        family = {self.main_pid} if self.main_pid else set()
+        if self.main_pid:
+            family |= {p.pid for p in proc_facts.descendants(self.tree, self.main_pid)}
+        return [f"PID {pid} ({' '.join(self.tree[pid].cmdline)[:120] if pid in self.tree else '?'})"
+                for pid in self.cgroup_pids if pid not in family]
+
+
+def record_identity(pool: HostPool, host: str, unit: str) -> RankIdentity:
+    st = pool.unit_states(host, [unit])[unit]
+    layout = cg_facts.detect_layout(cg_facts.parse_mountinfo(pool.run(host, cg_facts.MOUNTINFO_COMMAND).stdout))
+    pids: list[int] = []
+    if st.control_group:
+        pids = sorted(cg_facts.parse_procs(pool.run(host, cg_facts.procs_command(layout, st.control_group)).stdout).pids)
+    tree = proc_facts.parse(pool.run(host, proc_facts.command()).stdout)
+    keep = set(pids)
+    if st.main_pid:
+        keep.add(st.main_pid)
+        keep |= {p.pid for p in proc_facts.descendants(tree, st.main_pid)}
+    return RankIdentity(host, unit, st.main_pid, st.control_group, layout, pids,
+                        {pid: tree[pid] for pid in keep if pid in tree})

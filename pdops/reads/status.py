@@ -1,0 +1,398 @@
+"""`inv status`: what runs where and what happened to it, each row ending in a state word and
+the command to run. Read-only.
+
+Decided from observation (pdops.reads.observe: systemd on every host, the gateway's /workers and its
+start-up list), each engine's /v1/loads and /metrics, and the processes in each unit's cgroup,
+compared with the identity the current revision recorded:
+
+- ``down``: a unit is not active (failed, stopped, or between systemd's automatic restarts);
+- ``restarted``: a unit's MainPID is not the recorded one: the process pdops started and
+  verified is gone, systemd started another (its peers and the gateway may hold stale state);
+- ``not registered``: the gateway does not list it (or the gateway is down);
+- ``degraded``: it runs and is registered, but the gateway marks it unhealthy or not ready, its
+  PD failure counters rose since the last look, its process runs other files than the
+  revision's, a process in its cgroup is not under MainPID, or its engine does not answer;
+- ``unknown``: systemd on one of its hosts could not be read (SSH): nothing is concluded;
+- ``ok``: none of these.
+
+Failure counters "since the last look" are kept per instance and MainPID in this operator
+machine's cache (``cache/status-look.json``); a first look at a process counts from its start.
+`inv repair` decides from the same baseline the last `inv status` compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdops.errors import PdopsError
+from pdops.facts import engine as engine_facts
+from pdops.remote.gateway import GatewayClient
+from pdops.remote.hosts import HostPool, http_json
+from pdops.reads.identity import record_identity
+from pdops.model.inventory import Inventory
+from pdops.runner import run_parallel
+from pdops.record.local import local_dir
+
+STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
+FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
+                    "transfer_failed": "sglang:num_transfer_failed_reqs_total"}
+# the gateway's own, where its /metrics has them (smg 1.13; absent series are left out, not zero)
+GATEWAY_COUNTERS = {"bootstrap_failed": "smg_pd_bootstrap_failures_total",
+                    "transfer_failed": "smg_pd_kv_transfer_failures_total",
+                    "worker_errors": "smg_worker_errors_total"}
+QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
+
+
+def record_doc(state) -> dict:
+    """Where the record was read from, whether it is the cached copy, who holds the lock."""
+    return {"location": getattr(state, "location", str(state.path)), "cached": getattr(state, "cached", None),
+            "lock": state.lock_holder() if hasattr(state, "lock_holder") else None}
+
+
+@dataclass
+class InstanceHealth:
+    """What one instance's row says, from its observation; pure, so each state word is tested."""
+
+    state: str
+    reasons: list[str] = field(default_factory=list)
+    action: str | None = None
+
+
+def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str, int],
+          strays: list[str], orphans: list = ()) -> InstanceHealth:
+    """The state word of one instance (pdops.reads.observe.InstanceObservation `o`), the evidence for
+    it, and the command to run. `failures`: counter name -> increase since the last look;
+    `orphans`: a prefill's orphaned halves (pdops.reads.orphans.Orphan)."""
+    repair = f"inv repair --instance {o.id}"
+    unread = [f"{k}: {s}" for k, s in o.units.items() if isinstance(s, str)]
+    if unread:
+        hosts = sorted({k.split(":", 1)[0] for k in unread})
+        return InstanceHealth("unknown", unread, f"check SSH to {', '.join(hosts)}, then `inv status` again")
+    if o.down:
+        return InstanceHealth("down", [f"unit {d}" for d in o.down], repair)
+    if o.restarted:
+        return InstanceHealth("restarted", o.restarted + ["the process pdops started and verified is gone; "
+                                                          "peers and the gateway may hold its old state"], repair)
+    if gateway_down:
+        return InstanceHealth("not registered", ["the gateway is down"], "see the gateway row")
+    if o.worker is None:
+        return InstanceHealth("not registered", ["not in the gateway's /workers"], repair)
+    reasons = []
+    if o.gateway_problem:
+        reasons.append(o.gateway_problem)
+    if o.in_list is False:
+        reasons.append("not in the gateway's start-up list (a gateway restart would drop it)")
+    reasons += [f"{n} +{d} since the last look" for n, d in failures.items() if d > 0]
+    reasons += [f"stray process in its cgroup, not under MainPID: {s}" for s in strays]
+    if loads_error:
+        reasons.append(f"engine does not answer /v1/loads: {loads_error}")
+    if reasons:
+        return InstanceHealth("degraded", reasons + orphan_reasons(orphans), repair)
+    if orphans:
+        return InstanceHealth("degraded", orphan_reasons(orphans),
+                              "inv end-orphans (ends them now, named; or wait for the timeout)")
+    if o.stale:
+        return InstanceHealth("degraded", list(o.stale), "inv deploy --topology <the current one> (replaces it)")
+    return InstanceHealth("ok")
+
+
+def orphan_reasons(orphans) -> list[str]:
+    if not orphans:
+        return []
+    last = max((o.ends_by for o in orphans if o.ends_by), default=None)
+    until = f"; they end by timeout at {time.strftime('%H:%M:%S', time.localtime(last))}" if last else ""
+    return [f"{len(orphans)} orphaned request(s) waiting for a decode side that is gone (restarted, ended or "
+            f"failed them): {', '.join(o.rid for o in orphans)}{until}"]
+
+
+def _look_path(inv: Inventory) -> Path:
+    return local_dir(inv) / "cache" / "status-look.json"
+
+
+def _counter_deltas(inv: Inventory, seen: dict[str, dict], *, write: bool = True) -> dict[str, dict[str, int]]:
+    """{instance: {counter: increase since the last look at the same MainPID (else since its start)}};
+    then (`write`) this look becomes the last one. Without `write` (`inv repair` deciding) the
+    baseline is the one the last look compared with: what that `inv status` showed still counts."""
+    path = _look_path(inv)
+    try:
+        last = json.loads(path.read_text())
+    except (OSError, ValueError):
+        last = {}
+    out = {}
+    for iid, now in seen.items():
+        before = (last.get(iid) or {}) if write else ((last.get(iid) or {}).get("prev") or {})
+        same = before.get("pid") == now["pid"]
+        out[iid] = {k: max(0, int(now["counters"][k] - (before.get("counters", {}).get(k, 0) if same else 0)))
+                    for k in now["counters"]}
+    if not write:
+        return out
+    new = {**last, **{iid: {**now, "prev": {k: v for k, v in (last.get(iid) or {}).items() if k != "prev"}}
+                      for iid, now in seen.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(new))
+        tmp.replace(path)
+    except OSError:
+        pass  # read-only use: the next look counts from the process start again
+    return out
+
+
+def _engine_reads(inst) -> tuple[engine_facts.EngineLoads, dict[str, float]]:
+    status, doc = http_json("GET", f"{inst.url}{engine_facts.LOADS_PATH}", timeout=5)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}")
+    loads = engine_facts.parse_loads(doc)
+    counters = {}
+    status, text = http_json("GET", f"{inst.url}{engine_facts.METRICS_PATH}", timeout=5)
+    if status == 200 and isinstance(text, str):
+        metrics = engine_facts.parse_metrics(text)
+        counters = {k: engine_facts.counter(metrics, name) for k, name in FAILURE_COUNTERS.items()}
+    return loads, counters
+
+
+def _gateway_counters(inv: Inventory) -> dict[str, float]:
+    """The gateway's PD failure counters from its Prometheus endpoint, those it exports."""
+    gw = inv.gateway
+    status, text = http_json("GET", f"http://{gw.addr}:{gw.prometheus_port}/metrics", timeout=5)
+    if status != 200 or not isinstance(text, str):
+        raise RuntimeError(f"HTTP {status}")
+    metrics = engine_facts.parse_metrics(text)
+    return {k: engine_facts.counter(metrics, name) for k, name in GATEWAY_COUNTERS.items() if name in metrics}
+
+
+def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
+    """{instance: {"tpm_5m", "failures_per_s_5m"}} from a Prometheus that loads pdops's rules: the last
+    5 minutes' TPM (input on prefills, output on decodes) and PD failure rate per instance."""
+    import urllib.parse
+
+    from pdops.errors import Unreachable
+
+    c = cluster.replace("\\", "\\\\").replace('"', '\\"')
+    queries = {
+        "tpm_5m": f'60 * sum by (instance) (rate(sglang:prompt_tokens_total{{cluster="{c}",role="prefill"}}[5m]) or '
+                  f'rate(sglang:generation_tokens_total{{cluster="{c}",role="decode"}}[5m]))',
+        "failures_per_s_5m": f'sum by (instance) (rate(sglang:num_bootstrap_failed_reqs_total{{cluster="{c}"}}[5m]) '
+                             f'+ rate(sglang:num_transfer_failed_reqs_total{{cluster="{c}"}}[5m]))',
+    }
+    out: dict[str, dict[str, float]] = {}
+    for key, expr in queries.items():
+        status, doc = http_json("GET", f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
+                                timeout=10)
+        if status != 200 or not isinstance(doc, dict) or doc.get("status") != "success":
+            raise Unreachable(f"Prometheus {url} answered {status} to {expr!r}: {str(doc)[:200]}")
+        for s in doc["data"]["result"]:
+            out.setdefault(s["metric"].get("instance", "?"), {})[key] = float(s["value"][1])
+    return out
+
+
+def _strays(pool: HostPool, o) -> list[str]:
+    """Processes in a running unit's cgroup that are not its MainPID or MainPID's descendants."""
+    out = []
+    for key, st in o.units.items():
+        host, unit = key.split(":", 1)
+        if getattr(st, "active_state", None) == "active":
+            out += [f"{host}:{unit} {s}" for s in record_identity(pool, host, unit).strays]
+    return out
+
+
+def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
+    """Read every source and judge each instance and the gateway (see the module's doc)."""
+    return read_status(inv, state, remember=remember, prometheus=prometheus)[0]
+
+
+def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None):
+    """`collect_status`'s document and the Observation (pdops.reads.observe) it judged; None when nothing is
+    deployed. `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
+    from pdops.reads import orphans as orphans_mod
+    from pdops.reads.observe import observe
+    from pdops.model.placement import Placement
+
+    rev = state.current_revision()
+    record = record_doc(state)
+    if rev is None:
+        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateway": None, "record": record,
+                "note": "nothing deployed yet (no current revision)", "ok": True}, None
+    client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+    with HostPool(inv) as pool:
+        obs = observe(inv, rev, pool, client)
+        by_id = {o.id: o for o in obs.instances}
+        stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
+        reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
+        # orphaned halves wait in a prefill's bootstrap (or KV-sending) queue: its request log is read
+        # only where those are not empty, or where its queues could not be read
+        holding = [o.id for o in obs.instances if o.instance.role == "prefill" and (
+            not isinstance(reads.get(o.instance), tuple)
+            or reads[o.instance][0].total("prefill_bootstrap") or reads[o.instance][0].total("prefill_inflight"))]
+        try:
+            orphaned = (orphans_mod.read(pool, Placement.from_dict(rev.placement), inv, prefills=holding) if holding
+                        else orphans_mod.Reading())
+        except PdopsError as exc:
+            orphaned = orphans_mod.Reading({}, [exc.message])
+    try:
+        gw_counters, gw_counters_error = _gateway_counters(inv), None
+    except Exception as exc:  # noqa: BLE001 - shown, not fatal: the gateway row says what it could read
+        gw_counters, gw_counters_error = {}, str(getattr(exc, "message", exc))
+    seen = {}
+    for o in obs.instances:
+        r = reads.get(o.instance)
+        if isinstance(r, tuple) and r[1]:
+            seen[o.id] = {"pid": o.main_pids.get(f"{o.instance.head.host}:{o.instance.units[0][1]}"),
+                          "counters": r[1], "at": time.time()}
+    if gw_counters:
+        seen["gateway"] = {"pid": getattr(obs.gateway_unit, "main_pid", None), "counters": gw_counters, "at": time.time()}
+    deltas = _counter_deltas(inv, seen, write=remember)
+    gu = obs.gateway_unit
+    gu_read = hasattr(gu, "active_state")
+    # the gateway is down for its workers when /workers does not answer or systemd says so; a unit
+    # that cannot be read (SSH) is not evidence of either
+    gateway_down = obs.gateway_error is not None or (gu_read and gu.active_state != "active")
+    rows = []
+    for o in obs.instances:
+        r = reads.get(o.instance)
+        loads_error = None if isinstance(r, tuple) else str(getattr(r, "message", r))
+        q = {}
+        if isinstance(r, tuple):
+            for name in QUEUES:
+                try:
+                    q[name] = r[0].total(name)
+                except Exception:  # noqa: BLE001 - a field this engine does not report
+                    q[name] = None
+        sr = stray_res.get(o.id)
+        strays = sr if isinstance(sr, list) else []
+        h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
+                  strays=strays, orphans=orphaned.orphans.get(o.id, []))
+        if not isinstance(sr, list):
+            why = f"its cgroup could not be read: {getattr(sr, 'message', sr)}"
+            h = InstanceHealth("unknown", [why], f"check SSH to {o.instance.head.host}, then `inv status` again") \
+                if h.state == "ok" else InstanceHealth(h.state, h.reasons + [why], h.action)
+        inst, w = o.instance, o.worker
+        units = []
+        for hst, u in inst.units:
+            st = o.units.get(f"{hst}:{u}")
+            units.append({"host": hst, "unit": u,
+                          "state": f"{st.active_state}/{st.sub_state}" if hasattr(st, "active_state") else
+                          f"unknown ({st})", "main_pid": getattr(st, "main_pid", None),
+                          "recorded_pid": o.recorded_pids.get(f"{hst}:{u}"),
+                          "n_restarts": getattr(st, "n_restarts", None)})
+        rows.append({
+            "instance": inst.id, "role": inst.role, "hosts": list(inst.hosts), "ranks": inst.nnodes,
+            "units": units, "url": inst.url,
+            "worker_id": w.id if w else None, "registered": w is not None,
+            "healthy": bool(w and w.routable), "gateway_status": w.status if w else None,
+            "recorded_worker_id": (rev.instances.get(inst.id) or {}).get("worker_id"),
+            "queues": q, "loads_error": loads_error,
+            "failures": (seen.get(inst.id) or {}).get("counters", {}), "failures_since_last_look": deltas.get(inst.id, {}),
+            "orphaned": [{"rid": x.rid, "age_s": x.age_s, "ends_by": x.ends_by}
+                         for x in orphaned.orphans.get(o.id, [])],
+            "state": h.state, "reasons": h.reasons, "action": h.action,
+        })
+    greasons = []
+    if gateway_down:
+        gstate = "down"
+        greasons.append(f"unit {gu.active_state}/{gu.sub_state}" if gu_read else str(gu))
+        if obs.gateway_error:
+            greasons.append(obs.gateway_error)
+    elif not gu_read:
+        gstate = "unknown"
+        greasons.append(f"its unit: {gu}; /workers answers ({len(obs.workers)} workers)")
+    else:
+        greasons += [x for x in (obs.gateway_stale,) if x]
+        greasons += [f"routes to {w.describe()}, which revision {rev.number} does not know" for w in obs.unknown_workers]
+        if obs.start_list_error:
+            greasons.append(f"start-up list unreadable: {obs.start_list_error}")
+        gstate = "degraded" if greasons else "ok"
+    gaction = {"down": f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
+                       "gateway-crashed)",
+               "degraded": f"inv deploy --topology {rev.topology}",
+               "unknown": f"check SSH to {inv.gateway.host}, then `inv status` again"}.get(gstate)
+    gateway = {"host": inv.gateway.host, "url": inv.gateway.url,
+               "unit_state": f"{gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else "unknown",
+               "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),
+               "workers": len(obs.workers), "error": obs.gateway_error,
+               "failures": gw_counters, "failures_since_last_look": deltas.get("gateway", {}),
+               "failures_error": gw_counters_error,
+               "state": gstate, "reasons": greasons, "action": gaction}
+    if prometheus:
+        try:
+            rates, perr = prometheus_rates(prometheus, inv.cluster), None
+        except Exception as exc:  # noqa: BLE001 - an optional source: said, not fatal
+            rates, perr = {}, str(getattr(exc, "message", exc))
+        for r in rows:
+            r["prometheus"] = rates.get(r["instance"], {})
+        gateway["prometheus_error"] = perr
+    ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
+    return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
+            "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
+            "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
+
+
+def record_lines(record: dict | None) -> list[str]:
+    """The record's lines of `inv status` and `inv history`: the cached-copy banner, the lock."""
+    from pdops.record import lock_line
+
+    if not record:
+        return []
+    out = []
+    c = record.get("cached")
+    if c:
+        out.append(f"READ-ONLY CACHED COPY of the record (fetched {c['fetched_at']}): the state host cannot be "
+                   f"reached ({c['reason']}); no change can run until it can")
+    if record.get("lock"):
+        out.append(lock_line(record["lock"]))
+    return out
+
+
+def _num(v, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def format_status(doc: dict) -> str:
+    from pdops.model.planning import format_table
+
+    banner = record_lines(doc.get("record"))
+    if doc["revision"] is None:
+        return "\n".join(banner + [f"{doc['cluster']}: {doc['note']}"])
+    rows = []
+    for r in doc["instances"]:
+        q = r["queues"]
+        f = r.get("failures") or {}
+        rows.append({
+            "instance": r["instance"], "role": r["role"], "hosts": ",".join(r["hosts"]),
+            "unit": ",".join(u["state"] for u in r["units"]),
+            "mainpid": ",".join(str(u["main_pid"]) for u in r["units"]),
+            "restarts": ",".join(str(u.get("n_restarts", "?")) for u in r["units"]),
+            "worker": (r["worker_id"] or "-")[:12], "gw_health": "healthy" if r["healthy"] else
+            (r.get("gateway_status") or "unhealthy" if r["registered"] else "-"),
+            "run": q.get("running", "?"), "wait": q.get("waiting", "?"),
+            "kv_in_flight": (q.get("prefill_inflight") or 0) + (q.get("decode_transfer") or 0) if q else "?",
+            "fail_boot/xfer": f"{int(f.get('bootstrap_failed', 0))}/{int(f.get('transfer_failed', 0))}" if f else "?",
+            **({"tpm_5m": _num(r["prometheus"].get("tpm_5m")),
+                "fail/s_5m": _num(r["prometheus"].get("failures_per_s_5m"), 3)} if "prometheus" in r else {}),
+            "state": r["state"],
+        })
+    g = doc["gateway"]
+    head = (f"{doc['cluster']}: revision {doc['revision']} ({doc['topology']}); gateway {g['url']} on {g['host']}: "
+            f"{g['unit_state']}, MainPID {g['main_pid']}, {g['workers']} workers: {g['state']}"
+            + (f" (error: {g['error']})" if g["error"] else ""))
+    rose = {k: v for k, v in (g.get("failures_since_last_look") or {}).items() if v}
+    if rose:
+        head += "; gateway counted since the last look: " + ", ".join(f"{k} +{v}" for k, v in rose.items())
+    lines = banner + [head, format_table(rows)]
+    for r in doc["instances"]:
+        if r["state"] != "ok":
+            lines.append(f"{r['instance']} {r['state']}: {'; '.join(r['reasons'])}"
+                         + (f"\n  -> {r['action']}" if r.get("action") else ""))
+    if g["state"] != "ok":
+        lines.append(f"gateway {g['state']}: {'; '.join(g['reasons'])}" + (f"\n  -> {g['action']}" if g["action"] else ""))
+    healthy = sum(1 for r in doc["instances"] if r["healthy"])
+    tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
+    bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + ([] if g["state"] == "ok" else ["gateway"])
+    tail += f"; not ok: {', '.join(bad)}" if bad else "; all ok"
+    if doc.get("cordoned"):
+        tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"
+    where = f"record: {doc['record']['location']}" if doc.get("record") else ""
+    return "\n".join(lines + [tail] + ([where] if where else []))

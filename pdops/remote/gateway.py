@@ -1,0 +1,195 @@
+"""Synchronous client for the model gateway (smg 1.13, ``pdops.model.versions.SMG_VERSION``).
+
+Worker registration is asynchronous: ``POST /workers`` answers 202 with a worker id and
+the gateway then probes the worker in the background (a worker it cannot reach stays
+``pending``, out of ``GET /workers``, and is probed again). So
+:meth:`GatewayClient.wait_worker_healthy` polls ``GET /workers`` until the URL is listed
+healthy and ``ready`` or the deadline passes. Removal is by id (``DELETE /workers/{id}``,
+202): the worker turns ``draining`` at once (no new request is routed to it, requests
+already on it go on) and is gone after smg's settle time (about 5 s);
+:meth:`wait_worker_out` returns at the first, :meth:`wait_worker_gone` at the second.
+
+Deadlines are absolute ``time.monotonic()`` values (see :func:`deadline_in`).
+The API key is read from a file and sent as a bearer token; it is never logged or
+put into an error message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+from pdops.errors import InvalidInput, Unreachable, Unverified
+from pdops.facts import gateway as gw_facts
+from pdops.facts.gateway import Worker
+
+WORKER_TYPES = ("prefill", "decode", "regular")
+
+
+def deadline_in(seconds: float) -> float:
+    """An absolute deadline ``seconds`` from now, for the ``wait_*`` methods."""
+    return time.monotonic() + seconds
+
+
+def _tail(text: str, n: int = 500) -> str:
+    return text[-n:]
+
+
+def _id_in(message: str) -> str | None:
+    """The worker id in smg's 409 message ("... in progress for URL '...' with ID <id>. Poll ...")."""
+    m = re.search(r"with ID ([0-9a-fA-F-]{36})", message)
+    return m.group(1) if m else None
+
+
+class GatewayClient:
+    def __init__(self, base_url: str, *, api_key_file: str | None = None, timeout: float = 5.0,
+                 poll_interval: float = 0.25):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self._api_key: str | None = None
+        if api_key_file:
+            try:
+                with open(api_key_file, encoding="utf-8") as f:
+                    self._api_key = f.read().strip() or None
+            except OSError as e:
+                raise InvalidInput("gateway api key file", f"cannot read {api_key_file}: {e.strerror}",
+                                   fix="point to a readable file holding the key") from None
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"GatewayClient({self.base_url!r}, api_key={'set' if self._api_key else 'none'})"
+
+    # -- HTTP
+    def _request(self, method: str, path: str, body: dict | None = None,
+                 ok: tuple[int, ...] = (200,)) -> tuple[int, str]:
+        url = self.base_url + path
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self._api_key:
+            req.add_header("Authorization", f"Bearer {self._api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                status, text = resp.status, resp.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise Unreachable(f"gateway {self.base_url}: {method} {path} failed: {reason}",
+                              fix="check that the gateway unit runs and the address is right") from None
+        if status not in ok:
+            raise Unverified(f"gateway {method} {path} answered HTTP {status}",
+                             evidence=_tail(text))
+        return status, text
+
+    def _json(self, method: str, path: str, body: dict | None = None, ok=(200,)) -> dict:
+        _, text = self._request(method, path, body, ok)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise Unverified(f"gateway {method} {path} answered non-JSON", evidence=_tail(text)) from None
+
+    # -- API
+    def health(self) -> bool:
+        """True if ``GET /health`` answers 200 (the gateway process is up)."""
+        self._request("GET", "/health")
+        return True
+
+    def readiness(self) -> dict:
+        """``GET /readiness`` body with ``ready`` added; 503 "not ready" is an answer, not an error."""
+        status, text = self._request("GET", "/readiness", ok=(200, 503))
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError:
+            body = {"raw": _tail(text)}
+        body["ready"] = status == 200
+        return body
+
+    def list_workers(self) -> list[Worker]:
+        return gw_facts.parse(self._json("GET", "/workers"))
+
+    def get_worker(self, worker_id: str) -> Worker | None:
+        """One worker by id, or None when the gateway does not know it (404)."""
+        status, text = self._request("GET", f"/workers/{worker_id}", ok=(200, 404))
+        return None if status == 404 else gw_facts.parse_worker(text)
+
+    def add_worker(self, url: str, worker_type: str, bootstrap_port: int | None = None) -> str:
+        """Queue a worker registration; returns the worker id (registration is asynchronous)."""
+        if worker_type not in WORKER_TYPES:
+            raise InvalidInput("worker_type", f"{worker_type!r} is not one of {WORKER_TYPES}")
+        body: dict = {"url": url, "worker_type": worker_type}
+        if bootstrap_port is not None:
+            body["bootstrap_port"] = int(bootstrap_port)
+        status, text = self._request("POST", "/workers", body, ok=(200, 201, 202, 409))
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError:
+            raise Unverified("gateway POST /workers answered non-JSON", evidence=_tail(text)) from None
+        if status == 409:
+            # already queued or known (e.g. by the gateway unit's own start-up registration,
+            # pdops.model.membership): the same URL is one worker; take its id
+            known = gw_facts.by_url(self.list_workers(), url)
+            worker_id = known[0].id if known else _id_in(answer.get("error", ""))
+            if not worker_id:
+                raise Unverified(f"gateway refused worker {url} (HTTP 409)", evidence=_tail(text))
+            return worker_id
+        worker_id = answer.get("worker_id")
+        if not worker_id:
+            raise Unverified("gateway accepted the worker but returned no worker_id",
+                             evidence=json.dumps(answer)[-500:])
+        return str(worker_id)
+
+    def wait_worker_healthy(self, url: str, deadline: float,
+                            progress: Callable[[str], None] | None = None) -> Worker:
+        """Poll /workers until ``url`` is listed healthy and ``ready``; Unverified at the deadline."""
+        last = "not listed yet"
+        while True:
+            matches = gw_facts.by_url(self.list_workers(), url)
+            healthy = [w for w in matches if w.routable]
+            if healthy:
+                return healthy[0]
+            state = f"listed, {', '.join(w.status or 'unhealthy' for w in matches)}" if matches else "not listed"
+            if progress and state != last:
+                progress(f"worker {url}: {state}")
+            last = state
+            if time.monotonic() >= deadline:
+                raise Unverified(
+                    f"worker {url} not healthy in the gateway by the deadline ({state})",
+                    fix="check the worker's /health and the gateway's log; the gateway never "
+                        "lists a worker it could not reach",
+                    evidence=json.dumps([w.__dict__ for w in matches], default=str)[-1000:] or None,
+                )
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Ask the gateway to drop a worker (by id). Confirm with :meth:`wait_worker_gone`."""
+        self._request("DELETE", f"/workers/{worker_id}", ok=(200, 202, 204))
+
+    def wait_worker_out(self, worker_id: str, deadline: float) -> str:
+        """Poll until ``worker_id`` takes no new requests: ``draining`` or absent. Returns which."""
+        while True:
+            mine = [w for w in self.list_workers() if w.id == worker_id]
+            if not mine:
+                return "gone"
+            if mine[0].status == gw_facts.DRAINING:
+                return gw_facts.DRAINING
+            if time.monotonic() >= deadline:
+                raise Unverified(f"worker {worker_id} still {mine[0].status} in the gateway at the deadline")
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def wait_worker_gone(self, worker_id: str, deadline: float,
+                         progress: Callable[[str], None] | None = None) -> None:
+        """Poll until ``worker_id`` is absent from /workers; Unverified at the deadline."""
+        while True:
+            if all(w.id != worker_id for w in self.list_workers()):
+                return
+            if progress:
+                progress(f"worker {worker_id}: still listed")
+            if time.monotonic() >= deadline:
+                raise Unverified(f"worker {worker_id} still listed by the gateway at the deadline")
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
