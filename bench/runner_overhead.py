@@ -41,15 +41,14 @@ def main() -> None:
             plan = dep.plan_deploy(inv, Topology(n - 1, 1), state)
             with connections(inv) as conns:
                 pool, gateway = conns["pool"], conns["gateway"]
-                ctx = RunContext(inv, state, "bench-deploy", lambda s: None, pool, gateway,
-                                 {"placement": plan.placement, "deploy_plan": plan})
+                ctx = RunContext(inv, state, "bench-deploy", lambda s: None, pool, gateway, placement=plan.placement)
                 t0 = time.perf_counter()
                 with state.lock("deploy", op_id=ctx.op):
                     walk(plan.plan, ctx)
                 wall = time.perf_counter() - t0
         finally:
             lab_api.down()
-    rows = ctx.data["runner_timing"]
+    rows = ctx.timing
     print(f"{'batch':<48} {'steps':>5} {'wall s':>8} {'inside s':>9} {'runner ms/step':>15}")
     total_over = 0.0
     for r in rows:

@@ -16,6 +16,7 @@ the same ``run(command, warn=, hide=, timeout=)`` and ``host``); nothing is glob
 from __future__ import annotations
 
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,21 @@ class Step:
     params: dict = field(default_factory=dict)
     group: str | None = None
     verifies: str = ""
+    # the outputs (names in :data:`OUTPUTS`) this step gives the steps after it, and those it reads
+    # from earlier steps, beyond what its kind declares in the registry (register_executors); a
+    # name ending in "?" is read only if an earlier step gave it (e.g. the instances started so
+    # far: none is a valid answer). Checked when a plan is walked (:meth:`Plan.check`) and at run
+    # time (:meth:`RunContext.get`, :meth:`RunContext.give`).
+    extra_gives: tuple[str, ...] = ()
+    extra_needs: tuple[str, ...] = ()
+
+    @property
+    def gives(self) -> tuple[str, ...]:
+        return KIND_IO.get(self.kind, ((), ()))[0] + self.extra_gives
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return KIND_IO.get(self.kind, ((), ()))[1] + self.extra_needs
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -111,15 +127,57 @@ class Plan:
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
 
+    def _numbered(self) -> list[tuple[str, Step]]:
+        return ([(f"{n}", s) for n, s in enumerate(self.steps, 1)] + [(f"R{n}", s) for n, s in enumerate(self.rescue, 1)]
+                + [(f"A{n}", s) for n, s in enumerate(self.always, 1)])
+
+    def producers(self) -> dict[str, list[str]]:
+        """Output name -> the numbers (as printed: 3, R1, A1) of the steps that give it."""
+        out: dict[str, list[str]] = {}
+        for num, s in self._numbered():
+            for g in s.gives:
+                out.setdefault(g, []).append(num)
+        return out
+
+    def check(self) -> None:
+        """Every output a step reads is a known one, and one it requires is given by a step that runs
+        before it (for a rescue or always step: by any step of the plan or an earlier rescue/always
+        step, since which of them ran is known only then); every output given is a known one.
+        PdopsError (a pdops bug) otherwise: nothing is run."""
+        given: set[str] = set()
+        errors = []
+        main = {g for s in self.steps for g in s.gives}
+        for num, s in self._numbered():
+            for name in s.gives:
+                if name not in OUTPUTS:
+                    errors.append(f"step {num} ({s.name}) gives {name!r}, which is no declared output")
+            before = given | (main if num[0] in "RA" else set())
+            for need in s.needs:
+                name = need.rstrip("?")
+                if name not in OUTPUTS:
+                    errors.append(f"step {num} ({s.name}) reads {name!r}, which is no declared output")
+                elif not need.endswith("?") and name not in before:
+                    errors.append(f"step {num} ({s.name}) needs {name!r} ({OUTPUTS[name]}), which no step before it gives")
+            given |= set(s.gives)
+        if errors:
+            raise PdopsError(f"the {self.operation} plan's steps do not fit together: " + "; ".join(errors)
+                             + ": nothing was run", fix="a pdops bug to report")
+
     def render(self) -> str:
         lines = [self.title]
-        lines += [f"  {n:2d}. {s.line()}" for n, s in enumerate(self.steps, 1)]
-        if self.rescue:
-            lines.append("  if a step fails, then (rescue), and the failure is reported:")
-            lines += [f"  R{n}. {s.line()}" for n, s in enumerate(self.rescue, 1)]
-        if self.always:
-            lines.append("  whatever the outcome, last (always):")
-            lines += [f"  A{n}. {s.line()}" for n, s in enumerate(self.always, 1)]
+        made = self.producers()
+
+        def uses(s: Step) -> list[str]:
+            have = [f"{n.rstrip('?')} (step {', '.join(made[n.rstrip('?')])})" for n in s.needs if made.get(n.rstrip("?"))]
+            return [f"        uses: {'; '.join(have)}"] if have else []
+
+        for num, s in self._numbered():
+            if num == "R1":
+                lines.append("  if a step fails, then (rescue), and the failure is reported:")
+            if num == "A1":
+                lines.append("  whatever the outcome, last (always):")
+            lines.append(f"  {num:>2}. {s.line()}" if num[0] not in "RA" else f"  {num}. {s.line()}")
+            lines += uses(s)
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -139,11 +197,38 @@ class Plan:
 Say = Callable[[str], None]
 
 
+# The one table of what a step may give the steps after it: name -> what it holds. A step declares
+# the names it gives and reads (Step.gives, Step.needs); nothing else passes between executors.
+OUTPUTS: dict[str, str] = {
+    "build": "the folder of this operation's rendered files (a Path)",
+    "started": "the host:unit names this operation started (a list)",
+    "started_instances": "instance id -> the Instance this operation started",
+    "healthy": "the ids of the instances whose start passed its health gate (a set)",
+    "main_pids": "instance id -> {host:unit: MainPID} read when it turned healthy",
+    "posted": "the ids of the instances whose registration was sent to the gateway (a set)",
+    "workers": "instance id -> the gateway's worker id of its registration",
+    "running": "host:unit -> what verify-running read (MainPID, its config id, ...)",
+    "left_gateway": "the ids of the instances a change took out of the gateway (a list)",
+    "drained": "the ids of the instances a change drained and stopped (a list)",
+    "replaced_out": "the ids of the instances whose old process a change stopped (a list)",
+    "drain_state": "instance id -> {already_stopped: bool} read at a drain's first step",
+    "accepted_loss": "instance id -> the request ids a --force-after drain stopped with",
+    "lost_work": "instance id -> {lost, failed}: the request ids an ended process never finished",
+    "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",
+    "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
+    "admission_keys": "the key rotation: {main_pid, added, revoked}",
+    "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
+    "probe_result": "a probe's measured outcome per request",
+}
+
+
 @dataclass
 class RunContext:
-    """What every executor gets: the inventory, the state dir and journal, the operation id, the
-    connections opened once by the caller (host pool, gateway client), where to print, and a
-    scratch dict that steps of one operation share (recorded identities, worker ids, ...)."""
+    """What every executor gets, typed: the inventory, the record (state dir and journal), the
+    operation id, the connections opened once by the caller (host pool, gateway client), where to
+    print, the placement the operation acts on (for a change: every instance it names, a replaced
+    one as it will run) and the one it starts from (`old_placement`, with the ids being replaced),
+    and the outputs earlier steps gave (read and given only as each step declares: get, give)."""
 
     inv: Any
     state: Any
@@ -151,9 +236,17 @@ class RunContext:
     say: Say
     pool: Any = None
     gateway: Any = None
-    data: dict = field(default_factory=dict)
+    placement: Any = None
+    old_placement: Any = None
+    replacing: frozenset = frozenset()
     done: list[str] = field(default_factory=list)  # ids of the steps that completed (ok or noop)
     failure: Exception | None = None  # the step failure a plan's rescue steps answer (set by `walk`)
+    verdict: dict = field(default_factory=dict)  # what the record step adds to the verdict (the revision)
+    timing: list = field(default_factory=list)  # the runner's own time per batch (bench/runner_overhead.py)
+    _outputs: dict = field(default_factory=dict, repr=False)
+    _deadlines: dict = field(default_factory=dict, repr=False)
+    _took: dict = field(default_factory=dict, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
 
     @property
     def journal(self):
@@ -161,7 +254,37 @@ class RunContext:
 
     def deadline(self, step: Step) -> float | None:
         """The absolute time.monotonic() deadline of `step`, set when the runner started it."""
-        return self.data.get(("deadline", step.name))
+        return self._deadlines.get(step.name)
+
+    def get(self, step: Step, name: str, default: Any = None) -> Any:
+        """The output `name` earlier steps gave (`default` when none did); `step` must declare it."""
+        if name not in step.needs and name + "?" not in step.needs:
+            raise PdopsError(f"step {step.name} ({step.kind}) reads {name!r} without declaring it",
+                             fix="a pdops bug to report")
+        with self._lock:
+            return self._outputs.get(name, default)
+
+    def give(self, step: Step, name: str, value: Any) -> None:
+        """Give the output `name` to the steps after this one; `step` must declare it. A dict is merged
+        into what earlier steps gave, a set or list added to it; anything else replaces it."""
+        if name not in step.gives:
+            raise PdopsError(f"step {step.name} ({step.kind}) gives {name!r} without declaring it",
+                             fix="a pdops bug to report")
+        with self._lock:
+            have = self._outputs.get(name)
+            if isinstance(have, dict) and isinstance(value, dict):
+                have.update(value)
+            elif isinstance(have, set):
+                have |= set(value)
+            elif isinstance(have, list):
+                have.extend(v for v in value if v not in have)
+            else:
+                self._outputs[name] = value
+
+    def output(self, name: str, default: Any = None) -> Any:
+        """For the operation's own verdict once the walk is over (never for an executor)."""
+        with self._lock:
+            return self._outputs.get(name, default)
 
 
 Executor = Callable[[RunContext, Step], "Outcome | None"]
@@ -172,19 +295,32 @@ class DeadlineExceeded(Unverified):
     """A step ran past the deadline its plan printed."""
 
 
-# The one registry: each step kind -> its one executor. The module that makes steps of a kind
-# registers that kind's executor (`register_executors`, at its import); a kind bound twice is refused there.
+# The one registry: each step kind -> its one executor, and what its steps give and read (KIND_IO:
+# kind -> (gives, needs), names of OUTPUTS). The module that carries out a kind registers it
+# (`register_executors`, at its import); a kind bound twice is refused there.
 EXECUTORS: dict[str, Executor] = {}
+KIND_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def register_executors(table: dict[str, Executor]) -> None:
-    """Add step kinds to the registry; RuntimeError if a kind already has another executor."""
+def register_executors(table: dict[str, Executor], *, gives: dict[str, tuple[str, ...]] | None = None,
+                       needs: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Add step kinds to the registry with the outputs each gives and reads; RuntimeError if a kind
+    already has another executor, or an output is not in OUTPUTS."""
+    gives, needs = gives or {}, needs or {}
     for kind, fn in table.items():
         have = EXECUTORS.get(kind)
         if have is not None and have is not fn:
             raise RuntimeError(f"step kind {kind!r} has two executors: {have.__module__}.{have.__qualname__} "
                                f"and {fn.__module__}.{fn.__qualname__}")
+        io = (tuple(gives.get(kind, ())), tuple(needs.get(kind, ())))
+        unknown = [n for n in io[0] + io[1] if n.rstrip("?") not in OUTPUTS]
+        if unknown:
+            raise RuntimeError(f"step kind {kind!r} declares unknown output(s) {unknown}")
         EXECUTORS[kind] = fn
+        KIND_IO[kind] = io
+    stray = (set(gives) | set(needs)) - set(table)
+    if stray:
+        raise RuntimeError(f"outputs declared for kinds without an executor here: {sorted(stray)}")
 
 
 def _run_step(ctx: RunContext, step: Step) -> Outcome:
@@ -193,11 +329,11 @@ def _run_step(ctx: RunContext, step: Step) -> Outcome:
         raise PdopsError(f"no executor for step kind {step.kind!r} ({step.name})")
     t0 = time.monotonic()
     if step.deadline:
-        ctx.data[("deadline", step.name)] = t0 + step.deadline
+        ctx._deadlines[step.name] = t0 + step.deadline
     try:
         out = fn(ctx, step) or Outcome()
     finally:
-        ctx.data[("took", step.name)] = took = time.monotonic() - t0
+        ctx._took[step.name] = took = time.monotonic() - t0
     out.evidence.setdefault("seconds", round(took, 2))
     if step.deadline and took > step.deadline + max(DEADLINE_GRACE_S, 0.1 * step.deadline):
         raise DeadlineExceeded(f"{step.name} took {took:.1f}s, past its deadline of {step.deadline:g}s",
@@ -214,6 +350,7 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     if unknown:  # before anything runs: a kind whose module was never imported is a pdops bug
         raise PdopsError(f"no executor for step kind(s) {', '.join(map(repr, unknown))} of the {plan.operation} "
                          "plan: nothing was run", fix="a pdops bug to report")
+    plan.check()
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {}),
                                             **({"always": [s.name for s in plan.always]} if plan.always else {})})
@@ -281,7 +418,7 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
                 results = {batch[0]: exc}
         else:
             results = run_parallel(batch, lambda s: _run_step(ctx, s))
-        inside = max((ctx.data.pop(("took", s.name), 0.0) for s in batch), default=0.0)
+        inside = max((ctx._took.pop(s.name, 0.0) for s in batch), default=0.0)
         first: Exception | None = None
         failed = [s.name for s, r in results.items() if isinstance(r, Exception)]
         for step, r in results.items():
@@ -300,14 +437,13 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
                 noops.append(f"{step.name}: {r.reason}")
                 ctx.say(f"  {step.name}: nothing to do: {r.reason}")
         # the runner's own time for this batch: fan-out, journal writes, progress (bench/runner_overhead.py)
-        ctx.data.setdefault("runner_timing", []).append(
-            {"steps": [s.name for s in batch], "wall_s": time.monotonic() - t_batch, "inside_s": inside})
+        ctx.timing.append({"steps": [s.name for s in batch], "wall_s": time.monotonic() - t_batch, "inside_s": inside})
         if first is not None:
             if len(failed) > 1 and isinstance(first, PdopsError):
                 first.message = f"{len(failed)} of {len(batch)} steps failed ({', '.join(failed)}); first: " \
                                 + first.message
             raise first
-    return {"verified": verified, "unverified": unverified, "noops": noops, **ctx.data.get("verdict", {})}
+    return {"verified": verified, "unverified": unverified, "noops": noops, **ctx.verdict}
 
 
 def run_parallel(items: Iterable[T], fn: Callable[[T], R], max_workers: int | None = None) -> dict[T, R | Exception]:

@@ -336,7 +336,7 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
     with connections(inv) as conns:
         v = sc.execute_scale(plan, state, **conns)
     r = plan.repair
-    lost = r.get("lost") or []
+    lost = v.get("lost") or []
     print_verdict(f"repaired {iid} (observed {r['state']}) as revision {v['revision']}, now current; "
                   f"{len(lost)} request(s) lost with its ended process" + (f": {', '.join(lost)}" if lost else ""), v)
 

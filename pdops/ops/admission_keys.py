@@ -114,7 +114,7 @@ def do_check_unit(ctx: RunContext, step: Step) -> Outcome:
     old = parse_map(ctx.pool.run(cfg.host, f"cat {q(KEYS_MAP_PATH)}").stdout)
     added = tuple(k for k in cfg.keys if k not in old)
     revoked = tuple(k for k in old if k not in cfg.keys)
-    ctx.data.update(main_pid=st.main_pid, added=added, revoked=revoked)
+    ctx.give(step, "admission_keys", {"main_pid": st.main_pid, "added": added, "revoked": revoked})
     ctx.say(f"admission keys on {cfg.host}: {len(cfg.keys)} keys "
             f"(+{len(added)} added: {', '.join(map(key_id, added)) or '-'}; "
             f"-{len(revoked)} revoked: {', '.join(map(key_id, revoked)) or '-'})")
@@ -148,8 +148,9 @@ def do_reload(ctx: RunContext, step: Step) -> Outcome:
     while st2.active_state == "reloading" and time.monotonic() < deadline:
         time.sleep(0.2)
         st2 = ctx.pool.unit_states(cfg.host, [UNIT])[UNIT]
-    if st2.active_state != "active" or st2.main_pid != ctx.data["main_pid"]:
-        raise Unverified(f"{UNIT} is {st2.active_state}/{st2.sub_state} (MainPID {ctx.data['main_pid']} -> "
+    before = ctx.get(step, "admission_keys")["main_pid"]
+    if st2.active_state != "active" or st2.main_pid != before:
+        raise Unverified(f"{UNIT} is {st2.active_state}/{st2.sub_state} (MainPID {before} -> "
                          f"{st2.main_pid}) after the reload: not a graceful reload",
                          evidence=ctx.pool.journal_tail(cfg.host, UNIT))
     ctx.say(f"  reloaded {UNIT} (master MainPID {st2.main_pid} kept: in-flight streams continue)")
@@ -159,16 +160,19 @@ def do_reload(ctx: RunContext, step: Step) -> Outcome:
 
 def do_verify_keys(ctx: RunContext, step: Step) -> Outcome:
     cfg = ctx.inv.admission
-    ev = wait_keys_applied(cfg, cfg.keys, ctx.data["revoked"], step.deadline - 5)
-    ev.update(added=[key_id(k) for k in ctx.data["added"]], revoked=[key_id(k) for k in ctx.data["revoked"]])
+    keys = ctx.get(step, "admission_keys")
+    ev = wait_keys_applied(cfg, cfg.keys, keys["revoked"], step.deadline - 5)
+    ev.update(added=[key_id(k) for k in keys["added"]], revoked=[key_id(k) for k in keys["revoked"]])
     ctx.say(f"  verified after {ev['applied_after_s']}s: {min(len(cfg.keys), PROBE_MAX)} keys accepted, "
-            f"{min(len(ctx.data['revoked']), PROBE_MAX)} revoked keys get 401")
+            f"{min(len(keys['revoked']), PROBE_MAX)} revoked keys get 401")
     return Outcome(evidence=ev, verified=[f"{min(len(cfg.keys), PROBE_MAX)} key(s) accepted, "
-                                          f"{min(len(ctx.data['revoked']), PROBE_MAX)} revoked key(s) refused with 401"])
+                                          f"{min(len(keys['revoked']), PROBE_MAX)} revoked key(s) refused with 401"])
 
 
 register_executors({"admission-check": do_check_unit, "deliver-keys": do_deliver_keys, "admission-reload": do_reload,
-          "verify-keys": do_verify_keys})
+                    "verify-keys": do_verify_keys},
+                   gives={"admission-check": ("admission_keys",)},
+                   needs={"admission-reload": ("admission_keys",), "verify-keys": ("admission_keys",)})
 
 
 def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool, gateway=None) -> dict:
@@ -189,6 +193,7 @@ def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0, *, p
         cfg = inv.admission
         verdict.update(keys=len(cfg.keys), map_sha256=plan.head["map_sha256"])
         ctx.journal.step(op, "verdict", "ok", verdict)
-        return {"op": op, "host": cfg.host, "keys": len(cfg.keys), "added": [key_id(k) for k in ctx.data["added"]],
-                "revoked": [key_id(k) for k in ctx.data["revoked"]], "map_sha256": plan.head["map_sha256"],
+        keys = ctx.output("admission_keys")
+        return {"op": op, "host": cfg.host, "keys": len(cfg.keys), "added": [key_id(k) for k in keys["added"]],
+                "revoked": [key_id(k) for k in keys["revoked"]], "map_sha256": plan.head["map_sha256"],
                 "verdict": verdict}

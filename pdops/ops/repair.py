@@ -119,7 +119,7 @@ def lost_work_step(inst: Instance, rep: dict) -> Step:
 def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
     from pdops.facts import q
 
-    inst = ctx.data["old_placement"].get(step.instance)
+    inst = ctx.old_placement.get(step.instance)
     host, unit = inst.units[0]
     out = ctx.pool.run(host, requestlog.invocations_command(unit, step.params.get("since", 0)), timeout=60).stdout
     logs = requestlog.by_invocation(out)
@@ -127,9 +127,7 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
     current = ctx.pool.run(host, f"systemctl show -p InvocationID --value {q(unit)}").stdout.strip() \
         if st.active_state == "active" else None
     lost, failed = requestlog.lost_work(logs, current)
-    plan = ctx.data.get("scale_plan")
-    if plan is not None and plan.repair:
-        plan.repair["lost"], plan.repair["failed"] = lost, failed
+    ctx.give(step, "lost_work", {inst.id: {"lost": lost, "failed": failed}})
     ended = [k for k in logs if k != current]
     if lost:
         ctx.say(f"  lost with {inst.id}'s ended process(es): {len(lost)} request(s): {', '.join(lost)} "
@@ -144,7 +142,7 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence=ev, verified=verified)
 
 
-register_executors({"lost-work": do_lost_work})
+register_executors({"lost-work": do_lost_work}, gives={"lost-work": ("lost_work",)})
 
 
 def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
@@ -167,7 +165,7 @@ def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=pr
     """Walk it under the cluster lock; the verdict names what was ended."""
     op = new_op_id("end-orphans")
     with state.lock("end-orphans", op_id=op):
-        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl})
+        ctx = RunContext(inv, state, op, say, pool, gateway, placement=pl)
         try:
             verdict = walk(plan, ctx)
         except PdopsError as exc:

@@ -157,7 +157,7 @@ def end_step(prefills: list[str], host: str | None = None) -> Step:
 
 
 def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
-    pl: Placement = ctx.data["placement"]
+    pl: Placement = ctx.placement
     reading = read(ctx.pool, pl, ctx.inv, prefills=step.params["prefills"])
     if reading.unsettled_s > 0:
         # a fault just now (a decode or the gateway restarted) cut halves younger than the grace: the

@@ -243,7 +243,7 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     from pdops.runner import RunContext
 
     units, _, start_list = healthy_world(pl)
-    ctx = RunContext(other, state, "op-1", lambda s: None, Pool(units, start_list), None, {"deploy_plan": p})
+    ctx = RunContext(other, state, "op-1", lambda s: None, Pool(units, start_list), None, placement=p.placement)
     do_record_repair(ctx, p.steps[-1])
     rev = state.current_revision()
     assert rev.number == 2 and rev.inventory_hash == "f" * 64 and rev.manifest == p.live.manifest

@@ -220,6 +220,26 @@ def test_every_step_kind_has_an_executor(tmp_path, monkeypatch):
         plan = make_plan(yaml.safe_load(case_file.read_text()), StateDir("lab", tmp_path / case_file.stem / "state"),
                          tmp_path / case_file.stem, monkeypatch)
         assert {s.kind for s in plan.steps + plan.rescue + plan.always} <= known, case_file.name
+        # what each step reads from an earlier one (Step.needs) is given by a step before it: the check
+        # `walk` makes before anything runs, so a plan that would fail it is a unit-test failure here
+        plan.check()
+
+
+def test_importing_an_operation_registers_every_kind_its_plans_use():
+    """The CLI imports only the operation it runs: its package alone must register the executors of
+    every kind its plans (rescue and always included) name, or `walk` refuses the plan."""
+    import subprocess
+    import sys
+
+    code = ("import pdops.ops.{op} as m, pdops.runner as r; print(' '.join(sorted(r.EXECUTORS)))")
+    for op, kinds in {"scale": {"undo-added", "restore-service", "record-halt", "record-scale", "deliver-wave",
+                                "publish-targets", "start", "canary", "register", "leave-gateway", "stop"},
+                      "drain": {"leave-gateway", "wait-empty", "empty-check", "stop", "verify-stop", "record-drain",
+                                "publish-targets"},
+                      "deploy": {"render", "deliver", "start", "register", "record-deploy", "record-repair",
+                                 "undo-register", "publish-targets"}}.items():
+        out = subprocess.run([sys.executable, "-c", code.format(op=op)], capture_output=True, text=True, check=True)
+        assert kinds <= set(out.stdout.split()), (op, kinds - set(out.stdout.split()))
 
 
 def test_a_scale_step_id_carries_the_instance_so_two_drains_are_told_apart(fleet, tmp_path):

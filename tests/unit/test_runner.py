@@ -83,6 +83,7 @@ def registry(monkeypatch):
 
     table: dict = {}
     monkeypatch.setattr(runner, "EXECUTORS", table)
+    monkeypatch.setattr(runner, "KIND_IO", {})
     return table
 
 
@@ -260,3 +261,38 @@ def test_always_steps_run_last_whatever_the_outcome_and_never_change_it(tmp_path
     assert ran == ["one", "last-b"]
     assert "targets follow revision 3" in v["verified"]
     assert any("last-a failed: " in u and "did not answer" in u for u in v["unverified"])
+
+
+def test_a_step_reads_only_what_an_earlier_step_declared_it_gives_and_the_plan_is_checked_first(tmp_path, registry):
+    """Outputs pass between steps only as declared: a plan whose step needs what no earlier step gives
+    is refused before anything runs, and an executor that reads or gives an undeclared name fails."""
+    from pdops.runner import register_executors
+
+    ran = []
+
+    def render(c, s):
+        c.give(s, "build", tmp_path / "b1")
+        return Outcome()
+
+    def deliver(c, s):
+        ran.append(c.get(s, "build"))
+        return Outcome()
+
+    def sneaky(c, s):
+        c.get(s, "workers")  # not declared by its kind
+        return Outcome()
+
+    register_executors({"render": render, "deliver": deliver, "sneaky": sneaky},
+                       gives={"render": ("build",)}, needs={"deliver": ("build",)})
+    backwards = Plan("demo", "t", [Step("deliver", None, "", kind="deliver"), Step("render", None, "", kind="render")])
+    with pytest.raises(PdopsError, match="step 1 \\(deliver\\) needs 'build'.*which no step before it gives"):
+        walk(backwards, _ctx(tmp_path))
+    assert ran == [] and _ctx(tmp_path).journal.read("op-1") == []  # refused before the plan record
+    good = Plan("demo", "t", [Step("render", None, "", kind="render"), Step("deliver", None, "", kind="deliver")])
+    assert "uses: build (step 1)" in good.render()  # the dry run names the dependency
+    walk(good, _ctx(tmp_path))
+    assert ran == [tmp_path / "b1"]
+    with pytest.raises(PdopsError, match="reads 'workers' without declaring it"):
+        walk(Plan("demo", "t", [Step("s", None, "", kind="sneaky")]), _ctx(tmp_path))
+    with pytest.raises(RuntimeError, match="unknown output"):
+        register_executors({"odd": render}, gives={"odd": ("no_such_output",)})

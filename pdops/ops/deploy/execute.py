@@ -9,7 +9,7 @@ from pdops.model import membership
 from pdops.errors import DeployFailed, PdopsError, Refused, Unverified
 from pdops.remote.gateway import GatewayClient
 from pdops.remote.hosts import HostPool
-from pdops.model.placement import Instance, Placement, last_bootstrap_ports
+from pdops.model.placement import Instance, last_bootstrap_ports
 from pdops.model.render import GATEWAY_UNIT, manifest, snapshot_of, write_build
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import new_op_id
@@ -19,12 +19,8 @@ from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, gateway
 from pdops.ops.deploy.plan import DeployPlan
 
 
-def _placement_of(ctx: RunContext) -> Placement:
-    return ctx.data["placement"]
-
-
 def _inst(ctx: RunContext, step: Step) -> Instance:
-    return _placement_of(ctx).get(step.instance)
+    return ctx.placement.get(step.instance)
 
 
 def do_connect(ctx: RunContext, step: Step) -> Outcome:
@@ -49,15 +45,14 @@ def do_preflight(ctx: RunContext, step: Step) -> Outcome:
 def do_render(ctx: RunContext, step: Step) -> Outcome:
     build = ctx.state.path / "builds" / ctx.op
     write_build(step.params["files"], build, {"op": ctx.op, **step.params["meta"]})
-    ctx.data["build"] = build
-    ctx.data["files"] = step.params["files"]
+    ctx.give(step, "build", build)
     return Outcome(evidence={"build": str(build), "files": len(step.params["files"])})
 
 
 def do_deliver(ctx: RunContext, step: Step) -> Outcome:
-    ctx.say(f"  delivering {len(ctx.data['files'])} rendered files with Ansible")
-    return Outcome(evidence=deliver(ctx.inv, step.params["placement"], ctx.data["files"], ctx.data["build"], None,
-                                    ctx.say))
+    ctx.say(f"  delivering {len(step.params['files'])} rendered files with Ansible")
+    return Outcome(evidence=deliver(ctx.inv, step.params["placement"], step.params["files"], ctx.get(step, "build"),
+                                    None, ctx.say))
 
 
 def do_gateway(ctx: RunContext, step: Step) -> Outcome:
@@ -69,7 +64,7 @@ def do_gateway(ctx: RunContext, step: Step) -> Outcome:
         membership.update(ctx.pool, ctx.inv, remove=step.params["unlist"])
     ev = start_gateway(ctx.inv, ctx.pool, ctx.gateway, ctx.say, restart=step.params["restart"],
                        deadline_s=step.deadline, clear_list=step.params.get("clear_list"))
-    ctx.data.setdefault("started", []).append(f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}")
+    ctx.give(step, "started", [f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}"])
     wait_for = step.params.get("wait_for") or {}
     deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 5))
     for url in wait_for.values():
@@ -87,30 +82,30 @@ def do_admission(ctx: RunContext, step: Step) -> Outcome:
 
 def do_start(ctx: RunContext, step: Step) -> Outcome:
     inst = _inst(ctx, step)
-    ctx.data.setdefault("started_instances", {})[inst.id] = inst
-    ctx.data.setdefault("started", []).extend(f"{h}:{u}" for h, u in inst.units)
+    ctx.give(step, "started_instances", {inst.id: inst})
+    ctx.give(step, "started", [f"{h}:{u}" for h, u in inst.units])
     try:
         ev = start_instance(ctx.inv, ctx.pool, inst, step.deadline, ctx.say, step.params["restart"])
     except PdopsError as exc:
         raise DeployFailed(f"{inst.id} did not start: {exc.message}", evidence=exc.evidence,
                            fix="nothing was registered with the gateway; read the evidence, fix the cause and "
                                "deploy again") from None
-    ctx.data.setdefault("healthy", set()).add(inst.id)
-    ctx.data.setdefault("main_pids", {})[inst.id] = ev["main_pids"]
+    ctx.give(step, "healthy", {inst.id})
+    ctx.give(step, "main_pids", {inst.id: ev["main_pids"]})
     return Outcome(evidence=ev, verified=[f"{inst.id} active and healthy on its own /health (MainPID "
                                           f"{', '.join(map(str, ev['main_pids'].values()))})"])
 
 
-def serving(ctx: RunContext, iid: str) -> Instance:
+def serving(ctx: RunContext, step: Step, iid: str) -> Instance:
     """The instance as it serves at this point of the operation: a replaced one that is not started
     yet still runs its old process (old ports; a prefill's old bootstrap port)."""
-    if iid in ctx.data.get("replacing", ()) and iid not in ctx.data.get("started_instances", {}):
-        return ctx.data["old_placement"].get(iid)
-    return _placement_of(ctx).get(iid)
+    if iid in ctx.replacing and iid not in ctx.get(step, "started_instances", {}):
+        return ctx.old_placement.get(iid)
+    return ctx.placement.get(iid)
 
 
 def do_canary(ctx: RunContext, step: Step) -> Outcome:
-    pairs = [(serving(ctx, p), serving(ctx, d)) for p, d in step.params["pairs"]]
+    pairs = [(serving(ctx, step, p), serving(ctx, step, d)) for p, d in step.params["pairs"]]
     ev = canary_pairs(pairs, ctx.say, retry_once=step.params["retry_once"], deadline_s=step.deadline)
     return Outcome(evidence=ev, verified=[f"a canary generation through each of {len(pairs)} prefill x decode "
                                           f"pair(s): {', '.join(f'{p.id} x {d.id}' for p, d in pairs)}"])
@@ -118,23 +113,23 @@ def do_canary(ctx: RunContext, step: Step) -> Outcome:
 
 def do_register(ctx: RunContext, step: Step) -> Outcome:
     inst = _inst(ctx, step)
-    ctx.data.setdefault("posted", set()).add(inst.id)
+    ctx.give(step, "posted", {inst.id})
     try:
         wid = register(ctx.gateway, inst, ctx.say, step.deadline)
     except PdopsError as exc:
         raise DeployFailed(f"{inst.id} not registered healthy: {exc.message}", evidence=exc.evidence,
                            fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
                                "gateway's; fix the cause and deploy again") from None
-    ctx.data.setdefault("workers", {})[inst.id] = wid
+    ctx.give(step, "workers", {inst.id: wid})
     return Outcome(evidence={"worker_id": wid},
                    verified=[f"{inst.id} registered (worker {wid}), listed healthy and ready by the gateway's /workers"])
 
 
 def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
     """One update of the start-up list for a registration group (each registered and ready by now)."""
-    pl = _placement_of(ctx)
-    add = [pl.get(i) for i in step.params["instances"]]
-    missing = [i.id for i in add if i.id not in ctx.data.get("workers", {})]
+    add = [ctx.placement.get(i) for i in step.params["instances"]]
+    workers = ctx.get(step, "workers")
+    missing = [i.id for i in add if i.id not in workers]
     if missing:
         raise Unverified(f"not registered, so not put in the gateway's start-up list: {', '.join(missing)}")
     listed = membership.listed_ids(membership.update(ctx.pool, ctx.inv, add=add))
@@ -143,31 +138,30 @@ def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
-    plan: DeployPlan = ctx.data["deploy_plan"]
-    pl, workers = plan.placement, ctx.data["workers"]
+    pl, files, workers = step.params["placement"], step.params["files"], ctx.get(step, "workers")
+    running, main_pids = ctx.get(step, "running"), ctx.get(step, "main_pids", {})
     instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
                         "worker_id": workers[i.id], "url": i.url,
-                        "main_pids": ctx.data.get("main_pids", {}).get(i.id)} for i in pl.instances}
+                        "main_pids": main_pids.get(i.id)} for i in pl.instances}
     rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
-                                   placement=pl.to_dict(), manifest=manifest(plan.files), instances=instances,
+                                   placement=pl.to_dict(), manifest=manifest(files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
-                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.data["build"]),
-                                          "configs": configs_of(ctx.data["running"]),
-                                          **gateway_pid_of(ctx.data["running"], ctx.inv),
+                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.get(step, "build")),
+                                          "configs": configs_of(running), **gateway_pid_of(running, ctx.inv),
                                           "last_bootstrap": last_bootstrap_ports({}, pl)},
-                                   snapshot=snapshot_of(ctx.inv, plan.files))
+                                   snapshot=snapshot_of(ctx.inv, files))
     ctx.state.set_current(rev.number)
-    ctx.data["verdict"] = {"revision": rev.number}
+    ctx.verdict["revision"] = rev.number
     return Outcome(evidence={"revision": rev.number}, verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
 
 
 def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
     """A new revision: the live one's files and topology, with the MainPIDs and worker ids seen now."""
-    plan: DeployPlan = ctx.data["deploy_plan"]
-    live = plan.live
+    live, pl, files = step.params["live"], step.params["placement"], step.params["files"]
     instances = {k: dict(v) for k, v in live.instances.items()}
+    workers, running = ctx.get(step, "workers", {}), ctx.get(step, "running")
     seen = {}
-    for inst in plan.placement.instances:
+    for inst in pl.instances:
         pids = {}
         for host, unit in inst.units:
             st = ctx.pool.unit_states(host, [unit])[unit]
@@ -175,42 +169,40 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
                 raise Unverified(f"{inst.id}: {host}:{unit} is {st.active_state}/{st.sub_state} after the repair")
             pids[f"{host}:{unit}"] = st.main_pid
         instances[inst.id]["main_pids"] = seen[inst.id] = pids
-        if inst.id in ctx.data.get("workers", {}):
-            instances[inst.id]["worker_id"] = ctx.data["workers"][inst.id]
+        if inst.id in workers:
+            instances[inst.id]["worker_id"] = workers[inst.id]
     # the inventory this deploy ran with renders the live files (plan_deploy compared them): it is the
     # revision's inventory from now on, with its snapshot when it is not the recorded one
     same_inventory = ctx.inv.digest == live.inventory_hash
     rev = ctx.state.write_revision(topology=live.topology, inventory_hash=ctx.inv.digest,
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
-                                   extra={**live.extra, "repair_of": live.number, "repaired": plan.findings,
-                                          **({"configs": configs_of(ctx.data["running"]),
-                                              **gateway_pid_of(ctx.data["running"], ctx.inv)} if "running" in ctx.data
-                                             else {})},
+                                   extra={**live.extra, "repair_of": live.number, "repaired": step.params["findings"],
+                                          **({"configs": configs_of(running), **gateway_pid_of(running, ctx.inv)}
+                                             if running is not None else {})},
                                    snapshot=ctx.state.revision_snapshot(live.number) if same_inventory
-                                   else snapshot_of(ctx.inv, plan.files))
+                                   else snapshot_of(ctx.inv, files))
     ctx.state.set_current(rev.number)
-    ctx.data["verdict"] = {"revision": rev.number}
+    ctx.verdict["revision"] = rev.number
     return Outcome(evidence={"revision": rev.number, "main_pids": seen, "inventory_hash": ctx.inv.digest},
                    verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
                              "active, MainPIDs as read from systemd now"])
 
 
 def do_verify_running(ctx: RunContext, step: Step) -> Outcome:
-    files = ctx.data.get("files") or (ctx.data.get("scale_plan") or ctx.data["deploy_plan"]).files
-    ev = running_evidence(ctx.pool, ctx.inv, ctx.data["target"], files)
-    ctx.data["running"] = ev
+    ev = running_evidence(ctx.pool, ctx.inv, step.params["placement"], step.params["files"])
+    ctx.give(step, "running", ev)
     return Outcome(evidence={"units": ev}, verified=[f"{len(ev)} unit(s) active, each MainPID started from this "
                                                      "revision's files (config id noted by its launch script)"])
 
 
 def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
-    workers = ctx.data.get("workers", {})
-    posted = ctx.data.get("posted", set())
+    workers = ctx.get(step, "workers", {})
+    posted = ctx.get(step, "posted", set())
     if not posted:
         return Outcome.noop("this deploy registered nothing")
     fresh = step.params["fresh"]
-    pl = _placement_of(ctx)
+    pl = ctx.placement
     bad = [pl.get(i) for i in posted if i not in workers]
     undone = undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
     # what the gateway no longer serves leaves its start-up list too (a restart must not revive it)
@@ -232,7 +224,12 @@ register_executors({"connect": do_connect, "preflight": do_preflight, "render": 
           "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
           "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
           "record-repair": do_record_repair, "verify-running": do_verify_running,
-          "undo-register": do_undo_register})
+          "undo-register": do_undo_register},
+    gives={"render": ("build",), "gateway": ("started",), "start": ("started_instances", "started", "healthy", "main_pids"),
+           "register": ("posted", "workers"), "verify-running": ("running",)},
+    needs={"deliver": ("build",), "canary": ("started_instances?",), "gateway-list": ("workers",),
+           "record-deploy": ("workers", "build", "running", "main_pids?"),
+           "record-repair": ("workers?", "running?"), "undo-register": ("workers?", "posted?")})
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
@@ -250,7 +247,7 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     op = new_op_id("deploy")
     with state.lock("deploy", op_id=op):
         state.check_basis(plan.basis)
-        ctx = RunContext(inv, state, op, say, pool, gateway, {"placement": pl, "deploy_plan": plan, "target": pl})
+        ctx = RunContext(inv, state, op, say, pool, gateway, placement=pl)
         try:
             verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
@@ -262,7 +259,7 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
 
 def _deploy_failed(ctx: RunContext, exc: PdopsError) -> None:
     """The failure verdict (after the plan's rescue ran): what runs, what is current."""
-    started = ctx.data.get("started", [])
+    started = ctx.output("started", [])
     current = ctx.state.current()
     ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render(), "left_running": started,
                                                    "current": current, "completed": ctx.done})

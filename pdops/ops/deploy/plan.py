@@ -121,8 +121,9 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps.append(canary_step("canary", pairs, retry_once=False,
                              why="sent straight to each pair before anything is registered"))
     steps += register_steps(inv, pl.instances, group="register")
-    steps.append(verify_running_step(pl, inv))
-    steps.append(Step("record", None, "write the revision, move `current` to it", kind="record-deploy"))
+    steps.append(verify_running_step(pl, inv, files))
+    steps.append(Step("record", None, "write the revision, move `current` to it", kind="record-deploy",
+                      params={"placement": pl, "files": files}))
     return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, state=state,
                       basis=current.number if current else None)
 
@@ -170,8 +171,9 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
-    steps.append(verify_running_step(pl, inv))
+    steps.append(verify_running_step(pl, inv, plan.files))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
                       "and topology" + ("; the inventory on disk" if rev.inventory_hash != inv.digest else "")
-                      + "); move `current` to it", kind="record-repair"))
+                      + "); move `current` to it", kind="record-repair",
+                      params={"live": rev, "placement": pl, "files": plan.files, "findings": findings}))
     return replace(plan, steps=steps, findings=findings)

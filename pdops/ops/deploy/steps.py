@@ -29,7 +29,7 @@ def delivery_steps(inv: Inventory, pl: Placement, files: list[RenderedFile], met
                  kind="render", params={"files": files, "meta": meta or {}}),
             Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
                  "units, launch scripts, 0600 env files, daemon-reload, enable)", kind="deliver",
-                 params={"placement": pl})]
+                 params={"placement": pl, "files": files})]
 
 
 def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> list[Step]:
@@ -63,12 +63,13 @@ def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
     return out
 
 
-def verify_running_step(pl: Placement, inv: Inventory) -> Step:
+def verify_running_step(pl: Placement, inv: Inventory, files: list[RenderedFile]) -> Step:
     n = sum(len(i.units) for i in pl.instances) + 1
     return Step("verify-running", None, f"every unit of the revision ({n}, the gateway's too) active, and its "
                 "MainPID started from this revision's files (the PID and config id its launch script noted in "
                 "/run/pdops/<unit>/config before exec)", 60,
-                kind="verify-running", verifies="the running processes use the revision's files")
+                kind="verify-running", verifies="the running processes use the revision's files",
+                params={"placement": pl, "files": files})
 
 
 def undo_register_step(*, fresh: bool, instances: int) -> Step:

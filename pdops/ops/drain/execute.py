@@ -77,7 +77,7 @@ def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *,
     op = new_op_id("stop")
     with state.lock("stop", op_id=op):
         state.check_basis(plan.rev.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": Placement.from_dict(plan.rev.placement)})
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=Placement.from_dict(plan.rev.placement))
         try:
             verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
@@ -112,29 +112,27 @@ def _drain_state(ctx: RunContext, inst: Instance, step: Step) -> dict:
     """Per-instance scratch of a drain; whether its units were already stopped (inactive or
     failed, not restarting) is read once, at the instance's first step, from systemd: a resumed
     drain. With `resume=False` (undoing an add) the units are always stopped."""
-    key = ("drain", inst.id)
-    if key not in ctx.data:
+    have = ctx.get(step, "drain_state", {})
+    if inst.id not in have:
         states = {u: ctx.pool.unit_states(h, [u])[u] for h, u in inst.units}
         stopped = all(st.active_state in ("inactive", "failed") and st.sub_state != "auto-restart"
                       for st in states.values())
-        ctx.data[key] = {"already_stopped": stopped and step.params.get("resume", True)}
-    return ctx.data[key]
+        ctx.give(step, "drain_state", {inst.id: {"already_stopped": stopped and step.params.get("resume", True)}})
+    return ctx.get(step, "drain_state")[inst.id]
 
 
 def _instance(ctx: RunContext, step: Step) -> Instance:
     """The instance a drain step names; for a replacement (`old`), its running process's placement."""
     if step.params.get("old"):
-        return ctx.data["old_placement"].get(step.instance)
-    return ctx.data["placement"].get(step.instance)
+        return ctx.old_placement.get(step.instance)
+    return ctx.placement.get(step.instance)
 
 
 def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
     inst = _instance(ctx, step)
     _drain_state(ctx, inst, step)
     if step.params.get("in_change"):  # out of service from now on: a halted change's rescue reads this
-        left_ = ctx.data.setdefault("left_gateway", [])
-        if inst.id not in left_:
-            left_.append(inst.id)
+        ctx.give(step, "left_gateway", [inst.id])
     # out of the gateway's start-up list first: a gateway restart from now on does not bring it back
     left = membership.update(ctx.pool, ctx.inv, remove=[inst.id])
     removed = leave_gateway(ctx.gateway, inst, step.params.get("worker_id"), deadline_s=step.deadline)
@@ -189,7 +187,7 @@ def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
             if step.params.get("force_after"):
                 ctx.say(f"  deadline passed; --force-after: stopping with {len(r.open_rids)} request(s) open "
                         "(recorded in the journal as accepted loss)")
-                ctx.data[("accepted_loss", inst.id)] = list(r.open_rids)
+                ctx.give(step, "accepted_loss", {inst.id: list(r.open_rids)})
                 return Outcome("accepted-loss", {"open_rids": r.open_rids, "reading": desc},
                                unverified=[f"{inst.id}: {len(r.open_rids)} request(s) still open at the deadline "
                                            "(--force-after: accepted loss)"])
@@ -205,7 +203,7 @@ def do_wait_empty(ctx: RunContext, step: Step) -> Outcome:
 def _end_orphans_if_all_open_are(ctx: RunContext, inst: Instance, open_rids: list[str]) -> list[str]:
     """When every request the prefill holds is an orphaned half (pdops.reads.orphans), end them by rid."""
     try:
-        found = orphans.read(ctx.pool, ctx.data["placement"], ctx.inv, prefills=[inst.id]).orphans.get(inst.id, [])
+        found = orphans.read(ctx.pool, ctx.placement, ctx.inv, prefills=[inst.id]).orphans.get(inst.id, [])
     except PdopsError as exc:  # a reading, not the drain: the wait goes on and its own deadline decides
         ctx.say(f"  {inst.id}: orphaned halves not read: {exc.message}")
         return []
@@ -223,7 +221,7 @@ def do_empty_check(ctx: RunContext, step: Step) -> Outcome:
     if resumed:
         return resumed
     n, pause = step.params["n"], step.params["pause"]
-    if ("accepted_loss", inst.id) in ctx.data:
+    if inst.id in ctx.get(step, "accepted_loss", {}):
         return Outcome.noop(f"--force-after: {inst.id} is stopped with its open work at the deadline accepted as "
                             "lost (named by wait-empty); not checked for emptiness")
     time.sleep(pause)
@@ -284,7 +282,7 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
         except PdopsError as exc:
             out.unverified.append(f"the gateway still lists worker {wid} of {inst.id}: {exc.message}")
     if step.params.get("in_change"):
-        ctx.data.setdefault("replaced_out" if step.params.get("old") else "drained", []).append(inst.id)
+        ctx.give(step, "replaced_out" if step.params.get("old") else "drained", [inst.id])
     return out
 
 
@@ -314,49 +312,56 @@ def _verify_resumed_stop(ctx: RunContext, inst: Instance) -> Outcome:
 
 
 def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
-    plan: DrainPlan = ctx.data["drain_plan"]
-    inst = plan.instance
-    new_pl = Placement(plan.placement.topology.__class__(
-        len([i for i in plan.placement.instances if i.role == "prefill" and i.id != inst.id]),
-        len([i for i in plan.placement.instances if i.role == "decode" and i.id != inst.id])),
-        tuple(i for i in plan.placement.instances if i.id != inst.id))
-    instances = {k: v for k, v in plan.rev.instances.items() if k != inst.id}
+    rev0, pl0 = step.params["revision"], step.params["placement"]
+    inst = pl0.get(step.instance)
+    new_pl = Placement(pl0.topology.__class__(
+        len([i for i in pl0.instances if i.role == "prefill" and i.id != inst.id]),
+        len([i for i in pl0.instances if i.role == "decode" and i.id != inst.id])),
+        tuple(i for i in pl0.instances if i.id != inst.id))
+    instances = {k: v for k, v in rev0.instances.items() if k != inst.id}
     hosts_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" not in p}
-                   for h, files in plan.rev.manifest.items()}
+                   for h, files in rev0.manifest.items()}
     # a host left with nothing of the revision but pdops.slice is no host of it (render agrees:
     # a deploy of the new topology renders no file there, so the manifests compare equal)
     slice_path = f"{UNIT_DIR}/{SLICE_UNIT}"
     hosts_files = {h: f for h, f in hosts_files.items() if set(f) - {slice_path}}
     removed_files = {h: {p: m for p, m in files.items() if f"pdops-{inst.id}" in p}
-                     for h, files in plan.rev.manifest.items()}
-    rollback = {"restore": inst.id, "from_revision": plan.rev.number,
+                     for h, files in rev0.manifest.items()}
+    rollback = {"restore": inst.id, "from_revision": rev0.number,
                 "how": "start its units, wait healthy, re-register with the gateway, canary its pairs",
                 "holds_while": "its hosts and rendered files are unchanged",
                 "files": {h: f for h, f in removed_files.items() if f},
-                "placement": [i for i in plan.placement.to_dict()["instances"] if i["id"] == inst.id]}
+                "placement": [i for i in pl0.to_dict()["instances"] if i["id"] == inst.id]}
     from pdops.model.placement import last_bootstrap_ports
     from pdops.model.render import snapshot_subset
 
     units = {f"{h}:{u}" for h, u in inst.units}
-    carried = {"configs": {k: v for k, v in (plan.rev.extra.get("configs") or {}).items() if k not in units},
-               "cordoned": list(plan.rev.extra.get("cordoned") or []),
+    carried = {"configs": {k: v for k, v in (rev0.extra.get("configs") or {}).items() if k not in units},
+               "cordoned": list(rev0.extra.get("cordoned") or []),
                # the slot remembers its last prefill's bootstrap port: a re-add takes the other one
-               "last_bootstrap": last_bootstrap_ports(plan.rev.extra.get("last_bootstrap") or {}, plan.placement)}
-    rev = ctx.state.write_revision(topology=str(new_pl.topology), inventory_hash=plan.rev.inventory_hash,
+               "last_bootstrap": last_bootstrap_ports(rev0.extra.get("last_bootstrap") or {}, pl0)}
+    rev = ctx.state.write_revision(topology=str(new_pl.topology), inventory_hash=rev0.inventory_hash,
                                    placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"drained": inst.id, "rollback": rollback,
-                                          "gateway": plan.rev.extra.get("gateway"), **carried},
-                                   snapshot=snapshot_subset(ctx.state.revision_snapshot(plan.rev.number), hosts_files))
+                                          "gateway": rev0.extra.get("gateway"), **carried},
+                                   snapshot=snapshot_subset(ctx.state.revision_snapshot(rev0.number), hosts_files))
     ctx.state.set_current(rev.number)
     return Outcome(evidence={"revision": rev.number, "rollback": rollback},
                    verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
 
 
-register_executors({"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
-          "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop,
-          "record-drain": do_record_drain, "check-units": do_check_units, "kill-survivors": do_kill_survivors,
-          "verify-gone": do_verify_gone})
+_DRAIN_KINDS = ("leave-gateway", "wait-empty", "empty-check", "record-identity", "stop", "verify-stop")
+register_executors(
+    {"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
+     "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop,
+     "record-drain": do_record_drain, "check-units": do_check_units, "kill-survivors": do_kill_survivors,
+     "verify-gone": do_verify_gone},
+    # each step of an instance's drain reads whether its units were stopped already (read once, by
+    # the first of them to run); a change's drains say what they took out of service
+    gives={**{k: ("drain_state",) for k in _DRAIN_KINDS}, "leave-gateway": ("drain_state", "left_gateway"),
+           "wait-empty": ("drain_state", "accepted_loss"), "verify-stop": ("drain_state", "drained", "replaced_out")},
+    needs={**{k: ("drain_state?",) for k in _DRAIN_KINDS}, "empty-check": ("drain_state?", "accepted_loss?")})
 
 
 def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -369,7 +374,7 @@ def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: H
     op = new_op_id(plan.plan.operation)
     with state.lock(plan.plan.operation, op_id=op):
         state.check_basis(plan.rev.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": plan.placement, "drain_plan": plan})
+        ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=plan.placement)
         try:
             verdict = walk(plan.plan, ctx)
         except PdopsError as exc:

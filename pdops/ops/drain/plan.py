@@ -83,7 +83,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
             + " (`inv repair` names the work its ended process lost)" if down else ""))
     if not skip_gateway:
         steps.append(Step("record", None, f"new revision without {inst.id} becomes current; rollback record kept",
-                          kind="record-drain", params={"instance": inst.id}))
+                          kind="record-drain", params={"instance": inst.id, "revision": rev, "placement": pl}))
         if inst.role == "prefill":
             notes.append("a drained prefill's prefix cache is lost: cold inputs will be slower for a while")
     else:

@@ -28,17 +28,17 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
     from pdops.remote.load import send_pair
     from pdops.sim.tokens import make_prompt
 
-    plan: ProbePlan = ctx.data["probe_plan"]
-    p, d = plan.pair
+    par = step.params
+    p, d = par["pair"]
     pool = ctx.pool
-    units = [(h, u) for x in plan.pair for h, u in x.units]
+    units = [(h, u) for x in (p, d) for h, u in x.units]
     before = {f"{h}:{u}": pool.unit_states(h, [u])[u].main_pid for h, u in units}
     t0 = time.time()
-    i_tok, o_tok = plan.workload
-    ctx.say(f"  probe: {plan.requests} request(s) of {i_tok}/{o_tok} tokens to {p.id} x {d.id} ...")
-    rows = send_pair(p.url, d.url, p.head.data_addr, p.bootstrap_port, requests=plan.requests,
-                     concurrency=plan.concurrency, prompt_for=lambda k: make_prompt(i_tok, 7919 * (k + 1)),
-                     max_new_tokens=o_tok, timeout=plan.timeout_s, rid_prefix=f"pdops-probe-{ctx.op[-8:]}")
+    i_tok, o_tok = par["workload"]
+    ctx.say(f"  probe: {par['requests']} request(s) of {i_tok}/{o_tok} tokens to {p.id} x {d.id} ...")
+    rows = send_pair(p.url, d.url, p.head.data_addr, p.bootstrap_port, requests=par["requests"],
+                     concurrency=par["concurrency"], prompt_for=lambda k: make_prompt(i_tok, 7919 * (k + 1)),
+                     max_new_tokens=o_tok, timeout=par["timeout_s"], rid_prefix=f"pdops-probe-{ctx.op[-8:]}")
     groups, read_errors = [], []
     for h, u in units:
         try:
@@ -51,7 +51,7 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
     after = {f"{h}:{u}": pool.unit_states(h, [u])[u].main_pid for h, u in units}
     restarts = [k for k in before if after.get(k) != before[k]]
     outcomes = attribute_crash([classify(r, sigs) for r in rows], restarts, sigs)
-    canary_retried = bool(((ctx.data.get("canary_evidence") or {}).get("first_attempt_failed")))
+    canary_retried = bool(((ctx.get(step, "canary_evidence") or {}).get("first_attempt_failed")))
     doc = {"outcomes": [{"rid": r.rid, "outcome": o, "status": r.status, "http_status": r.http_status,
                          "prefill": (r.extra or {}).get("prefill"), "error": (r.error or "")[:300],
                          "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
@@ -59,7 +59,7 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
            "result": result_line(outcomes), "signatures": sigs, "restarts": restarts,
            "mixed_reasons": mixed_reasons(outcomes, restarts, canary_retried, sigs), "window": [t0, time.time()],
            "journal_unread": read_errors}
-    ctx.data["probe_result"] = doc
+    ctx.give(step, "probe_result", doc)
     ctx.say(f"  probe result: {doc['result']}" + (f"; mixed: {'; '.join(doc['mixed_reasons'])}"
                                                   if doc["mixed_reasons"] else ""))
     verified = [f"{len(rows)} request(s) answered or ended, each in the ledger: {doc['result']}",
@@ -71,36 +71,36 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
 def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
     from pdops.ops.deploy import deliver
 
-    plan: ProbePlan = ctx.data["probe_plan"]
     remove: dict[str, list[str]] = {}
-    for f in plan.files:
+    for f in step.params["files"]:
         remove.setdefault(f.host, []).append(f.path)
-    ev = deliver(ctx.inv, plan.baseline, [], ctx.data["build"], remove, ctx.say)
-    return Outcome(evidence=ev, verified=[f"{', '.join(plan.ids)}'s files removed ({sum(map(len, remove.values()))})"])
+    ev = deliver(ctx.inv, step.params["placement"], [], ctx.get(step, "build"), remove, ctx.say)
+    return Outcome(evidence=ev, verified=[f"{', '.join(step.params['ids'])}'s files removed "
+                                          f"({sum(map(len, remove.values()))})"])
 
 
 def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
     from pdops.ops.deploy import running_evidence
     from pdops.model.render import files_of
 
-    plan: ProbePlan = ctx.data["probe_plan"]
-    snap = ctx.state.revision_snapshot(plan.rev.number)
+    rev, baseline = step.params["revision"], step.params["placement"]
+    snap = ctx.state.revision_snapshot(rev.number)
     if snap is not None:
         files = files_of(snap)
     else:  # checked at plan time: the inventory renders the revision's files
         from pdops.model.render import render_files
 
-        files = render_files(plan.inv, plan.baseline)
-    ev = running_evidence(ctx.pool, ctx.inv, plan.baseline, files)
+        files = render_files(ctx.inv, baseline)
+    ev = running_evidence(ctx.pool, ctx.inv, baseline, files)
     moved = []
-    for i in plan.baseline.instances:
-        rec = (plan.rev.instances.get(i.id) or {}).get("main_pids") or {}
+    for i in baseline.instances:
+        rec = (rev.instances.get(i.id) or {}).get("main_pids") or {}
         for k, pid in rec.items():
             now = (ev.get(k) or {}).get("main_pid")
             if now is not None and pid and int(now) != int(pid):
                 moved.append(f"{k} MainPID {now}, recorded {pid}")
     left = []
-    for x in plan.pair:
+    for x in step.params["pair"]:
         for h, u in x.units:
             st = ctx.pool.unit_states(h, [u])[u]
             if st.active_state not in ("inactive", "failed") or st.load_state not in ("not-found", "masked", ""):
@@ -110,20 +110,23 @@ def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
         raise Unverified("the baseline is not as recorded after the probe: " + "; ".join(moved + left),
                          fix="`inv status` shows what runs; `inv repair` or `inv stop` what differs")
     return Outcome(evidence={"units": ev},
-                   verified=[f"revision {plan.rev.number}: {len(ev)} unit(s) active with their recorded MainPIDs and "
+                   verified=[f"revision {rev.number}: {len(ev)} unit(s) active with their recorded MainPIDs and "
                              "the revision's files; the spare pair's units gone"])
 
 
 def do_probe_canary(ctx: RunContext, step: Step) -> Outcome:
     """The deploy canary through the probed pair; its evidence kept for the result table."""
     out = do_canary(ctx, step)
-    ctx.data["canary_evidence"] = out.evidence
+    ctx.give(step, "canary_evidence", out.evidence)
     return out
 
 
 # the kinds made here; a probe also walks deploy's, drain's and a change's kinds (scale, imported above)
 register_executors({"probe-canary": do_probe_canary, "probe-requests": do_probe_requests,
-          "probe-remove-files": do_probe_remove_files, "probe-verify-baseline": do_probe_verify_baseline})
+                    "probe-remove-files": do_probe_remove_files, "probe-verify-baseline": do_probe_verify_baseline},
+                   gives={"probe-canary": ("canary_evidence",), "probe-requests": ("probe_result",)},
+                   needs={"probe-canary": ("started_instances?",), "probe-requests": ("canary_evidence?",),
+                          "probe-remove-files": ("build",)})
 
 
 def next_probe_id(journal) -> str:
@@ -146,9 +149,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         pid = next_probe_id(j)
         say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
         union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
-        ctx = RunContext(plan.probe_inv, state, op, say, pool, gateway,
-                         {"placement": union, "old_placement": plan.baseline, "probe_plan": plan,
-                          "target": union})
+        ctx = RunContext(plan.probe_inv, state, op, say, pool, gateway, placement=union, old_placement=plan.baseline)
         j.step(op, "plan", "ok", {"operation": "probe", "probe": pid, "bundle": plan.bundle.as_dict(),
                                   "mode": plan.mode, "pair": plan.ids, "steps": [s.name for s in plan.steps]})
         failure: PdopsError | None = None
@@ -166,7 +167,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
             failure = PdopsError("interrupted by the operator")
             say(f"probe {pid}: interrupted; the requests in flight are abandoned (never sent again); "
                 "taking the pair back now")
-        result = ctx.data.get("probe_result")
+        result = ctx.output("probe_result")
         all_ok = bool(result) and all(o["outcome"] == "ok" for o in result["outcomes"]) and not result["mixed_reasons"]
         keep = plan.keep and all_ok and failure is None
         after: dict = {}

@@ -198,7 +198,8 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     steps.append(Step("probe-requests", None, f"{requests} request(s) of {i_tok}/{o_tok} tokens straight to {p.id} x "
                       f"{d.id} ({conc} at once), each row in the ledger; then each rank's journal of the window: "
                       "outcomes and failure signatures", tmo + 120, kind="probe-requests",
-                      params={"pair": [p.id, d.id]}))
+                      params={"pair": (p, d), "workload": work, "requests": requests, "concurrency": conc,
+                              "timeout_s": tmo}))
     plan = ProbePlan(inv, probe_inv, state, rev, bundle, "spare" if spare else "instances", (p, d), cur_pl, work,
                      requests, conc, tmo, keep, variables, steps, files)
     return plan
@@ -214,10 +215,12 @@ def restore_steps(plan: ProbePlan) -> list[Step]:
         out += drain_steps(inv, x, None, wait_s=float(inv.drain_budget_s), interval_s=0, gateway=False,
                            prefix=f"probe-remove {x.id}: ", resume=False)
     out.append(Step("probe-remove-files", None, f"remove {', '.join(plan.ids)}'s units, launch scripts and env files "
-                    "(Ansible); daemon-reload", 300, kind="probe-remove-files"))
+                    "(Ansible); daemon-reload", 300, kind="probe-remove-files",
+                    params={"files": list(plan.files), "placement": plan.baseline, "ids": plan.ids}))
     out.append(Step("probe-verify-baseline", None, f"every unit of revision {plan.rev.number} active and its MainPID "
                     "the recorded one, started from the revision's files; the spare pair's units gone", 60,
-                    kind="probe-verify-baseline", verifies="the baseline runs as recorded"))
+                    kind="probe-verify-baseline", verifies="the baseline runs as recorded",
+                    params={"revision": plan.rev, "placement": plan.baseline, "pair": plan.pair}))
     return out
 
 

@@ -24,10 +24,12 @@ Rollback is the same change towards a recorded revision's placement (same ids, s
 slots), refused when its conditions no longer hold (inventory or rendered files changed).
 
 The package, by concern (each module imports only those listed before it):
-- ``model``: ScaleStep, ScalePlan and how it prints; comparing two revisions' files;
-- ``steps``: a plan compiled into the runner's steps (adds, waves, drains, the gateway first);
+- ``model``: ScaleStep, ScalePlan and how it prints, ChangeFacts (what its record and rescue
+  steps carry); comparing two revisions' files;
+- ``steps``: a plan compiled into the runner's steps (adds, waves, drains, the gateway first,
+  the rescue: R1 undo-added, R2 restore-service, R3 record-halt);
 - ``execute``: the executors of a change's own kinds, the walk under the lock, the record;
-- ``rescue``: a halted change's rescue steps and their executors;
+- ``rescue``: the executors of the rescue's kinds (imported here: they register them);
 - ``planner``: plan_change and the operations that are one (scale, apply, rollback,
   ``drain --host``, uncordon).
 """

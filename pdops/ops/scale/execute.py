@@ -20,7 +20,7 @@ from pdops.model.render import manifest, snapshot_of
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
-from pdops.ops.scale.model import ScalePlan, instance_files, union_placement
+from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
 
 
 def _admission_health_check(pool, host: str, *, paused: bool) -> None:
@@ -54,9 +54,8 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
             raise Unverified(f"gateway {GATEWAY_UNIT} is {st.active_state}/{st.sub_state} (MainPID {st.main_pid}, was "
                              f"{old_pid}) after the restart", evidence=pool.journal_tail(inv.gateway.host, GATEWAY_UNIT))
         deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
-        pl = ctx.data["placement"]
         for iid in step.params["instances"]:
-            gw.wait_worker_healthy(pl.get(iid).url, deadline)
+            gw.wait_worker_healthy(ctx.placement.get(iid).url, deadline)
     except BaseException:
         if adm_host:  # back whatever the restart did: HAProxy must see a gateway that is really down
             try:
@@ -81,24 +80,19 @@ def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
     """The own files of a wave's instances (their old processes are stopped by now)."""
     from pdops.ops.deploy import deliver
 
-    plan: ScalePlan = ctx.data["scale_plan"]
     ids = step.params["instances"]
-    own = set()
-    mf = manifest(plan.files)
-    for i in ids:
-        own |= set(instance_files(mf, i))
-    files = [f for f in plan.files if (f.host, f.path) in own]
-    sub = Placement(plan.target.topology, tuple(plan.target.get(i) for i in ids))
-    ev = deliver(ctx.inv, sub, files, ctx.data["build"], None, ctx.say)
+    ev = deliver(ctx.inv, step.params["placement"], step.params["files"], ctx.get(step, "build"), None, ctx.say)
     return Outcome(evidence=ev, verified=[f"the new files of {', '.join(ids)} in place (Ansible)"])
 
 
 def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
-    plan: ScalePlan = ctx.data["scale_plan"]
-    rev = record_change(plan, ctx.state, ctx.op, ctx.data.get("workers", {}), ctx.data.get("build"), ctx.data.get("main_pids"),
-                  ctx.data.get("running"))
+    plan: ChangeFacts = step.params["change"]
+    rev = record_change(plan, ctx.state, ctx.op, ctx.get(step, "workers", {}), ctx.get(step, "build"),
+                        ctx.get(step, "main_pids"), ctx.get(step, "running"), ctx.get(step, "lost_work", {}))
     ctx.state.set_current(rev.number)
-    ctx.data["verdict"] = {"revision": rev.number, "topology": str(plan.target.topology)}
+    ctx.verdict.update(revision=rev.number, topology=str(plan.target.topology))
+    if plan.repair:  # what the repaired instance's ended process lost (its lost-work step named it)
+        ctx.verdict["lost"] = (rev.extra.get("repair") or {}).get("lost") or []
     return Outcome(evidence={"revision": rev.number},
                    verified=[f"revision {rev.number} ({plan.target.topology}) recorded and current; kept "
                              f"{', '.join(i.id for i in plan.kept) or 'none'} untouched "
@@ -106,7 +100,9 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
 
 
 # kinds, registered by those modules (imported at the top of this one)
-register_executors({"record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart})
+register_executors({"record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart},
+                   needs={"deliver-wave": ("build",),
+                          "record-scale": ("workers?", "build?", "main_pids?", "running?", "lost_work?")})
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -126,23 +122,21 @@ def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, p
                gateway: GatewayClient) -> dict:
     """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv probe` between its
     own steps); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
-    ctx = RunContext(plan.inv, state, op, say, pool, gateway, {"placement": union_placement(plan), "scale_plan": plan,
-                                                               "old_placement": plan.current_placement,
-                                                               "replacing": {i.id for i in plan.replaced},
-                                                               "target": plan.target})
+    ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=union_placement(plan),
+                     old_placement=plan.current_placement, replacing=frozenset(i.id for i in plan.replaced))
     try:
         verdict = walk(plan.plan, ctx)
     except PdopsError as exc:
         if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
             exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
-        exc.message += "\n" + ctx.data.get("halt_verdict", "verdict: the rescue did not finish (see the journal: "
+        exc.message += "\n" + ctx.output("halt_verdict", "verdict: the rescue did not finish (see the journal: "
                                                             f"`inv history --op {op}`); read `inv status`")
         raise exc from None
     ctx.journal.step(op, "verdict", "ok", verdict)
     return verdict
 
 
-def instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None],
+def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | None],
                    main_pids: dict | None = None) -> dict:
     """Each instance's record: kept ones as recorded, added ones new; the MainPIDs of what this
     change started (pdops.reads.observe compares them with what systemd reports later)."""
@@ -161,8 +155,8 @@ def instances_doc(plan: ScalePlan, pl: Placement, workers: dict[str, str | None]
     return out
 
 
-def record_change(plan: ScalePlan, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
-            running: dict | None = None) -> Revision:
+def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
+                  running: dict | None = None, lost_work: dict | None = None) -> Revision:
     from pdops.ops.deploy import configs_of, gateway_pid_of
 
     cur, tgt = plan.current, plan.target
@@ -190,7 +184,9 @@ def record_change(plan: ScalePlan, state: StateDir, op: str, workers: dict, buil
     if plan.rollback_of:
         extra["rollback_of"] = plan.rollback_of
     if plan.repair:
-        extra["repair"] = {k: plan.repair.get(k) for k in ("instance", "state", "reasons", "lost", "failed")}
+        lost = (lost_work or {}).get(plan.repair["instance"], {})
+        extra["repair"] = {**{k: plan.repair.get(k) for k in ("instance", "state", "reasons")},
+                           "lost": lost.get("lost"), "failed": lost.get("failed")}
     if plan.base_snapshot is not None:  # a rollback: what runs is the target's rendering
         snap = {**plan.base_snapshot, "files": snapshot_of(plan.inv, plan.files)["files"]}
         inv_hash = plan.rollback_inventory_hash or plan.inv.digest

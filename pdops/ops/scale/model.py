@@ -265,6 +265,39 @@ def cordoned_hosts(rev: Revision) -> list[str]:
     return list((rev.extra or {}).get("cordoned", []))
 
 
+@dataclass(frozen=True)
+class ChangeFacts:
+    """What a change decided, as its record and rescue steps carry it (step.params["change"]): the
+    revision it starts from, the target, the files, what it adds, removes, replaces and keeps. No
+    steps and no observation: an executor reads these and the outputs it declares, never the plan."""
+
+    inv: Inventory
+    current: Revision
+    current_placement: Placement
+    target: Placement
+    files: tuple
+    added: tuple
+    removed: tuple
+    kept: tuple
+    replaced: tuple
+    why: dict
+    kept_files: int
+    dip: tuple
+    surge: tuple
+    cordoned: tuple
+    rollback_of: int | None
+    base_snapshot: dict | None
+    rollback_inventory_hash: str | None
+    repair: dict | None
+
+
+def change_facts(plan: ScalePlan) -> ChangeFacts:
+    return ChangeFacts(plan.inv, plan.current, plan.current_placement, plan.target, tuple(plan.files), tuple(plan.added),
+                       tuple(plan.removed), tuple(plan.kept), tuple(plan.replaced), dict(plan.why), plan.kept_files,
+                       tuple(plan.dip), tuple(plan.surge), tuple(plan.cordoned), plan.rollback_of, plan.base_snapshot,
+                       plan.rollback_inventory_hash, dict(plan.repair) if plan.repair else None)
+
+
 def union_placement(plan: ScalePlan) -> Placement:
     """Every instance a change names (kept, added and removed), for the executors' lookups; a replaced
     one as it will run (its running process: `old_placement`)."""

@@ -11,7 +11,7 @@ from pdops.model.render import manifest, render_files
 from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
 from pdops.model.topology import Topology
 
-from pdops.ops.scale.model import ROLES, ScalePlan, cordoned_hosts, instance_files, shared_files, union_placement
+from pdops.ops.scale.model import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
 from pdops.ops.scale.execute import instances_doc
 from pdops.ops.scale.steps import undo_steps
 
@@ -27,11 +27,10 @@ def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
     """R1: an added instance that is registered stays only if a drain or a replacement already
     happened (undoing it would drop capacity further); a replaced instance registered with its new
     files serves on. Everything else this change started is drained (if registered) or stopped."""
-    plan: ScalePlan = ctx.data["scale_plan"]
-    d = ctx.data
-    started = {i: inst for i, inst in d.get("started_instances", {}).items() if i in step.params["instances"]}
-    workers, posted, healthy = d.get("workers", {}), d.get("posted", set()), d.get("healthy", set())
-    changed = d.get("drained") or d.get("replaced_out")
+    plan: ChangeFacts = step.params["change"]
+    started = {i: inst for i, inst in ctx.get(step, "started_instances", {}).items() if i in step.params["instances"]}
+    workers, posted, healthy = ctx.get(step, "workers", {}), ctx.get(step, "posted", set()), ctx.get(step, "healthy", set())
+    changed = ctx.get(step, "drained") or ctx.get(step, "replaced_out")
     replaced_ids = {i.id for i in plan.replaced}
     kept, undone, left = [], [], []
     for iid, inst in reversed(list(started.items())):
@@ -45,7 +44,7 @@ def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
                           else f"{iid} (never registered; stopped, verified)")
         except PdopsError as e2:
             left.append(f"{iid}: undo failed: {e2.message}")
-    d["halt"] = {**d.get("halt", {}), "kept_added": kept, "undone": undone, "left": left}
+    ctx.give(step, "halt", {"kept_added": kept, "undone": undone, "left": left})
     if not started:
         return Outcome.noop("no start step ran")
     if left:
@@ -63,13 +62,12 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     from pdops.ops.deploy import canary_pairs, register
     from pdops.remote.hosts import http_json
 
-    d = ctx.data
-    stopped = set(d.get("drained", [])) | set(d.get("replaced_out", []))
-    cands = [i for i in step.params["instances"] if i in d.get("left_gateway", []) and i not in stopped]
-    halt = d.setdefault("halt", {})
+    stopped = set(ctx.get(step, "drained", [])) | set(ctx.get(step, "replaced_out", []))
+    cands = [i for i in step.params["instances"] if i in ctx.get(step, "left_gateway", []) and i not in stopped]
+    halt: dict = {}
     if not cands:
         return Outcome.noop("no instance left the gateway without being stopped")
-    old: Placement = d["old_placement"]
+    old: Placement = ctx.old_placement
     running, down = [], []
     for iid in cands:
         inst = old.get(iid)
@@ -81,7 +79,7 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
         (running if all(st.is_active for st in states) and health == 200 else down).append(inst)
     halt["down"] = [i.id for i in down]
     deadline = ctx.deadline(step)
-    by_url = {i.url.rstrip("/"): i for i in union_placement(d["scale_plan"]).instances + old.instances}
+    by_url = {i.url.rstrip("/"): i for i in ctx.placement.instances + old.instances}
     serving_now = [by_url[w.url.rstrip("/")] for w in ctx.gateway.list_workers()
                    if w.routable and w.url.rstrip("/") in by_url]
     restored: dict[str, str] = {}
@@ -108,9 +106,10 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
             failed.append(f"{x.id}: not registered again: {exc.message}")
     if restored:
         membership.update(ctx.pool, ctx.inv, add=[old.get(i) for i in restored])
-        d.setdefault("workers", {}).update(restored)
+        ctx.give(step, "workers", dict(restored))
     halt["restored"] = sorted(restored)
     halt["not_restored"] = failed
+    ctx.give(step, "halt", halt)
     ev = {"restored": restored, "not_restored": failed}
     if failed and not restored:
         exc = Unverified("no instance taken out of the gateway could be put back", evidence="\n".join(failed))
@@ -124,22 +123,22 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
 def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     """R3: what runs after the rescue, recorded (a `partial` revision when something was stopped or
     replaced), and the failure verdict journalled."""
-    plan: ScalePlan = ctx.data["scale_plan"]
+    plan: ChangeFacts = step.params["change"]
     exc = ctx.failure
     err = exc if isinstance(exc, PdopsError) else PdopsError(f"{type(exc).__name__}: {exc}")
-    d = ctx.data
-    halt = d.setdefault("halt", {})
+    halt = dict(ctx.get(step, "halt", {}))
+    workers, main_pids = dict(ctx.get(step, "workers", {})), ctx.get(step, "main_pids", {})
     removed_ids = {i.id for i in plan.removed} | {i.id for i in plan.replaced}
-    drained = [i for i in d.get("drained", []) if i in removed_ids]
-    replaced_out = list(d.get("replaced_out", []))
+    drained = [i for i in ctx.get(step, "drained", []) if i in removed_ids]
+    replaced_out = list(ctx.get(step, "replaced_out", []))
     down = list(halt.get("down", []))
     restored = list(halt.get("restored", []))
-    out_of_gateway = [i for i in d.get("left_gateway", []) if i not in drained and i not in replaced_out
+    out_of_gateway = [i for i in ctx.get(step, "left_gateway", []) if i not in drained and i not in replaced_out
                       and i not in down and i not in restored]
     if replaced_out:
-        verdict, rev = _halt_rolling(plan, ctx, err, drained + down, replaced_out)
+        verdict, rev = _halt_rolling(plan, ctx, err, drained + down, replaced_out, halt, workers, main_pids)
     elif drained or down:
-        verdict, rev = _halt_partial(plan, ctx, err, drained + down)
+        verdict, rev = _halt_partial(plan, ctx, err, drained + down, halt, workers)
     else:
         live = [i.id for i in plan.current_placement.instances]
         verdict, rev = (f"verdict: the change stopped; current revision unchanged: {plan.current.number} "
@@ -154,7 +153,7 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
                     "(`inv deploy` puts them back)")
     if halt.get("left"):
         verdict += "; NOT undone: " + "; ".join(halt["left"])
-    d["halt_verdict"] = verdict
+    ctx.give(step, "halt_verdict", verdict)
     ctx.journal.step(ctx.op, "verdict", "failed", {
         "error": err.render(), "current": rev.number if rev else plan.current.number, "partial": rev is not None,
         "live": sorted(rev.instances) if rev else [i.id for i in plan.current_placement.instances],
@@ -167,9 +166,8 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"revision {rev.number} (partial) recorded and current"])
 
 
-def _halt_partial(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: list[str]):
+def _halt_partial(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: list[str], halt: dict, workers: dict):
     """Something was drained (or is down): the old revision no longer describes the hosts."""
-    halt = ctx.data["halt"]
     kept_added = set(halt.get("kept_added", []))
     cur = plan.current
     live_insts = [i for i in plan.current_placement.instances if i.id not in drained]
@@ -180,7 +178,7 @@ def _halt_partial(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: li
                    tuple(live_insts))
     all_mf = manifest(render_files(plan.inv, pl))
     rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
-                                   manifest=all_mf, instances=instances_doc(plan, pl, dict(ctx.data.get("workers", {}))),
+                                   manifest=all_mf, instances=instances_doc(plan, pl, workers),
                                    outcome="partial", op_id=ctx.op,
                                    extra={"scale_failed": exc.message, "from_revision": cur.number,
                                           "target": str(plan.target.topology), "drained": drained,
@@ -191,14 +189,14 @@ def _halt_partial(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: li
             f"`inv rollback` returns to revision {cur.number}"), rev
 
 
-def _halt_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: list[str], replaced_out: list[str]):
+def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: list[str], replaced_out: list[str],
+                  halt: dict, workers: dict, main_pids: dict):
     """The rollout halted after replacing (or taking out) some instances: record what is live as a
     `partial` revision whose every instance is described by the files its process runs: the ones not
     yet replaced by revision `current` (their files were never touched), the replaced ones by the new
     files. `inv rollback` returns to revision `current`."""
     from pdops.model.render import config_ids
 
-    halt = ctx.data["halt"]
     kept_added = set(halt.get("kept_added", []))
     cur = plan.current
     cur_pl = plan.current_placement
@@ -229,7 +227,7 @@ def _halt_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: li
     rev = ctx.state.write_revision(
         topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
         manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
-        instances=instances_doc(plan, pl, dict(ctx.data.get("workers", {})), ctx.data.get("main_pids", {})),
+        instances=instances_doc(plan, pl, workers, main_pids),
         outcome="partial", op_id=ctx.op,
         extra={"scale_failed": exc.message, "from_revision": cur.number, "target": str(plan.target.topology),
                "drained": drained, "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
@@ -246,4 +244,10 @@ def _halt_rolling(plan: ScalePlan, ctx: RunContext, exc: PdopsError, drained: li
             f"returns to revision {cur.number}"), rev
 
 
-register_executors({"undo-added": do_undo_added, "restore-service": do_restore_service, "record-halt": do_record_halt})
+_STOPPED = ("drained?", "replaced_out?", "left_gateway?")
+register_executors(
+    {"undo-added": do_undo_added, "restore-service": do_restore_service, "record-halt": do_record_halt},
+    gives={"undo-added": ("halt",), "restore-service": ("workers", "halt"), "record-halt": ("halt_verdict",)},
+    needs={"undo-added": ("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?"),
+           "restore-service": _STOPPED,
+           "record-halt": _STOPPED + ("halt?", "workers?", "main_pids?")})

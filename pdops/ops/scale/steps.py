@@ -11,7 +11,7 @@ from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
 from pdops.model.topology import Topology
 
-from pdops.ops.scale.model import ScalePlan
+from pdops.ops.scale.model import ScalePlan, change_facts, instance_files
 
 
 def runner_steps(plan: ScalePlan) -> list[Step]:
@@ -27,9 +27,10 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         # only the cordons change: what runs is checked, then the revision records them
         from pdops.ops.deploy import verify_running_step
 
-        return first + [verify_running_step(tgt, inv),
+        return first + [verify_running_step(tgt, inv, plan.files),
                         Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
-                             f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale")]
+                             f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale",
+                             params={"change": change_facts(plan)})]
     # instances that take GPUs a removed one holds are checked after that one is drained (its ports
     # and GPUs are busy now, by design): preflight checks the others
     later = {s.instance.id for s in plan.steps if s.kind == "add" and s.why and not s.why.startswith("surge")}
@@ -104,9 +105,9 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if rep and plan.current_placement.get(rep["instance"]).role == "decode":
         # the halves the ended decode process left on the prefills wait for a side that is gone
         out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
-    out.append(verify_running_step(tgt, inv))
+    out.append(verify_running_step(tgt, inv, plan.files))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
-                    kind="record-scale"))
+                    kind="record-scale", params={"change": change_facts(plan)}))
     return out
 
 
@@ -133,6 +134,18 @@ def gateway_start_steps(plan: ScalePlan) -> list[Step]:
                                                 if serving else ""),
                  60 + 15 * len(serving), kind="gateway",
                  params={"restart": seen.gateway_active, "clear_list": False, "wait_for": serving, "unlist": unlist})]
+
+
+def wave_files(plan: ScalePlan, ids: list[str]) -> dict:
+    """The own files of a wave's instances and their placement (what its deliver-wave step delivers)."""
+    from pdops.model.render import manifest
+
+    mf = manifest(plan.files)
+    own = set()
+    for i in ids:
+        own |= set(instance_files(mf, i))
+    return {"files": [f for f in plan.files if (f.host, f.path) in own],
+            "placement": Placement(plan.target.topology, tuple(plan.target.get(i) for i in ids))}
 
 
 def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[Step]:
@@ -166,7 +179,8 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
             out.append(st)
     live -= set(ids)
     out.append(Step(f"deliver {tag}", None, f"the new files of {', '.join(ids)} (units, launch scripts, 0600 env "
-                    "files) with Ansible; daemon-reload; enable", kind="deliver-wave", params={"instances": ids}))
+                    "files) with Ansible; daemon-reload; enable", kind="deliver-wave",
+                    params={"instances": ids, **wave_files(plan, ids)}))
     out += start_steps(inv, wave, restart=False, group=f"start {tag}" if len(wave) > 1 else None)
     pairs = []
     for p in plan.target.role("prefill"):
@@ -207,7 +221,7 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
                         "serves in place of one already drained or replaced (its `register` step passed), otherwise "
                         "drained if its `register` step ran (leave the gateway, wait empty, verified stop), else the "
                         "verified stop alone", budget * len(started), kind="undo-added",
-                        params={"instances": started}))
+                        params={"instances": started, "change": change_facts(plan)}))
     taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
     if taken_out:
         out.append(Step("restore-service", inv.gateway.host, f"each of {', '.join(taken_out)} whose `leave-gateway` "
@@ -219,5 +233,5 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
                     "that describes what runs (replaced instances by their new files, the others by revision "
                     f"{plan.current.number}'s), and move `current` to it; otherwise "
                     f"revision {plan.current.number} stays current. The verdict names what was replaced, restored, "
-                    "undone and left out of service", 60, kind="record-halt"))
+                    "undone and left out of service", 60, kind="record-halt", params={"change": change_facts(plan)}))
     return out
