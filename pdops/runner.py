@@ -57,6 +57,10 @@ class Step:
     # time (:meth:`RunContext.get`, :meth:`RunContext.give`).
     extra_gives: tuple[str, ...] = ()
     extra_needs: tuple[str, ...] = ()
+    # (output name, True/False): the step runs only if that output, given by an earlier step, is
+    # truthy (True) or not (False; also when no step gave it); otherwise it is journalled as a no-op
+    # naming the condition. Printed with the step ("only if probe_keep").
+    when: tuple[str, bool] | None = None
 
     @property
     def gives(self) -> tuple[str, ...]:
@@ -84,7 +88,8 @@ class Step:
         where = f"[{self.host}] " if self.host else ""
         budget = f" (within {self.deadline:g}s)" if self.deadline else ""
         par = " (in parallel with the rest of its group)" if self.group else ""
-        return f"{self.name} — {where}{self.description}{budget}{par}"
+        cond = "" if self.when is None else f" (only if {'' if self.when[1] else 'not '}{self.when[0]})"
+        return f"{self.name} — {where}{self.description}{budget}{par}{cond}"
 
 
 @dataclass
@@ -123,6 +128,9 @@ class Plan:
     # interrupt (Ctrl-C stops at once). The cluster lock is not a step: the caller's `with` holds
     # it around the walk and the verdict, because the shared record journals through its session.
     always: list[Step] = field(default_factory=list)
+    # run the `always` steps after an interrupt too (a probe's way back: a candidate is never left
+    # behind); other plans stop at once on Ctrl-C
+    always_on_interrupt: bool = False
 
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
@@ -152,6 +160,10 @@ class Plan:
                 if name not in OUTPUTS:
                     errors.append(f"step {num} ({s.name}) gives {name!r}, which is no declared output")
             before = given | (main if num[0] in "RA" else set())
+            if s.when is not None and s.when[0] not in OUTPUTS:
+                errors.append(f"step {num} ({s.name}) runs only if {s.when[0]!r}, which is no declared output")
+            if s.kind == "walk-plan":
+                s.params["plan"].check()
             for need in s.needs:
                 name = need.rstrip("?")
                 if name not in OUTPUTS:
@@ -167,8 +179,13 @@ class Plan:
         lines = [self.title]
         made = self.producers()
 
-        def uses(s: Step) -> list[str]:
-            have = [f"{n.rstrip('?')} (step {', '.join(made[n.rstrip('?')])})" for n in s.needs if made.get(n.rstrip("?"))]
+        order = [num for num, _ in self._numbered()]
+
+        def uses(num: str, s: Step) -> list[str]:
+            # what the step requires from earlier steps (a need ending in "?" is "if any": not printed)
+            before = set(order[:order.index(num)])
+            have = [f"{n} (step {', '.join(m for m in made.get(n, []) if m in before)})" for n in s.needs
+                    if not n.endswith("?") and any(m in before for m in made.get(n, []))]
             return [f"        uses: {'; '.join(have)}"] if have else []
 
         for num, s in self._numbered():
@@ -177,7 +194,9 @@ class Plan:
             if num == "A1":
                 lines.append("  whatever the outcome, last (always):")
             lines.append(f"  {num:>2}. {s.line()}" if num[0] not in "RA" else f"  {num}. {s.line()}")
-            lines += uses(s)
+            lines += uses(num, s)
+            if s.kind == "walk-plan":  # the plan it walks, step by step
+                lines += ["      " + ln for ln in s.params["plan"].render().splitlines()[1:]]
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -219,6 +238,8 @@ OUTPUTS: dict[str, str] = {
     "admission_keys": "the key rotation: {main_pid, added, revoked}",
     "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
     "probe_result": "a probe's measured outcome per request",
+    "probe_keep": "whether a probe keeps its bundle (--keep and every request ok)",
+    "plan_verdicts": "walk-plan step id -> the verdict of the plan it walked (e.g. the revision recorded)",
 }
 
 
@@ -243,6 +264,7 @@ class RunContext:
     failure: Exception | None = None  # the step failure a plan's rescue steps answer (set by `walk`)
     verdict: dict = field(default_factory=dict)  # what the record step adds to the verdict (the revision)
     timing: list = field(default_factory=list)  # the runner's own time per batch (bench/runner_overhead.py)
+    after_failed: list[str] = field(default_factory=list)  # rescue/always steps that failed: "<id>: <error>"
     _outputs: dict = field(default_factory=dict, repr=False)
     _deadlines: dict = field(default_factory=dict, repr=False)
     _took: dict = field(default_factory=dict, repr=False)
@@ -327,6 +349,12 @@ def _run_step(ctx: RunContext, step: Step) -> Outcome:
     fn = EXECUTORS.get(step.kind)
     if fn is None:
         raise PdopsError(f"no executor for step kind {step.kind!r} ({step.name})")
+    if step.when is not None:
+        name, want = step.when
+        have = bool(ctx.output(name))
+        if have != want:
+            return Outcome.noop(f"not run: only if {'' if want else 'not '}{name} ({OUTPUTS.get(name, name)}), "
+                                f"and it is {'' if have else 'not '}so")
     t0 = time.monotonic()
     if step.deadline:
         ctx._deadlines[step.name] = t0 + step.deadline
@@ -351,11 +379,19 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
         raise PdopsError(f"no executor for step kind(s) {', '.join(map(repr, unknown))} of the {plan.operation} "
                          "plan: nothing was run", fix="a pdops bug to report")
     plan.check()
+    walked = {s.name: s.params["plan"].step_ids() + [r.name for r in s.params["plan"].rescue + s.params["plan"].always]
+              for s in plan.steps + plan.rescue + plan.always if s.kind == "walk-plan"}
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {}),
-                                            **({"always": [s.name for s in plan.always]} if plan.always else {})})
+                                            **({"always": [s.name for s in plan.always]} if plan.always else {}),
+                                            **({"walks": walked} if walked else {})})
     try:
         verdict = run_steps(plan.steps, ctx)
+    except KeyboardInterrupt:
+        if plan.always_on_interrupt and plan.always:
+            ctx.say("interrupted: running the plan's `always` steps before stopping")
+            run_rescue(plan.always, ctx, label="always")
+        raise
     except Exception as exc:
         if plan.rescue:
             ctx.failure = exc
@@ -388,6 +424,7 @@ def run_rescue(steps: list[Step], ctx: RunContext, *, label: str = "rescue") -> 
                              {**target, "error": err, **(getattr(exc, "journal_evidence", None) or {})})
             ctx.say(f"  {step.name} failed: {err.splitlines()[0]}")
             out["unverified"].append(f"{step.name} failed: {err.splitlines()[0]}")
+            ctx.after_failed.append(f"{step.name}: {err}")
             continue
         ctx.journal.step(ctx.op, step.name, r.status, {**target, **r.evidence})
         out["verified"] += r.verified
@@ -444,6 +481,37 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
                                 + first.message
             raise first
     return {"verified": verified, "unverified": unverified, "noops": noops, **ctx.verdict}
+
+
+def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
+    """A step that walks a whole plan declared in its params (printed under it by the dry run and
+    listed in the journal's `plan` record): its steps, its rescue on a failure, its always steps,
+    in a context of its own (`inv`, `placement`, `old_placement`, `replacing` from the params;
+    outputs of its own), under the lock and journal of the operation. A failure is raised with
+    the rescue's verdict line (`halt_verdict`) added. Gives its verdict in `plan_verdicts`."""
+    sub: Plan = step.params["plan"]
+    child = RunContext(step.params.get("inv", ctx.inv), ctx.state, ctx.op, ctx.say, ctx.pool, ctx.gateway,
+                       placement=step.params.get("placement", ctx.placement),
+                       old_placement=step.params.get("old_placement", ctx.old_placement),
+                       replacing=frozenset(step.params.get("replacing", ())))
+    try:
+        got = run_steps(sub.steps, child)
+    except Exception as exc:
+        if sub.rescue:
+            child.failure = exc
+            run_rescue(sub.rescue, child)
+        run_rescue(sub.always, child, label="always")
+        note = child.output("halt_verdict")
+        if note and isinstance(exc, PdopsError):
+            exc.message += "\n" + note
+        raise
+    last = run_rescue(sub.always, child, label="always")
+    ctx.give(step, "plan_verdicts", {step.name: dict(child.verdict)})
+    return Outcome(evidence={"walked": sub.operation, "steps": len(sub.steps), **child.verdict},
+                   verified=got["verified"] + last["verified"], unverified=got["unverified"] + last["unverified"])
+
+
+register_executors({"walk-plan": do_walk_plan}, gives={"walk-plan": ("plan_verdicts",)})
 
 
 def run_parallel(items: Iterable[T], fn: Callable[[T], R], max_workers: int | None = None) -> dict[T, R | Exception]:

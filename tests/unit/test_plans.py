@@ -165,7 +165,7 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
         bundle.write_text(yaml.safe_dump({"name": "case", "flags": req["flags"]}))
         pp = pr.plan_probe(inv, state, pr.load_bundle(bundle), spare=req.get("spare", False),
                            instances=req.get("instances"))
-        return Plan("probe", "probe", pp.steps)
+        return pp.plan
     if req["op"] == "admission-keys":
         from pdops.ops import admission_keys as admission_ops
 

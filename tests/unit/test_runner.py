@@ -296,3 +296,43 @@ def test_a_step_reads_only_what_an_earlier_step_declared_it_gives_and_the_plan_i
         walk(Plan("demo", "t", [Step("s", None, "", kind="sneaky")]), _ctx(tmp_path))
     with pytest.raises(RuntimeError, match="unknown output"):
         register_executors({"odd": render}, gives={"odd": ("no_such_output",)})
+
+
+def test_a_walk_plan_step_walks_its_declared_plan_only_when_its_condition_holds(tmp_path, registry):
+    """A conditional step runs only if the output it names is as printed; a walk-plan step walks the
+    plan in its params (printed under it), its rescue on a failure, in outputs of its own."""
+    import pdops.runner as runner
+    from pdops.runner import register_executors
+
+    registry["walk-plan"] = runner.do_walk_plan
+    runner.KIND_IO["walk-plan"] = (("plan_verdicts",), ())
+    ran = []
+
+    def decide(c, s):
+        c.give(s, "probe_keep", s.params["keep"])
+        return Outcome()
+
+    register_executors({"decide": decide, "note": lambda c, s: ran.append(s.name) or Outcome(),
+                        "boom": lambda c, s: (_ for _ in ()).throw(Unverified("sub step broke"))},
+                       gives={"decide": ("probe_keep",)})
+    inner = Plan("inner", "inner", [Step("inner: one", None, "first", kind="note")],
+                 rescue=[Step("inner: undo", None, "undo", kind="note")])
+    keep = Step("keep", None, "the keep change", kind="walk-plan", when=("probe_keep", True), params={"plan": inner})
+    restore = Step("restore", None, "the restore change", kind="walk-plan", when=("probe_keep", False),
+                   params={"plan": Plan("back", "back", [Step("back: one", None, "", kind="note")])})
+    plan = Plan("demo", "t", [Step("decide", None, "", kind="decide", params={"keep": True})], always=[restore, keep])
+    text = plan.render()
+    assert "restore — the restore change (only if not probe_keep)" in text and "keep — the keep change (only if probe_keep)" in text
+    assert "     1. inner: one — first" in text and "R1. inner: undo — undo" in text  # the walked plan, printed under it
+    ctx = _ctx(tmp_path)
+    walk(plan, ctx)
+    assert ran == ["inner: one"]  # restore was not run, keep was; no rescue
+    recs = {r["step"]: r for r in ctx.journal.read("op-1")}
+    assert recs["restore"]["status"] == "noop" and "only if not probe_keep" in recs["restore"]["evidence"]["reason"]
+    assert recs["plan"]["evidence"]["walks"] == {"restore": ["back: one"], "keep": ["inner: one", "inner: undo"]}
+    # a failing walked plan runs its own rescue; as an `always` step its failure is listed, not hidden
+    inner.steps = [Step("inner: boom", None, "", kind="boom")]
+    ctx = _ctx(tmp_path)
+    v = walk(plan, ctx)
+    assert ran[-1] == "inner: undo" and any("sub step broke" in u for u in v["unverified"])
+    assert ctx.after_failed and ctx.after_failed[0].startswith("keep: ")

@@ -9,10 +9,10 @@ import pdops.ops.scale  # noqa: F401
 from pdops.ops.deploy import do_canary
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement
-from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
+from pdops.runner import Outcome, RunContext, Step, register_executors, walk
 from pdops.record.local import new_op_id, now_iso
 
-from pdops.ops.probe.plan import ProbePlan, change_after, restore_steps
+from pdops.ops.probe.plan import ProbePlan
 from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures
 
 
@@ -60,6 +60,8 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
            "mixed_reasons": mixed_reasons(outcomes, restarts, canary_retried, sigs), "window": [t0, time.time()],
            "journal_unread": read_errors}
     ctx.give(step, "probe_result", doc)
+    all_ok = bool(outcomes) and all(o == "ok" for o in outcomes) and not doc["mixed_reasons"]
+    ctx.give(step, "probe_keep", bool(step.params.get("keep")) and all_ok)
     ctx.say(f"  probe result: {doc['result']}" + (f"; mixed: {'; '.join(doc['mixed_reasons'])}"
                                                   if doc["mixed_reasons"] else ""))
     verified = [f"{len(rows)} request(s) answered or ended, each in the ledger: {doc['result']}",
@@ -74,7 +76,7 @@ def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
     remove: dict[str, list[str]] = {}
     for f in step.params["files"]:
         remove.setdefault(f.host, []).append(f.path)
-    ev = deliver(ctx.inv, step.params["placement"], [], ctx.get(step, "build"), remove, ctx.say)
+    ev = deliver(ctx.inv, step.params["placement"], [], None, remove, ctx.say)  # removal only: no build read
     return Outcome(evidence=ev, verified=[f"{', '.join(step.params['ids'])}'s files removed "
                                           f"({sum(map(len, remove.values()))})"])
 
@@ -124,9 +126,8 @@ def do_probe_canary(ctx: RunContext, step: Step) -> Outcome:
 # the kinds made here; a probe also walks deploy's, drain's and a change's kinds (scale, imported above)
 register_executors({"probe-canary": do_probe_canary, "probe-requests": do_probe_requests,
                     "probe-remove-files": do_probe_remove_files, "probe-verify-baseline": do_probe_verify_baseline},
-                   gives={"probe-canary": ("canary_evidence",), "probe-requests": ("probe_result",)},
-                   needs={"probe-canary": ("started_instances?",), "probe-requests": ("canary_evidence?",),
-                          "probe-remove-files": ("build",)})
+                   gives={"probe-canary": ("canary_evidence",), "probe-requests": ("probe_result", "probe_keep")},
+                   needs={"probe-canary": ("started_instances?",), "probe-requests": ("canary_evidence?",)})
 
 
 def next_probe_id(journal) -> str:
@@ -135,9 +136,9 @@ def next_probe_id(journal) -> str:
 
 
 def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
-    """Carry out a probe under the cluster lock; the probe-result record (also in the journal).
-    The way back always runs, whether the probe's own steps passed or not."""
-    from pdops.ops import scale as sc
+    """Walk a probe's one plan under the cluster lock: its steps, then its way back (the plan's
+    `always` steps: they run whether the probe's own steps passed or not, and after Ctrl-C). The
+    probe-result record (also in the journal) says what was measured and where the pair is now."""
     from pdops.record.local import default_operator
 
     state = plan.state
@@ -150,48 +151,38 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
         union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
         ctx = RunContext(plan.probe_inv, state, op, say, pool, gateway, placement=union, old_placement=plan.baseline)
-        j.step(op, "plan", "ok", {"operation": "probe", "probe": pid, "bundle": plan.bundle.as_dict(),
-                                  "mode": plan.mode, "pair": plan.ids, "steps": [s.name for s in plan.steps]})
+        walked = plan.plan
+        walked.head["probe"] = pid
         failure: PdopsError | None = None
         interrupted = False
         proven: dict = {"verified": [], "unverified": []}
         try:
-            v0 = run_steps(plan.steps, ctx)
-            proven["verified"] += v0["verified"]
-            proven["unverified"] += v0["unverified"]
+            v = walk(walked, ctx)
+            proven["verified"] += v["verified"]
+            proven["unverified"] += v["unverified"]
         except PdopsError as exc:
             failure = exc
             say(f"probe {pid}: stopped at a step: {exc.message}")
-        except KeyboardInterrupt:  # the way back still runs: a candidate is never left behind
+        except KeyboardInterrupt:  # the way back ran (always_on_interrupt): a candidate is never left behind
             interrupted = True
             failure = PdopsError("interrupted by the operator")
-            say(f"probe {pid}: interrupted; the requests in flight are abandoned (never sent again); "
-                "taking the pair back now")
+            say(f"probe {pid}: interrupted; the requests in flight were abandoned (never sent again)")
         result = ctx.output("probe_result")
-        all_ok = bool(result) and all(o["outcome"] == "ok" for o in result["outcomes"]) and not result["mixed_reasons"]
-        keep = plan.keep and all_ok and failure is None
-        after: dict = {}
-        back_error: PdopsError | None = None
-        try:
-            if plan.mode == "spare":
-                ctx.inv = plan.inv
-                v1 = run_steps(restore_steps(plan), ctx)
-                proven["verified"] += v1["verified"]
-                proven["unverified"] += v1["unverified"]
-                after = {"restored": True, "how": "spare pair stopped and removed; the revision verified untouched"}
-            else:
-                if plan.keep and not keep:
-                    say(f"probe {pid}: --keep not applied: not every request was ok (or the window was mixed); "
-                        "restoring the baseline")
-                ch = change_after(plan, keep)
-                v = sc.walk_scale(ch, state, op, say, pool=pool, gateway=gateway)
-                proven["verified"] += v.get("verified", [])
-                proven["unverified"] += v.get("unverified", [])
-                after = {"restored": not keep, "kept": keep, "revision": v.get("revision"),
-                         "how": "kept as a new revision" if keep else "the revision's files, as a new revision"}
-        except PdopsError as exc:
-            back_error = exc
-            after = {"restored": False, "error": exc.message}
+        kept = bool(ctx.output("probe_keep"))
+        back_failed = [f for f in ctx.after_failed if f.split(":", 1)[0] in {s.name for s in plan.always}]
+        back_error = PdopsError("; ".join(back_failed)) if back_failed else None
+        verdicts = ctx.output("plan_verdicts", {})
+        if back_error is not None:
+            after = {"restored": False, "error": back_error.message}
+        elif plan.mode == "spare":
+            after = {"restored": True, "how": "spare pair stopped and removed; the revision verified untouched"}
+        else:
+            if plan.keep and not kept:
+                say(f"probe {pid}: --keep not applied: not every request was ok (or the window was mixed); "
+                    "the baseline was restored")
+            way = "keep" if kept else "restore"
+            after = {"restored": not kept, "kept": kept, "revision": (verdicts.get(way) or {}).get("revision"),
+                     "how": "kept as a new revision" if kept else "the revision's files, as a new revision"}
         doc = {"probe": pid, "op": op, "when": now_iso(), "operator": default_operator(),
                "revision": plan.rev.number, "bundle": plan.bundle.as_dict(), "mode": plan.mode, "pair": plan.ids,
                "workload": {"input_tokens": plan.workload[0], "output_tokens": plan.workload[1]},

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pdops.errors import InvalidInput, PdopsError, Refused
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
-from pdops.runner import Step
+from pdops.runner import Plan, Step
 
 from pdops.ops.probe.bundle import Bundle, DEFAULT_TIMEOUT_S, changed_variables, parse_workload
 
@@ -34,6 +34,17 @@ class ProbePlan:
     variables: list[dict]
     steps: list[Step] = field(default_factory=list)
     files: list = field(default_factory=list)  # the probed instances' files, rendered with the bundle
+    # the way back, whatever the probe did (and after an interrupt): a spare pair's removal; or the
+    # change that restores the pair's files (and, with --keep, the one that keeps the bundle),
+    # each a `walk-plan` step run only if `probe_keep` says so
+    always: list[Step] = field(default_factory=list)
+
+    @property
+    def plan(self) -> Plan:
+        p, d = self.pair
+        return Plan("probe", f"plan: probe bundle {self.bundle.name!r} on {p.id} x {d.id} ({self.mode})", self.steps,
+                    head={"bundle": self.bundle.as_dict(), "mode": self.mode, "pair": self.ids},
+                    always=self.always, always_on_interrupt=True)
 
     @property
     def ids(self) -> list[str]:
@@ -63,17 +74,8 @@ class ProbePlan:
                          + ("they restart on the bundle, recorded as a new revision (--keep, only if every "
                             "request is ok)" if self.keep else "the revision's own files, recorded as a new "
                             "revision (same files, new processes)"))
-        lines.append("  steps:")
-        lines += [f"    {k:2d}. {s.line()}" for k, s in enumerate(self.steps, 1)]
-        if self.mode == "spare":
-            lines.append("  then, whatever the probe did:")
-            back = restore_steps(self)
-            lines += [f"    {k:2d}. {s.line()}" for k, s in enumerate(back, len(self.steps) + 1)]
-        else:
-            lines.append("  then, whatever the probe did, the change planner replaces "
-                         f"{' and '.join(self.ids)}: drain (empty), verified stop, "
-                         + ("the bundle's files if every request was ok, else " if self.keep else "")
-                         + "the revision's files, start, canary with every pair, register, record a revision")
+        lines.append("  steps, then the way back (always: whatever the probe did, and after Ctrl-C):")
+        lines += ["  " + ln for ln in self.plan.render().splitlines()[1:]]
         lines.append("  nothing is ever called best: the outcome is a candidate's, for this workload, this window")
         return "\n".join(lines)
 
@@ -197,12 +199,39 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     i_tok, o_tok = work
     steps.append(Step("probe-requests", None, f"{requests} request(s) of {i_tok}/{o_tok} tokens straight to {p.id} x "
                       f"{d.id} ({conc} at once), each row in the ledger; then each rank's journal of the window: "
-                      "outcomes and failure signatures", tmo + 120, kind="probe-requests",
+                      "outcomes and failure signatures" + ("; probe_keep: every request ok and none mixed (--keep)"
+                                                           if keep else ""), tmo + 120, kind="probe-requests",
                       params={"pair": (p, d), "workload": work, "requests": requests, "concurrency": conc,
-                              "timeout_s": tmo}))
+                              "timeout_s": tmo, "keep": keep}))
     plan = ProbePlan(inv, probe_inv, state, rev, bundle, "spare" if spare else "instances", (p, d), cur_pl, work,
                      requests, conc, tmo, keep, variables, steps, files)
+    plan.always = way_back_steps(plan)
     return plan
+
+
+def way_back_steps(plan: ProbePlan) -> list[Step]:
+    """The probe's way back as `walk-plan` steps (pure): each walks a plan made now from the record,
+    which the probe does not change before it."""
+    if plan.mode == "spare":
+        back = Plan("probe-remove", "remove the spare pair", restore_steps(plan))
+        return [Step("probe-remove", None, f"take the spare pair {' and '.join(plan.ids)} away and verify the "
+                     "revision untouched (the steps below)", None, kind="walk-plan",
+                     params={"plan": back, "inv": plan.inv})]
+    from pdops.ops.scale import union_placement
+
+    def walk_change(name: str, keep: bool, what: str) -> Step:
+        ch = change_after(plan, keep)
+        return Step(name, None, what, None, kind="walk-plan", when=("probe_keep", keep),
+                    params={"plan": ch.plan, "inv": plan.probe_inv if keep else plan.inv,
+                            "placement": union_placement(ch), "old_placement": ch.current_placement,
+                            "replacing": [i.id for i in ch.replaced]})
+
+    out = [walk_change("restore", False, f"{' and '.join(plan.ids)} back on revision {plan.rev.number}'s files: the "
+                       "change below (drain, verified stop, start, canary, register, a new revision)")]
+    if plan.keep:
+        out.append(walk_change("keep", True, f"{' and '.join(plan.ids)} kept on the bundle: the change below, "
+                               "recorded as a new revision"))
+    return out
 
 
 def restore_steps(plan: ProbePlan) -> list[Step]:
