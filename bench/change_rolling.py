@@ -22,6 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdops.record import open_record
 from pdops.ops import deploy as dep# noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.ops import scale as sc# noqa: E402
@@ -69,7 +70,7 @@ def deployed(hosts: int, name: str, topo: str):
     """A fresh lab cluster of `hosts` hosts with `topo` deployed: (its dir, inventory, record)."""
     where = cluster(hosts, name)
     inv = load_inventory(where)
-    state = dep.state_for(inv)
+    state = open_record(inv)
     with connections(inv) as conns:
         dep.execute_deploy(dep.plan_deploy(inv, parse_topology(topo), state), **QUIET, **conns)
     state.refresh()

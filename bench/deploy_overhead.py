@@ -18,6 +18,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdops.record import open_record
 from pdops.ops import deploy as dep# noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.remote.hosts import connections  # noqa: E402
@@ -42,7 +43,7 @@ def lab_inventory(where: Path):
 def deploy_once(n: int, work: Path) -> float:
     lab_api.up(n)
     inv = lab_inventory(work / f"n{n}")
-    plan = dep.plan_deploy(inv, Topology(n - 1, 1), dep.state_for(inv))
+    plan = dep.plan_deploy(inv, Topology(n - 1, 1), open_record(inv))
     t0 = time.perf_counter()
     with connections(inv) as conns:
         dep.execute_deploy(plan, say=lambda s: None, **conns)

@@ -16,6 +16,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdops.record import open_record
 from pdops.ops import deploy as dep# noqa: E402
 from pdops.ops import drain as dr# noqa: E402
 from pdops import lab as lab_api  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> None:
             doc["all"]["vars"]["pdops_profile"] = "profiles/p.yml"
             (where / "hosts.yml").write_text(yaml.safe_dump(doc))
             inv = load_inventory(where)
-            state = dep.state_for(inv)
+            state = open_record(inv)
             with connections(inv) as conns:
                 dep.execute_deploy(dep.plan_deploy(inv, Topology(2, 2), state), say=lambda s: None, **conns)
             drain_with_load(inv, state, "d02", None)

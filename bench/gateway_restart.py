@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdops.record import open_record
 from pdops.model import membership# noqa: E402
 from pdops.sim.testing import _spawn, free_port, http, start_sim  # noqa: E402
 
@@ -109,7 +110,7 @@ def lab_part(runs: int) -> None:
             (where / "hosts.yml").write_text(yaml.safe_dump(doc))
             inv = load_inventory(where)
             with connections(inv) as conns:
-                dep.execute_deploy(dep.plan_deploy(inv, Topology(1, 1), dep.state_for(inv)), say=lambda s: None,
+                dep.execute_deploy(dep.plan_deploy(inv, Topology(1, 1), open_record(inv)), say=lambda s: None,
                                    **conns)
                 pool = conns["pool"]
                 client = GatewayClient(inv.gateway.url, timeout=2)

@@ -20,7 +20,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops.ops import deploy as dep# noqa: E402
+from pdops.record import open_record
 from pdops import lab as lab_api  # noqa: E402
 from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402
 from pdops.record.local import StateDir  # noqa: E402
@@ -69,7 +69,7 @@ def main() -> None:
             doc = lab_api.own_record(single_file_doc(lab_api.inventory_path()), where)
             (where / "hosts.yml").write_text(yaml.safe_dump(doc))
             inv = load_inventory(where)
-            shared = measure(lambda: dep.state_for(inv), rounds)
+            shared = measure(lambda: open_record(inv), rounds)
         finally:
             lab_api.down()
     with tempfile.TemporaryDirectory(dir="/srv") as d:

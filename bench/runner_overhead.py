@@ -16,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdops.record import open_record
 from pdops.ops import deploy as dep# noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.remote.hosts import connections  # noqa: E402
@@ -37,7 +38,7 @@ def main() -> None:
             lab_api.down()
             lab_api.up(n)
             inv = lab_inventory(work)
-            state = dep.state_for(inv)
+            state = open_record(inv)
             plan = dep.plan_deploy(inv, Topology(n - 1, 1), state)
             with connections(inv) as conns:
                 pool, gateway = conns["pool"], conns["gateway"]

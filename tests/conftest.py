@@ -39,17 +39,17 @@ def lab_inv():
 
 @pytest.fixture
 def local_record(tmp_path, monkeypatch):
-    """`pdops.ops.deploy.state_for` answering with a shared record whose state host is this machine
+    """`pdops.record.open_record` answering with a shared record whose state host is this machine
     (the real host script, run locally), its state dir and operator dir under tmp_path."""
-    from pdops.ops import deploy as dep
+    import pdops.record as rec
     from pdops.record import LocalTransport, SharedRecord
 
-    def state_for(inv, **kw):
+    def open_record(inv, **kw):
         return SharedRecord(inv.cluster, tmp_path / "operator", "localhost", str(tmp_path / "shared"),
                             LocalTransport(), **kw)
 
-    monkeypatch.setattr(dep, "state_for", state_for)
-    return state_for
+    monkeypatch.setattr(rec, "open_record", open_record)
+    return open_record
 
 
 # ---------------------------------------------------------------- where the time goes

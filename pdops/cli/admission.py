@@ -5,6 +5,7 @@ from __future__ import annotations
 from invoke import task
 
 from pdops.cli import cli_errors, print_verdict, seconds
+from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -28,6 +29,6 @@ def keys(c, inventory=DEFAULT_INVENTORY, deadline=30):
     from pdops.remote.hosts import connections
 
     with connections(inv) as conns:
-        ev = rotate_keys(inv, deadline_s=deadline_s, pool=conns["pool"])
+        ev = rotate_keys(inv, rec.open_record(inv), deadline_s=deadline_s, pool=conns["pool"])
     print_verdict(f"{ev['keys']} keys in effect on {ev['host']} (op {ev['op']}); added {len(ev['added'])}, "
                   f"revoked {len(ev['revoked'])}", ev["verdict"])

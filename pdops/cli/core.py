@@ -8,6 +8,7 @@ from invoke import task
 
 from pdops.model import planning
 from pdops.cli import cli_errors, print_verdict, seconds
+from pdops import record as rec
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -64,7 +65,7 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
 
     def make(seen):
         return dep.plan_deploy(inv, topo, state, set(skip_check or ()), max_unavailable=mu, force=force,
@@ -169,7 +170,6 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=No
 
     from invoke.exceptions import Exit
 
-    from pdops.ops import deploy as dep
     from pdops.model.inventory import load_inventory
     from pdops.reads.status import collect_status, format_status
 
@@ -179,7 +179,7 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=No
     if prometheus is not None and not str(prometheus).startswith(("http://", "https://")):
         raise InvalidInput("--prometheus", f"{prometheus!r} is not an http(s) URL", fix="e.g. --prometheus http://mon01:9090")
     inv = load_inventory(inventory)
-    doc = collect_status(inv, dep.state_for(inv, cached_ok=True), prometheus=prometheus)
+    doc = collect_status(inv, rec.open_record(inv, cached_ok=True), prometheus=prometheus)
     if every is None:
         print(_json.dumps(doc, indent=2, default=str) if json else format_status(doc))
     try:
@@ -188,7 +188,7 @@ def status(c, inventory=DEFAULT_INVENTORY, json=False, watch=None, prometheus=No
             print(("\x1b[H\x1b[2J" if not json else "") + f"every {every:g}s, {doc.get('at', '')} (Ctrl-C ends)\n{out}",
                   flush=True)
             time.sleep(every)
-            doc = collect_status(inv, dep.state_for(inv, cached_ok=True), prometheus=prometheus)
+            doc = collect_status(inv, rec.open_record(inv, cached_ok=True), prometheus=prometheus)
     except KeyboardInterrupt:  # the watch ends; the last look decides the exit status
         pass
     if not doc.get("ok", True):
@@ -201,12 +201,11 @@ def verify(c, inventory=DEFAULT_INVENTORY):
     """Check the current revision on every host (units, cgroups, 0600 env, ports, memlock, gateway,
     admission layer: one SSH command per host), then what runs now against it (MainPIDs, files,
     the gateway's workers)."""
-    from pdops.ops import deploy as dep
     from pdops.model.inventory import load_inventory
     from pdops.reads.verify import run_verify
 
     inv = load_inventory(inventory)
-    print(f"verify {inv.cluster}: {run_verify(inv, dep.state_for(inv))}")
+    print(f"verify {inv.cluster}: {run_verify(inv, rec.open_record(inv))}")
 
 
 def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str, *, observe: bool = False) -> None:
@@ -214,7 +213,6 @@ def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str
     it with the connections opened here and print the verdict. `observe`: planned first from the
     record (bad input refused before any connection), then again from what serves now (a refusal
     of the first plan stands only if the observed one refuses too)."""
-    from pdops.ops import deploy as dep
     from pdops.errors import Refused
     from pdops.remote.hosts import connections
     from pdops.model.inventory import load_inventory
@@ -222,7 +220,7 @@ def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str
     if not instance:
         raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
     inv = load_inventory(inventory)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     try:
         plan, refused = make_plan(inv, state, None), None
     except Refused as exc:
@@ -293,13 +291,12 @@ def uncordon(c, host=None, inventory=DEFAULT_INVENTORY, dry_run=False):
 
 
 def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> None:
-    from pdops.ops import deploy as dep
     from pdops.model.inventory import load_inventory
 
     if not host:
         raise InvalidInput("--host", "missing", fix="name an inventory host, e.g. --host lab04")
     inv = load_inventory(inventory)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     run_change(inv, state, lambda seen: make_plan(inv, state, seen), dry_run, observe=observe)
 
 
@@ -312,7 +309,6 @@ def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> No
 def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, force_after=False, wait=None):
     """A verified restart of one instance that `inv status` does not call ok: name its lost work, leave
     the gateway, drain, verified stop, start, health, canary its P x D pairs, register, record."""
-    from pdops.ops import deploy as dep
     from pdops.ops import scale as sc
     from pdops.remote.hosts import connections
     from pdops.model.inventory import load_inventory
@@ -323,7 +319,7 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
     iid = check_instance_id(instance)
     wait_s = seconds(wait, "--wait")
     inv = load_inventory(inventory)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     doc, obs = read_status(inv, state, remember=False)
     plan = plan_repair(inv, state, iid, doc, force=force, force_after=force_after, wait_s=wait_s,
                        seen=Seen.of(obs) if obs is not None else None)
@@ -346,13 +342,12 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
 def end_orphans(c, inventory=DEFAULT_INVENTORY, dry_run=False):
     """End the prefill halves no decode holds (their decode process ended or restarted): each by its
     request ID with /abort_request, named in the journal as lost work, never sent again."""
-    from pdops.ops import deploy as dep
     from pdops.remote.hosts import connections
     from pdops.model.inventory import load_inventory
     from pdops.ops.repair import execute_end_orphans, plan_end_orphans
 
     inv = load_inventory(inventory)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     plan, pl = plan_end_orphans(inv, state)
     print(plan.render())
     if dry_run:

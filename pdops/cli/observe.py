@@ -7,6 +7,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops.cli import cli_errors
+from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -30,14 +31,13 @@ def _emit(text: str, out: str | None, what: str) -> None:
 def targets(c, inventory=DEFAULT_INVENTORY, out=None, deliver=False):
     """The file_sd target file of the current revision (engines, gateway, admission; labels cluster,
     instance, role, host, revision). pdops rewrites it after every deploy, scale, rollback, drain, repair."""
-    from pdops.ops import deploy as dep
     from pdops.ops import prometheus as obs
     from pdops.errors import Refused
     from pdops.model.inventory import load_inventory
     from pdops.model.placement import Placement
 
     inv = load_inventory(inventory)
-    rev = dep.state_for(inv, cached_ok=True).current_revision()
+    rev = rec.open_record(inv, cached_ok=True).current_revision()
     if rev is None:
         raise Refused("nothing is deployed (no current revision): no target to list", fix="`inv deploy` first")
     pl = Placement.from_dict(rev.placement)

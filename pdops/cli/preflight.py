@@ -6,6 +6,7 @@ from invoke import task
 from invoke.exceptions import Exit
 
 from pdops.cli import cli_errors
+from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -19,7 +20,6 @@ def preflight(c, inventory=DEFAULT_INVENTORY, topology=None, json=False, skip_ch
     """Run every applicable check on every host in parallel; print host x check (pass/fail/skipped) and the P x D matrix.
 
     Exit status 0 when nothing failed, 4 (refused) when a check failed: each failure names its fix."""
-    from pdops.ops import deploy as dep
     from pdops.reads import preflight as pf
     from pdops.remote.hosts import HostPool
     from pdops.model.inventory import load_inventory
@@ -31,7 +31,7 @@ def preflight(c, inventory=DEFAULT_INVENTORY, topology=None, json=False, skip_ch
     topo = parse_topology(topology) if topology else None
     previous = None
     if topo is not None:
-        current = dep.state_for(inv, cached_ok=True).current_revision()  # read-only: the cache will do
+        current = rec.open_record(inv, cached_ok=True).current_revision()  # read-only: the cache will do
         if current is not None:
             previous = Placement.from_dict(current.placement)
     with HostPool(inv) as pool:

@@ -7,6 +7,7 @@ import json
 from invoke import task
 
 from pdops.cli import cli_errors, print_verdict, seconds
+from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -41,7 +42,6 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
           reading=None):
     """Apply a candidate bundle to a pair, send a few long requests from the ledgered client, keep the
     outcome per request and the failure signatures, restore the baseline; --list shows the probe table."""
-    from pdops.ops import deploy as dep
     from pdops.ops import probe as pr
     from pdops.errors import InvalidInput
     from pdops.remote.hosts import connections
@@ -50,12 +50,12 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
     if note is not None:
         pr.check_note(note, reading)
         inv = load_inventory(inventory)
-        rec = pr.add_note(dep.state_for(inv), note, reading)
-        print(f"probe {rec['evidence']['probe']}: reading added: {rec['evidence']['note']}")
+        added = pr.add_note(rec.open_record(inv), note, reading)
+        print(f"probe {added['evidence']['probe']}: reading added: {added['evidence']['note']}")
         return
     if list_:
         inv = load_inventory(inventory)
-        rows = pr.probe_table(dep.state_for(inv).journal())
+        rows = pr.probe_table(rec.open_record(inv).journal())
         if csv:
             from pathlib import Path
 
@@ -75,7 +75,7 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
     pr.check_options(instances=instances, spare=spare, requests=n_req, concurrency=n_conc, keep=keep)
     inv = load_inventory(inventory)
     pr.parse_workload(workload, inv.profile)  # all of it before the record is read (over SSH)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     plan = pr.plan_probe(inv, state, b, instances=instances, spare=spare, requests=n_req, concurrency=n_conc,
                          workload=workload, keep=keep, timeout_s=tmo)
     print(plan.render())

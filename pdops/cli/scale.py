@@ -5,6 +5,7 @@ from __future__ import annotations
 from invoke import task
 
 from pdops.cli import cli_errors, print_verdict
+from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
 
@@ -30,7 +31,6 @@ def print_change_verdict(plan, verdict: dict) -> None:
 def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
           max_unavailable=None, force=False):
     """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
-    from pdops.ops import deploy as dep
     from pdops.ops import scale as sc
     from pdops.cli.core import run_change, whole_cluster
     from pdops.model.inventory import load_inventory
@@ -39,7 +39,7 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     run_change(inv, state, lambda seen: sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip,
                                                       skip_checks=set(skip_check or ()), max_unavailable=mu,
                                                       force=force, seen=seen), dry_run)
@@ -56,14 +56,13 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
 def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
              max_unavailable=None, force=False):
     """Return to the previous revision (or --to N), its recorded files and placement, as a rolling change."""
-    from pdops.ops import deploy as dep
     from pdops.ops import scale as sc
     from pdops.cli.core import run_change, whole_cluster
     from pdops.model.inventory import load_inventory
 
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
-    state = dep.state_for(inv)
+    state = rec.open_record(inv)
     run_change(inv, state, lambda seen: sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip,
                                                          skip_checks=set(skip_check or ()), max_unavailable=mu,
                                                          force=force, seen=seen), dry_run)
@@ -75,11 +74,10 @@ def history(c, inventory=None, json=False):
     """Recorded revisions: topology, time, operator, outcome; the current one marked."""
     import json as _json
 
-    from pdops.ops import deploy as dep
     from pdops.reads.history import format_history, history_rows
     from pdops.model.inventory import load_inventory
 
-    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
+    state = rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
     print(_json.dumps(history_rows(state), indent=2) if json else format_history(state))
 
 
@@ -91,13 +89,12 @@ def diff(c, a=None, b=None, inventory=None, json=False):
     """What changed between revisions A and B: instances added/removed/moved, files per host."""
     import json as _json
 
-    from pdops.ops import deploy as dep
     from pdops.errors import InvalidInput
     from pdops.reads.history import diff_revisions, format_diff
     from pdops.model.inventory import load_inventory
 
     if a is None or b is None:
         raise InvalidInput("diff", "needs two revision numbers", fix="e.g. `inv diff 3 4` (see `inv history`)")
-    state = dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
+    state = rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
     d = diff_revisions(state, a, b)
     print(_json.dumps(d, indent=2) if json else format_diff(d))

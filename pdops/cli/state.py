@@ -5,15 +5,15 @@ from __future__ import annotations
 from invoke import task
 
 from pdops.cli import cli_errors
+from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
 
 
 def _record(inventory, **kw):
-    from pdops.ops import deploy as dep
     from pdops.model.inventory import load_inventory
 
-    return dep.state_for(load_inventory(inventory or DEFAULT_INVENTORY), **kw)
+    return rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), **kw)
 
 
 @task(help={"inventory": "inventory dir or file", "op": "one operation's steps (an op id from the list)",

@@ -76,15 +76,13 @@ def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple
         time.sleep(interval_s)
 
 
-def plan_rotate_keys(inv: Inventory, deadline_s: float = 30.0) -> Plan:
-    """The key rotation as steps (pure apart from reading the state dir)."""
-    from pdops.ops.deploy import state_for
-
+def plan_rotate_keys(inv: Inventory, state, deadline_s: float = 30.0) -> Plan:
+    """The key rotation as steps (pure apart from reading the record `state`)."""
     cfg = inv.admission  # load_inventory just read and validated the operator's key file
     if cfg is None:
         raise InvalidInput("pdops_admission", "this inventory has no admission layer",
                            fix="set pdops_admission (docs/admission.md) and deploy first")
-    if state_for(inv).current() is None:
+    if state.current() is None:
         raise Refused(f"{inv.cluster} has no deployed revision", fix="deploy the cluster first (`inv deploy`)")
     new_map = keys_map(cfg.keys)
     sha = hashlib.sha256(new_map.encode()).hexdigest()
@@ -175,13 +173,11 @@ register_executors({"admission-check": do_check_unit, "deliver-keys": do_deliver
                    needs={"admission-reload": ("admission_keys",), "verify-keys": ("admission_keys",)})
 
 
-def rotate_keys(inv: Inventory, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool, gateway=None) -> dict:
-    """Deliver the operator's key file as the new key map, reload, verify (with the runner).
-    Returns the evidence and the verdict."""
-    from pdops.ops.deploy import state_for
-
-    plan = plan_rotate_keys(inv, deadline_s)
-    state = state_for(inv)
+def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool,
+                gateway=None) -> dict:
+    """Deliver the operator's key file as the new key map, reload, verify (with the runner), under
+    the lock of the record `state`. Returns the evidence and the verdict."""
+    plan = plan_rotate_keys(inv, state, deadline_s)
     op = new_op_id("admission-keys")
     with state.lock("admission-keys", op_id=op):
         ctx = RunContext(inv, state, op, say, pool, gateway)

@@ -16,7 +16,10 @@ nothing that changes the cluster runs from it.
 The package, by concern (each module imports only those listed before it):
 - ``transport``: reaching the holder process on the state host (SSH, or locally);
 - ``shared``: the shared record, its journal and its lock;
-- ``commands``: push a local record, unlock, list operations.
+- ``commands``: push a local record, unlock, list operations;
+and :func:`open_record`, the record of an inventory's cluster. Callers reach it as
+``pdops.record.open_record`` (the module attribute, read at call time), so a test replaces it in
+one place; an operation takes the record it is given, it never opens one itself.
 """
 
 from pdops.record.commands import operations, push_local, unlock
@@ -25,3 +28,15 @@ from pdops.record.transport import LEASE_S, PING_S, SCRIPT, LocalTransport, Sess
 
 __all__ = ["LEASE_S", "PING_S", "SCRIPT", "LocalTransport", "SSHTransport", "Session", "SharedJournal", "SharedLock",
            "SharedRecord", "describe_holder", "lock_line", "operations", "push_local", "unlock"]
+
+
+def open_record(inv, *, cached_ok: bool = False) -> SharedRecord:
+    """The cluster's record, on its state host (`pdops_state`, default the gateway host).
+    `cached_ok`: a read-only command may fall back to this machine's cached copy when the state
+    host is down."""
+    from pdops.model.inventory import StateLocation
+    from pdops.record.local import local_dir
+
+    where = inv.state or StateLocation(inv.gateway.host)
+    return SharedRecord(inv.cluster, local_dir(inv), where.host, where.dir, SSHTransport(inv, where.host),
+                        cached_ok=cached_ok)

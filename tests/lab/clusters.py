@@ -48,10 +48,10 @@ class _Fresh:
         self.inv_dir = inv_dir
 
     def __getattr__(self, name):
-        from pdops.ops.deploy import state_for
+        from pdops.record import open_record
         from pdops.model.inventory import load_inventory
 
-        return getattr(state_for(load_inventory(self.inv_dir)), name)
+        return getattr(open_record(load_inventory(self.inv_dir)), name)
 
 
 def record(inv_dir: Path):

@@ -20,7 +20,7 @@ import yaml
 from tests.lab.clusters import REPO, deployed, inv_cmd
 
 from pdops.model.admission import KEYS_MAP_PATH, UNIT, key_id, parse_admission
-from pdops.ops.deploy import state_for
+from pdops.record import open_record
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
 
@@ -122,7 +122,7 @@ def _admission_checks(inv):
     from pdops.remote.hosts import HostPool
     from pdops.reads.verify.checks import host_command, host_plans, judge, read_facts
 
-    plan = next(p for p in host_plans(state_for(inv).current_revision()) if p.admission_units)
+    plan = next(p for p in host_plans(open_record(inv).current_revision()) if p.admission_units)
     with HostPool(inv) as pool:
         facts = read_facts(pool.run(plan.host, host_command(plan)).stdout)
     return [c for c in judge(plan, facts, virtual=True) if c.name == "admission"]
@@ -222,7 +222,7 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
     assert status == 200 and doc["meta_info"]["completion_tokens"] == 2
     assert http_json("GET", cfg.url + "/health", timeout=5, headers={"Authorization": f"Bearer {KEY_A}"})[0] == 401
     # journalled under its own op, every step ok, only key ids
-    recs_j = state_for(inv).journal().records()
+    recs_j = open_record(inv).journal().records()
     op = [r for r in recs_j if r["op_id"].startswith("admission-keys")]
     assert [r["step"] for r in op] == ["lock.held", "plan", "check-unit", "deliver", "reload", "verify",
                                        "verdict"], op

@@ -31,7 +31,7 @@ def _inv(tmp_path, admission: dict | None):
 
 def test_refuses_an_inventory_without_admission(tmp_path):
     with pytest.raises(InvalidInput, match="no admission layer"):
-        ops.rotate_keys(_inv(tmp_path, None), say=lambda s: None, pool=None)
+        ops.rotate_keys(_inv(tmp_path, None), None, say=lambda s: None, pool=None)
 
 
 def test_refuses_a_key_file_readable_by_others_before_touching_a_host(tmp_path):
@@ -39,12 +39,13 @@ def test_refuses_a_key_file_readable_by_others_before_touching_a_host(tmp_path):
     kf.write_text(KEYS[0] + "\n")
     kf.chmod(0o644)
     with pytest.raises(InvalidInput, match="mode 0644"):
-        ops.rotate_keys(_inv(tmp_path, {"api_keys_file": str(kf)}), say=lambda s: None, pool=None)
+        ops.rotate_keys(_inv(tmp_path, {"api_keys_file": str(kf)}), None, say=lambda s: None, pool=None)
 
 
 def test_refuses_a_cluster_never_deployed(tmp_path, local_record):
     kf = tmp_path / "k"
     kf.write_text(KEYS[0] + "\n")
     kf.chmod(0o600)
+    inv = _inv(tmp_path, {"api_keys_file": str(kf)})
     with pytest.raises(Refused, match="no deployed revision"):
-        ops.rotate_keys(_inv(tmp_path, {"api_keys_file": str(kf)}), say=lambda s: None, pool=None)
+        ops.rotate_keys(inv, local_record(inv), say=lambda s: None, pool=None)

@@ -159,7 +159,6 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
         return dr.plan_kill_survivors(inv, state, req["instance"]).plan
     if req["op"] == "probe":
         from pdops.ops import probe as pr
-        from pdops.runner import Plan
 
         bundle = tmp / "bundle.yml"
         bundle.write_text(yaml.safe_dump({"name": "case", "flags": req["flags"]}))
@@ -169,8 +168,7 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] == "admission-keys":
         from pdops.ops import admission_keys as admission_ops
 
-        monkeypatch.setattr(dep, "state_for", lambda inv, **kw: state)
-        return admission_ops.plan_rotate_keys(inv)
+        return admission_ops.plan_rotate_keys(inv, state)
     raise AssertionError(f"unknown op {req['op']}")
 
 

@@ -206,13 +206,13 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
 def test_inv_repair_plans_with_what_the_status_reading_saw(lab_inv, live, monkeypatch, capsys):
     """The task passes the Observation `inv status` judged to the planner: with the gateway observed
     down, the dry run starts it first (the planner alone, given no observation, would not)."""
-    from pdops.ops import deploy as dep
+    import pdops.record as rec
     from pdops.reads import status as st
     from pdops.cli import core
     from pdops.reads.observe import Seen
 
     reading = object()
-    monkeypatch.setattr(dep, "state_for", lambda inv, **kw: live)
+    monkeypatch.setattr(rec, "open_record", lambda inv, **kw: live)
     monkeypatch.setattr(st, "read_status", lambda inv, state, **kw: (doc(d01="not registered"), reading))
     monkeypatch.setattr(Seen, "of", classmethod(lambda cls, obs: Seen(
         {"d01": "observed not registered"} if obs is reading else {}, frozenset(),
