@@ -59,7 +59,6 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     templates) as a rolling change: keep, replace, add, remove; or repair what observation finds."""
     from pdops.ops import deploy as dep
     from pdops.model.inventory import load_inventory
-    from pdops.ops.scale import ScalePlan
     from pdops.model.topology import parse_topology
 
     topo = parse_topology(topology)
@@ -74,8 +73,8 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     plan = make(None)
     from pdops.remote.hosts import connections
 
-    if isinstance(plan, ScalePlan):
-        return run_change(inv, state, make, dry_run, first=plan)
+    if plan.change is not None:  # a rolling change: planned again from what runs now
+        return run_change(inv, state, lambda seen: make(seen).change, dry_run, first=plan.change)
     if plan.live is None:
         print(plan.render())
         if dry_run:
@@ -85,14 +84,14 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
             from pdops.reads.observe import observe
 
             plan = dep.plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateway"]))
-            if isinstance(plan, ScalePlan):
+            if plan.change is not None:  # processes that run other files: replaced, rolling
                 print(plan.render())
                 if dry_run:
                     return
                 from pdops.ops import scale as sc
                 from pdops.cli.scale import print_change_verdict
 
-                return print_change_verdict(plan, sc.execute_scale(plan, plan.state, **conns))
+                return print_change_verdict(plan.change, sc.execute_scale(plan.change, plan.state, **conns))
             print(plan.render())
             if dry_run or plan.noop:
                 return

@@ -248,3 +248,15 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     rev = state.current_revision()
     assert rev.number == 2 and rev.inventory_hash == "f" * 64 and rev.manifest == p.live.manifest
     assert dr.plan_drain(other, state, "d02").instance.id == "d02"
+
+
+def test_a_deploy_of_another_topology_is_one_deploy_plan_whose_change_rolls(live):
+    """plan_deploy returns one type: on a live cluster, a different topology is a DeployPlan whose
+    `change` is the rolling change; it prints and walks as that change."""
+    from pdops.ops.scale import ScalePlan
+
+    inv, pl, state = live
+    p = dep.plan_deploy(inv, parse_topology("1p1d"), state)
+    assert isinstance(p, dep.DeployPlan) and isinstance(p.change, ScalePlan)
+    assert [i.id for i in p.change.removed] == ["d02"] and p.plan is not None
+    assert p.render() == p.change.render() and p.plan.step_ids() == p.change.plan.step_ids()

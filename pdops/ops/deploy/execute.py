@@ -236,6 +236,10 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     """Walk a deploy plan with the runner. Returns the verdict: the new revision, what was verified
     and what could not be (skipped checks never count as verified). Raises with a verdict on failure.
     `pool` and `gateway` are the operation's connections, opened by the caller (pdops.remote.hosts.connections)."""
+    if plan.change is not None:  # the deploy is a rolling change of the live cluster
+        from pdops.ops.scale import execute_scale
+
+        return execute_scale(plan.change, plan.state, say, pool=pool, gateway=gateway)
     inv, pl = plan.inv, plan.placement
     if plan.live is not None and not plan.steps:
         raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "

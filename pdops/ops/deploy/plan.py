@@ -42,6 +42,9 @@ class DeployPlan:
     # the record the plan was read from, and its `current` then (checked again under the lock)
     state: object = field(default=None, repr=False, compare=False)
     basis: int | None = None
+    # on a live cluster whose topology or rendered files differ, or whose processes run other
+    # files: the deploy is this rolling change (pdops.ops.scale.ScalePlan), walked by execute_scale
+    change: object = None
 
     @property
     def title(self) -> str:
@@ -59,6 +62,8 @@ class DeployPlan:
 
     @property
     def plan(self) -> Plan:
+        if self.change is not None:
+            return self.change.plan
         rescue = [undo_register_step(fresh=self.previous is None and self.live is None,
                                      instances=len(self.placement.instances))]
         if self.live is not None:
@@ -72,6 +77,8 @@ class DeployPlan:
                             "listed as not verified"], rescue=rescue, always=[targets_step()])
 
     def render(self) -> str:
+        if self.change is not None:
+            return self.change.render()
         if self.noop:
             return self.title + f"\nno change: {self.noop}"
         return self.plan.render()
@@ -79,10 +86,10 @@ class DeployPlan:
 
 def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None, *,
                 max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False, seen=None):
-    """Pure apart from reading the record: what a deploy of `topo` will do, or why not. On a live
-    cluster: the live revision's placement and files (a DeployPlan whose repairs are decided from
-    observation, plan_reconcile), or any other difference as a rolling change (pdops.ops.scale.plan_apply:
-    keep, replace, add, remove)."""
+    """Pure apart from reading the record: what a deploy of `topo` will do, or why not; always a
+    DeployPlan. On a live cluster: the live revision's placement and files (its repairs decided
+    from observation, plan_reconcile), or any other difference as a rolling change
+    (`change`: pdops.ops.scale.plan_apply: keep, replace, add, remove)."""
     from pdops.model.placement import place_change
     from pdops.reads.preflight import validate_skip
 
@@ -99,10 +106,11 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
             # the gateway (plan_reconcile), not assumed from the record
             return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
                               previous=previous, live=current, state=state, basis=current.number)
-        plan = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
-                             force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
-        plan.state = state
-        return plan
+        change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
+                               force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
+        change.state = state
+        return DeployPlan(inv, change.target, change.files, [], noop=change.noop, skip_checks=skip_checks,
+                          previous=previous, state=state, basis=current.number, change=change)
     pl = place(inv, topo, previous)
     files = render_files(inv, pl)
     hosts = sorted({f.host for f in files})
@@ -151,7 +159,7 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
 
         change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale)
         change.state = plan.state
-        return change
+        return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
     if obs.gateway_down:
         restart = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
