@@ -6,7 +6,7 @@ one pdops function and prints the result.
 
 from invoke import Collection
 
-from pdops.cli import admission, audit, bench, core, lab, observe, preflight, probe, scale, state
+from pdops.cli import admission, audit, bench, core, lab, preflight, probe, prometheus, scale, state
 
 ns = Collection.from_module(core)
 for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight, scale.scale, scale.rollback,
@@ -16,4 +16,4 @@ ns.add_collection(Collection.from_module(lab), name="lab")
 ns.add_collection(Collection(state.push, state.show), name="state")
 ns.add_collection(Collection.from_module(audit), name="audit")
 ns.add_collection(Collection.from_module(admission), name="admission")
-ns.add_collection(Collection.from_module(observe), name="observe")
+ns.add_collection(Collection.from_module(prometheus), name="observe")  # the fleet's Prometheus and Grafana files

@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops.model.planning import load_and_place  # noqa: E402
+from pdops.model.build import load_and_place  # noqa: E402
 from pdops.model.render import render_files, write_build  # noqa: E402
 
 

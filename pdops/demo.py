@@ -16,7 +16,7 @@ from pdops.ops.bench import compute_figures, format_table
 from pdops.remote.hosts import connections
 from pdops.model.inventory import load_inventory, single_file_doc
 from pdops.remote.load import send
-from pdops.model.planning import REPO, format_placement, load_and_place
+from pdops.model.build import REPO, format_placement, load_and_place
 from pdops.reads.status import collect_status, format_status
 from pdops.model.topology import parse_topology
 from pdops.runner import Say

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from invoke import task
 
-from pdops.model import planning
+from pdops.model import build as builds
 from pdops.cli import cli_errors, print_verdict, seconds
 from pdops import record as rec
 from pdops.errors import InvalidInput
@@ -18,8 +18,8 @@ DEFAULT_INVENTORY = "inventory/lab"
 @cli_errors
 def plan(c, topology, inventory=DEFAULT_INVENTORY):
     """Print the placement table for a topology; writes nothing, contacts no host."""
-    inv, pl = planning.load_and_place(inventory, topology)
-    print(planning.format_placement(inv, pl))
+    inv, pl = builds.load_and_place(inventory, topology)
+    print(builds.format_placement(inv, pl))
 
 
 @task(help={"topology": "NpMd, e.g. 8p4d", "inventory": "inventory dir or file",
@@ -27,8 +27,8 @@ def plan(c, topology, inventory=DEFAULT_INVENTORY):
 @cli_errors
 def render(c, topology, inventory=DEFAULT_INVENTORY, out=None):
     """Render every host's files for a topology into a build folder, with a manifest of hashes."""
-    inv, pl = planning.load_and_place(inventory, topology)
-    path, files = planning.render_build(inv, pl, Path(out) if out else None)
+    inv, pl = builds.load_and_place(inventory, topology)
+    path, files = builds.render_build(inv, pl, Path(out) if out else None)
     hosts = len({f.host for f in files})
     print(f"rendered {len(files)} files for {hosts} hosts ({pl.topology}, {inv.engine}) into {path}")
     print(f"manifest: {path / 'manifest.json'}")

@@ -24,7 +24,7 @@ def journal(c, inventory=None, op=None, last="20", json=False):
     import json as _json
 
     from pdops.errors import InvalidInput
-    from pdops.model.planning import format_table
+    from pdops.model.build import format_table
     from pdops.record import operations
 
     if not str(last).isdigit() or int(last) < 1:

@@ -48,7 +48,7 @@ def history_rows(state) -> list[dict]:
 
 
 def format_history(state) -> str:
-    from pdops.model.planning import format_table
+    from pdops.model.build import format_table
     from pdops.reads.status import record_doc, record_lines
 
     rows = history_rows(state)

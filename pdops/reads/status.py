@@ -351,7 +351,7 @@ def _num(v, digits: int = 0) -> str:
 
 
 def format_status(doc: dict) -> str:
-    from pdops.model.planning import format_table
+    from pdops.model.build import format_table
 
     banner = record_lines(doc.get("record"))
     if doc["revision"] is None:

@@ -1,4 +1,5 @@
-"""Shared read-and-plan steps of the CLI: load an inventory, place a topology, format, render."""
+"""An inventory placed and rendered, for the commands that show it (`inv plan`, `inv render`) and the
+tables they print: load and place, write the build folder, format a placement or any rows."""
 
 from __future__ import annotations
 
