@@ -125,14 +125,14 @@ def _admission_checks(inv):
     plan = next(p for p in host_plans(open_record(inv).current_revision()) if p.admission_units)
     with HostPool(inv) as pool:
         facts = read_facts(pool.run(plan.host, host_command(plan)).stdout)
-    return [c for c in judge(plan, facts, virtual=True) if c.name == "admission"]
+    return [c for c in judge(plan, facts, virtual=True) if c.check == "admission"]
 
 
 def test_verify_checks_the_admission_layer(lab, cluster):
     inv_dir, inv, _, _, _ = cluster
     proc = inv_cmd("verify", "-i", str(inv_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [(c.host, c.status) for c in _admission_checks(inv)] == [("lab01", "passed")]
+    assert [(c.host, c.status) for c in _admission_checks(inv)] == [("lab01", "pass")]
     # the check has teeth: a key map readable by others fails it, and `inv verify` with it
     c = lab.connection("lab01")
     try:

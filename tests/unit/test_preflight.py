@@ -15,6 +15,7 @@ from pdops.reads.preflight import batch as pbatch
 from pdops.reads.preflight import checks as pchecks
 from pdops.reads.preflight import expected as pexp
 from pdops.reads.preflight import pairing as ppair
+from pdops.reads import checks as checks_mod
 from pdops.reads.preflight import results as presults
 from pdops.errors import InvalidInput, Refused, RemoteCommandFailed, Unreachable
 from pdops.facts import Skipped, nvidia, rdma
@@ -95,7 +96,7 @@ def test_driver_uniform_across_hosts(fleet):
     a, b = fleet.hosts[0].name, fleet.hosts[1].name
     g1 = [nvidia.Gpu(0, "x", 1, "580.82.07", "u", None)]
     g2 = [nvidia.Gpu(0, "x", 1, "570.124.06", "u", None)]
-    results = [presults.ok_result(a, "gpu-driver", "driver 580.82.07"), presults.ok_result(b, "gpu-driver", "driver 570.124.06")]
+    results = [checks_mod.ok_result(a, "gpu-driver", "driver 580.82.07"), checks_mod.ok_result(b, "gpu-driver", "driver 570.124.06")]
     out = pf.evaluate_cluster(fleet, {a: {"gpus": g1}, b: {"gpus": g2}}, results)
     ra = next(r for r in out if r.host == a)
     assert ra.status == pf.FAIL and "580.82.07 here differs" in ra.reason and f"570.124.06 on {b}" in ra.reason

@@ -80,11 +80,11 @@ def _q(s: str) -> str:
 
 
 def checks(plan, pl, virtual=False, **world):
-    return {c.name: c for c in judge(plan, read_facts(output(plan, pl, **world)), virtual=virtual)}
+    return {c.check: c for c in judge(plan, read_facts(output(plan, pl, **world)), virtual=virtual)}
 
 
 def failed(plan, pl, **world):
-    return {n: c.detail for n, c in checks(plan, pl, **world).items() if c.status == "failed"}
+    return {n: c.reason for n, c in checks(plan, pl, **world).items() if c.failed}
 
 
 BIND = [("127.0.10.1", 18080)]
@@ -96,11 +96,11 @@ def test_a_healthy_host_passes_every_check(plans):
     assert gw.gateway_unit and gw.admission_units == ("pdops-admission.service",) and gw.engine_units
     got = checks(gw, pl, binds=BIND)
     assert {n: c.status for n, c in got.items()} == {
-        "units": "passed", "cgroup": "passed", "memlock": "passed", "env-0600": "passed", "ports": "passed",
-        "gateway": "passed", "admission": "passed"}, {n: c.line() for n, c in got.items()}
+        "units": "pass", "cgroup": "pass", "memlock": "pass", "env-0600": "pass", "ports": "pass",
+        "gateway": "pass", "admission": "pass"}, {n: c.line() for n, c in got.items()}
     other = next(p for h, p in by_host.items() if h != inv.gateway.host)
     assert not other.gateway_unit and not other.admission_units
-    assert all(c.status == "passed" for c in checks(other, pl).values())
+    assert all(c.status == "pass" for c in checks(other, pl).values())
 
 
 @pytest.mark.parametrize("world, check, says", [
@@ -156,7 +156,7 @@ def test_lowered_memlock_on_virtual_hardware_is_skipped_with_its_reason(plans):
     by_host, pl, inv = plans
     plan = by_host[inv.gateway.host]
     got = checks(plan, pl, virtual=True, binds=BIND, memlock="8388608 8388608")["memlock"]
-    assert got.status == "skipped" and "virtual hardware" in got.detail and "CAP_SYS_RESOURCE" in got.detail
+    assert got.status == "skipped" and "virtual hardware" in got.reason and "CAP_SYS_RESOURCE" in got.reason
 
 
 def test_the_gateway_and_admission_checks(plans):
@@ -203,5 +203,5 @@ def test_an_unreadable_section_fails_its_checks_with_the_reason(plans):
     by_host, pl, inv = plans
     plan = by_host[inv.gateway.host]
     out = output(plan, pl, binds=BIND).replace("@@PDOPS-SECTION-END units 0", "@@PDOPS-SECTION-END units 1")
-    got = {c.name: c for c in judge(plan, read_facts(out), virtual=False)}
-    assert got["units"].status == "failed" and "units unreadable: exited 1" in got["units"].detail
+    got = {c.check: c for c in judge(plan, read_facts(out), virtual=False)}
+    assert got["units"].failed and "units unreadable: exited 1" in got["units"].reason

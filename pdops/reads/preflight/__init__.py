@@ -37,7 +37,8 @@ from pdops.reads.preflight.batch import SECTIONS, Section, batch_command, gid_se
 from pdops.reads.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
 from pdops.reads.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
 from pdops.reads.preflight.report import PreflightReport
-from pdops.reads.preflight.results import CheckResult, FAIL, PASS, SKIPPED, VIRTUAL_REASON, fail_result, skip_result
+from pdops.reads.checks import CheckResult, FAIL, PASS, SKIPPED, fail_result, skip_result
+from pdops.reads.preflight.results import VIRTUAL_REASON
 
 # ================================================================ plan
 

@@ -9,7 +9,8 @@ from collections import Counter
 
 from pdops.errors import PdopsError, Refused, Unverified
 from pdops.model.inventory import Inventory
-from pdops.reads.verify.checks import Check, host_command, host_plans, judge, read_facts
+from pdops.reads.checks import PASS, SKIPPED, CheckResult, fail_result
+from pdops.reads.verify.checks import host_command, host_plans, judge, read_facts
 
 
 def run_verify(inv: Inventory, state) -> str:
@@ -27,14 +28,14 @@ def run_verify(inv: Inventory, state) -> str:
         pool = conns["pool"]
         outputs = run_parallel(list(plans), lambda h: pool.run(h, host_command(plans[h]), timeout=60).stdout)
         findings = observe(inv, rev, pool, conns["gateway"]).findings()
-    checks: list[Check] = []
+    checks: list[CheckResult] = []
     for host, out in outputs.items():
         if isinstance(out, Exception):
             msg = out.message if isinstance(out, PdopsError) else f"{type(out).__name__}: {out}"
-            checks.append(Check(host, "read", "failed", msg))
+            checks.append(fail_result(host, "read", msg, ""))
         else:
             checks += judge(plans[host], read_facts(out), virtual=inv.virtual_hardware)
-    failed = [c for c in checks if c.status == "failed"]
+    failed = [c for c in checks if c.failed]
     if failed or findings:
         evidence = "\n".join(f"  - {c.line()}" for c in failed)
         if findings:
@@ -46,10 +47,10 @@ def run_verify(inv: Inventory, state) -> str:
     return summary(checks, rev.number)
 
 
-def summary(checks: list[Check], rev_n: int) -> str:
+def summary(checks: list[CheckResult], rev_n: int) -> str:
     counts = Counter(c.status for c in checks)
     hosts = len({c.host for c in checks})
-    skipped = sorted({f"{c.name}: {c.detail}" for c in checks if c.status == "skipped"})
-    return (f"{counts['passed']} check(s) passed on {hosts} host(s), {counts['skipped']} skipped"
+    skipped = sorted({f"{c.check}: {c.reason}" for c in checks if c.status == SKIPPED})
+    return (f"{counts[PASS]} check(s) passed on {hosts} host(s), {counts[SKIPPED]} skipped"
             + (" (" + "; ".join(skipped) + ")" if skipped else "")
             + f"; gateway: every worker of revision {rev_n} healthy and ready, none unknown")

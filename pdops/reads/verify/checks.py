@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdops.reads.checks import CheckResult, fail_result, ok_result, skip_result
 from pdops.facts import q
 from pdops.facts import ports as port_facts
 from pdops.facts import systemd as systemd_facts
@@ -33,19 +34,6 @@ ADMISSION_CONFIG_SUFFIX = "/pdops-admission.cfg"
 ADMISSION_KEYS_SUFFIX = "/pdops-admission-keys.map"
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
 UNIT_PROPERTIES = systemd_facts.PROPERTIES + ("NeedDaemonReload",)
-
-
-@dataclass(frozen=True)
-class Check:
-    """One verdict on one host: passed, failed (with what was seen) or skipped (with why)."""
-
-    host: str
-    name: str
-    status: str  # passed | failed | skipped
-    detail: str = ""
-
-    def line(self) -> str:
-        return f"{self.host} {self.name}: {self.status}" + (f": {self.detail}" if self.detail else "")
 
 
 @dataclass(frozen=True)
@@ -195,16 +183,18 @@ def read_facts(output: str) -> dict:
 
 # ---------------------------------------------------------------- judging
 
-def judge(plan: HostPlan, facts: dict, *, virtual: bool) -> list[Check]:
+def judge(plan: HostPlan, facts: dict, *, virtual: bool) -> list[CheckResult]:
     """Every check on one host, from its facts alone."""
-    out: list[Check] = []
+    out: list[CheckResult] = []
     h = plan.host
 
     def add(name: str, problems: list[str], skipped: str | None = None) -> None:
         if skipped:
-            out.append(Check(h, name, "skipped", skipped))
+            out.append(skip_result(h, name, skipped))
+        elif problems:
+            out.append(fail_result(h, name, "; ".join(problems), ""))
         else:
-            out.append(Check(h, name, "failed" if problems else "passed", "; ".join(problems)))
+            out.append(ok_result(h, name, ""))
 
     def section(name: str):
         f = facts.get(name)
