@@ -103,12 +103,18 @@ def plan_rotate_keys(inv: Inventory, state, deadline_s: float = 30.0) -> Plan:
 
 
 def do_check_unit(ctx: RunContext, step: Step) -> Outcome:
+    """The admission unit is active: its master's MainPID (a reload must keep it) and, for a key
+    rotation, the key map it serves now against the operator's key file (key ids only). A change
+    that reloads the layer for another setting (params keys=False) reads no key."""
     cfg = ctx.inv.admission
     st = ctx.pool.unit_states(cfg.host, [UNIT])[UNIT]
     if st.active_state != "active":
         raise Refused(f"{UNIT} on {cfg.host} is {st.active_state}/{st.sub_state}: nothing to reload",
                       fix="deploy the cluster (or start the unit) first; a deploy delivers the keys too",
                       evidence=ctx.pool.journal_tail(cfg.host, UNIT))
+    if not step.params.get("keys", True):  # a change reloading the layer: its MainPID, no key read
+        ctx.give(step, "admission_keys", {"main_pid": st.main_pid, "added": (), "revoked": ()})
+        return Outcome(evidence={"main_pid": st.main_pid}, verified=[f"{UNIT} active (MainPID {st.main_pid})"])
     old = parse_map(ctx.pool.run(cfg.host, f"cat {q(KEYS_MAP_PATH)}").stdout)
     added = tuple(k for k in cfg.keys if k not in old)
     revoked = tuple(k for k in old if k not in cfg.keys)

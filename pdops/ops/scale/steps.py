@@ -98,7 +98,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if plan.admission_reload:
         host = inv.admission.host
         out.append(Step("admission-check", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
-                        kind="admission-check"))
+                        kind="admission-check", params={"keys": False}))
         out.append(Step("admission-reload", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: old "
                         "workers finish their streams); the master MainPID must stay", 60, kind="admission-reload"))
     rep = plan.repair or {}
