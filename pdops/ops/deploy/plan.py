@@ -12,7 +12,7 @@ from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.model.placement import Placement, place
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, render_files
 from pdops.runner import Plan, Step
 from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
@@ -90,7 +90,6 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     DeployPlan. On a live cluster: the live revision's placement and files (its repairs decided
     from observation, plan_reconcile), or any other difference as a rolling change
     (`change`: pdops.ops.scale.plan_apply: keep, replace, add, remove)."""
-    from pdops.model.placement import place_change
     from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -99,16 +98,16 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     if current is not None:
         from pdops.ops import scale as sc
 
-        pl = place_change(inv, topo, previous, avoid=frozenset(sc.cordoned_hosts(current)))
-        files = render_files(inv, pl)
-        if pl == previous and current.manifest == manifest(files):
-            # same placement, same files: whether anything is to be done is read from the hosts and
-            # the gateway (plan_reconcile), not assumed from the record
-            return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
-                              previous=previous, live=current, state=state, basis=current.number)
+        # one placement and one rendering: the change planner's, from the record
         change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
                                force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
         change.state = state
+        if change.noop and seen is None:
+            # same placement, same files: whether anything is to be done is read from the hosts and
+            # the gateway (plan_reconcile), not assumed from the record
+            pl, files = change.target, change.files
+            return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
+                              previous=previous, live=current, state=state, basis=current.number)
         return DeployPlan(inv, change.target, change.files, [], noop=change.noop, skip_checks=skip_checks,
                           previous=previous, state=state, basis=current.number, change=change)
     pl = place(inv, topo, previous)
