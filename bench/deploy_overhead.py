@@ -18,8 +18,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops.record import open_record
-from pdops.ops import deploy as dep# noqa: E402
+from pdops.record import open_record  # noqa: E402
+from pdops.ops import deploy as dep  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.remote.hosts import connections  # noqa: E402
 from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdops.record import open_record
-from pdops.model import membership# noqa: E402
+from pdops.record import open_record  # noqa: E402
+from pdops.model import membership  # noqa: E402
 from pdops.sim.testing import _spawn, free_port, http, start_sim  # noqa: E402
 
 

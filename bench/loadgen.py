@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdops.ops import bench as b# noqa: E402
+from pdops.ops import bench as b  # noqa: E402
 from pdops.remote.load import run_load  # noqa: E402
 from pdops.sim.testing import start_gateway, start_sim  # noqa: E402
 
