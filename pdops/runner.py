@@ -240,6 +240,8 @@ OUTPUTS: dict[str, str] = {
     "probe_result": "a probe's measured outcome per request",
     "probe_keep": "whether a probe keeps its bundle (--keep and every request ok)",
     "plan_verdicts": "walk-plan step id -> the verdict of the plan it walked (e.g. the revision recorded)",
+    "sweep_matrix": "the sweep's Matrix being filled (pdops.ops.sweep.matrix): every cell, its runs and state",
+    "sweep_failed_rows": "ratio -> why its sweep-scale step failed (its runs are not made)",
 }
 
 

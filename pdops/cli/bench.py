@@ -10,6 +10,7 @@ from pathlib import Path
 from invoke import task
 
 from pdops.cli import cli_errors
+from pdops import record as rec
 from pdops.errors import InvalidInput
 
 DEFAULT_INVENTORY = "inventory/lab"
@@ -52,12 +53,11 @@ def bench(c, concurrency, inventory=DEFAULT_INVENTORY, workload=None, requests=N
           ignore_eos=False, out=None, timeout=3600):
     """Drive the current revision's gateway at a fixed concurrency; one ledger row per request."""
     from pdops.ops import bench as b
-    from pdops.ops.deploy import state_for
     from pdops.model.inventory import load_inventory
 
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
-    res = b.run_bench(inv, state_for(inv), wl, concurrency, requests, duration, ignore_eos, out,
+    res = b.run_bench(inv, rec.open_record(inv), wl, concurrency, requests, duration, ignore_eos, out,
                       timeout=_num(timeout, "--timeout"))
     print(b.format_result(res))
     if not ignore_eos:
@@ -91,63 +91,43 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
             print(f"plots: {res['plots_skipped']}")
         return
     from pdops.ops.bench import run_bench
-    from pdops.ops.deploy import state_for
     from pdops.model.inventory import load_inventory
     from pdops.record.local import new_op_id
 
     for name, val in (("--budget", budget), ("--ratios", ratios), ("--concurrency", concurrency)):
         if val is None:
             raise InvalidInput(name, "missing", fix="e.g. inv sweep --budget 96 --ratios 2:1,3:1,5:1 --concurrency 8,16,32")
-    if min_gain is not None:
-        sw.parse_min_gain(min_gain)  # refused before anything runs
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
+    state = rec.open_record(inv)
+    op = new_op_id("sweep")  # the sweep's operation in the journal, and its folder's name
+    folder = Path(out) if out else state.path / "sweeps" / op
     plan = sw.plan_sweep(budget, ratios, concurrency, wl, gpus_per_instance=inv.profile.gpus_per_instance, inv=inv,
-                         repeats=repeats, allow_partial=allow_partial)
+                         repeats=repeats, allow_partial=allow_partial, out_dir=folder,
+                         min_gain=sw.DEFAULT_MIN_GAIN if min_gain is None else min_gain, requests=requests,
+                         duration=duration, ignore_eos=ignore_eos, timeout_s=_num(timeout, "--timeout"))
     print(plan.render())
     if dry_run:
         return
-    per_request_timeout = _num(timeout, "--timeout")
-    state = state_for(inv)
-    folder = Path(out) if out else state.path / "sweeps" / new_op_id("sweep")
 
-    def run_cell(topo, conc, rep, run_dir):
-        n = None if duration is not None else (int(requests) if requests is not None else 4 * conc)
-        return run_bench(inv, state, wl, conc, n, duration, ignore_eos, run_dir,
-                         timeout=per_request_timeout, say=lambda s: None)
+    def run_cell(run: sw.CellRun):
+        return run_bench(inv, state, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
+                         run.run_dir, timeout=run.timeout_s, say=lambda s: None)
 
-    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv), run_cell=run_cell, out_dir=folder,
-                         min_gain=sw.DEFAULT_MIN_GAIN if min_gain is None else min_gain)
+    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, state), run_cell=run_cell, state=state, op=op, inv=inv)
     print(sw.render_matrix(m))
-    print(f"sweep folder: {folder} (matrix.txt, matrix.csv, matrix.json, runs/<cell>/ledger.*, plots)")
+    print(f"sweep folder: {folder} (matrix.txt, matrix.csv, matrix.json, runs/<cell>/ledger.*, plots); "
+          f"journal: `inv journal --op {op}`")
 
 
-def _live_scale_to(inv):
-    """The seam to deploy/scale: bring the cluster to a topology, verified, or raise."""
-    from pdops.ops import deploy as dep
-    from pdops.ops import scale as scale_mod
+def _live_scale_to(inv, state):
+    """The seam to deploy/scale, for the sweep's walk: bring the cluster to a topology, verified, or
+    raise. It runs inside the sweep's `sweep-scale` steps, under the lock the sweep holds for its whole
+    walk, on that same record (`state`): it plans from the revision current then and walks the deploy
+    or the change without taking the lock (pdops.ops.sweep.scale_live)."""
+    from pdops.ops import sweep as sw
 
-    def scale_to(topo):
-        state = dep.state_for(inv)
-        if state.current() is None:  # nothing live yet: the first cell deploys
-            plan = dep.plan_deploy(inv, topo, state)
-            print(plan.render())
-            from pdops.remote.hosts import connections
-
-            with connections(inv) as conns:
-                dep.execute_deploy(plan, **conns)
-            return
-        # the sweep owns the cluster between cells (no traffic to protect): a topology that must
-        # free a host before placing its new instance (3p1d -> 2p2d on four hosts) is allowed to dip
-        plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
-        print(plan.render())
-        if not plan.noop:
-            from pdops.remote.hosts import connections
-
-            with connections(inv) as conns:
-                scale_mod.execute_scale(plan, state, **conns)
-
-    return scale_to
+    return sw.scale_live(inv, state)
 
 
 @task(auto_shortflags=False, help={"inventory": "inventory (profile, GPUs per instance, NICs per instance); optional",

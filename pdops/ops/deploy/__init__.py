@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pdops.ops.deploy.actions import (both_sides, canary_pairs, configs_of, deliver, gateway_pid_of, register,
                                   running_evidence, start_gateway)
-from pdops.ops.deploy.execute import do_canary, execute_deploy
+from pdops.ops.deploy.execute import do_canary, execute_deploy, walk_deploy
 from pdops.ops.deploy.plan import DeployPlan, plan_deploy, plan_reconcile
 from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps,
                                 verify_running_step)
@@ -26,7 +26,7 @@ from pdops.record.local import local_dir
 __all__ = ["DeployPlan", "both_sides", "canary_pairs", "canary_step", "configs_of", "connect_step", "deliver",
            "delivery_steps", "do_canary", "execute_deploy", "gateway_pid_of", "plan_deploy", "plan_reconcile",
            "preflight_step", "register", "register_steps", "running_evidence", "start_gateway", "start_steps",
-           "state_for", "verify_running_step"]
+           "state_for", "verify_running_step", "walk_deploy"]
 
 
 def state_for(inv: Inventory, *, cached_ok: bool = False):

@@ -233,32 +233,38 @@ register_executors({"connect": do_connect, "preflight": do_preflight, "render": 
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
-    """Walk a deploy plan with the runner. Returns the verdict: the new revision, what was verified
-    and what could not be (skipped checks never count as verified). Raises with a verdict on failure.
-    `pool` and `gateway` are the operation's connections, opened by the caller (pdops.remote.hosts.connections)."""
+    """Walk a deploy plan with the runner, under the cluster lock (`walk_deploy`). Returns the verdict:
+    the new revision, what was verified and what could not be (skipped checks never count as
+    verified). Raises with a verdict on failure. `pool` and `gateway` are the operation's connections,
+    opened by the caller (pdops.remote.hosts.connections)."""
     if plan.change is not None:  # the deploy is a rolling change of the live cluster
         from pdops.ops.scale import execute_scale
 
         return execute_scale(plan.change, plan.state, say, pool=pool, gateway=gateway)
-    inv, pl = plan.inv, plan.placement
+    if plan.state is None:
+        raise PdopsError("a deploy plan without the record it was read from (plan it with plan_deploy): nothing was run",
+                         fix="a pdops bug to report")
+    op = new_op_id("deploy")
+    with plan.state.lock("deploy", op_id=op):
+        return walk_deploy(plan, op, say, pool=pool, gateway=gateway)
+
+
+def walk_deploy(plan: DeployPlan, op: str, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
+    """Walk a deploy plan under a lock the caller holds (`execute_deploy`, or `inv sweep` between its
+    rows): the verdict journalled, or the failure with what runs and what is current."""
     if plan.live is not None and not plan.steps:
         raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "
                       "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
     state = plan.state
-    if state is None:
-        raise PdopsError("a deploy plan without the record it was read from (plan it with plan_deploy): nothing was run",
-                         fix="a pdops bug to report")
-    op = new_op_id("deploy")
-    with state.lock("deploy", op_id=op):
-        state.check_basis(plan.basis)
-        ctx = RunContext(inv, state, op, say, pool, gateway, placement=pl)
-        try:
-            verdict = walk(plan.plan, ctx)
-        except PdopsError as exc:
-            _deploy_failed(ctx, exc)
-            raise
-        state.journal().step(op, "verdict", "ok", verdict)
-        return verdict
+    state.check_basis(plan.basis)
+    ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=plan.placement)
+    try:
+        verdict = walk(plan.plan, ctx)
+    except PdopsError as exc:
+        _deploy_failed(ctx, exc)
+        raise
+    state.journal().step(op, "verdict", "ok", verdict)
+    return verdict
 
 
 def _deploy_failed(ctx: RunContext, exc: PdopsError) -> None:

@@ -7,9 +7,11 @@ allowed: only reporting TPM per GPU keeps "more GPUs" from passing for "better r
 A topology that the inventory cannot place is "not tried" too. A budget that leaves no
 cell to run is refused as invalid input.
 
-Do (`execute_sweep`): per topology, scale to it (injected `scale_to`, and an optional
-`verify`), then run each concurrency (injected `run_cell`), `repeats` times. Every cell
-ends as one of:
+Do (`execute_sweep`): one runner plan (`SweepPlan.plan`, what `--dry-run` prints), walked under
+the cluster lock: `open-matrix`; per topology a `sweep-scale` step (through the injected
+`scale_to`, and an optional `verify`: a deploy if nothing is live, else the change planned from
+the revision current then) and one `sweep-run` step per concurrency x repeat (the injected
+`run_cell`); last, whatever happened, `write-matrix`. Every cell ends as one of:
 - measured: figures of each repeat, the median and the range/median spread; a run with
   failed requests is still measured but carries its mark everywhere it is shown;
 - tried and failed: the failure (scale failed, HTTP 503 on every request, run invalid...);
@@ -21,10 +23,10 @@ The knee of a ratio is the last concurrency whose next step adds less than `min_
 The package, by concern (each module imports only those listed before it):
 - ``plan``: parsing, the cells, the plan (pure);
 - ``matrix``: the knee, the table, the CSV, the plots;
-- ``execute``: the walk over topologies and concurrencies.
+- ``execute``: the executors of the plan's step kinds, the seams to the cluster, the walk.
 """
 
-from pdops.ops.sweep.execute import execute_sweep
+from pdops.ops.sweep.execute import CellRun, SweepContext, execute_sweep, scale_live
 from pdops.ops.sweep.matrix import (Knee, Matrix, cell_text, find_knee, load_matrix, matrix_csv_rows, plot_matrix,
                                 render_matrix, write_matrix)
 from pdops.ops.sweep.plan import (DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED, PLANNED, Cell, Ratio, SweepPlan,
@@ -33,5 +35,6 @@ from pdops.ops.sweep.plan import (DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED,
 __all__ = [
     "Ratio", "parse_ratios", "parse_concurrencies", "parse_min_gain", "Cell", "SweepPlan", "topology_for_ratio", "plan_sweep",
     "Knee", "find_knee", "Matrix", "cell_text", "render_matrix", "matrix_csv_rows", "write_matrix", "load_matrix",
-    "plot_matrix", "execute_sweep", "MEASURED", "FAILED", "NOT_TRIED", "PLANNED", "DEFAULT_MIN_GAIN",
+    "plot_matrix", "execute_sweep", "scale_live", "CellRun", "SweepContext", "MEASURED", "FAILED", "NOT_TRIED",
+    "PLANNED", "DEFAULT_MIN_GAIN",
 ]

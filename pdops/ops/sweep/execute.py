@@ -1,17 +1,72 @@
-"""Carrying a sweep out: per topology, scale to it, then run each concurrency, `repeats` times."""
+"""Carrying a sweep out: the executors of its step kinds, and the walk of its one plan under the lock.
+
+The plan (:attr:`pdops.ops.sweep.plan.SweepPlan.plan`) is `open-matrix`, then per row a
+`sweep-scale <topology>` step and one `sweep-run <topology> C<c> r<k>` step per concurrency x
+repeat, and the `always` step `write-matrix`. What passes between the steps is two declared
+outputs: `sweep_matrix` (the Matrix being filled) and `sweep_failed_rows` (ratio -> why its
+scale failed). The cluster is reached through the seams of :class:`SweepContext` (`scale_to`,
+`run_cell`, `verify`): the live ones (:func:`scale_live`, the CLI's bench run) or a test's fakes.
+
+Which failures stop the walk: none of a row's scale or of a run. A scale that fails (raises any
+Exception) is recorded as the state of the row's cells, with the reason, and listed as not
+verified; the row's runs are journalled as not run; the sweep goes on with the next row, planned
+from whatever revision is current then. A run that fails is recorded in its cell. What stops the
+walk is what is no measurement failure: Ctrl-C (the `always` step still writes the matrix and the
+plots), a step the runner itself refuses (a pdops bug: the plan's check, an unknown kind), and
+a matrix that cannot be written (`open-matrix`; a later write raises from its step: a sweep
+whose figures cannot be kept is not worth going on with).
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from pdops.ops.bench import Figures, describe_failures, fmt_int, fmt_s
 from pdops.errors import PdopsError
-from pdops.model.topology import Topology
+from pdops.model.topology import Topology, parse_topology
+from pdops.record.local import new_op_id
+from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 
-from pdops.ops.sweep.plan import DEFAULT_MIN_GAIN, FAILED, MEASURED, PLANNED, SweepPlan, parse_min_gain
+from pdops.ops.sweep.plan import FAILED, MEASURED, NOT_TRIED, PLANNED, SweepPlan, parse_min_gain
 from pdops.ops.sweep.matrix import Matrix, write_matrix
+
+
+@dataclass(frozen=True)
+class CellRun:
+    """One bench run as its `sweep-run` step decided it: what the `run_cell` seam is given.
+    `repeat` counts from 1; `requests` is None when the run lasts `duration` seconds."""
+
+    ratio: str
+    topology: Topology
+    concurrency: int
+    repeat: int
+    run_dir: Path
+    workload: str
+    requests: int | None = None
+    duration: float | None = None
+    ignore_eos: bool = False
+    timeout_s: float | None = None
+
+
+# brings the cluster to a topology (verified) or raises; may return what it walked (evidence)
+ScaleTo = Callable[[Topology], "dict | None"]
+# one bench run: Figures, or a BenchResult (with .figures and .run_dir)
+RunCell = Callable[[CellRun], object]
+
+
+@dataclass
+class SweepContext(RunContext):
+    """The runner's context with the sweep's seams to the cluster: the executors call them, never
+    the cluster directly, so a unit test replaces the cluster by giving others."""
+
+    scale_to: ScaleTo | None = None
+    run_cell: RunCell | None = None
+    verify: Callable[[Topology], None] | None = None
 
 
 def _figures_of(result) -> tuple[Figures, str | None]:
@@ -38,63 +93,189 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def execute_sweep(plan: SweepPlan, *, scale_to: Callable[[Topology], None],
-                  run_cell: Callable[[Topology, int, int, Path], object], out_dir: str | os.PathLike,
-                  verify: Callable[[Topology], None] | None = None, say: Callable[[str], None] = print,
-                  plots: bool = True, min_gain: float = DEFAULT_MIN_GAIN) -> Matrix:
-    """Carry out a sweep plan. `scale_to(topology)` brings the cluster to a topology (and
-    raises if it cannot); `verify(topology)` proves it; `run_cell(topology, concurrency,
-    repeat, run_dir)` returns Figures or a BenchResult. matrix.json is rewritten after
-    every cell, so an interrupted sweep keeps what it measured."""
-    from pdops.model.topology import parse_topology
+# ---------------------------------------------------------------- the executors, one per step kind
 
-    out = Path(out_dir)
-    m = Matrix.from_plan(plan)
-    m.min_gain = parse_min_gain(min_gain)
+def do_open_matrix(ctx: SweepContext, step: Step) -> Outcome:
+    """The matrix of every cell as planned (not-tried ones with their reason), written at once."""
+    m = Matrix.from_dict(copy.deepcopy(step.params["matrix"]))  # the plan's own params stay as planned
+    out = Path(step.params["out_dir"])
     write_matrix(m, out, plots=False)
-    for ratio in m.ratios:
-        topo_s = m.topologies.get(ratio)
+    ctx.give(step, "sweep_matrix", m)
+    todo = sum(c.state == PLANNED for c in m.cells)
+    return Outcome(evidence={"out_dir": str(out), "cells": len(m.cells), "to_run": todo,
+                             "not_tried": sum(c.state == NOT_TRIED for c in m.cells)},
+                   verified=[f"matrix of {len(m.cells)} cells written to {out / 'matrix.json'}"])
+
+
+def do_sweep_scale(ctx: SweepContext, step: Step) -> Outcome:
+    """Bring the cluster to the row's topology through the `scale_to` seam (and `verify`, if given).
+    A failure is the row's outcome, not the walk's: its cells are recorded failed with the reason,
+    the failure is listed as not verified, and the ratio is given in `sweep_failed_rows`."""
+    m: Matrix = ctx.get(step, "sweep_matrix")
+    ratio, topo = step.params["ratio"], parse_topology(step.params["topology"])
+    ctx.say(f"[{ratio}] scaling to {topo}")
+    try:
+        walked = ctx.scale_to(topo) or {}
+        if ctx.verify is not None:
+            ctx.verify(topo)
+    except Exception as exc:  # noqa: BLE001 - the row failed: recorded, and the sweep goes on (module docstring)
+        why = f"scale to {topo} failed: {_error_text(exc)}"
+        ctx.say(f"[{ratio}] {why}")
         cells = [c for c in m.cells if c.ratio == ratio and c.state == PLANNED]
-        if topo_s is None or not cells:
-            continue
-        topo = parse_topology(topo_s)
-        say(f"[{ratio}] scaling to {topo}")
-        try:
-            scale_to(topo)
-            if verify is not None:
-                verify(topo)
-        except Exception as exc:  # the whole row failed: record it, go on with the next ratio
-            why = f"scale to {topo} failed: {_error_text(exc)}"
-            say(f"[{ratio}] {why}")
-            for c in cells:
-                c.state, c.reason = FAILED, why
-            write_matrix(m, out, plots=False)
-            continue
         for c in cells:
-            for rep in range(plan.repeats):
-                run_dir = out / "runs" / f"{topo}-c{c.concurrency}-r{rep + 1}"
-                say(f"[{ratio}] {topo} C{c.concurrency} repeat {rep + 1}/{plan.repeats}")
-                try:
-                    figs, rd = _figures_of(run_cell(topo, c.concurrency, rep, run_dir))
-                except Exception as exc:
-                    c.runs.append({"error": _error_text(exc), "run_dir": str(run_dir)})
-                    say(f"    failed: {_error_text(exc)}")
-                    continue
-                entry = figs.to_dict()
-                entry["run_dir"] = rd or str(run_dir)
-                bad = _run_failure(figs)
-                if bad:
-                    entry["error"] = bad
-                c.runs.append(entry)
-                say(f"    {fmt_int(figs.total_tpm)} total TPM, TTFT p99 {fmt_s(figs.ttft_p99)}, "
-                    f"{figs.ok}/{figs.sent} ok" + (f" [{figs.mark}]" if figs.mark else ""))
-            if c.measured_runs():
-                c.state = MEASURED
-            else:
-                c.state = FAILED
-                c.reason = "; ".join(dict.fromkeys(r["error"] for r in c.runs if r.get("error")))
-            write_matrix(m, out, plots=False)
-    res = write_matrix(m, out, plots=plots)
+            c.state, c.reason = FAILED, why
+        ctx.give(step, "sweep_failed_rows", {ratio: why})
+        write_matrix(m, Path(step.params["out_dir"]), plots=False)
+        return Outcome("failed", evidence={"topology": str(topo), "scaled": False, "error": why,
+                                 "cells_failed": [f"{c.ratio}/C{c.concurrency}" for c in cells]},
+                       unverified=[f"{ratio} ({topo}) not measured: {why}"])
+    return Outcome(evidence={"topology": str(topo), "scaled": True, **walked},
+                   verified=[f"the cluster runs {topo}" + (f" ({walked['how']})" if walked.get("how") else "")])
+
+
+def do_sweep_run(ctx: SweepContext, step: Step) -> Outcome:
+    """One bench run through the `run_cell` seam; its figures (or its failure) into its cell, and
+    matrix.json written again. Not run (a no-op naming why) when its row's scale failed."""
+    m: Matrix = ctx.get(step, "sweep_matrix")
+    p = step.params
+    failed_rows = ctx.get(step, "sweep_failed_rows") or {}
+    if p["ratio"] in failed_rows:
+        return Outcome.noop(f"not run: {failed_rows[p['ratio']]}")
+    c = m.cell(p["ratio"], p["concurrency"])
+    topo = parse_topology(p["topology"])
+    run_dir = Path(p["run_dir"])
+    ctx.say(f"[{p['ratio']}] {topo} C{p['concurrency']} repeat {p['repeat']}/{p['repeats']}")
+    run = CellRun(p["ratio"], topo, p["concurrency"], p["repeat"], run_dir, p["workload"], p.get("requests"),
+                  p.get("duration"), bool(p.get("ignore_eos")), p.get("timeout_s"))
+    ev = {"ratio": p["ratio"], "topology": str(topo), "concurrency": p["concurrency"], "repeat": p["repeat"]}
+    try:
+        figs, rd = _figures_of(ctx.run_cell(run))
+    except Exception as exc:  # noqa: BLE001 - the run failed: recorded in its cell, the sweep goes on
+        entry = {"error": _error_text(exc), "run_dir": str(run_dir)}
+        ctx.say(f"    failed: {entry['error']}")
+    else:
+        entry = figs.to_dict()
+        entry["run_dir"] = rd or str(run_dir)
+        bad = _run_failure(figs)
+        if bad:
+            entry["error"] = bad
+        ctx.say(f"    {fmt_int(figs.total_tpm)} total TPM, TTFT p99 {fmt_s(figs.ttft_p99)}, "
+                f"{figs.ok}/{figs.sent} ok" + (f" [{figs.mark}]" if figs.mark else ""))
+    c.runs.append(entry)
+    if c.measured_runs():
+        c.state, c.reason = MEASURED, None
+    elif p["repeat"] >= p["repeats"]:  # every repeat ran and none measured
+        c.state = FAILED
+        c.reason = "; ".join(dict.fromkeys(r["error"] for r in c.runs if r.get("error")))
+    write_matrix(m, Path(p["out_dir"]), plots=False)
+    ev.update(run_dir=entry["run_dir"], cell_state=c.state,
+              **{k: entry.get(k) for k in ("sent", "ok", "total_tpm", "ttft_p99", "error", "mark") if entry.get(k)})
+    name = f"{p['ratio']}/C{p['concurrency']} repeat {p['repeat']}"
+    if entry.get("error"):
+        return Outcome(evidence=ev, unverified=[f"{name}: {entry['error']}"])
+    return Outcome(evidence=ev, verified=[f"{name}: {entry['ok']}/{entry['sent']} requests ok, in its ledger"],
+                   unverified=[f"{name}: {entry['mark']}"] if entry.get("mark") else [])
+
+
+def do_write_matrix(ctx: SweepContext, step: Step) -> Outcome:
+    """matrix.json/csv/txt and the plots of whatever the sweep measured (an `always` step)."""
+    m: Matrix | None = ctx.get(step, "sweep_matrix")
+    if m is None:
+        return Outcome.noop("no matrix: the sweep stopped before its first step")
+    res = write_matrix(m, Path(step.params["out_dir"]), plots=step.params.get("plots", True))
     if res["plots_skipped"]:
-        say(f"plots: {res['plots_skipped']}")
+        ctx.say(f"plots: {res['plots_skipped']}")
+    counts = {s: sum(c.state == s for c in m.cells) for s in (MEASURED, FAILED, NOT_TRIED, PLANNED)}
+    return Outcome(evidence={"paths": [str(x) for x in res["paths"]], "plots_skipped": res["plots_skipped"],
+                             "cells": counts, "knees": [k.describe() for k in m.knees()]},
+                   verified=[f"matrix files written: {', '.join(Path(x).name for x in res['paths'])}"])
+
+
+register_executors({"open-matrix": do_open_matrix, "sweep-scale": do_sweep_scale, "sweep-run": do_sweep_run,
+                    "write-matrix": do_write_matrix},
+                   gives={"open-matrix": ("sweep_matrix",), "sweep-scale": ("sweep_failed_rows",)},
+                   needs={"sweep-scale": ("sweep_matrix",), "sweep-run": ("sweep_matrix", "sweep_failed_rows?"),
+                          "write-matrix": ("sweep_matrix?",)})
+
+
+# ---------------------------------------------------------------- the walk
+
+def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, state,
+                  out_dir: str | os.PathLike | None = None, verify: Callable[[Topology], None] | None = None,
+                  say: Say = print, plots: bool | None = None, min_gain: float | None = None,
+                  op: str | None = None, inv=None) -> Matrix:
+    """Walk the sweep's one plan (:attr:`SweepPlan.plan`) with the runner, under the cluster lock
+    of `state` (the record: its lock, its journal), and return the matrix it filled. `out_dir`,
+    `plots` and `min_gain` given here replace the plan's own before its steps are made.
+
+    The seams: `scale_to(topology)` brings the cluster to a topology (verified) or raises, and may
+    return what it walked; `verify(topology)` proves it; `run_cell(CellRun)` returns Figures or a
+    BenchResult. They run inside the steps, under this lock, so they must not take it themselves
+    (:func:`scale_live` does not).
+
+    The lock is held for the whole walk, not per row: a bench run measures the cluster the sweep
+    scaled, so no other operator's change may land between a row's scale and its last run, nor
+    between rows (the next row is planned from the revision the previous one left). The shared
+    record also journals only through the lock's session: every step of the walk needs it held."""
+    changes: dict = {}
+    if out_dir is not None:
+        changes["out_dir"] = str(out_dir)
+    if plots is not None:
+        changes["plots"] = bool(plots)
+    if min_gain is not None:
+        changes["min_gain"] = parse_min_gain(min_gain)
+    if changes:
+        plan = dataclasses.replace(plan, **changes)
+    if plan.out_dir is None:
+        raise PdopsError("a sweep plan without its folder: nothing was run", fix="a pdops bug to report")
+    walked = plan.plan
+    op = op or new_op_id("sweep")
+    with state.lock("sweep", op_id=op):
+        ctx = SweepContext(inv, state, op, say, scale_to=scale_to, run_cell=run_cell, verify=verify)
+        try:
+            verdict = walk(walked, ctx)
+        except PdopsError as exc:
+            ctx.journal.step(op, "verdict", "failed", {"error": exc.render(), "completed": ctx.done})
+            raise
+        except KeyboardInterrupt:  # the `always` step wrote the matrix and the plots of what was measured
+            ctx.journal.step(op, "verdict", "interrupted", {"error": "interrupted by the operator",
+                                                            "completed": ctx.done})
+            raise
+        m: Matrix = ctx.output("sweep_matrix")
+        verdict.update(out_dir=plan.out_dir, cells={s: sum(c.state == s for c in m.cells)
+                                                    for s in (MEASURED, FAILED, NOT_TRIED, PLANNED)})
+        ctx.journal.step(op, "verdict", "ok", verdict)
     return m
+
+
+def scale_live(inv, state, say: Say = print) -> ScaleTo:
+    """The live `scale_to` seam, for a sweep walked under `state`'s lock (which it does not take):
+    a deploy when nothing is live, else the change planner's plan from the revision current now,
+    allowing the capacity dip (the sweep owns the cluster: no traffic to protect, and 3p1d -> 2p2d
+    on four hosts must free a host before placing its new instance). The plan is printed, then
+    walked with `walk_scale` (or the deploy's walk) as an operation of its own in the journal, on
+    connections opened for it. Returns what it walked: {how, op, revision}."""
+
+    def scale_to(topo: Topology) -> dict:
+        from pdops.ops import deploy as dep
+        from pdops.ops import scale as scale_mod
+        from pdops.remote.hosts import connections
+
+        if state.current() is None:  # nothing live yet: deploy
+            plan = dep.plan_deploy(inv, topo, state)
+            say(plan.render())
+            op = new_op_id("deploy")
+            with connections(inv) as conns:
+                v = dep.walk_deploy(plan, op, say, **conns)
+            return {"how": f"deployed as {op}", "op": op, "revision": (v or {}).get("revision")}
+        plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
+        say(plan.render())
+        if plan.noop:
+            return {"how": f"nothing to change: {plan.noop}", "op": None, "revision": state.current()}
+        op = new_op_id(plan.operation)
+        with connections(inv) as conns:
+            state.check_basis(plan.current.number)
+            v = scale_mod.walk_scale(plan, state, op, say, **conns)
+        return {"how": f"changed as {op}", "op": op, "revision": (v or {}).get("revision")}
+
+    return scale_to

@@ -1,5 +1,7 @@
 """The sweep's plan (pure): ratios x concurrencies on a fixed GPU budget, each cell planned,
-measured, failed or not tried with its reason."""
+measured, failed or not tried with its reason; and the one runner plan that carries it out
+(:attr:`SweepPlan.plan`): `open-matrix`, then per row a `sweep-scale` step and one `sweep-run`
+step per concurrency x repeat, and last, whatever happened, `write-matrix`."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from pdops.ops.bench import Workload, parse_concurrency, parse_positive_int
+from pdops.ops.bench.workload import Workload, parse_concurrency, parse_positive_int, stop_condition
 from pdops.errors import InvalidInput
 from pdops.model.topology import Topology
+from pdops.runner import Plan, Step
 
 
 MEASURED = "measured"
@@ -148,8 +151,15 @@ class Cell:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+# what `--out` is called in a plan made without its folder (a plan printed, never walked)
+NO_FOLDER = "<sweep folder>"
+
+
 @dataclass
 class SweepPlan:
+    """The cells (planned, or not tried with the reason) and how each run is made. `plan` is the
+    runner plan of it, built from these fields alone: what `--dry-run` prints is what is walked."""
+
     budget: int
     gpus_per_instance: int
     workload: str
@@ -159,11 +169,98 @@ class SweepPlan:
     cells: list[Cell]
     topologies: dict  # ratio -> topology string or None
     notes: list[str] = field(default_factory=list)
+    out_dir: str | None = None  # the sweep folder (matrix files, runs/<cell>/)
+    min_gain: float = DEFAULT_MIN_GAIN
+    requests: int | None = None  # per run; None: 4 x the concurrency (unless `duration`)
+    duration: float | None = None  # seconds per run instead of a number of requests
+    ignore_eos: bool = False
+    timeout_s: float | None = None  # per request (None: the bench's default)
+    plots: bool = True
 
     def runnable(self) -> list[Cell]:
         return [c for c in self.cells if c.state == PLANNED]
 
+    def requests_for(self, concurrency: int) -> int | None:
+        return None if self.duration is not None else (self.requests or 4 * concurrency)
+
+    @property
+    def folder(self) -> str:
+        return self.out_dir or NO_FOLDER
+
+    def run_dir(self, topology: str, concurrency: int, repeat: int) -> str:
+        """`repeat` counts from 1."""
+        return f"{self.folder}/runs/{topology}-c{concurrency}-r{repeat}"
+
+    @property
+    def plan(self) -> Plan:
+        """The sweep as one runner plan. Every row's scale is planned when its step runs (from the
+        revision current then), so the step names its dependency, not a plan made now."""
+        out = self.folder
+        skip = len(self.cells) - len(self.runnable())
+        steps = [Step("open-matrix", None, f"the matrix of {len(self.cells)} cells ({len(self.runnable())} to run"
+                      + (f", {skip} not tried with the reason" if skip else "") + "), in matrix.json now and again "
+                      "after every run (an interrupted sweep keeps what it measured)",
+                      kind="open-matrix", params={"out_dir": out, "matrix": self._matrix_doc()})]
+        first = True
+        for ratio in self.ratios:
+            topo = self.topologies.get(ratio)
+            cells = [c for c in self.cells if c.ratio == ratio and c.state == PLANNED]
+            if topo is None or not cells:
+                continue
+            runs = len(cells) * self.repeats
+            if first:
+                how = (f"deploy {topo} if nothing is live, else the change to {topo} planned from the revision "
+                       "current when this step starts")
+            else:
+                how = (f"the change to {topo}, planned from the revision current after the previous row (a deploy "
+                       "if nothing is live then)")
+            steps.append(Step(
+                f"sweep-scale {topo}", None,
+                f"{ratio}: {how}, printed when made; if it fails, the row's {runs} run(s) are not made, its cells "
+                "are recorded failed with the reason, and the sweep goes on",
+                kind="sweep-scale", params={"ratio": ratio, "topology": topo, "out_dir": out},
+                verifies=f"the cluster runs {topo}"))
+            first = False
+            for c in cells:
+                n = self.requests_for(c.concurrency)
+                load = f"{n} requests" if n is not None else f"for {self.duration:g}s"
+                for rep in range(1, self.repeats + 1):
+                    run_dir = self.run_dir(topo, c.concurrency, rep)
+                    steps.append(Step(
+                        f"sweep-run {topo} C{c.concurrency} r{rep}", None,
+                        f"bench {self.workload} at concurrency {c.concurrency}, {load}"
+                        + (", --ignore-eos" if self.ignore_eos else "")
+                        + (f", each request within {self.timeout_s:g}s" if self.timeout_s else "")
+                        + f" -> runs/{topo}-c{c.concurrency}-r{rep} (repeat {rep} of {self.repeats}; its figures, "
+                          f"or its failure, into cell {ratio}/C{c.concurrency})",
+                        kind="sweep-run",
+                        params={"ratio": ratio, "topology": topo, "concurrency": c.concurrency, "repeat": rep,
+                                "repeats": self.repeats, "run_dir": run_dir, "workload": self.workload,
+                                "requests": n, "duration": self.duration, "ignore_eos": self.ignore_eos,
+                                "timeout_s": self.timeout_s, "out_dir": out}))
+        always = [Step("write-matrix", None,
+                       f"matrix.json, matrix.csv, matrix.txt{' and the plots' if self.plots else ''} of whatever was "
+                       f"measured, with each ratio's knee (the first step adding under {self.min_gain:.0%} total TPM)",
+                       kind="write-matrix", params={"out_dir": out, "plots": self.plots})]
+        n = self.budget // self.gpus_per_instance
+        notes = list(self.notes) + [
+            "each row's scale is walked inside its step, under the sweep's lock, as an operation of its own in the "
+            "journal (its own plan record, steps and verdict), allowed to dip capacity: the sweep owns the cluster"]
+        return Plan("sweep", f"plan: sweep {self.workload} on a fixed budget of {self.budget} GPUs under the cluster "
+                    "lock", steps, notes=notes, always=always, always_on_interrupt=True,
+                    head={"budget": self.budget, "instances": n, "workload": self.workload, "ratios": self.ratios,
+                          "topologies": self.topologies, "concurrencies": self.concurrencies,
+                          "repeats": self.repeats, "out_dir": out})
+
+    def _matrix_doc(self) -> dict:
+        """The matrix the `open-matrix` step starts from (the fields of `matrix.Matrix`)."""
+        return {"budget": self.budget, "gpus_per_instance": self.gpus_per_instance, "workload": self.workload,
+                "ratios": list(self.ratios), "concurrencies": list(self.concurrencies),
+                "cells": [c.to_dict() for c in self.cells], "topologies": dict(self.topologies),
+                "repeats": self.repeats, "min_gain": self.min_gain}
+
     def render(self) -> str:
+        """What `--dry-run` prints: the cells per ratio, then the whole plan the runner walks."""
         n = self.budget // self.gpus_per_instance
         lines = [f"plan: sweep {self.workload} on a fixed budget of {self.budget} GPUs "
                  f"({n} instances of {self.gpus_per_instance} GPUs), {len(self.runnable())} of {len(self.cells)} cells "
@@ -178,7 +275,8 @@ class SweepPlan:
             skip = [f"C{c.concurrency} ({c.reason})" for c in cells if c.state == NOT_TRIED]
             lines.append(f"  {r} -> {topo} ({cells[0].gpus} GPUs): scale, verify, run {', '.join(todo) or 'nothing'}"
                          + (f"; not tried: {', '.join(skip)}" if skip else ""))
-        lines += [f"  note: {x}" for x in self.notes]
+        lines.append(f"  steps, under the cluster lock, into {self.folder}:")
+        lines += self.plan.render().splitlines()[1:]
         return "\n".join(lines)
 
 
@@ -200,10 +298,13 @@ def topology_for_ratio(budget: int, gpus_per_instance: int, ratio: Ratio, *, all
 
 def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: Sequence[int] | str,
                workload: Workload | str, *, gpus_per_instance: int, inv=None, repeats: int | str = 1,
-               allow_partial: bool = False) -> SweepPlan:
-    """Every (ratio, concurrency) cell, planned or not tried with its reason. Pure but for
-    the inventory's placement check. Raises InvalidInput if no cell can run."""
-    from pdops.ops.bench import parse_workload
+               allow_partial: bool = False, out_dir=None, min_gain: float = DEFAULT_MIN_GAIN,
+               requests: int | str | None = None, duration: float | str | None = None, ignore_eos: bool = False,
+               timeout_s: float | None = None, plots: bool = True) -> SweepPlan:
+    """Every (ratio, concurrency) cell, planned or not tried with its reason, and how each run is
+    made (`requests` per run, default 4 x C, or `duration` seconds; not both). Pure but for the
+    inventory's placement check. Raises InvalidInput if no cell can run."""
+    from pdops.ops.bench.workload import parse_workload
 
     budget = parse_positive_int(budget, "--budget", "GPU budget")
     repeats = parse_positive_int(repeats, "--repeats", "number of repeats")
@@ -233,7 +334,10 @@ def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: 
         for c in cs:
             cells.append(Cell(str(r), None if topo is None else str(topo), c,
                               PLANNED if topo is not None else NOT_TRIED, why, gpus=gpus))
-    plan = SweepPlan(budget, g, str(wl), [str(r) for r in rs], cs, repeats, cells, topologies, notes)
+    n_req, dur = (None, None) if requests is None and duration is None else stop_condition(requests, duration)
+    plan = SweepPlan(budget, g, str(wl), [str(r) for r in rs], cs, repeats, cells, topologies, notes,
+                     out_dir=None if out_dir is None else str(out_dir), min_gain=parse_min_gain(min_gain),
+                     requests=n_req, duration=dur, ignore_eos=bool(ignore_eos), timeout_s=timeout_s, plots=plots)
     if not plan.runnable():
         reasons = "; ".join(f"{r}: {next(c.reason for c in cells if c.ratio == r)}" for r in plan.ratios)
         raise InvalidInput("--budget", f"a budget of {budget} GPUs fits no topology of the requested ratios ({reasons})",
