@@ -38,7 +38,7 @@ def render(c, topology, inventory=DEFAULT_INVENTORY, out=None):
 @cli_errors
 def demo(c, hosts="4"):
     """What `make demo` runs: plan the reference fleet, boot a lab, deploy 2p1d, serve, drain p02, status."""
-    from pdops.demo import run_demo
+    from pdops.lab.demo import run_demo
 
     from pdops.lab import validate_host_count
 

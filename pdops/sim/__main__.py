@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio  # the heavy imports come after the fork
 
     if args.node_rank >= 1:
-        from pdops.sim.server import run_follower
+        from pdops.sim.follower import run_follower
 
         return asyncio.run(run_follower(args, children))
     from pdops.sim.server import SimServer

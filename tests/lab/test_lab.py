@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdops import lab as lab_api
+from pdops.lab import hostfiles, machine
 from pdops.errors import InvalidInput, Refused
 
 pytestmark = pytest.mark.lab
@@ -29,7 +30,7 @@ def _env():
 
 def _inits(lab) -> dict[int, int | None]:
     """Recorded init PID of every lab host (None when not recorded)."""
-    recs = {i: lab_api._read_record(lab_api.host_dir(lab.lab_dir, i)) for i in range(1, lab.n + 2)}
+    recs = {i: lab_api.read_record(lab_api.host_dir(lab.lab_dir, i)) for i in range(1, lab.n + 2)}
     return {i: (r or {}).get("init_pid") for i, r in recs.items()}
 
 
@@ -38,7 +39,7 @@ def _nothing_booted_beyond(lab, before: dict[int, int | None]):
     extra = lab.n + 1
     assert _inits(lab) == before
     assert before[extra] is None
-    assert extra not in lab_api._cgroup_indexes(lab_api.cgroup_mounts())
+    assert extra not in lab_api.cgroup_indexes(lab_api.cgroup_mounts())
     assert lab_api.host_cgroup_pids(extra) == []
 
 
@@ -149,7 +150,7 @@ def test_missing_binary_names_the_package(lab, monkeypatch, binary, package):
         (f"/nonexistent/pdops-lab/{binary}" if Path(b).name == binary else b): p
         for b, p in lab_api.REQUIRED_BINARIES.items()
     }
-    monkeypatch.setattr(lab_api, "REQUIRED_BINARIES", required)
+    monkeypatch.setattr(machine, "REQUIRED_BINARIES", required)  # check_binaries reads it there
     with pytest.raises(Refused, match=package) as err:
         lab_api.up(lab.n + 1)
     assert f"apt-get install -y {package}" in err.value.fix
@@ -158,7 +159,7 @@ def test_missing_binary_names_the_package(lab, monkeypatch, binary, package):
 
 def test_failed_safety_step_is_named_and_host_not_booted(lab, monkeypatch):
     before = _inits(lab)
-    monkeypatch.setattr(lab_api, "PRIVATE_TMPFS", lab_api.PRIVATE_TMPFS + ("/nonexistent-pdops-lab",))
+    monkeypatch.setattr(hostfiles, "PRIVATE_TMPFS", hostfiles.PRIVATE_TMPFS + ("/nonexistent-pdops-lab",))
     with pytest.raises(Refused, match="safety step private-tmpfs") as err:
         lab_api.up(lab.n + 1)
     assert lab_api.host_name(lab.n + 1) in err.value.message
@@ -188,15 +189,15 @@ def test_lifecycle_keeps_tmp_leaves_nothing_and_recovers_from_kill(lab):
 
         # Kill one host abruptly by its recorded PID: the next `up` cleans it and reboots it.
         victim = min(2, lab.n)
-        rec = lab_api._read_record(lab_api.host_dir(lab.lab_dir, victim))
+        rec = lab_api.read_record(lab_api.host_dir(lab.lab_dir, victim))
         os.kill(rec["init_pid"], signal.SIGKILL)
-        assert lab_api.wait_until(lambda: not lab_api._record_alive(rec), 10)
+        assert lab_api.wait_until(lambda: not lab_api.record_alive(rec), 10)
         result = lab_api.up(lab.n)
         assert result.booted == [victim] and result.cleaned == [victim]
         assert all(s.up for s in result)
 
         # Kill one abruptly again: `down` cleans it with the rest.
-        rec = lab_api._read_record(lab_api.host_dir(lab.lab_dir, 1))
+        rec = lab_api.read_record(lab_api.host_dir(lab.lab_dir, 1))
         os.kill(rec["init_pid"], signal.SIGKILL)
         lab_api.down()
         assert lab_api.lab_processes() == []

@@ -9,18 +9,20 @@ import time
 
 import yaml
 
+from pdops.facts import q
+from pdops.lab import lifecycle, report
+from pdops.lab.inventory import own_record
+from pdops.lab.paths import inventory_path, resolve_lab_dir
+from pdops.model.build import REPO, format_placement, load_and_place
+from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.topology import parse_topology
 from pdops.ops import deploy as dep
 from pdops.ops import drain as dr
-from pdops import lab as lab_api
 from pdops.ops.bench import compute_figures, format_table
-from pdops.remote.hosts import connections
-from pdops.model.inventory import load_inventory, single_file_doc
-from pdops.remote.load import send
-from pdops.model.build import REPO, format_placement, load_and_place
 from pdops.reads.status import collect_status, format_status
-from pdops.model.topology import parse_topology
+from pdops.remote.hosts import HostPool, connections
+from pdops.remote.load import send
 from pdops.runner import Say
-
 
 
 def _section(say: Say, title: str) -> None:
@@ -33,16 +35,16 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     say(format_placement(inv_ref, pl_ref))
 
     _section(say, f"2. lab: {hosts} real systemd + sshd hosts on 127.0.10.1..{hosts}")
-    result = lab_api.up(hosts)
-    for line in lab_api.format_status(result):
+    result = lifecycle.up(hosts)
+    for line in report.format_status(result):
         say("  " + line)
-    say(lab_api.summary_line(result, "ready"))
+    say(report.summary_line(result, "ready"))
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    where = lab_api.resolve_lab_dir() / "demo" / stamp
+    where = resolve_lab_dir() / "demo" / stamp
     where.mkdir(parents=True)
-    doc = single_file_doc(lab_api.inventory_path())
-    lab_api.own_record(doc, where)  # each demo is a cluster of its own
+    doc = single_file_doc(inventory_path())
+    own_record(doc, where)  # each demo is a cluster of its own
     (where / "hosts.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
     inv = load_inventory(where)
     _stop_previous(inv, say)
@@ -90,9 +92,6 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
 
 def _stop_previous(inv, say: Say) -> None:
     """A fresh demo: stop the units an earlier demo left on the lab hosts (by unit name)."""
-    from pdops.facts import q
-    from pdops.remote.hosts import HostPool
-
     with HostPool(inv) as pool:
         for h in inv.hosts:
             out = pool.run(h.name, "systemctl list-units --plain --no-legend --state=active,activating,deactivating,failed 'pdops-*' | awk '{print $1}'").stdout
