@@ -9,7 +9,7 @@ The package, by concern (each module imports only those listed before it):
 - ``actions``: what a step does on the hosts and the gateway (deliver, start, register, canary);
 - ``plan``: plan_deploy and plan_reconcile;
 - ``execute``: the executors, the records of a deploy and of a repair, the walk under the lock.
-``state_for`` (the cluster's record) is here until the record layer takes it.
+The cluster's record is opened by the caller (``pdops.record.open_record``) and passed in.
 """
 
 from __future__ import annotations
@@ -20,21 +20,8 @@ from pdops.ops.deploy.execute import do_canary, execute_deploy, walk_deploy
 from pdops.ops.deploy.plan import DeployPlan, plan_deploy, plan_reconcile
 from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps,
                                 verify_running_step)
-from pdops.model.inventory import Inventory
-from pdops.record.local import local_dir
 
 __all__ = ["DeployPlan", "both_sides", "canary_pairs", "canary_step", "configs_of", "connect_step", "deliver",
            "delivery_steps", "do_canary", "execute_deploy", "gateway_pid_of", "plan_deploy", "plan_reconcile",
            "preflight_step", "register", "register_steps", "running_evidence", "start_gateway", "start_steps",
-           "state_for", "verify_running_step", "walk_deploy"]
-
-
-def state_for(inv: Inventory, *, cached_ok: bool = False):
-    """The cluster's record, on its state host (`pdops_state`; pdops.record). `cached_ok`: a
-    read-only command may fall back to this machine's cached copy when the state host is down."""
-    from pdops.model.inventory import StateLocation
-    from pdops.record import SharedRecord, SSHTransport
-
-    where = inv.state or StateLocation(inv.gateway.host)
-    return SharedRecord(inv.cluster, local_dir(inv), where.host, where.dir, SSHTransport(inv, where.host),
-                        cached_ok=cached_ok)
+           "verify_running_step", "walk_deploy"]
