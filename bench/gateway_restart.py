@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from pdops.record import open_record  # noqa: E402
 from pdops.model import membership  # noqa: E402
-from pdops.sim.testing import _spawn, free_port, http, start_sim  # noqa: E402
+from pdops.sim.testing import spawn, free_port, http, start_sim  # noqa: E402
 
 
 def first_routed(launch: list[str], python: Path, prefill, decode, work: Path, env: dict | None = None) -> float:
@@ -36,7 +36,7 @@ def first_routed(launch: list[str], python: Path, prefill, decode, work: Path, e
                   f'{{"instance": "d01", "url": "{decode.url}", "worker_type": "decode"}}]}}')
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    g = _spawn([*launch, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+    g = spawn([*launch, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--disable-retries",
                ] + (["--worker-startup-check-interval", "2"] if env is None else []), env, "gateway")
     try:

@@ -139,7 +139,7 @@ class Proc:
             pass
 
 
-def _spawn(cmd: list[str], env: dict | None, name: str) -> Proc:
+def spawn(cmd: list[str], env: dict | None, name: str) -> Proc:
     fd, path = tempfile.mkstemp(prefix=f"pdops-{name}-", suffix=".log")
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -234,7 +234,7 @@ def start_sim(args: list[str] | None = None, env: dict | None = None, *, ready: 
         args += ["--disaggregation-bootstrap-port", bport]
     e = {"PDOPS_SIM_STARTUP_S": "0.05"}
     e.update(env or {})
-    proc = _spawn([sys.executable, "-m", "pdops.sim", *args], e, "sim")
+    proc = spawn([sys.executable, "-m", "pdops.sim", *args], e, "sim")
     h = SimHandle(proc, host, int(port), int(bport) if bport else None, mode, args)
     if ready:
         try:
@@ -311,7 +311,7 @@ def start_gateway(prefills=(), decodes=(), extra_args: list[str] | None = None, 
     cmd = [smg_path(), "launch", "--pd-disaggregation", "--host", host, "--port", str(port),
            "--prometheus-host", host, "--prometheus-port", str(prom), "--disable-retries",
            "--health-check-interval-secs", "1", *(extra_args or [])]
-    proc = _spawn(cmd, None, "gateway")
+    proc = spawn(cmd, None, "gateway")
     g = GatewayHandle(proc, host, port, prom)
     try:
         def up():
@@ -378,7 +378,7 @@ def start_haproxy(cfg, workdir, timeout: float = 10.0, *, stats_socket: str | No
 
     conf = write_haproxy_local(cfg, workdir, stats_socket=stats_socket)
     adm.check_config(conf)
-    proc = _spawn([shutil.which("haproxy") or adm.HAPROXY_BIN, "-Ws", "-f", str(conf)], None, "haproxy")
+    proc = spawn([shutil.which("haproxy") or adm.HAPROXY_BIN, "-Ws", "-f", str(conf)], None, "haproxy")
 
     def up():
         if not proc.alive():

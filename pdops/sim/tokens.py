@@ -12,7 +12,7 @@ import os
 import random
 
 # Short, distinct, lowercase words: none contains whitespace.
-_VOCAB = (
+VOCAB = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
     "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu "
     "red green blue cyan amber ivory onyx pearl ruby jade coral slate olive plum rust sand"
@@ -29,12 +29,12 @@ def make_prompt(n_tokens: int, seed: int = 0) -> str:
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
     rng = random.Random(seed)
-    return " ".join(rng.choice(_VOCAB) for _ in range(n_tokens))
+    return " ".join(rng.choice(VOCAB) for _ in range(n_tokens))
 
 
 def output_word(index: int) -> str:
     """The text of generated token number ``index`` (deterministic)."""
-    return _VOCAB[index % len(_VOCAB)]
+    return VOCAB[index % len(VOCAB)]
 
 
 class Counter:
