@@ -1,36 +1,25 @@
-"""DO layer: plans as data and the one runner that walks them; fan-out; checked remote commands.
+"""DO layer: plans as data and the one runner that walks them (fan-out and remote commands:
+pdops.fanout).
 
 A plan is a list of typed :class:`Step` s (id, kind, target, deadline, parameters, what it
 verifies, parallel group), made by a pure planner. :func:`walk` is the only code that
-carries a plan out: it runs each step's executor (one function per step kind, looked up in
-the table the operation passes), fans out consecutive steps of one parallel group and
+carries a plan out: it runs each step's executor (one function per step kind, in the one
+registry :data:`EXECUTORS`), fans out consecutive steps of one parallel group and
 collects every outcome before deciding, bounds each step by its own deadline, journals
 every step by its id with its target and evidence, records work already done as a no-op
 with its reason, stops at the first failed step, and builds the verdict only from what the
 steps verified. What ``--dry-run`` prints is :meth:`Plan.render` of the same list.
-
-Functions take the connection as an argument (a Fabric ``Connection`` or anything with
-the same ``run(command, warn=, hide=, timeout=)`` and ``host``); nothing is global.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, TypeVar
+from typing import Any, Callable
 
-from invoke.exceptions import CommandTimedOut
-from invoke.runners import Result
-
-from pdops.errors import PdopsError, RemoteCommandFailed, Unreachable, Unverified
-
-T = TypeVar("T", bound=Hashable)
-R = TypeVar("R")
-
-TIMEOUT_EXIT = 124  # as timeout(1)
+from pdops.errors import PdopsError, Unverified
+from pdops.fanout import run_parallel
 
 
 @dataclass(eq=False)
@@ -38,9 +27,12 @@ class Step:
     """One step of a plan. ``name`` is its id, unique within the operation (it carries the
     instance id where there is one: ``start p01``, ``drain d02: empty-check-1``); ``kind``
     picks its executor in the one registry (:data:`EXECUTORS`), and is always given, never read
-    from the id; ``deadline`` is
-    the budget in seconds that bounds the step (None: no limit); steps with the same
-    ``group`` that follow each other run in parallel."""
+    from the id; ``deadline`` is the budget in seconds that bounds the step (None: no limit);
+    steps with the same ``group`` that follow each other run in parallel. What a step gives the
+    steps after it and reads from them (names in :data:`OUTPUTS`) is declared by its kind in the
+    registry (``gives``, ``needs``; a need ending in "?" is read only if an earlier step gave it);
+    checked when a plan is walked (:meth:`Plan.check`) and at run time (:meth:`RunContext.get`,
+    :meth:`RunContext.give`)."""
 
     name: str
     host: str | None
@@ -50,13 +42,6 @@ class Step:
     params: dict = field(default_factory=dict)
     group: str | None = None
     verifies: str = ""
-    # the outputs (names in :data:`OUTPUTS`) this step gives the steps after it, and those it reads
-    # from earlier steps, beyond what its kind declares in the registry (register_executors); a
-    # name ending in "?" is read only if an earlier step gave it (e.g. the instances started so
-    # far: none is a valid answer). Checked when a plan is walked (:meth:`Plan.check`) and at run
-    # time (:meth:`RunContext.get`, :meth:`RunContext.give`).
-    extra_gives: tuple[str, ...] = ()
-    extra_needs: tuple[str, ...] = ()
     # (output name, True/False): the step runs only if that output, given by an earlier step, is
     # truthy (True) or not (False; also when no step gave it); otherwise it is journalled as a no-op
     # naming the condition. Printed with the step ("only if probe_keep").
@@ -64,11 +49,11 @@ class Step:
 
     @property
     def gives(self) -> tuple[str, ...]:
-        return KIND_IO.get(self.kind, ((), ()))[0] + self.extra_gives
+        return KIND_IO.get(self.kind, ((), ()))[0]
 
     @property
     def needs(self) -> tuple[str, ...]:
-        return KIND_IO.get(self.kind, ((), ()))[1] + self.extra_needs
+        return KIND_IO.get(self.kind, ((), ()))[1]
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -122,11 +107,10 @@ class Plan:
     # what runs when a step fails, in order, before the failure is raised: each rescue step reads
     # what the walk did (the context), is journalled by its id, and never hides the failure
     rescue: list[Step] = field(default_factory=list)
-    # what runs last whatever the outcome (after the steps, or after the rescue), e.g. publishing
-    # the Prometheus targets of what is current. Journalled by id; one that fails is said and
-    # journalled, never hides the walk's failure and never fails a walk that passed. Not after an
-    # interrupt (Ctrl-C stops at once). The cluster lock is not a step: the caller's `with` holds
-    # it around the walk and the verdict, because the shared record journals through its session.
+    # what runs last whatever the outcome (after the steps or the rescue), e.g. publishing the
+    # Prometheus targets of what is current; one that fails is said and journalled, never hides the
+    # walk's failure nor fails a walk that passed. The cluster lock is not a step: the caller's
+    # `with` holds it around the walk and the verdict (the shared record journals through it).
     always: list[Step] = field(default_factory=list)
     # run the `always` steps after an interrupt too (a probe's way back: a candidate is never left
     # behind); other plans stop at once on Ctrl-C
@@ -514,63 +498,3 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
 
 
 register_executors({"walk-plan": do_walk_plan}, gives={"walk-plan": ("plan_verdicts",)})
-
-
-def run_parallel(items: Iterable[T], fn: Callable[[T], R], max_workers: int | None = None) -> dict[T, R | Exception]:
-    """Run ``fn(item)`` for every item in threads; collect each result or exception.
-
-    Never raises for one item's failure: the caller sees every host's outcome and decides
-    (fabric ``GroupResult`` style). Order of the returned dict follows ``items``.
-    """
-    items = list(items)
-    if not items:
-        return {}
-    workers = max_workers or len(items)
-    results: dict[T, R | Exception] = {}
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {item: pool.submit(fn, item) for item in items}
-        for item, fut in futures.items():
-            try:
-                results[item] = fut.result()
-            except Exception as e:  # noqa: BLE001 - collected for the caller
-                results[item] = e
-    return results
-
-
-def failures(results: dict[T, Any]) -> dict[T, Exception]:
-    """The items whose outcome is an exception."""
-    return {k: v for k, v in results.items() if isinstance(v, Exception)}
-
-
-def succeeded(results: dict[T, Any]) -> dict[T, Any]:
-    return {k: v for k, v in results.items() if not isinstance(v, Exception)}
-
-
-def _host(conn) -> str:
-    return str(getattr(conn, "host", None) or "local")
-
-
-def run_remote(conn, command: str, *, hide: bool | str = True, timeout: float | None = None) -> Result:
-    """Run ``command`` on ``conn``; RemoteCommandFailed on non-zero exit or timeout,
-    Unreachable when the connection itself fails."""
-    host = _host(conn)
-    try:
-        result = conn.run(command, warn=True, hide=hide, timeout=timeout, in_stream=False)
-    except CommandTimedOut as e:
-        out = (e.result.stdout or "") + (e.result.stderr or "")
-        raise RemoteCommandFailed(host, command, TIMEOUT_EXIT,
-                                  out + f"\n(timed out after {timeout}s)") from None
-    except PdopsError:
-        raise
-    except (socket.error, EOFError) as e:
-        raise Unreachable(f"{host}: connection failed running `{command}`: {e}",
-                          fix="check that the host is up and SSH answers") from None
-    except Exception as e:
-        # paramiko's SSHException / NoValidConnectionsError / AuthenticationException
-        if type(e).__module__.startswith("paramiko"):
-            raise Unreachable(f"{host}: SSH failed: {type(e).__name__}: {e}") from None
-        raise
-    if result.exited != 0:
-        raise RemoteCommandFailed(host, command, result.exited,
-                                  (result.stdout or "") + (result.stderr or ""))
-    return result

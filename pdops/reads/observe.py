@@ -19,7 +19,7 @@ from pdops.remote.hosts import HostPool
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.render import GATEWAY_UNIT
-from pdops.runner import run_parallel
+from pdops.fanout import run_parallel
 from pdops.record.local import Revision
 
 

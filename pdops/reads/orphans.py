@@ -25,7 +25,8 @@ from pdops.errors import PdopsError
 from pdops.facts import q, requestlog
 from pdops.remote.hosts import http_json
 from pdops.model.placement import Instance, Placement
-from pdops.runner import Outcome, RunContext, Step, register_executors, run_parallel
+from pdops.runner import Outcome, RunContext, Step, register_executors
+from pdops.fanout import run_parallel
 
 GRACE_S = 5.0
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0

@@ -33,7 +33,7 @@ from pdops.remote.gateway import GatewayClient
 from pdops.remote.hosts import HostPool, http_json
 from pdops.reads.identity import record_identity
 from pdops.model.inventory import Inventory
-from pdops.runner import run_parallel
+from pdops.fanout import run_parallel
 from pdops.record.local import local_dir
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")

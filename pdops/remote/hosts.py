@@ -14,7 +14,7 @@ from fabric import Config, Connection
 from pdops.errors import Unreachable
 from pdops.facts import systemd as systemd_facts
 from pdops.model.inventory import Inventory
-from pdops.runner import run_remote
+from pdops.fanout import run_remote
 
 # A host that accepts TCP on its SSH port but does not speak SSH (sshd past MaxStartups, a load
 # balancer) fails paramiko's handshake in its transport thread, which logs the traceback at
@@ -64,7 +64,7 @@ class HostPool:
     def connect_all(self, hosts: list[str]) -> dict[str, str]:
         """Reach every host in parallel (one SSH round trip each); Unreachable naming every
         host that failed, before anything is changed. Returns each host's systemd state."""
-        from pdops.runner import failures, run_parallel
+        from pdops.fanout import failures, run_parallel
 
         res = run_parallel(hosts, lambda h: self.run(h, "systemctl is-system-running || true", timeout=20).stdout.strip())
         bad = failures(res)

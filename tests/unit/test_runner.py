@@ -7,7 +7,8 @@ import pytest
 from invoke import Context
 
 from pdops.errors import RemoteCommandFailed, Unreachable
-from pdops.runner import Step, failures, run_parallel, run_remote, succeeded
+from pdops.runner import Step
+from pdops.fanout import failures, run_parallel, run_remote, succeeded
 
 
 class LocalConn(Context):

@@ -19,7 +19,8 @@ from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
-from pdops.runner import Say, failures, run_parallel
+from pdops.runner import Say
+from pdops.fanout import failures, run_parallel
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
 

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 from pdops.errors import PdopsError, Refused
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Placement, place
-from pdops.runner import Say, run_parallel
+from pdops.runner import Say
+from pdops.fanout import run_parallel
 from pdops.model.topology import Topology
 from pdops.facts.host import ReadError
 from pdops.reads.preflight.batch import SECTIONS, Section, batch_command, gid_section, parse_sections

@@ -15,7 +15,7 @@ from pdops.errors import Unverified
 from pdops.facts import q
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Placement
-from pdops.runner import run_parallel
+from pdops.fanout import run_parallel
 from pdops.reads.preflight.checks import Facts, PAIRING
 from pdops.reads.preflight.expected import PortUse, describe_holders, free_rpc_port, held_by_owner, port_holders
 from pdops.reads.checks import CheckResult, fail_result, ok_result

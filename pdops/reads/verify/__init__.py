@@ -18,7 +18,7 @@ def run_verify(inv: Inventory, state) -> str:
     each failure if any fails, else one line of what passed and what was skipped, and why."""
     from pdops.remote.hosts import connections
     from pdops.reads.observe import observe
-    from pdops.runner import run_parallel
+    from pdops.fanout import run_parallel
 
     rev = state.current_revision()
     if rev is None:
