@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from pdops.errors import PdopsError, Unverified
 from pdops.fanout import run_parallel
+from pdops.outputs import OUTPUTS
 
 
 @dataclass(eq=False)
@@ -115,6 +116,7 @@ class Plan:
     # run the `always` steps after an interrupt too (a probe's way back: a candidate is never left
     # behind); other plans stop at once on Ctrl-C
     always_on_interrupt: bool = False
+    suffix: dict = field(default_factory=dict)  # step id -> text printed after its line (a change's capacity)
 
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
@@ -177,10 +179,13 @@ class Plan:
                 lines.append("  if a step fails, then (rescue), and the failure is reported:")
             if num == "A1":
                 lines.append("  whatever the outcome, last (always):")
-            lines.append(f"  {num:>2}. {s.line()}" if num[0] not in "RA" else f"  {num}. {s.line()}")
+            lines.append((f"  {num:>2}. " if num[0] not in "RA" else f"  {num}. ") + s.line() + self.suffix.get(s.name, ""))
             lines += uses(num, s)
             if s.kind == "walk-plan":  # the plan it walks, step by step
                 lines += ["      " + ln for ln in s.params["plan"].render().splitlines()[1:]]
+            elif s.params.get("may_run"):  # the steps it may run, as it decides (each journalled by id)
+                lines.append("        may run, as the step decides:")
+                lines += [f"      {k:2d}. {sub.line()}" for k, sub in enumerate(s.params["may_run"], 1)]
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -198,35 +203,6 @@ class Plan:
 
 # Where an operation's progress lines go: print, or a test's list.append. The one definition.
 Say = Callable[[str], None]
-
-
-# The one table of what a step may give the steps after it: name -> what it holds. A step declares
-# the names it gives and reads (Step.gives, Step.needs); nothing else passes between executors.
-OUTPUTS: dict[str, str] = {
-    "build": "the folder of this operation's rendered files (a Path)",
-    "started": "the host:unit names this operation started (a list)",
-    "started_instances": "instance id -> the Instance this operation started",
-    "healthy": "the ids of the instances whose start passed its health gate (a set)",
-    "main_pids": "instance id -> {host:unit: MainPID} read when it turned healthy",
-    "posted": "the ids of the instances whose registration was sent to the gateway (a set)",
-    "workers": "instance id -> the gateway's worker id of its registration",
-    "running": "host:unit -> what verify-running read (MainPID, its config id, ...)",
-    "left_gateway": "the ids of the instances a change took out of the gateway (a list)",
-    "drained": "the ids of the instances a change drained and stopped (a list)",
-    "replaced_out": "the ids of the instances whose old process a change stopped (a list)",
-    "drain_state": "instance id -> {already_stopped: bool} read at a drain's first step",
-    "accepted_loss": "instance id -> the request ids a --force-after drain stopped with",
-    "lost_work": "instance id -> {lost, failed}: the request ids an ended process never finished",
-    "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",
-    "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
-    "admission_keys": "the key rotation: {main_pid, added, revoked}",
-    "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
-    "probe_result": "a probe's measured outcome per request",
-    "probe_keep": "whether a probe keeps its bundle (--keep and every request ok)",
-    "plan_verdicts": "walk-plan step id -> the verdict of the plan it walked (e.g. the revision recorded)",
-    "sweep_matrix": "the sweep's Matrix being filled (pdops.ops.sweep.matrix): every cell, its runs and state",
-    "sweep_failed_rows": "ratio -> why its sweep-scale step failed (its runs are not made)",
-}
 
 
 @dataclass
@@ -367,6 +343,8 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     plan.check()
     walked = {s.name: s.params["plan"].step_ids() + [r.name for r in s.params["plan"].rescue + s.params["plan"].always]
               for s in plan.steps + plan.rescue + plan.always if s.kind == "walk-plan"}
+    walked.update({s.name: [sub.name for sub in s.params["may_run"]] for s in plan.steps + plan.rescue + plan.always
+                   if s.params.get("may_run")})
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {}),
                                             **({"always": [s.name for s in plan.always]} if plan.always else {}),

@@ -4,6 +4,8 @@ state dir, optional profile and changes), the CLI as a user runs it, a clean sla
 
 from __future__ import annotations
 
+import re
+
 import contextlib
 import subprocess
 import sys
@@ -258,3 +260,30 @@ def received_rids(inv_dir: Path, rids: set[str]) -> set[str]:
         for h, u in sorted(units):
             seen |= set(requestlog.parse(pool.run(h, requestlog.command(u), timeout=60).stdout).received)
     return seen & rids
+
+
+_NUMBERED = re.compile(r"^\s+(?:[RA])?\d+\. (.+?) — ")
+
+
+def assert_journal_walks_the_printed_plan(state, kind: str, out: str, walk_plans: set[str] = frozenset()) -> list[str]:
+    """What an operation printed before it ran (its steps, rescue and always steps, and every plan
+    a walk-plan step walks, printed under it) is what its journal shows: the journalled step ids
+    of its newest operation of `kind`, in order, are among those printed, in that order; each
+    walk-plan step (`walk_plans`) is journalled, and the plan record lists the ids it walks.
+    Returns the journalled ids."""
+    printed = [m.group(1) for m in map(_NUMBERED.match, out.splitlines()) if m]
+    j = state.journal()
+    op = [o for o in j.operations() if o.startswith(kind + "-")][-1]
+    recs = [r for r in j.read(op) if not r["step"].startswith("lock.")]
+    assert recs[0]["step"] == "plan", recs[0]
+    if walk_plans:
+        assert set(recs[0]["evidence"]["walks"]) == set(walk_plans), recs[0]
+    journalled = [r["step"] for r in recs[1:] if r["step"] not in ("probe-result", "verdict")]
+    assert set(walk_plans) <= set(journalled), journalled
+    i = 0
+    for sid in (s for s in journalled if s not in walk_plans):
+        while i < len(printed) and printed[i] != sid:
+            i += 1
+        assert i < len(printed), (sid, journalled, printed)  # journalled, but not printed in this order
+        i += 1
+    return journalled

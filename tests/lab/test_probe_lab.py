@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, cli, deployed, record
+from tests.lab.clusters import assert_journal_walks_the_printed_plan, REPO, cli, deployed, record
 
 pytestmark = pytest.mark.lab
 
@@ -75,31 +75,6 @@ def assert_baseline(lab, inv_dir: Path, before: dict, out: str, *, verify: bool 
         assert "LoadState=not-found" in shown and "ActiveState=inactive" in shown and "No such file" in shown, shown
 
 
-_NUMBERED = re.compile(r"^\s+(?:[RA])?\d+\. (.+?) — ")
-
-
-def assert_journal_walks_the_printed_plan(inv_dir: Path, out: str, walk_plans: set[str]) -> None:
-    """What the probe printed before it ran (its steps, then its way back, every plan the way back
-    walks printed under it) is what its journal shows: the journalled step ids, in order, are among
-    those printed, in that order; each way-back step (`walk_plans`) is journalled (run, or a no-op
-    naming its condition); the plan record lists the way back's own ids."""
-    printed = [m.group(1) for m in map(_NUMBERED.match, out.splitlines()) if m]
-    j = record(inv_dir).journal()
-    op = [o for o in j.operations() if o.startswith("probe-")][-1]
-    recs = [r for r in j.read(op) if not r["step"].startswith("lock.")]
-    plan_rec = recs[0]
-    assert plan_rec["step"] == "plan" and set(plan_rec["evidence"]["always"]) == walk_plans, plan_rec
-    assert set(plan_rec["evidence"]["walks"]) == walk_plans
-    journalled = [r["step"] for r in recs[1:] if r["step"] not in ("probe-result", "verdict")]
-    assert walk_plans <= set(journalled), journalled
-    i = 0
-    for sid in (s for s in journalled if s not in walk_plans):
-        while i < len(printed) and printed[i] != sid:
-            i += 1
-        assert i < len(printed), (sid, journalled, printed)  # journalled in an order the plan did not print
-        i += 1
-
-
 def probe(inv_dir, root, kind, *more):
     proc = cli(inv_dir, "probe", "--bundle", str(root / f"{kind}.yml"), "--spare", "--workload", "380k/8", *more)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -130,7 +105,7 @@ def test_three_probes_the_table_and_the_restored_baseline(lab, live):
     assert_baseline(lab, inv_dir, before, out)
 
     out = probe(inv_dir, root, "ok")
-    assert_journal_walks_the_printed_plan(inv_dir, out, {"probe-remove"})
+    assert_journal_walks_the_printed_plan(record(inv_dir), "probe", out, {"probe-remove"})
     assert "changes 1 variable(s)" in out and "--max-running-requests: 64 -> 4" in out
     assert "probe T2 of bundle 'T6' on p02, d02: 4/4 ok" in out and "[mixed]" not in out
     assert_baseline(lab, inv_dir, before, out)
@@ -201,7 +176,7 @@ def test_a_serving_pair_is_probed_out_of_the_gateway_restored_or_kept(live_2p2d)
                "--keep")
     assert kept.returncode == 0, kept.stdout + kept.stderr
     assert "4/4 ok" in kept.stdout and "kept as a new revision" in kept.stdout
-    assert_journal_walks_the_printed_plan(inv_dir, kept.stdout, {"restore", "keep"})
+    assert_journal_walks_the_printed_plan(record(inv_dir), "probe", kept.stdout, {"restore", "keep"})
     statuses = {r["step"]: r["status"] for r in record(inv_dir).journal().read(
         [o for o in record(inv_dir).journal().operations() if o.startswith("probe-")][-1])}
     assert statuses["restore"] == "noop" and statuses["keep"] == "ok"  # the condition decided, as printed

@@ -12,7 +12,7 @@ from tests.lab.clusters import deployed, inv_cmd, record
 
 pytestmark = pytest.mark.lab
 
-_LINE = re.compile(r"^\s+\d+\. (.+?) — ")
+_LINE = re.compile(r"^ {1,5}\d+\. (.+?) — ")  # a plan's own steps (a walked or may-run step is indented deeper)
 _ALWAYS = re.compile(r"^\s+A\d+\. (.+?) — ")  # what runs last whatever the outcome
 PARALLEL = "(in parallel with the rest of its group)"
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.lab.clusters import REPO, Load, deployed, record
+from tests.lab.clusters import assert_journal_walks_the_printed_plan, REPO, Load, deployed, record
 
 from pdops.remote.gateway import GatewayClient
 from pdops.model.inventory import load_inventory
@@ -179,6 +179,10 @@ def test_a_change_that_fails_midway_leaves_the_old_topology_serving(cluster, lab
     _assert_status(cluster, 4, "2p1d", ["p01", "p02", "d01"])
     verdicts = [r for r in cluster.state.journal().records() if r["step"] == "verdict"]
     assert verdicts[-1]["status"] == "failed" and verdicts[-1]["evidence"]["current"] == 4
+    # the rescue that ran is the one the plan printed before it started: R1 undo-added (and the steps
+    # it may run, printed under it: here the verified stop of p03, never registered), R2 record-halt
+    walked = assert_journal_walks_the_printed_plan(cluster.state, "scale", proc.stdout, {"undo-added"})
+    assert "start p03" in walked and walked[-3:] == ["undo-added", "record-halt", "publish-targets"], walked
 
 
 def test_rollback_returns_to_3p1d_under_load(cluster):

@@ -102,7 +102,7 @@ class ScalePlan:
     @property
     def plan(self) -> Plan:
         op = self.operation
-        return Plan(op, self.render().splitlines()[0], self.run,
+        return Plan(op, self.headline(), self.run,
                     head={"from": self.current.number, "to": str(self.target.topology), "rollback_of": self.rollback_of,
                           "added": [i.id for i in self.added], "removed": [i.id for i in self.removed],
                           "replaced": {i.id: self.why[i.id] for i in self.replaced}, "waves": self.waves,
@@ -110,7 +110,17 @@ class ScalePlan:
                           "kept": [i.id for i in self.kept], "dip": self.dip, "broken": self.broken,
                           **({"observed": {"not_serving": self.seen.not_serving, "gateway": self.seen.gateway}}
                              if self.seen is not None else {})},
-                    rescue=self.rescue, always=always_steps())
+                    rescue=self.rescue, always=always_steps(), suffix=self._capacity_after())
+
+    def _capacity_after(self) -> dict[str, str]:
+        """Step id -> the serving capacity after it, for the steps that change it."""
+        out = {}
+        for st in self.steps:
+            last = {"add": f"register {st.instance.id}", "drain": f"drain {st.instance.id}: verify-stop",
+                    "replace-out": f"replace {st.instance.id}: verify-stop",
+                    "replace-in": f"register {st.instance.id}"}[st.kind]
+            out[last] = f" => serving {st.capacity[0]} prefill, {st.capacity[1]} decode"
+        return out
 
     @property
     def hosts(self) -> list[str]:
@@ -123,7 +133,7 @@ class ScalePlan:
         caps = [self.start_capacity] + [s.capacity for s in self.steps]
         return (min(c[0] for c in caps), min(c[1] for c in caps))
 
-    def render(self) -> str:
+    def headline(self) -> str:
         cur = self.current
         verb = f"rollback to revision {self.rollback_of}" if self.rollback_of else "scale"
         head = (f"plan: {verb}: {self.inv.cluster} from revision {cur.number} ({cur.topology}) "
@@ -132,6 +142,11 @@ class ScalePlan:
             r = self.repair
             head = (f"plan: repair {r['instance']} of {self.inv.cluster} (revision {cur.number}, {cur.topology}): "
                     f"observed {r['state']}" + (f": {'; '.join(r['reasons'])}" if r["reasons"] else " (--force)"))
+        return head
+
+    def render(self) -> str:
+        cur = self.current
+        head = self.headline()
         if self.noop:
             return head + f"\nno change: {self.noop}"
         lines = [head]
@@ -175,21 +190,7 @@ class ScalePlan:
                      + f" (untouched: {self.kept_files} rendered files identical to revision {cur.number})")
         p0, d0 = self.start_capacity
         lines.append(f"  serving now: {p0} prefill, {d0} decode; under the cluster lock, the steps:")
-        cap_after = {}
-        for st in self.steps:
-            last = {"add": f"register {st.instance.id}", "drain": f"drain {st.instance.id}: verify-stop",
-                    "replace-out": f"replace {st.instance.id}: verify-stop",
-                    "replace-in": f"register {st.instance.id}"}[st.kind]
-            cap_after[last] = st.capacity
-        for n, st in enumerate(self.run, 1):
-            cap = cap_after.get(st.name)
-            lines.append(f"    {n:2d}. {st.line()}" + (f" => serving {cap[0]} prefill, {cap[1]} decode" if cap else ""))
-        rescue = self.rescue
-        if rescue:
-            lines.append("  if a step fails, then (rescue), and the failure is reported:")
-            lines += [f"    R{n}. {st.line()}" for n, st in enumerate(rescue, 1)]
-        lines.append("  whatever the outcome, last (always):")
-        lines += [f"    A{n}. {st.line()}" for n, st in enumerate(always_steps(), 1)]
+        lines += ["  " + ln for ln in self.plan.render().splitlines()[1:]]
         mp, md = self.min_capacity()
         tp, td = len(self.target.role("prefill")), len(self.target.role("decode"))
         lines.append(f"  lowest capacity during the change: {mp} prefill (old {p0}, new {tp}), "

@@ -214,14 +214,19 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
         return []
     inv = plan.inv
     out: list[Step] = []
-    started = [s.instance.id for s in plan.steps if s.kind in ("add", "replace-in")]
+    started_insts = [s.instance for s in plan.steps if s.kind in ("add", "replace-in")]
+    started = [i.id for i in started_insts]
     if started:
+        # the most each undo may run (a registered instance's drain; an unregistered one runs only
+        # its verified stop, the last three of them): printed under the step, journalled by id
+        may_run = [s for i in started_insts for s in undo_steps(i, plan, registered=True, listened=True,
+                                                                              worker_id="<its register step's>")]
         budget = float(inv.drain_budget_s) + inv.stop_timeout_s + 180
         out.append(Step("undo-added", None, f"each of {', '.join(started)} that its `start` step started: kept if it "
                         "serves in place of one already drained or replaced (its `register` step passed), otherwise "
                         "drained if its `register` step ran (leave the gateway, wait empty, verified stop), else the "
                         "verified stop alone", budget * len(started), kind="undo-added",
-                        params={"instances": started, "change": change_facts(plan)}))
+                        params={"instances": started, "change": change_facts(plan), "may_run": may_run}))
     taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
     if taken_out:
         out.append(Step("restore-service", inv.gateway.host, f"each of {', '.join(taken_out)} whose `leave-gateway` "

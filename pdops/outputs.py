@@ -1,0 +1,29 @@
+"""What one step of a plan may hand the steps after it: the one table of output names and what
+each holds. A step kind declares in the runner's registry (pdops.runner.register_executors) the
+names it gives and needs; nothing else passes between executors."""
+
+OUTPUTS: dict[str, str] = {
+    "build": "the folder of this operation's rendered files (a Path)",
+    "started": "the host:unit names this operation started (a list)",
+    "started_instances": "instance id -> the Instance this operation started",
+    "healthy": "the ids of the instances whose start passed its health gate (a set)",
+    "main_pids": "instance id -> {host:unit: MainPID} read when it turned healthy",
+    "posted": "the ids of the instances whose registration was sent to the gateway (a set)",
+    "workers": "instance id -> the gateway's worker id of its registration",
+    "running": "host:unit -> what verify-running read (MainPID, its config id, ...)",
+    "left_gateway": "the ids of the instances a change took out of the gateway (a list)",
+    "drained": "the ids of the instances a change drained and stopped (a list)",
+    "replaced_out": "the ids of the instances whose old process a change stopped (a list)",
+    "drain_state": "instance id -> {already_stopped: bool} read at a drain's first step",
+    "accepted_loss": "instance id -> the request ids a --force-after drain stopped with",
+    "lost_work": "instance id -> {lost, failed}: the request ids an ended process never finished",
+    "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",
+    "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
+    "admission_keys": "the key rotation: {main_pid, added, revoked}",
+    "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
+    "probe_result": "a probe's measured outcome per request",
+    "probe_keep": "whether a probe keeps its bundle (--keep and every request ok)",
+    "plan_verdicts": "walk-plan step id -> the verdict of the plan it walked (e.g. the revision recorded)",
+    "sweep_matrix": "the sweep's Matrix being filled (pdops.ops.sweep.matrix): every cell, its runs and state",
+    "sweep_failed_rows": "ratio -> why its sweep-scale step failed (its runs are not made)",
+}
