@@ -257,3 +257,17 @@ def test_a_repair_canaries_only_through_peers_that_serve(tmp_path, monkeypatch):
     case["observed"] = {"d01": "restarted"}  # p02 serves: both pairs
     plan = make_plan(case, StateDir("lab", tmp_path / "state2"), tmp_path, monkeypatch)
     assert next(s for s in plan.steps if s.name == "canary d01").params["pairs"] == [("p01", "d01"), ("p02", "d01")]
+
+
+def test_a_deploy_that_adds_the_admission_layer_is_a_change_never_the_live_revision(tmp_path):
+    """The live path (decide from observation, record the MainPIDs seen) is only for the live
+    revision's own files: an admission layer added to the inventory renders new shared files, which
+    the change planner's no-op does not count, so the deploy must not take the live path."""
+    from pdops.ops import deploy as dep
+
+    state = StateDir("lab", tmp_path / "state")
+    plain = load_inventory(REPO / "inventory" / "lab")
+    record(plain, state, place(plain, parse_topology("2p1d")))
+    assert dep.plan_deploy(plain, parse_topology("2p1d"), state).live is not None  # same files: the live path
+    p = dep.plan_deploy(with_admission(tmp_path, state), parse_topology("2p1d"), state)
+    assert p.live is None, p.render()

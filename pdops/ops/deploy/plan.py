@@ -12,7 +12,7 @@ from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.model.placement import Placement, place
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, render_files
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files
 from pdops.runner import Plan, Step
 from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
@@ -102,9 +102,10 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
         change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
                                force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
         change.state = state
-        if change.noop and seen is None:
-            # same placement, same files: whether anything is to be done is read from the hosts and
-            # the gateway (plan_reconcile), not assumed from the record
+        if change.noop and seen is None and change.target == previous and manifest(change.files) == current.manifest:
+            # same placement, same files (every one: the change planner's no-op does not count shared
+            # files new in the target, e.g. an admission layer just added): whether anything is to be
+            # done is read from the hosts and the gateway (plan_reconcile), not assumed from the record
             pl, files = change.target, change.files
             return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
                               previous=previous, live=current, state=state, basis=current.number)
