@@ -14,7 +14,8 @@ OUTPUTS: dict[str, str] = {
     "left_gateway": "the ids of the instances a change took out of the gateway (a list)",
     "drained": "the ids of the instances a change drained and stopped (a list)",
     "replaced_out": "the ids of the instances whose old process a change stopped (a list)",
-    "drain_state": "instance id -> {already_stopped: bool} read at a drain's first step",
+    "drain_state": "instance id -> {already_stopped (read at its drain's first step), idents (record-identity), "
+                   "seconds (stop)}",
     "accepted_loss": "instance id -> the request ids a --force-after drain stopped with",
     "lost_work": "instance id -> {lost, failed}: the request ids an ended process never finished",
     "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",

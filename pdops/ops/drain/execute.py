@@ -243,9 +243,10 @@ def do_record_identity(ctx: RunContext, step: Step) -> Outcome:
     st = _drain_state(ctx, inst, step)
     if st["already_stopped"]:
         return Outcome.noop(f"{inst.id}'s units are already inactive")
-    st["idents"] = record_identities(ctx.pool, inst)
+    idents = record_identities(ctx.pool, inst)
+    ctx.give(step, "drain_state", {inst.id: {**st, "idents": idents}})
     return Outcome(evidence={u: {"main_pid": i.main_pid, "cgroup": i.control_group, "pids": sorted(i.tree)}
-                             for u, i in st["idents"].items()})
+                             for u, i in idents.items()})
 
 
 def do_stop(ctx: RunContext, step: Step) -> Outcome:
@@ -253,8 +254,9 @@ def do_stop(ctx: RunContext, step: Step) -> Outcome:
     st = _drain_state(ctx, inst, step)
     if st["already_stopped"]:
         return Outcome.noop(f"{inst.id}'s units are already inactive")
-    st["seconds"] = stop_units(ctx.pool, inst, ctx.inv.stop_timeout_s, ctx.say)
-    return Outcome(evidence={"seconds": st["seconds"], "units": [u for _, u in inst.units]})
+    seconds = stop_units(ctx.pool, inst, ctx.inv.stop_timeout_s, ctx.say)
+    ctx.give(step, "drain_state", {inst.id: {**st, "seconds": seconds}})
+    return Outcome(evidence={"seconds": seconds, "units": [u for _, u in inst.units]})
 
 
 def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
