@@ -121,6 +121,15 @@ class Plan:
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
 
+    def all_steps(self):
+        """Every step the plan may run: its steps, rescue and always, and those nested in them (a
+        walk-plan step's plan, a step's may-run steps)."""
+        for s in self.steps + self.rescue + self.always:
+            yield s
+            if s.kind == "walk-plan":
+                yield from s.params["plan"].all_steps()
+            yield from s.params.get("may_run", ())
+
     def _numbered(self) -> list[tuple[str, Step]]:
         return ([(f"{n}", s) for n, s in enumerate(self.steps, 1)] + [(f"R{n}", s) for n, s in enumerate(self.rescue, 1)]
                 + [(f"A{n}", s) for n, s in enumerate(self.always, 1)])
@@ -227,6 +236,7 @@ class RunContext:
     verdict: dict = field(default_factory=dict)  # what the record step adds to the verdict (the revision)
     timing: list = field(default_factory=list)  # the runner's own time per batch (bench/runner_overhead.py)
     after_failed: list[str] = field(default_factory=list)  # rescue/always steps that failed: "<id>: <error>"
+    always_outcome: dict = field(default_factory=dict)  # what the plan's `always` steps verified and could not
     _outputs: dict = field(default_factory=dict, repr=False)
     _deadlines: dict = field(default_factory=dict, repr=False)
     _took: dict = field(default_factory=dict, repr=False)
@@ -336,7 +346,7 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
     host, exit status and output tail where it has them); the caller writes the failure verdict
     (it knows what to undo) and, on success, journals the verdict it returns."""
-    unknown = sorted({s.kind for s in plan.steps + plan.rescue + plan.always} - set(EXECUTORS))
+    unknown = sorted({s.kind for s in plan.all_steps()} - set(EXECUTORS))
     if unknown:  # before anything runs: a kind whose module was never imported is a pdops bug
         raise PdopsError(f"no executor for step kind(s) {', '.join(map(repr, unknown))} of the {plan.operation} "
                          "plan: nothing was run", fix="a pdops bug to report")
@@ -354,15 +364,15 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     except KeyboardInterrupt:
         if plan.always_on_interrupt and plan.always:
             ctx.say("interrupted: running the plan's `always` steps before stopping")
-            run_rescue(plan.always, ctx, label="always")
+            ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
         raise
     except Exception as exc:
         if plan.rescue:
             ctx.failure = exc
             run_rescue(plan.rescue, ctx)
-        run_rescue(plan.always, ctx, label="always")
+        ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
         raise
-    last = run_rescue(plan.always, ctx, label="always")
+    last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]
     verdict["unverified"] += last["unverified"]
     verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))

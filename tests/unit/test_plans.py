@@ -217,7 +217,7 @@ def test_every_step_kind_has_an_executor(tmp_path, monkeypatch):
         (tmp_path / case_file.stem).mkdir()
         plan = make_plan(yaml.safe_load(case_file.read_text()), StateDir("lab", tmp_path / case_file.stem / "state"),
                          tmp_path / case_file.stem, monkeypatch)
-        assert {s.kind for s in plan.steps + plan.rescue + plan.always} <= known, case_file.name
+        assert {s.kind for s in plan.all_steps()} <= known, case_file.name  # nested steps included
         # what each step reads from an earlier one (Step.needs) is given by a step before it: the check
         # `walk` makes before anything runs, so a plan that would fail it is a unit-test failure here
         plan.check()

@@ -167,6 +167,9 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
             interrupted = True
             failure = PdopsError("interrupted by the operator")
             say(f"probe {pid}: interrupted; the requests in flight were abandoned (never sent again)")
+        if failure is not None:  # the walk raised: what its way back (the always steps) proved still counts
+            proven["verified"] += ctx.always_outcome.get("verified", [])
+            proven["unverified"] += ctx.always_outcome.get("unverified", [])
         result = ctx.output("probe_result")
         kept = bool(ctx.output("probe_keep"))
         back_failed = [f for f in ctx.after_failed if f.split(":", 1)[0] in {s.name for s in plan.always}]
