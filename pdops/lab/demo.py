@@ -9,7 +9,7 @@ import time
 
 import yaml
 
-from pdops.record import open_record
+from pdops import record
 from pdops.facts import q
 from pdops.lab import lifecycle, report
 from pdops.lab.inventory import own_record
@@ -51,7 +51,7 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     _stop_previous(inv, say)
 
     _section(say, "3. deploy 2p1d: Ansible delivers, Fabric starts in order, gateway registers, canary")
-    plan = dep.plan_deploy(inv, parse_topology("2p1d"), open_record(inv))
+    plan = dep.plan_deploy(inv, parse_topology("2p1d"), record.open_record(inv))
     say(plan.render())
     with connections(inv) as conns:
         v = dep.execute_deploy(plan, say, **conns)
@@ -70,7 +70,7 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     t = threading.Thread(target=lambda: background.extend(send(
         inv.gateway.url, requests=30, concurrency=6, max_new_tokens=64, stream_every=2, rid_prefix="demo-bg")))
     t.start()
-    state = open_record(inv)
+    state = record.open_record(inv)
     dplan = dr.plan_drain(inv, state, "p02", interval_s=1)
     say(dplan.render())
     with connections(inv) as conns:

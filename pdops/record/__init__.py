@@ -14,6 +14,8 @@ The operator machine keeps a read-only copy of the last record it read (``<local
 nothing that changes the cluster runs from it.
 
 The package, by concern (each module imports only those listed before it):
+- ``local``: the record's formats (revisions, ``current``, journal lines, the lock) in a folder
+  on this machine, and where an operator's own files live;
 - ``transport``: reaching the holder process on the state host (SSH, or locally);
 - ``shared``: the shared record, its journal and its lock;
 - ``commands``: push a local record, unlock, list operations;

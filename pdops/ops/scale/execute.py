@@ -120,8 +120,8 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
 
 def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, pool: HostPool,
                gateway: GatewayClient) -> dict:
-    """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv probe` between its
-    own steps); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
+    """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv sweep` between its
+    rows); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
     ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=union_placement(plan),
                      old_placement=plan.current_placement, replacing=frozenset(i.id for i in plan.replaced))
     try:
