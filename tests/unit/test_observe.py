@@ -10,7 +10,7 @@ import pytest
 from pdops.reads.observe import observe
 from pdops.ops import deploy as dep
 from pdops.model import membership
-from pdops.errors import Refused, Unreachable
+from pdops.errors import PdopsError, Refused, Unreachable
 from pdops.facts.gateway import Worker
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
@@ -260,3 +260,13 @@ def test_a_deploy_of_another_topology_is_one_deploy_plan_whose_change_rolls(live
     assert isinstance(p, dep.DeployPlan) and isinstance(p.change, ScalePlan)
     assert [i.id for i in p.change.removed] == ["d02"] and p.plan is not None
     assert p.render() == p.change.render() and p.plan.step_ids() == p.change.plan.step_ids()
+
+
+def test_execute_deploy_refuses_a_deploy_that_is_a_rolling_change(live):
+    """A deploy whose plan is a rolling change is walked by the change's executor (as `inv deploy`
+    does); handed to execute_deploy it is refused before anything runs, not walked as a deploy."""
+    inv, pl, state = live
+    p = dep.plan_deploy(inv, parse_topology("1p1d"), state)
+    assert p.change is not None
+    with pytest.raises(PdopsError, match="rolling change"):
+        dep.execute_deploy(p, pool=None, gateway=None)

@@ -237,10 +237,9 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     the new revision, what was verified and what could not be (skipped checks never count as
     verified). Raises with a verdict on failure. `pool` and `gateway` are the operation's connections,
     opened by the caller (pdops.remote.hosts.connections)."""
-    if plan.change is not None:  # the deploy is a rolling change of the live cluster
-        from pdops.ops.scale import execute_scale
-
-        return execute_scale(plan.change, plan.state, say, pool=pool, gateway=gateway)
+    if plan.change is not None:  # the deploy is a rolling change of the live cluster: the change's walk
+        raise PdopsError("a deploy plan whose `change` is a rolling change was given to execute_deploy: nothing "
+                         "was run", fix="walk plan.change with pdops.ops.scale.execute_scale (as `inv deploy` does)")
     if plan.state is None:
         raise PdopsError("a deploy plan without the record it was read from (plan it with plan_deploy): nothing was run",
                          fix="a pdops bug to report")

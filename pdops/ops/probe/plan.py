@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pdops.errors import InvalidInput, PdopsError, Refused
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
+from pdops.ops import scale as sc
+from pdops.ops.deploy import canary_step, connect_step, delivery_steps, preflight_step, start_steps
+from pdops.ops.drain import drain_steps
+from pdops.ops.scale import instance_files, union_placement
 from pdops.runner import Plan, Step
 
 from pdops.ops.probe.bundle import Bundle, DEFAULT_TIMEOUT_S, changed_variables, parse_workload
@@ -116,11 +120,7 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     """The probe's plan, from the record only (pure apart from reading it)."""
     import dataclasses
 
-    from pdops.ops import scale as sc
-    from pdops.ops.deploy import canary_step, connect_step, delivery_steps, preflight_step, start_steps
-    from pdops.ops.drain import drain_steps
     from pdops.model.render import engine_args, manifest, render_files
-    from pdops.ops.scale import instance_files
     from pdops.model.topology import Topology
 
     conc = check_options(instances=instances, spare=spare, requests=requests, concurrency=concurrency, keep=keep)
@@ -217,8 +217,6 @@ def way_back_steps(plan: ProbePlan) -> list[Step]:
         return [Step("probe-remove", None, f"take the spare pair {' and '.join(plan.ids)} away and verify the "
                      "revision untouched (the steps below)", None, kind="walk-plan",
                      params={"plan": back, "inv": plan.inv})]
-    from pdops.ops.scale import union_placement
-
     def walk_change(name: str, keep: bool, what: str) -> Step:
         ch = change_after(plan, keep)
         return Step(name, None, what, None, kind="walk-plan", when=("probe_keep", keep),
@@ -236,7 +234,6 @@ def way_back_steps(plan: ProbePlan) -> list[Step]:
 
 def restore_steps(plan: ProbePlan) -> list[Step]:
     """After a spare pair's probe: the pair's verified stop, its files removed, the revision verified."""
-    from pdops.ops.drain import drain_steps
 
     inv = plan.inv
     out = []
@@ -256,7 +253,6 @@ def restore_steps(plan: ProbePlan) -> list[Step]:
 def change_after(plan: ProbePlan, keep: bool):
     """The instances mode's way back (or forward, `keep`): the change planner's replacement of the
     pair, a new revision."""
-    from pdops.ops import scale as sc
 
     why = (f"keep probe bundle {plan.bundle.name!r}" if keep
            else f"restore the baseline after probing bundle {plan.bundle.name!r}")
