@@ -15,41 +15,17 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from pdops.model.sglang_flags import FLAGS
-
-_TYPES = {"int": int, "float": float, None: str}
+from pdops.model.generation import sglang_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """An argparse parser accepting exactly SGLang's launch_server flags."""
-    p = argparse.ArgumentParser(
+    """An argparse parser accepting exactly SGLang's launch_server flags (pdops's own, which the
+    generation digest parses with: one parse for both)."""
+    return sglang_parser(
         prog="python -m pdops.sim",
         usage="python -m pdops.sim --model-path PATH [SGLang 0.5.23 launch_server flags]",
         description="Stand-in SGLang engine",
     )
-    by_dest: dict[str, list] = {}
-    for opt, dest, kind, typ, choices, default in FLAGS:
-        by_dest.setdefault(dest, []).append((opt, kind, typ, choices, default))
-    for dest, rows in by_dest.items():
-        opts = [r[0] for r in rows]
-        _, kind, typ, choices, default = rows[0]
-        kw: dict = {"dest": dest, "default": default}
-        if kind == "flag":
-            kw["action"] = "store_true"
-        elif kind == "flag_false":
-            kw["action"] = "store_false"
-        else:
-            kw["type"] = _TYPES.get(typ, str)
-            if choices is not None:
-                kw["choices"] = list(choices)
-            if kind == "multi":
-                kw["nargs"] = "*"
-            elif kind == "optional":
-                kw["nargs"] = "?"
-        if dest == "model_path":
-            kw["required"] = True
-        p.add_argument(*opts, **kw)
-    return p
 
 
 @dataclass

@@ -47,6 +47,8 @@ class BootstrapServer:
                     "enable_kv_cache_sharding": False,
                     "prefill_http_port": d.get("prefill_http_port"),
                     "decode_allocation_policy": policy,
+                    # the sim's own field: the prefill's generation fields (pdops.model.generation)
+                    "pdops_generation": d.get("pdops_generation"),
                 }
             dp = d["attn_dp_rank"] if d["system_dp_size"] == 1 else d["system_dp_rank"]
             async with self.lock:

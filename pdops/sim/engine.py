@@ -18,6 +18,7 @@ import asyncio
 import datetime
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -25,6 +26,7 @@ from collections import deque
 
 import aiohttp
 
+from pdops.model.generation import digest, fields_from_parsed, versions_from_env
 from pdops.sim.faults import Faults
 from pdops.sim.memory import MemoryModel, oom_message, oom_traceback
 from pdops.sim.metrics import Histogram, LoadReport
@@ -56,6 +58,11 @@ class Engine(PdHandOff, LoadReport):
         self.kv_conns: dict[int, KVConn] = {}
         self.room_waiters: dict[int, asyncio.Future] = {}
         self.routes: dict[tuple, tuple] = {}  # (host, port) -> (rank_ip, rank_port)
+        self.peer_generations: dict[tuple, dict | None] = {}  # (host, port) -> that prefill's generation fields
+        # what must match between a prefill and its decodes: its own flags and the pinned versions of
+        # its env file (pdops.model.generation); compared at the PD handshake (pd)
+        self.generation = fields_from_parsed(getattr(args, "all", None) or {}, versions_from_env(os.environ))
+        self.generation_digest = digest(self.generation)
         self.heartbeats: dict[tuple, asyncio.Task] = {}
         self.http: aiohttp.ClientSession | None = None
         self.kv_server = None

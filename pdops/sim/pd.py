@@ -4,10 +4,15 @@ heartbeat the prefill's bootstrap server), as SGLang's disaggregation prefill an
 
 KV wire protocol between the two sim processes (sim-specific; SGLang uses Mooncake):
 the decode connects to the prefill rank's KV port (from ``GET /route``), sends one JSON
-line ``{"room", "rid"}``; the prefill answers ``{"status": "ok", "bytes": N}`` then N
+line ``{"room", "rid", "generation"}``; the prefill answers ``{"status": "ok", "bytes": N}`` then N
 bytes, the decode answers ``ack``. ``{"status": "failed"}`` or a closed connection is a
 transfer failure: HTTP 500 on both sides. The decode closing early (abort, disconnect,
 timeout) makes the prefill drop the room.
+
+Generations (pdops.model.generation): the prefill's generation fields travel in its bootstrap
+registration (``GET /route`` -1 answers them), the decode's in its first line. Each side compares
+them with its own: another generation (page size, KV dtype, model, versions, ...) fails the room as a
+transfer error on both sides, as SGLang's decode refuses a prefill of another page size or KV dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 
 import aiohttp
 
+from pdops.model.generation import mismatch
 from pdops.sim.request import Req, RequestFailed
 
 _PAYLOAD = bytes(1 << 20)
@@ -56,6 +62,7 @@ class KVConn:
         self.ack = asyncio.Event()
         self.req: Req | None = None
         self.released = asyncio.Event()  # the prefill is done with it
+        self.mismatch: str | None = None  # the decode is of another generation: the room fails
 
 
 class PdHandOff:
@@ -71,6 +78,9 @@ class PdHandOff:
         except Exception:
             writer.close()
             return
+        peer = hello.get("generation")
+        if peer is not None:  # the decode's generation: another one fails this room (each side checks for itself)
+            conn.mismatch = mismatch(self.generation, peer)
         waiter = self.room_waiters.pop(conn.room, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(conn)
@@ -94,11 +104,18 @@ class PdHandOff:
                 self.abort(conn.req, RequestFailed("Aborted by the decode side", None))
         if conn.req is None:  # no request took this room (yet): forget it
             if self.kv_conns.get(conn.room) is conn:
-                del self.kv_conns[conn.room]
+                if conn.mismatch is None:
+                    del self.kv_conns[conn.room]
+                else:  # its request, when it comes, fails at once (not at the bootstrap timeout)
+                    asyncio.get_running_loop().call_later(self.to.bootstrap, self._forget_conn, conn)
             writer.close()
             return
         await conn.released.wait()
         writer.close()
+
+    def _forget_conn(self, conn: KVConn) -> None:
+        if self.kv_conns.get(conn.room) is conn:
+            del self.kv_conns[conn.room]
 
     async def _wait_decode(self, req: Req) -> KVConn:
         req.phase = "bootstrap"
@@ -117,6 +134,10 @@ class PdHandOff:
                     del self.room_waiters[req.room]
         conn.req = req
         req.kvconn = conn
+        if conn.mismatch is not None:
+            # the decode learns why the KV will not come (as after an OOM)
+            conn.writer.write(json.dumps({"status": "failed", "reason": conn.mismatch}).encode() + b"\n")
+            raise RequestFailed(f"KV transfer failed for request rid={req.rid}: {conn.mismatch}", 500, "transfer")
         if conn.closed.is_set():
             raise RequestFailed("Aborted by the decode side", None)
         return conn
@@ -184,13 +205,14 @@ class PdHandOff:
             try:
                 async with self.http.get(base + q) as r:
                     if r.status == 200:
-                        await r.json()
+                        layout = await r.json()
                         async with self.http.get(
                             base + "?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
                         ) as r2:
                             if r2.status == 200:
                                 info = await r2.json()
                                 self.routes[key] = (info["rank_ip"], int(info["rank_port"]))
+                                self.peer_generations[key] = layout.get("pdops_generation")
                                 self._ensure_heartbeat(key[0], key[1])
                                 return self.routes[key]
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
@@ -213,8 +235,14 @@ class PdHandOff:
             self.routes.pop((req.bhost, int(req.bport)), None)
             raise RequestFailed(f"Failed to connect to prefill KV endpoint {ip}:{port}", 500, "bootstrap") from None
         req.kvconn = (reader, writer)
-        writer.write(json.dumps({"room": int(req.room), "rid": req.rid}).encode() + b"\n")
+        writer.write(json.dumps({"room": int(req.room), "rid": req.rid, "generation": self.generation}).encode() + b"\n")
         await writer.drain()
+        # the prefill's generation, read with its layout: another one fails the room (the first line
+        # has told the prefill, which fails its side too)
+        peer = self.peer_generations.get((req.bhost, int(req.bport)))
+        why = mismatch(peer, self.generation) if peer is not None else None
+        if why is not None:
+            raise RequestFailed(f"KV transfer failed for request rid={req.rid}: {why}", 500, "transfer")
         return reader, writer
 
     async def _receive_kv(self, req: Req, reader, writer) -> None:

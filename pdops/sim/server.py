@@ -90,6 +90,8 @@ class SimServer(InfoRoutes, GenerateRoutes):
                 "kv_port": self.engine.kv_port,
                 "faults": self.faults.as_dict(),
                 "tokenizer": self.engine.counter.kind,
+                "generation": self.engine.generation_digest,
+                "generation_fields": self.engine.generation,
             }
         )
 
@@ -186,6 +188,9 @@ class SimServer(InfoRoutes, GenerateRoutes):
                     "page_size": a.all.get("page_size") or 1, "kv_cache_dtype": "auto",
                     "prefill_http_port": a.port,
                     "decode_allocation_policy": a.all.get("disaggregation_decode_allocation_policy") or "early",
+                    # the sim's own: this prefill's generation fields (pdops.model.generation), which a
+                    # decode compares with its own before it takes KV from it
+                    "pdops_generation": self.engine.generation,
                 }
                 for _ in range(50):
                     try:
