@@ -48,8 +48,8 @@ def main() -> None:
         g = start_gateway([p], [d])
         started.append(g)
         cfg = AdmissionConfig("local", "127.0.0.1", free_port(), cap=1024, queue=1024, queue_timeout_s=30,
-                              overflow_status=429, api_keys_file="(bench)", gateway_addr="127.0.0.1",
-                              gateway_port=g.port, keys=(KEY,))
+                              overflow_status=429, api_keys_file="(bench)", gateways=(("gw", "127.0.0.1", g.port),),
+                              keys=(KEY,))
         hx = start_haproxy(cfg, tempfile.mkdtemp(prefix="pdops-bench-adm-"))
         started.append(hx)
         auth = {"Authorization": f"Bearer {KEY}"}

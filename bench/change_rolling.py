@@ -80,7 +80,7 @@ def deployed(hosts: int, name: str, topo: str):
 def re_added_prefill() -> None:
     where, inv, state = deployed(5, "bench-change-readd", "4p1d")
     # traffic through every pair, so d01 holds a route to p04's bootstrap address
-    send(inv.gateway.url, requests=16, concurrency=8, max_new_tokens=8, rid_prefix="bench-warm")
+    send(inv.gateway.first.url, requests=16, concurrency=8, max_new_tokens=8, rid_prefix="bench-warm")
     change(inv, state, "3p1d")
     state.refresh()
     change(inv, state, "4p1d")  # at once: the decode's heartbeats have not given up on the old p04
@@ -108,7 +108,7 @@ def rolling_4p4d() -> None:
     inv = load_inventory(where)
     seen = {"prefill": 99, "decode": 99}
     stop = threading.Event()
-    gw = GatewayClient(inv.gateway.url)
+    gw = GatewayClient(inv.gateway.first.url)
 
     def watch():
         while not stop.is_set():
@@ -122,7 +122,7 @@ def rolling_4p4d() -> None:
 
     rows: list = []
     load = threading.Thread(target=lambda: rows.extend(send(
-        inv.gateway.url, requests=400, concurrency=6, max_new_tokens=16, stream_every=2, rid_prefix="bench-roll",
+        inv.gateway.first.url, requests=400, concurrency=6, max_new_tokens=16, stream_every=2, rid_prefix="bench-roll",
         timeout=120)))
     w = threading.Thread(target=watch)
     w.start()

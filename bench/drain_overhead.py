@@ -31,7 +31,7 @@ INTERVAL_S = 1.0
 def drain_with_load(inv, state, instance: str, prompt: str | None) -> float:
     rows: list = []
     t = threading.Thread(target=lambda: rows.extend(send(
-        inv.gateway.url, requests=12, concurrency=12, max_new_tokens=150, stream_every=1, prompt=prompt,
+        inv.gateway.first.url, requests=12, concurrency=12, max_new_tokens=150, stream_every=1, prompt=prompt,
         rid_prefix=f"bench-{instance}")))
     t.start()
     time.sleep(0.5)  # let the streams get routed (this is a benchmark, not a readiness check)

@@ -113,13 +113,13 @@ def lab_part(runs: int) -> None:
                 dep.execute_deploy(dep.plan_deploy(inv, Topology(1, 1), open_record(inv)), say=lambda s: None,
                                    **conns)
                 pool = conns["pool"]
-                client = GatewayClient(inv.gateway.url, timeout=2)
+                client = GatewayClient(inv.gateway.first.url, timeout=2)
                 urls = {w.url for w in client.list_workers() if w.routable}
                 ts = []
                 for _ in range(runs):
-                    pid = pool.run(inv.gateway.host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").stdout.strip()
+                    pid = pool.run(inv.gateway.first.host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").stdout.strip()
                     t0 = time.perf_counter()
-                    pool.run(inv.gateway.host, f"kill -KILL {pid}")
+                    pool.run(inv.gateway.first.host, f"kill -KILL {pid}")
                     while True:
                         try:
                             if {w.url for w in client.list_workers() if w.routable} == urls:
@@ -128,7 +128,7 @@ def lab_part(runs: int) -> None:
                             pass
                         if time.perf_counter() - t0 > 60:
                             raise RuntimeError("the gateway did not serve every worker within 60 s of the kill: "
-                                               + pool.run(inv.gateway.host, f"systemctl status {GATEWAY_UNIT} "
+                                               + pool.run(inv.gateway.first.host, f"systemctl status {GATEWAY_UNIT} "
                                                           "--no-pager | tail -5", timeout=10).stdout)
                         time.sleep(0.05)
                     ts.append(time.perf_counter() - t0)

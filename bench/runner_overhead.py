@@ -41,8 +41,8 @@ def main() -> None:
             state = open_record(inv)
             plan = dep.plan_deploy(inv, Topology(n - 1, 1), state)
             with connections(inv) as conns:
-                pool, gateway = conns["pool"], conns["gateway"]
-                ctx = RunContext(inv, state, "bench-deploy", lambda s: None, pool, gateway, placement=plan.placement)
+                pool, gateways = conns["pool"], conns["gateways"]
+                ctx = RunContext(inv, state, "bench-deploy", lambda s: None, pool, gateways, placement=plan.placement)
                 t0 = time.perf_counter()
                 with state.lock("deploy", op_id=ctx.op):
                     walk(plan.plan, ctx)

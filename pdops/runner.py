@@ -227,7 +227,7 @@ class RunContext:
     op: str
     say: Say
     pool: Any = None
-    gateway: Any = None
+    gateways: Any = None  # pdops.remote.gateway.Gateways: every gateway of the cluster
     placement: Any = None
     old_placement: Any = None
     replacing: frozenset = frozenset()
@@ -464,7 +464,7 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
     outputs of its own), under the lock and journal of the operation. A failure is raised with
     the rescue's verdict line (`halt_verdict`) added. Gives its verdict in `plan_verdicts`."""
     sub: Plan = step.params["plan"]
-    child = RunContext(step.params.get("inv", ctx.inv), ctx.state, ctx.op, ctx.say, ctx.pool, ctx.gateway,
+    child = RunContext(step.params.get("inv", ctx.inv), ctx.state, ctx.op, ctx.say, ctx.pool, ctx.gateways,
                        placement=step.params.get("placement", ctx.placement),
                        old_placement=step.params.get("old_placement", ctx.old_placement),
                        replacing=frozenset(step.params.get("replacing", ())))

@@ -44,14 +44,14 @@ def admission(c, inventory=DEFAULT_INVENTORY, against_gateway=False, cap=None, t
     from pdops.model.inventory import load_inventory
 
     inv = load_inventory(inventory)
-    decodes = _decode_urls(inv.gateway.url)
+    decodes = _decode_urls(inv.gateway.first.url)
     if against_gateway:
         gw = inv.gateway
         c_cap = int(cap) if cap is not None else gw.max_concurrent_requests
         if c_cap < 1:
             raise InvalidInput("--cap", "the gateway has no cap configured (-1)", fix="pass --cap N to hold it to")
         key = open(key_file).read().strip() if key_file else None
-        report = audit.audit(gw.url, decodes, key, cap=c_cap, queue=gw.queue_size, queue_timeout_s=1,
+        report = audit.audit(gw.first.url, decodes, key, cap=c_cap, queue=gw.queue_size, queue_timeout_s=1,
                              overflow_status=429, tokens=int(tokens), mode="gateway", stagger_s=0.7)
     else:
         cfg = inv.admission

@@ -83,7 +83,7 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
         if plan.live is not None:  # the live topology and files: decide from what runs now
             from pdops.reads.observe import observe
 
-            plan = dep.plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateway"]))
+            plan = dep.plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateways"]))
             if plan.change is not None:  # processes that run other files: replaced, rolling
                 print(plan.render())
                 if dry_run:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from invoke import task
 
 from pdops import lab as lab_api
@@ -30,11 +32,22 @@ def up(c, hosts="4"):  # a string: a bad value gets our error, not invoke's trac
     print(f"ssh key:   {lab_api.ssh_key_path()}   (ssh -i <key> root@127.0.10.1)")
 
 
-@task
+@task(help={"host": "only this host (lab03 or 3); repeatable: a host that dies while the others run"},
+      iterable=["host"])
 @cli_errors
-def down(c):
+def down(c, host=None):
     """Power every lab host off over SSH (kill its recorded PID if it hangs), remove its cgroups."""
-    result = lab_api.down()
+    only = None
+    if host:
+        from pdops.errors import InvalidInput
+
+        only = []
+        for h in host:
+            m = re.fullmatch(r"(?:lab)?0*(\d+)", str(h))
+            if not m or not 1 <= int(m.group(1)) <= 99:
+                raise InvalidInput("--host", f"{h!r} is not a lab host", fix="e.g. --host lab03 (or 3)")
+            only.append(int(m.group(1)))
+    result = lab_api.down(hosts=only)
     if not result:
         print("lab: no lab hosts recorded or running: nothing to do")
         return

@@ -62,13 +62,13 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
         say(f"  not verified: {item}")
 
     _section(say, "4. traffic: 40 requests through the real gateway (half streaming), one ledger row each")
-    rows = send(inv.gateway.url, requests=40, concurrency=8, max_new_tokens=32, stream_every=2, rid_prefix="demo")
+    rows = send(inv.gateway.first.url, requests=40, concurrency=8, max_new_tokens=32, stream_every=2, rid_prefix="demo")
     say(format_table([("demo 2p1d C8", compute_figures(rows, gpus=3 * inv.profile.gpus_per_instance))]))
 
     _section(say, "5. drain p02 while traffic runs: leave the gateway, wait per request ID, stop, prove it")
     background: list = []
     t = threading.Thread(target=lambda: background.extend(send(
-        inv.gateway.url, requests=30, concurrency=6, max_new_tokens=64, stream_every=2, rid_prefix="demo-bg")))
+        inv.gateway.first.url, requests=30, concurrency=6, max_new_tokens=64, stream_every=2, rid_prefix="demo-bg")))
     t.start()
     state = record.open_record(inv)
     dplan = dr.plan_drain(inv, state, "p02", interval_s=1)

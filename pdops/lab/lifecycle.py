@@ -128,8 +128,9 @@ def up(n: int = 4, lab_dir=None) -> list[HostStatus]:
                         inventory_changed=inv_changed)
 
 
-def down(lab_dir=None) -> list[HostStatus]:
-    """Power every lab host off (clean over SSH, else kill its recorded PID); remove its cgroups."""
+def down(lab_dir=None, hosts: list[int] | None = None) -> list[HostStatus]:
+    """Power every lab host off (clean over SSH, else kill its recorded PID); remove its cgroups.
+    `hosts`: only those (by number, lab0N): a host that dies while the others run."""
     lab = resolve_lab_dir(lab_dir)
     if not lab.is_dir():
         return []
@@ -139,6 +140,8 @@ def down(lab_dir=None) -> list[HostStatus]:
     with locked(lab):
         indexes = sorted(set(recorded_indexes(lab)) | cgroup_indexes(mounts))
         indexes = [i for i in indexes if read_record(host_dir(lab, i)) or i in cgroup_indexes(mounts)]
+        if hosts is not None:
+            indexes = [i for i in indexes if i in set(hosts)]
         results, errors = _fan_out(lambda i: stop_host(lab, i, key, mounts), indexes)
         remove_group_if_empty(mounts)
         _raise_collected(errors, f"{len(results)} other host(s) stopped")

@@ -38,13 +38,32 @@ CONFIG_PATH = f"{HAPROXY_DIR}/pdops-admission.cfg"
 KEYS_MAP_PATH = f"{HAPROXY_DIR}/pdops-admission-keys.map"
 ERRORFILE_PATH = f"{HAPROXY_DIR}/pdops-admission-overflow.http"
 UNIT = "pdops-admission.service"
-# HAProxy's runtime API (admin level, root only) and the gateway's server in it.
+# HAProxy's runtime API (admin level, root only). The cap's backend has one server, the permit
+# (`ADMIT_SERVER`), which hands a request to the internal frontend in front of the gateways'
+# backend (`GATEWAYS_BACKEND`, one server per gateway: `gateway_server`).
 STATS_SOCKET = "/run/pdops-admission/admin.sock"
-GATEWAY_SERVER = "gateway/gw"
+ADMIT_SERVER = "gateway/admit"
+GATEWAYS_BACKEND = "gateways"
+
+
+def gateway_server(host: str) -> str:
+    """A gateway's server in HAProxy's runtime API (host names are [A-Za-z0-9.-])."""
+    return f"{GATEWAYS_BACKEND}/gw-{host}"
 # A connection the gateway refused carried nothing, so HAProxy tries it again, min(timeout
 # connect, 1 s) apart: this many tries cover a planned gateway restart of up to ~10 s while
 # the change has paused the server's health check (`health_pause_command`).
 CONN_RETRIES = 10
+# The health check of each gateway (smg's /readiness): every 2 s; 3 failures mark it DOWN, 2
+# successes UP again. A gateway that dies is marked DOWN within inter x fall = 6 s (plus one
+# check's timeout); until then the connections HAProxy tries on it are refused and redispatched
+# (retries), so what it turns away is what was in flight on it (docs/gateway.md).
+CHECK_INTER_MS, CHECK_FALL, CHECK_RISE = 2000, 3, 2
+
+
+def admit_address(cfg) -> str:
+    """Where the permit hands requests to the gateways' frontend: an abstract unix socket, named by
+    the admission bind (unique on a host; lab hosts share one network namespace)."""
+    return f"abns@pdops-admission-{cfg.listen_addr}-{cfg.port}"
 # Sent to the runtime API by the host's python3 (a package file, like pdops's other host scripts).
 _RUNTIME_SCRIPT = (Path(__file__).resolve().parents[1] / "hostscripts" / "haproxy_runtime.py").read_text()
 
@@ -54,12 +73,61 @@ def runtime_command(command: str, socket_path: str = STATS_SOCKET) -> str:
     return " ".join(shlex.quote(a) for a in ("python3", "-c", _RUNTIME_SCRIPT, socket_path, command))
 
 
-def health_pause_command(paused: bool, socket_path: str = STATS_SOCKET) -> str:
-    """Pause (or resume) HAProxy's health check of the gateway. While paused, HAProxy keeps the
+def health_pause_command(host: str, paused: bool, socket_path: str = STATS_SOCKET) -> str:
+    """Pause (or resume) HAProxy's health check of one gateway. While paused, HAProxy keeps the
     server UP whatever the check would say ("disable health": the last result is ignored), so
-    a planned gateway restart is covered by the connection retries instead of HAProxy marking
-    the only gateway down and answering 503 itself."""
-    return runtime_command(f"{'disable' if paused else 'enable'} health {GATEWAY_SERVER}", socket_path)
+    a planned restart of the only gateway is covered by the connection retries instead of HAProxy
+    marking it down and answering 503 itself."""
+    return runtime_command(f"{'disable' if paused else 'enable'} health {gateway_server(host)}", socket_path)
+
+
+def server_state_command(host: str, state: str, socket_path: str = STATS_SOCKET) -> str:
+    """Set one gateway's server state: `drain` (no new request; those on it go on) before its planned
+    restart, `ready` once it lists every worker again."""
+    if state not in ("ready", "drain", "maint"):
+        raise InvalidInput("server state", f"{state!r} is not ready, drain or maint")
+    return runtime_command(f"set server {gateway_server(host)} state {state}", socket_path)
+
+
+def server_weight_command(host: str, weight: int, socket_path: str = STATS_SOCKET) -> str:
+    """Set one gateway's share of new requests (0..256, relative to the others)."""
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 256:
+        raise InvalidInput("weight", f"{weight!r} is not 0..256")
+    return runtime_command(f"set weight {gateway_server(host)} {weight}", socket_path)
+
+
+def stat_command(socket_path: str = STATS_SOCKET) -> str:
+    """`show stat` of every proxy (CSV), to read each gateway server's state and sessions."""
+    return runtime_command("show stat", socket_path)
+
+
+@dataclass(frozen=True)
+class ServerStat:
+    """One gateway's server as HAProxy reports it (`show stat`)."""
+
+    status: str  # UP, DOWN, DRAIN, MAINT, "UP 1/2" (rising), ...
+    sessions: int  # requests in flight on it now (scur)
+    weight: int
+
+    @property
+    def up(self) -> bool:
+        return self.status == "UP"
+
+
+def parse_gateway_stats(text: str) -> dict[str, ServerStat]:
+    """{gateway host: its server's ServerStat} from `show stat` output; InvalidInput when it is not
+    HAProxy's CSV (the runtime API answered something else)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines or not lines[0].startswith("# pxname"):
+        raise InvalidInput("show stat", f"not HAProxy's stats CSV: {text[:200]!r}")
+    head = lines[0].lstrip("# ").split(",")
+    out = {}
+    for ln in lines[1:]:
+        row = dict(zip(head, ln.split(",")))
+        if row.get("pxname") == GATEWAYS_BACKEND and row.get("svname", "").startswith("gw-"):
+            out[row["svname"][3:]] = ServerStat(row.get("status", "?"), int(row.get("scur") or 0),
+                                                int(row.get("weight") or 0))
+    return out
 HAPROXY_BIN = "/usr/sbin/haproxy"
 GATEWAY_KEY_ENV = "PDOPS_GATEWAY_KEY"
 
@@ -86,8 +154,8 @@ class AdmissionConfig:
     queue_timeout_s: int
     overflow_status: int
     api_keys_file: str
-    gateway_addr: str
-    gateway_port: int
+    # (host, address, port) of each gateway HAProxy spreads the requests over
+    gateways: tuple[tuple[str, str, int], ...]
     keys: tuple[str, ...] = field(default=(), repr=False, compare=False)
     # HAProxy's own Prometheus exporter (GET /metrics) on listen_addr; None: not served
     metrics_port: int | None = None
@@ -180,7 +248,7 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     unknown = sorted(set(raw) - KNOWN)
     if unknown:
         raise InvalidInput(f"{VAR}.{unknown[0]}", "unknown setting", fix=f"use only: {', '.join(sorted(KNOWN))}")
-    host_name = raw.get("host", inv.gateway.host)
+    host_name = raw.get("host", inv.gateway.first.host)
     names = [h.name for h in inv.hosts]
     if host_name not in names:
         raise InvalidInput(f"{VAR}.host", f"{host_name!r} is not a host of this inventory",
@@ -209,7 +277,7 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
 
     gw = inv.gateway
     taken: dict[str, range] = {}
-    if host_name == gw.host:
+    if host_name in gw.hosts:
         taken["pdops_gateway.port"] = range(gw.port, gw.port + 1)
         taken["pdops_gateway.prometheus_port"] = range(gw.prometheus_port, gw.prometheus_port + 1)
     taken.update(inv.reserved_port_ranges())
@@ -230,7 +298,8 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     keys = read_keys(kf)
     return AdmissionConfig(host=host_name, listen_addr=listen, port=port, cap=cap, queue=queue,
                            queue_timeout_s=qto, overflow_status=overflow, api_keys_file=kf,
-                           gateway_addr=gw.addr, gateway_port=gw.port, keys=keys, metrics_port=mport)
+                           gateways=tuple((n.host, n.addr, n.port) for n in gw.nodes), keys=keys,
+                           metrics_port=mport)
 
 
 # ---------------------------------------------------------------- rendering

@@ -37,7 +37,7 @@ def format_placement(inv: Inventory, pl: Placement) -> str:
     gw = inv.gateway
     head = (f"topology {pl.topology}: {len(pl.role('prefill'))} prefill + {len(pl.role('decode'))} decode instances, "
             f"TP{inv.profile.tp} x PP{inv.profile.pp} each, {inv.profile.gpus_per_instance * len(pl.instances)} "
-            f"of {inv.total_gpus} GPUs; gateway {gw.host} {gw.url}")
+            f"of {inv.total_gpus} GPUs; gateway " + ", ".join(f"{n.host} {n.url}" for n in gw.nodes))
     return head + "\n" + format_table(placement_table(pl))
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdops.errors import Unverified
 from pdops.facts import q
-from pdops.model.inventory import Inventory
+from pdops.model.inventory import GatewayNode, Inventory
 from pdops.model.placement import Instance
 
 # under pdops.model.render's ENV_DIR and BIN_DIR (render imports this module for the gateway unit)
@@ -36,20 +36,36 @@ def entry(inst: Instance) -> dict:
     return e
 
 
-def _run(pool, inv: Inventory, args: list[str]) -> dict | None:
+def _run(pool, host: str, args: list[str]) -> dict | None:
     # as pdops's other host scripts travel: `python3 -c <quoted script> <quoted args>`
-    res = pool.run(inv.gateway.host, f"python3 -c {q(SCRIPT)} " + " ".join(q(a) for a in args))
+    res = pool.run(host, f"python3 -c {q(SCRIPT)} " + " ".join(q(a) for a in args))
     try:
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
-        raise Unverified(f"the gateway's worker list {PATH} on {inv.gateway.host} could not be read",
+        raise Unverified(f"the gateway's worker list {PATH} on {host} could not be read",
                          evidence=(res.stdout + res.stderr)[-1000:]) from None
 
 
 def update(pool, inv: Inventory, *, add: list[Instance] = (), remove: list[str] = (),
            revision: int | None = None, clear: bool = False) -> dict:
-    """Add and/or remove instances in the list (atomic, under a lock on the host); `clear`: start
-    from an empty list. Returns the list."""
+    """Add and/or remove instances in the list of every gateway (atomic on each host, under a lock
+    there); `clear`: start from an empty list. Returns the first gateway's list; Unverified names
+    every gateway whose list could not be changed (the others were)."""
+    docs, failed = {}, []
+    for host in inv.gateway.hosts:
+        try:
+            docs[host] = update_one(pool, host, add=add, remove=remove, revision=revision, clear=clear)
+        except Unverified as e:
+            failed.append(f"{host}: {e.message}")
+    if failed:
+        raise Unverified(f"the start-up worker list of {len(failed)} of {len(inv.gateway.hosts)} gateway(s) "
+                         "could not be changed", evidence="\n".join(failed)[-1500:])
+    return docs[inv.gateway.hosts[0]]
+
+
+def update_one(pool, host: str, *, add: list[Instance] = (), remove: list[str] = (),
+               revision: int | None = None, clear: bool = False) -> dict:
+    """The list on one gateway host (see `update`)."""
     args = ["update", "--file", PATH] + (["--clear"] if clear else [])
     if add:
         args += ["--add", json.dumps([entry(i) for i in add])]
@@ -57,22 +73,23 @@ def update(pool, inv: Inventory, *, add: list[Instance] = (), remove: list[str] 
         args += ["--remove", *remove]
     if revision is not None:
         args += ["--revision", str(revision)]
-    return _run(pool, inv, args) or {}
+    return _run(pool, host, args) or {}
 
 
-def read(pool, inv: Inventory) -> dict | None:
-    """The list as the gateway host holds it; None when there is none yet."""
-    return _run(pool, inv, ["show", "--file", PATH])
+def read(pool, host: str) -> dict | None:
+    """The list as one gateway host holds it; None when there is none yet."""
+    return _run(pool, host, ["show", "--file", PATH])
 
 
 def listed_ids(doc: dict | None) -> list[str]:
     return [w["instance"] for w in (doc or {}).get("workers", [])]
 
 
-def exec_start_post(inv: Inventory) -> str:
-    """The gateway unit's ExecStartPost: register the listed workers (failure logged, not fatal)."""
+def exec_start_post(inv: Inventory, node: GatewayNode) -> str:
+    """A gateway unit's ExecStartPost: register the listed workers with that gateway (failure
+    logged, not fatal)."""
     gw = inv.gateway
-    args = [gw.python, SCRIPT_PATH, "register", "--file", PATH, "--gateway", gw.url, "--wait-s", "45"]
+    args = [gw.python, SCRIPT_PATH, "register", "--file", PATH, "--gateway", node.url, "--wait-s", "45"]
     if gw.api_key_file:
         args += ["--key-file", gw.api_key_file]
     return "-" + " ".join(args)

@@ -19,7 +19,7 @@ import jinja2
 
 from pdops.model import admission as adm_mod
 from pdops.errors import InvalidInput
-from pdops.model.inventory import Inventory
+from pdops.model.inventory import GatewayNode, Inventory
 from pdops.model.placement import Instance, Placement, Rank
 from pdops.model import membership
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
@@ -171,14 +171,15 @@ def engine_argv(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> li
 
 # ---------------------------------------------------------------- gateway
 
-def gateway_args(inv: Inventory) -> list[str]:
-    """`smg launch` flags: PD mode, no static workers (pdops registers them, and the unit's
-    ExecStartPost registers them again after every start: pdops.model.membership), retries off."""
+def gateway_args(inv: Inventory, node: GatewayNode) -> list[str]:
+    """`smg launch` flags of one gateway: PD mode, no static workers (pdops registers them, and the
+    unit's ExecStartPost registers them again after every start: pdops.model.membership), retries
+    off. No mesh: each gateway is independent and pdops gives each every worker (docs/gateway.md)."""
     gw = inv.gateway
     return [
         "launch", "--pd-disaggregation",
-        "--host", gw.addr, "--port", str(gw.port),
-        "--prometheus-host", gw.addr, "--prometheus-port", str(gw.prometheus_port),
+        "--host", node.addr, "--port", str(node.port),
+        "--prometheus-host", node.addr, "--prometheus-port", str(node.prometheus_port),
         # Rule 3: a failed generation request is never replayed.
         "--disable-retries",
         "--max-concurrent-requests", str(gw.max_concurrent_requests),
@@ -199,8 +200,8 @@ def gateway_grace_s(inv: Inventory) -> int:
     return int(inv.drain_budget_s)
 
 
-def gateway_argv(inv: Inventory) -> list[str]:
-    return [inv.gateway_binary] + gateway_args(inv)
+def gateway_argv(inv: Inventory, node: GatewayNode) -> list[str]:
+    return [inv.gateway_binary] + gateway_args(inv, node)
 
 
 # ---------------------------------------------------------------- files
@@ -233,11 +234,23 @@ def _unit_common(inv: Inventory) -> dict:
 GATEWAY_RESTART = {"restart_sec": 1, "start_limit_interval": 60, "start_limit_burst": 10}
 
 
+def gateway_restart_sec(inv: Inventory) -> int:
+    """How long systemd waits before it starts a crashed gateway again. Alone, 1 s: nothing is served
+    while it is down. One of several behind the admission layer: longer than HAProxy takes to mark
+    it DOWN (its check refused `fall` times, `inter` apart) plus a margin, so that HAProxy never sends
+    a request to the new process before its start-up list registered every worker (smg answers
+    requests at once, with 503 "no available workers"): it must pass its readiness check `rise`
+    times first. Found by the lab test that SIGKILLs one of two gateways under load."""
+    if len(inv.gateway.nodes) > 1 and inv.admission is not None:
+        return adm_mod.CHECK_INTER_MS * adm_mod.CHECK_FALL // 1000 + 2
+    return GATEWAY_RESTART["restart_sec"]
+
+
 def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
     """Every file of a revision, per host. Pure: nothing is written."""
     tpl = _env()
     files: list[RenderedFile] = []
-    hosts_used = sorted({r.host for i in pl.instances for r in i.ranks} | {inv.gateway.host})
+    hosts_used = sorted({r.host for i in pl.instances for r in i.ranks} | set(inv.gateway.hosts))
     slice_text = tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster)
     for h in hosts_used:
         files.append(RenderedFile(h, f"{UNIT_DIR}/{SLICE_UNIT}", slice_text, 0o644))
@@ -258,20 +271,8 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
             files.append(RenderedFile(rank.host, f"{UNIT_DIR}/{unit}", unit_text, 0o644))
             files.append(RenderedFile(rank.host, script, script_text, 0o755))
             files.append(RenderedFile(rank.host, env_file, _env_file(inv, what, env), 0o600))
-    gw = inv.gateway
-    gw_unit = tpl.get_template("gateway.service.j2").render(
-        smg_version=SMG_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
-        env_file=f"{ENV_DIR}/gateway.env", exec_start_post=membership.exec_start_post(inv),
-        workers_file=membership.PATH, runtime_dir=runtime_dir(GATEWAY_UNIT),
-        timeout_stop_sec=gateway_grace_s(inv) + 30, **{**_unit_common(inv), **GATEWAY_RESTART})
-    gw_script = _launch_script(inv, "model gateway", gateway_argv(inv), "--api-key", gw.api_key_file)
-    gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster, "PDOPS_SMG_VERSION": SMG_VERSION}
-    gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,
-                                   membership.SCRIPT)
-    files.append(RenderedFile(gw.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", gw_unit, 0o644))
-    files.append(RenderedFile(gw.host, membership.SCRIPT_PATH, membership.SCRIPT, 0o755))
-    files.append(RenderedFile(gw.host, f"{BIN_DIR}/pdops-gateway.sh", gw_script, 0o755))
-    files.append(RenderedFile(gw.host, f"{ENV_DIR}/gateway.env", _env_file(inv, "model gateway", gw_env), 0o600))
+    for node in inv.gateway.nodes:
+        files += _gateway_files(inv, node, slice_text)
     adm = admission_config(inv)
     if adm is not None:
         if adm.host not in hosts_used:
@@ -279,6 +280,26 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
                                       tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
         files += render_admission_files(inv, adm)
     return files
+
+
+def _gateway_files(inv: Inventory, node: GatewayNode, slice_text: str) -> list[RenderedFile]:
+    """One gateway's unit, launch script, env file and start-up-list script, on its host."""
+    tpl = _env()
+    gw = inv.gateway
+    gw_unit = tpl.get_template("gateway.service.j2").render(
+        smg_version=SMG_VERSION, launch_script=f"{BIN_DIR}/pdops-gateway.sh",
+        env_file=f"{ENV_DIR}/gateway.env", exec_start_post=membership.exec_start_post(inv, node),
+        workers_file=membership.PATH, runtime_dir=runtime_dir(GATEWAY_UNIT),
+        timeout_stop_sec=gateway_grace_s(inv) + 30,
+        **{**_unit_common(inv), **GATEWAY_RESTART, "restart_sec": gateway_restart_sec(inv)})
+    gw_script = _launch_script(inv, "model gateway", gateway_argv(inv, node), "--api-key", gw.api_key_file)
+    gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster, "PDOPS_SMG_VERSION": SMG_VERSION}
+    gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,
+                                   membership.SCRIPT)
+    return [RenderedFile(node.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", gw_unit, 0o644),
+            RenderedFile(node.host, membership.SCRIPT_PATH, membership.SCRIPT, 0o755),
+            RenderedFile(node.host, f"{BIN_DIR}/pdops-gateway.sh", gw_script, 0o755),
+            RenderedFile(node.host, f"{ENV_DIR}/gateway.env", _env_file(inv, "model gateway", gw_env), 0o600)]
 
 
 # Every unit's env file names the files it was rendered with: a digest of its unit, launch script,
@@ -361,10 +382,12 @@ def haproxy_config(cfg: adm_mod.AdmissionConfig, *, keys_map_path: str = adm_mod
                    gateway_key_env: str | None = None, stats_socket: str | None = None) -> str:
     """The HAProxy config text. Holds no key: keys come from `keys_map_path`."""
     bind = f"[{cfg.listen_addr}]" if ":" in cfg.listen_addr else cfg.listen_addr
-    gw = f"[{cfg.gateway_addr}]" if ":" in cfg.gateway_addr else cfg.gateway_addr
+    servers = [(f"gw-{host}", (f"[{addr}]" if ":" in addr else addr) + f":{port}") for host, addr, port in cfg.gateways]
     return _env().get_template("haproxy.cfg.j2").render(
         cap=cfg.cap, queue=cfg.queue, queue_timeout_s=cfg.queue_timeout_s, overflow_status=cfg.overflow_status,
-        bind=f"{bind}:{cfg.port}", server=f"{gw}:{cfg.gateway_port}", keys_map=keys_map_path,
+        bind=f"{bind}:{cfg.port}", servers=servers, keys_map=keys_map_path, admit_addr=adm_mod.admit_address(cfg),
+        admit_server=adm_mod.ADMIT_SERVER, gateways_backend=adm_mod.GATEWAYS_BACKEND,
+        check_inter_ms=adm_mod.CHECK_INTER_MS, check_fall=adm_mod.CHECK_FALL, check_rise=adm_mod.CHECK_RISE,
         errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
         stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, retries=adm_mod.CONN_RETRIES, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
         metrics_bind=(f"{bind}:{cfg.metrics_port}" if cfg.metrics_port else None),

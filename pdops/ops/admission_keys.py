@@ -132,7 +132,7 @@ def do_deliver_keys(ctx: RunContext, step: Step) -> Outcome:
     res = ansible.run_playbook(inv, "deploy.yml", {
         "pdops_files": {cfg.host: [ansible.file_entry(KEYS_MAP_PATH, step.params["map"].encode(), 0o600)]},
         "pdops_remove": {}, "pdops_units": {}, "pdops_engine_python": inv.engine_python,
-        "pdops_gateway_python": inv.gateway.python, "pdops_gateway_host": inv.gateway.host}, [cfg.host])
+        "pdops_gateway_python": inv.gateway.python, "pdops_gateway_hosts": list(inv.gateway.hosts)}, [cfg.host])
     remote = ctx.pool.run(cfg.host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
     mode_owner, remote_sha = remote.stdout.splitlines()[0].strip(), remote.stdout.split()[-2]
     if mode_owner != "600 root:root" or remote_sha != sha:
@@ -180,13 +180,13 @@ register_executors({"admission-check": do_check_unit, "deliver-keys": do_deliver
 
 
 def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool,
-                gateway=None) -> dict:
+                gateways=None) -> dict:
     """Deliver the operator's key file as the new key map, reload, verify (with the runner), under
     the lock of the record `state`. Returns the evidence and the verdict."""
     plan = plan_rotate_keys(inv, state, deadline_s)
     op = new_op_id("admission-keys")
     with state.lock("admission-keys", op_id=op):
-        ctx = RunContext(inv, state, op, say, pool, gateway)
+        ctx = RunContext(inv, state, op, say, pool, gateways)
         try:
             verdict = walk(plan, ctx)
         except PdopsError as exc:

@@ -35,9 +35,10 @@ def targets(inv, revision: int, placement: Placement) -> list[dict]:
     for i in placement.instances:
         out.append({"targets": [f"{i.head.data_addr}:{i.http_port}"],
                     "labels": {**base, "job": JOB_ENGINE, "instance": i.id, "role": i.role, "host": i.head.host}})
-    gw = inv.gateway
-    out.append({"targets": [f"{gw.addr}:{gw.prometheus_port}"],
-                "labels": {**base, "job": JOB_GATEWAY, "instance": "gateway", "role": "gateway", "host": gw.host}})
+    for node in inv.gateway.nodes:
+        name = "gateway" if len(inv.gateway.nodes) == 1 else f"gateway-{node.host}"
+        out.append({"targets": [f"{node.addr}:{node.prometheus_port}"],
+                    "labels": {**base, "job": JOB_GATEWAY, "instance": name, "role": "gateway", "host": node.host}})
     adm = inv.admission
     if adm is not None and getattr(adm, "metrics_port", None):
         out.append({"targets": [f"{adm.metrics_addr}:{adm.metrics_port}"],

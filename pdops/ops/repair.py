@@ -161,11 +161,11 @@ def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
                 head={"revision": rev.number}), pl
 
 
-def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateway) -> dict:
+def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateways) -> dict:
     """Walk it under the cluster lock; the verdict names what was ended."""
     op = new_op_id("end-orphans")
     with state.lock("end-orphans", op_id=op):
-        ctx = RunContext(inv, state, op, say, pool, gateway, placement=pl)
+        ctx = RunContext(inv, state, op, say, pool, gateways, placement=pl)
         try:
             verdict = walk(plan, ctx)
         except PdopsError as exc:

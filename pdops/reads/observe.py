@@ -14,7 +14,7 @@ from pdops.model import membership
 from pdops.errors import PdopsError
 from pdops.facts.gateway import DRAINING, Worker
 from pdops.facts.systemd import UnitState
-from pdops.remote.gateway import GatewayClient
+from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
@@ -28,8 +28,10 @@ class InstanceObservation:
     instance: Instance
     units: dict[str, UnitState | str]  # "host:unit" -> its state, or why it could not be read
     recorded_pids: dict[str, int]  # "host:unit" -> MainPID recorded with the revision ({} for old records)
-    worker: Worker | None
-    in_list: bool | None  # in the gateway's start-up list; None: the list could not be read
+    # gateway host -> its worker at the instance's URL (None: not listed); only gateways that answered
+    workers: dict[str, Worker | None]
+    # gateway host -> in that gateway's start-up list (None: the list could not be read)
+    listed: dict[str, bool | None]
     # "host:unit" -> the config id its MainPID carries (PDOPS_CONFIG in /proc/<pid>/environ; None:
     # none), and the one the revision rendered ({} for records older than config ids)
     running: dict[str, str | None] = field(default_factory=dict)
@@ -67,138 +69,204 @@ class InstanceObservation:
         return {k: s.main_pid for k, s in self.units.items() if isinstance(s, UnitState)}
 
     @property
+    def worker(self) -> Worker | None:
+        """Its worker in the first gateway that lists it (for display)."""
+        return next((w for w in self.workers.values() if w is not None), None)
+
+    @property
+    def in_list(self) -> bool | None:
+        """In every readable gateway's start-up list (None: no list could be read)."""
+        known = [v for v in self.listed.values() if v is not None]
+        return None if not known else all(known)
+
+    def gateway_problems(self) -> dict[str, str]:
+        """{gateway host: why it does not route to this instance} for each gateway that answered."""
+        out = {}
+        for host, w in self.workers.items():
+            if w is None:
+                out[host] = "not in its /workers"
+            elif not w.routable:
+                out[host] = f"listed {w.status or 'unknown'}, {'healthy' if w.is_healthy else 'unhealthy'}"
+        return out
+
+    @property
     def gateway_problem(self) -> str | None:
-        if self.worker is None:
-            return "not in the gateway's /workers"
-        if not self.worker.routable:
-            return f"in the gateway but {self.worker.status or 'unknown'}, {'healthy' if self.worker.is_healthy else 'unhealthy'}"
-        return None
+        probs = self.gateway_problems()
+        if not probs:
+            return None
+        if len(self.workers) == 1:
+            return {"not in its /workers": "not in the gateway's /workers"}.get(
+                next(iter(probs.values())), "in the gateway but " + next(iter(probs.values())).removeprefix("listed "))
+        return "; ".join(f"gateway {h}: {why}" for h, why in sorted(probs.items()))
 
     def findings(self) -> list[str]:
         out = [f"unit {d}" for d in self.down] + self.restarted + self.stale
         if self.gateway_problem:
             out.append(self.gateway_problem)
-        if not self.in_list and self.in_list is not None:
-            out.append("not in the gateway's start-up list")
+        missing = sorted(h for h, v in self.listed.items() if v is False)
+        if missing:
+            out.append("not in the gateway's start-up list" if len(self.listed) == 1
+                       else f"not in the start-up list of gateway {', '.join(missing)}")
+        return out
+
+
+@dataclass
+class GatewayObservation:
+    """One gateway as read now: its unit, its /workers and its start-up list."""
+
+    host: str
+    unit: UnitState | str
+    error: str | None  # why /workers could not be read, else None
+    workers: list[Worker]
+    start_list: list[str] | None  # instance ids in its start-up list; None: unreadable
+    start_list_error: str | None = None
+    running: str | None = None  # the process's config id
+    expected: str | None = None
+    recorded_pid: int | None = None  # its MainPID when the revision was recorded (None: older records)
+    several: bool = False  # one of several gateways: its host is named in what is said of it
+
+    @property
+    def down(self) -> bool:
+        u = self.unit
+        return self.error is not None or not (isinstance(u, UnitState) and u.active_state == "active")
+
+    @property
+    def restarted(self) -> str | None:
+        """It runs, but not as the process the revision recorded: systemd (or someone) started it
+        again. Its registrations came back from the start-up list; the requests it was carrying did
+        not, and their prefill halves wait out the bootstrap timeout (pdops.reads.orphans)."""
+        u = self.unit
+        if self.down or not self.recorded_pid or not isinstance(u, UnitState) or u.main_pid == self.recorded_pid:
+            return None
+        return (f"{self.label} restarted: MainPID {u.main_pid}, recorded {self.recorded_pid} "
+                f"(restarts by systemd: {u.n_restarts})")
+
+    @property
+    def stale(self) -> str | None:
+        if self.expected is None or self.down or self.running == self.expected:
+            return None
+        return (f"{self.label} runs files {self.running or 'without a config id'}, the revision's "
+                f"are {self.expected} (not restarted since its files changed)")
+
+    @property
+    def label(self) -> str:
+        return f"gateway {GATEWAY_UNIT}" + (f" on {self.host}" if self.several else "")
+
+    @property
+    def state(self) -> str:
+        u = self.unit
+        return f"{u.active_state}/{u.sub_state}" if isinstance(u, UnitState) else u
+
+    def why_down(self) -> str:
+        return f"{self.label}: {self.state}" + (f"; {self.error}" if self.error else "")
+
+    def unknown_workers(self, instances) -> list[Worker]:
+        """Workers it routes to that the revision does not know. A worker the gateway is draining
+        takes no new request: right after a drain smg keeps the removed worker listed as draining
+        for a few seconds (docs/design/sglang.md), which is not a difference to repair."""
+        urls = {o.instance.url.rstrip("/") for o in instances}
+        return [w for w in self.workers if w.url.rstrip("/") not in urls and w.status != DRAINING]
+
+    def findings(self, revision: int, instances) -> list[str]:
+        out = [self.why_down()] if self.down else []
+        out += [x for x in (self.stale, self.restarted) if x]
+        if self.start_list_error:
+            out.append(f"the gateway's start-up list {membership.PATH}" + (f" on {self.host}" if self.several else "")
+                       + f" unreadable: {self.start_list_error}")
+        out += [f"{'gateway' if not self.several else self.label} routes to {w.describe()}, which revision "
+                f"{revision} does not know"
+                for w in self.unknown_workers(instances)]
         return out
 
 
 @dataclass
 class Observation:
     revision: int
-    gateway_unit: UnitState | str
-    gateway_error: str | None  # why /workers could not be read, else None
-    workers: list[Worker]
-    start_list: list[str] | None  # instance ids in the gateway's start-up list; None: unreadable
+    gateways: list[GatewayObservation]
     instances: list[InstanceObservation] = field(default_factory=list)
-    start_list_error: str | None = None
-    gateway_running: str | None = None  # the gateway process's config id
-    gateway_expected: str | None = None
-    gateway_recorded_pid: int | None = None  # its MainPID when the revision was recorded (None: older records)
-
-    @property
-    def gateway_restarted(self) -> str | None:
-        """The gateway runs, but not as the process the revision recorded: systemd (or someone) started
-        it again. Its registrations came back from the start-up list; the requests it was carrying did
-        not, and their prefill halves wait out the bootstrap timeout (pdops.reads.orphans)."""
-        u = self.gateway_unit
-        if self.gateway_down or not self.gateway_recorded_pid or not isinstance(u, UnitState) \
-                or u.main_pid == self.gateway_recorded_pid:
-            return None
-        return (f"gateway {GATEWAY_UNIT} restarted: MainPID {u.main_pid}, recorded {self.gateway_recorded_pid} "
-                f"(restarts by systemd: {u.n_restarts})")
-
-    @property
-    def gateway_stale(self) -> str | None:
-        if self.gateway_expected is None or self.gateway_down or self.gateway_running == self.gateway_expected:
-            return None
-        return (f"gateway {GATEWAY_UNIT} runs files {self.gateway_running or 'without a config id'}, the revision's "
-                f"are {self.gateway_expected} (not restarted since its files changed)")
 
     @property
     def gateway_down(self) -> bool:
-        u = self.gateway_unit
-        return self.gateway_error is not None or not (isinstance(u, UnitState) and u.active_state == "active")
+        """Some gateway is down (or its /workers unreadable)."""
+        return any(g.down for g in self.gateways)
 
     @property
-    def unknown_workers(self) -> list[Worker]:
-        """Workers the gateway routes to that the revision does not know. A worker the gateway is
-        draining takes no new request: right after a drain smg keeps the removed worker listed as
-        draining for a few seconds (docs/design/sglang.md), which is not a difference to repair."""
-        urls = {o.instance.url.rstrip("/") for o in self.instances}
-        return [w for w in self.workers if w.url.rstrip("/") not in urls and w.status != DRAINING]
+    def gateway_restarted(self) -> str | None:
+        return "; ".join(x for x in (g.restarted for g in self.gateways) if x) or None
+
+    @property
+    def serving_gateways(self) -> list[GatewayObservation]:
+        return [g for g in self.gateways if not g.down]
 
     def findings(self) -> list[str]:
-        out = []
-        if self.gateway_down:
-            u = self.gateway_unit
-            state = f"{u.active_state}/{u.sub_state}" if isinstance(u, UnitState) else u
-            out.append(f"gateway {GATEWAY_UNIT}: {state}" + (f"; {self.gateway_error}" if self.gateway_error else ""))
-        if self.gateway_stale:
-            out.append(self.gateway_stale)
-        if self.gateway_restarted:
-            out.append(self.gateway_restarted)
-        if self.start_list_error:
-            out.append(f"the gateway's start-up list {membership.PATH} unreadable: {self.start_list_error}")
+        out = [f for g in self.gateways for f in g.findings(self.revision, self.instances)]
         for o in self.instances:
             out += [f"{o.id}: {f}" for f in o.findings()]
-        out += [f"gateway routes to {w.describe()}, which revision {self.revision} does not know"
-                for w in self.unknown_workers]
         return out
 
     def summary(self) -> str:
         """One line of what was seen, for a verdict that says "no change"."""
         n = len(self.instances)
         units = sum(len(o.units) for o in self.instances)
+        where = "the gateway" if len(self.gateways) == 1 else f"each of the {len(self.gateways)} gateways"
         return (f"observed: {units} unit(s) of {n} instance(s) active with their recorded MainPIDs"
                 + (", each process started from this revision's files" if any(o.expected for o in self.instances)
                    else "") + f", {n} worker(s) "
-                f"healthy and ready in the gateway, none unknown, the gateway's start-up list = revision "
+                f"healthy and ready in {where}, none unknown, {where}'s start-up list = revision "
                 f"{self.revision}'s instances")
 
 
 @dataclass(frozen=True)
 class Seen:
     """What a change plans from (pdops.ops.scale.plan_change), read from an Observation: which instances
-    of the revision serve now, and whether the gateway answers. Pure data: a plan case writes one."""
+    of the revision serve now, and which gateways do not answer. Pure data: a plan case writes one."""
 
     not_serving: dict[str, str] = field(default_factory=dict)  # instance id -> why it does not serve now
     down: frozenset[str] = frozenset()  # of those, the ones whose units are not active: nothing to drain
-    gateway: str | None = None  # why the gateway does not answer; None: it answers
-    gateway_active: bool = True  # its unit is active (hung, not stopped): restarted rather than started
+    gateways_down: dict[str, str] = field(default_factory=dict)  # gateway host -> why it does not answer
+    gateways_active: frozenset[str] = frozenset()  # of those, the ones whose unit is active (hung): restarted
 
     @classmethod
     def of(cls, obs: Observation) -> "Seen":
-        """An instance serves when its units are active and the gateway routes to it (with the gateway
-        down: when it is in the start-up list the gateway registers again after its start)."""
+        """An instance serves when its units are active and a gateway that answers routes to it (with
+        every gateway down: when it is in a start-up list the gateway registers again after its start).
+        A gateway that answers but does not route to it is a finding to repair, not a lost instance."""
         not_serving: dict[str, str] = {}
         down = set()
+        up = obs.serving_gateways
         for o in obs.instances:
             if o.down:
                 not_serving[o.id] = "units not running: " + "; ".join(o.down)
                 down.add(o.id)
-            elif obs.gateway_down:
+            elif not up:
                 if o.in_list is False:
                     not_serving[o.id] = "not in the gateway's start-up list"
-            elif o.gateway_problem:
+            elif all(g.host in o.gateway_problems() for g in up):
                 not_serving[o.id] = o.gateway_problem
-        gateway = None
-        if obs.gateway_down:
-            u = obs.gateway_unit
-            gateway = (f"{GATEWAY_UNIT} {u.active_state}/{u.sub_state}" if isinstance(u, UnitState) else
-                       f"{GATEWAY_UNIT}: {u}") + (f"; {obs.gateway_error}" if obs.gateway_error else "")
-        active = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
-        return cls(not_serving, frozenset(down), gateway, active)
+        gdown = {g.host: f"{GATEWAY_UNIT} {g.state}" + (f"; {g.error}" if g.error else "")
+                 for g in obs.gateways if g.down}
+        active = frozenset(g.host for g in obs.gateways if g.down and isinstance(g.unit, UnitState)
+                           and g.unit.active_state == "active")
+        return cls(not_serving, frozenset(down), gdown, active)
+
+    @property
+    def gateway(self) -> str | None:
+        """Why gateways do not answer, in one line; None: every gateway answers."""
+        if not self.gateways_down:
+            return None
+        if len(self.gateways_down) == 1:
+            return next(iter(self.gateways_down.values()))
+        return "; ".join(f"{h}: {why}" for h, why in sorted(self.gateways_down.items()))
 
     @property
     def all_serving(self) -> bool:
-        return not self.not_serving and self.gateway is None
+        return not self.not_serving and not self.gateways_down
 
 
-def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClient) -> Observation:
-    """Read systemd on every host of the revision, the gateway's /workers and its start-up list."""
+def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways) -> Observation:
+    """Read systemd on every host of the revision, each gateway's /workers and start-up list."""
     pl = Placement.from_dict(rev.placement)
-    by_host: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
+    by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     for inst in pl.instances:
         for h, u in inst.units:
             by_host.setdefault(h, []).append(u)
@@ -217,26 +285,39 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateway: GatewayClien
         return {f"{host}:{u}": r[1][u] for u in units if u in r[1]}
 
     expected = (rev.extra or {}).get("configs") or {}
+    extra = rev.extra or {}
+    # records before several gateways kept one MainPID: the first gateway's
+    recorded = extra.get("gateway_main_pids") or (
+        {inv.gateway.hosts[0]: extra["gateway_main_pid"]} if extra.get("gateway_main_pid") else {})
 
-    try:
-        workers, gw_error = gateway.list_workers(), None
-    except PdopsError as exc:
-        workers, gw_error = [], exc.message
-    try:
-        start_list, list_error = membership.listed_ids(membership.read(pool, inv)), None
-    except PdopsError as exc:
-        start_list, list_error = None, exc.message
-    by_url = {w.url.rstrip("/"): w for w in workers}
-    gw_key = f"{inv.gateway.host}:{GATEWAY_UNIT}"
-    obs = Observation(rev.number, state_of(inv.gateway.host, GATEWAY_UNIT), gw_error, workers, start_list,
-                      start_list_error=list_error, gateway_expected=expected.get(gw_key),
-                      gateway_running=running_of(inv.gateway.host, [GATEWAY_UNIT]).get(gw_key),
-                      gateway_recorded_pid=(rev.extra or {}).get("gateway_main_pid"))
+    def read_gateway(host: str) -> GatewayObservation:
+        try:
+            workers, error = gateways.client(host).list_workers(), None
+        except PdopsError as exc:
+            workers, error = [], exc.message
+        try:
+            start_list, list_error = membership.listed_ids(membership.read(pool, host)), None
+        except PdopsError as exc:
+            start_list, list_error = None, exc.message
+        key = f"{host}:{GATEWAY_UNIT}"
+        return GatewayObservation(host, state_of(host, GATEWAY_UNIT), error, workers, start_list, list_error,
+                                  running=running_of(host, [GATEWAY_UNIT]).get(key), expected=expected.get(key),
+                                  recorded_pid=recorded.get(host), several=len(inv.gateway.hosts) > 1)
+
+    gw_res = run_parallel(list(inv.gateway.hosts), read_gateway)
+    gws = [gw_res[h] if not isinstance(gw_res[h], Exception) else
+           GatewayObservation(h, state_of(h, GATEWAY_UNIT), str(gw_res[h]), [], None, str(gw_res[h]),
+                              several=len(inv.gateway.hosts) > 1)
+           for h in inv.gateway.hosts]
+    obs = Observation(rev.number, gws)
+    answered = [g for g in gws if g.error is None]
     for inst in pl.instances:
-        recorded = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
+        rec = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
+        url = inst.url.rstrip("/")
         obs.instances.append(InstanceObservation(
-            inst, {f"{h}:{u}": state_of(h, u) for h, u in inst.units}, {k: int(v) for k, v in recorded.items() if v},
-            by_url.get(inst.url.rstrip("/")), None if start_list is None else inst.id in start_list,
+            inst, {f"{h}:{u}": state_of(h, u) for h, u in inst.units}, {k: int(v) for k, v in rec.items() if v},
+            {g.host: next((w for w in g.workers if w.url.rstrip("/") == url), None) for g in answered},
+            {g.host: None if g.start_list is None else inst.id in g.start_list for g in gws},
             running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()},
             expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected}))
     return obs

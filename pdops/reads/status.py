@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pdops.errors import PdopsError
 from pdops.facts import engine as engine_facts
-from pdops.remote.gateway import GatewayClient
+from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, http_json
 from pdops.reads.identity import record_identity
 from pdops.model.inventory import Inventory
@@ -77,14 +77,17 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
         return InstanceHealth("restarted", o.restarted + ["the process pdops started and verified is gone; "
                                                           "peers and the gateway may hold its old state"], repair)
     if gateway_down:
-        return InstanceHealth("not registered", ["the gateway is down"], "see the gateway row")
-    if o.worker is None:
-        return InstanceHealth("not registered", ["not in the gateway's /workers"], repair)
+        return InstanceHealth("not registered", ["no gateway answers"], "see the gateway rows")
+    if o.workers and all(w is None for w in o.workers.values()):
+        return InstanceHealth("not registered", ["not in the gateway's /workers" if len(o.workers) == 1
+                                                 else "in no gateway's /workers"], repair)
     reasons = []
     if o.gateway_problem:
         reasons.append(o.gateway_problem)
-    if o.in_list is False:
-        reasons.append("not in the gateway's start-up list (a gateway restart would drop it)")
+    missing = sorted(h for h, v in o.listed.items() if v is False)
+    if missing:
+        reasons.append("not in the gateway's start-up list (a gateway restart would drop it)" if len(o.listed) == 1
+                       else f"not in the start-up list of gateway {', '.join(missing)} (its restart would drop it)")
     reasons += [f"{n} +{d} since the last look" for n, d in failures.items() if d > 0]
     reasons += [f"stray process in its cgroup, not under MainPID: {s}" for s in strays]
     if loads_error:
@@ -154,10 +157,9 @@ def _engine_reads(inst) -> tuple[engine_facts.EngineLoads, dict[str, float]]:
     return loads, counters
 
 
-def _gateway_counters(inv: Inventory) -> dict[str, float]:
-    """The gateway's PD failure counters from its Prometheus endpoint, those it exports."""
-    gw = inv.gateway
-    status, text = http_json("GET", f"http://{gw.addr}:{gw.prometheus_port}/metrics", timeout=5)
+def _gateway_counters(node) -> dict[str, float]:
+    """One gateway's PD failure counters from its Prometheus endpoint, those it exports."""
+    status, text = http_json("GET", node.metrics_url, timeout=5)
     if status != 200 or not isinstance(text, str):
         raise RuntimeError(f"HTTP {status}")
     metrics = engine_facts.parse_metrics(text)
@@ -214,11 +216,10 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
     rev = state.current_revision()
     record = record_doc(state)
     if rev is None:
-        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateway": None, "record": record,
+        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateways": [], "record": record,
                 "note": "nothing deployed yet (no current revision)", "ok": True}, None
-    client = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
     with HostPool(inv) as pool:
-        obs = observe(inv, rev, pool, client)
+        obs = observe(inv, rev, pool, Gateways.of(inv))
         by_id = {o.id: o for o in obs.instances}
         stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
         reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
@@ -232,24 +233,22 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                         else orphans_mod.Reading())
         except PdopsError as exc:
             orphaned = orphans_mod.Reading({}, [exc.message])
-    try:
-        gw_counters, gw_counters_error = _gateway_counters(inv), None
-    except Exception as exc:  # noqa: BLE001 - shown, not fatal: the gateway row says what it could read
-        gw_counters, gw_counters_error = {}, str(getattr(exc, "message", exc))
+    counters = run_parallel(list(inv.gateway.nodes), _gateway_counters)
     seen = {}
     for o in obs.instances:
         r = reads.get(o.instance)
         if isinstance(r, tuple) and r[1]:
             seen[o.id] = {"pid": o.main_pids.get(f"{o.instance.head.host}:{o.instance.units[0][1]}"),
                           "counters": r[1], "at": time.time()}
-    if gw_counters:
-        seen["gateway"] = {"pid": getattr(obs.gateway_unit, "main_pid", None), "counters": gw_counters, "at": time.time()}
+    for g in obs.gateways:
+        c = counters.get(inv.gateway.node(g.host))
+        if isinstance(c, dict) and c:
+            seen[gateway_key(inv, g.host)] = {"pid": getattr(g.unit, "main_pid", None), "counters": c, "at": time.time()}
     deltas = _counter_deltas(inv, seen, write=remember)
-    gu = obs.gateway_unit
-    gu_read = hasattr(gu, "active_state")
-    # the gateway is down for its workers when /workers does not answer or systemd says so; a unit
-    # that cannot be read (SSH) is not evidence of either
-    gateway_down = obs.gateway_error is not None or (gu_read and gu.active_state != "active")
+    # no gateway answers for its workers: /workers does not answer or systemd says so; a unit that
+    # cannot be read (SSH) is not evidence of either
+    gateway_down = not any(g.error is None and not (hasattr(g.unit, "active_state") and g.unit.active_state != "active")
+                           for g in obs.gateways)
     rows = []
     for o in obs.instances:
         r = reads.get(o.instance)
@@ -270,6 +269,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
             h = InstanceHealth("unknown", [why], f"check SSH to {o.instance.head.host}, then `inv status` again") \
                 if h.state == "ok" else InstanceHealth(h.state, h.reasons + [why], h.action)
         inst, w = o.instance, o.worker
+        probs = o.gateway_problems()
         units = []
         for hst, u in inst.units:
             st = o.units.get(f"{hst}:{u}")
@@ -282,7 +282,8 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
             "instance": inst.id, "role": inst.role, "hosts": list(inst.hosts), "ranks": inst.nnodes,
             "units": units, "url": inst.url,
             "worker_id": w.id if w else None, "registered": w is not None,
-            "healthy": bool(w and w.routable), "gateway_status": w.status if w else None,
+            "healthy": bool(o.workers) and not probs, "gateway_status": w.status if w else None,
+            "gateways": {h: (x.status if x else None) for h, x in o.workers.items()},
             "recorded_worker_id": (rev.instances.get(inst.id) or {}).get("worker_id"),
             "queues": q, "loads_error": loads_error,
             "failures": (seen.get(inst.id) or {}).get("counters", {}), "failures_since_last_look": deltas.get(inst.id, {}),
@@ -290,32 +291,9 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                          for x in orphaned.orphans.get(o.id, [])],
             "state": h.state, "reasons": h.reasons, "action": h.action,
         })
-    greasons = []
-    if gateway_down:
-        gstate = "down"
-        greasons.append(f"unit {gu.active_state}/{gu.sub_state}" if gu_read else str(gu))
-        if obs.gateway_error:
-            greasons.append(obs.gateway_error)
-    elif not gu_read:
-        gstate = "unknown"
-        greasons.append(f"its unit: {gu}; /workers answers ({len(obs.workers)} workers)")
-    else:
-        greasons += [x for x in (obs.gateway_stale,) if x]
-        greasons += [f"routes to {w.describe()}, which revision {rev.number} does not know" for w in obs.unknown_workers]
-        if obs.start_list_error:
-            greasons.append(f"start-up list unreadable: {obs.start_list_error}")
-        gstate = "degraded" if greasons else "ok"
-    gaction = {"down": f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
-                       "gateway-crashed)",
-               "degraded": f"inv deploy --topology {rev.topology}",
-               "unknown": f"check SSH to {inv.gateway.host}, then `inv status` again"}.get(gstate)
-    gateway = {"host": inv.gateway.host, "url": inv.gateway.url,
-               "unit_state": f"{gu.active_state}/{gu.sub_state}" if hasattr(gu, "active_state") else "unknown",
-               "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),
-               "workers": len(obs.workers), "error": obs.gateway_error,
-               "failures": gw_counters, "failures_since_last_look": deltas.get("gateway", {}),
-               "failures_error": gw_counters_error,
-               "state": gstate, "reasons": greasons, "action": gaction}
+    gateways = [_gateway_row(inv, rev, obs, g, counters.get(inv.gateway.node(g.host)),
+                             deltas.get(gateway_key(inv, g.host), {})) for g in obs.gateways]
+    warnings = front_door_warnings(inv)
     if prometheus:
         try:
             rates, perr = prometheus_rates(prometheus, inv.cluster), None
@@ -323,11 +301,73 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
             rates, perr = {}, str(getattr(exc, "message", exc))
         for r in rows:
             r["prometheus"] = rates.get(r["instance"], {})
-        gateway["prometheus_error"] = perr
-    ok = gstate == "ok" and all(r["state"] == "ok" for r in rows)
+        for g in gateways:
+            g["prometheus_error"] = perr
+    ok = all(g["state"] == "ok" for g in gateways) and all(r["state"] == "ok" for r in rows)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
-            "gateway": gateway, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
+            "gateways": gateways, "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
             "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
+
+
+def gateway_key(inv: Inventory, host: str) -> str:
+    """The name a gateway's counters are remembered under between looks ("gateway" when it is the only one)."""
+    return "gateway" if len(inv.gateway.hosts) == 1 else f"gateway {host}"
+
+
+def front_door_warnings(inv: Inventory) -> list[str]:
+    """What `inv status` warns about the way in: one gateway is a single point of failure; several
+    without the admission layer need clients that know every gateway (docs/gateway.md)."""
+    n = len(inv.gateway.nodes)
+    if inv.admission is not None:
+        if n == 1:
+            return [f"single point of failure: one gateway ({inv.gateway.first.host}); when it crashes or its host "
+                    "is down the admission layer answers 503 (name two or more in pdops_gateway.hosts)"]
+        return []
+    if n == 1:
+        return [f"single point of failure: one gateway ({inv.gateway.first.host}) and no admission layer in "
+                "front; when it is down nothing is served (name two or more in pdops_gateway.hosts, and give "
+                "clients every URL or put pdops_admission in front)"]
+    return [f"no admission layer in front of the {n} gateways: each client must be given every gateway URL "
+            f"({', '.join(g.url for g in inv.gateway.nodes)}) and try the next on a refused connection "
+            "(docs/gateway.md)"]
+
+
+def _gateway_row(inv: Inventory, rev, obs, g, counters, rose: dict) -> dict:
+    """One gateway's row of `inv status`: its unit, its view of the workers, what it lacks or routes
+    to that the revision does not know, its failure counters."""
+    gu = g.unit
+    gu_read = hasattr(gu, "active_state")
+    reasons = []
+    if g.down and (g.error is not None or gu_read):
+        gstate = "down"
+        reasons.append(f"unit {gu.active_state}/{gu.sub_state}" if gu_read else str(gu))
+        if g.error:
+            reasons.append(g.error)
+    elif not gu_read:
+        gstate = "unknown"
+        reasons.append(f"its unit: {gu}; /workers answers ({len(g.workers)} workers)")
+    else:
+        reasons += [x for x in (g.stale,) if x]
+        reasons += [f"routes to {w.describe()}, which revision {rev.number} does not know"
+                    for w in g.unknown_workers(obs.instances)]
+        lacks = [o.id for o in obs.instances if g.host in o.gateway_problems()]
+        if lacks:
+            reasons.append(f"does not route to {', '.join(lacks)}")
+        if g.start_list_error:
+            reasons.append(f"start-up list unreadable: {g.start_list_error}")
+        gstate = "degraded" if reasons else "ok"
+    node = inv.gateway.node(g.host)
+    action = {"down": f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
+                      "gateway-crashed)",
+              "degraded": f"inv deploy --topology {rev.topology}",
+              "unknown": f"check SSH to {g.host}, then `inv status` again"}.get(gstate)
+    return {"host": g.host, "url": node.url,
+            "unit_state": f"{gu.active_state}/{gu.sub_state}" if gu_read else "unknown",
+            "main_pid": getattr(gu, "main_pid", None), "n_restarts": getattr(gu, "n_restarts", None),
+            "workers": len(g.workers), "error": g.error,
+            "failures": counters if isinstance(counters, dict) else {}, "failures_since_last_look": rose,
+            "failures_error": None if isinstance(counters, dict) else str(getattr(counters, "message", counters)),
+            "state": gstate, "reasons": reasons, "action": action}
 
 
 def record_lines(record: dict | None) -> list[str]:
@@ -374,23 +414,32 @@ def format_status(doc: dict) -> str:
                 "fail/s_5m": _num(r["prometheus"].get("failures_per_s_5m"), 3)} if "prometheus" in r else {}),
             "state": r["state"],
         })
-    g = doc["gateway"]
-    head = (f"{doc['cluster']}: revision {doc['revision']} ({doc['topology']}); gateway {g['url']} on {g['host']}: "
-            f"{g['unit_state']}, MainPID {g['main_pid']}, {g['workers']} workers: {g['state']}"
-            + (f" (error: {g['error']})" if g["error"] else ""))
-    rose = {k: v for k, v in (g.get("failures_since_last_look") or {}).items() if v}
-    if rose:
-        head += "; gateway counted since the last look: " + ", ".join(f"{k} +{v}" for k, v in rose.items())
-    lines = banner + [head, format_table(rows)]
+    gws = doc["gateways"]
+    head = f"{doc['cluster']}: revision {doc['revision']} ({doc['topology']})"
+    glines = []
+    for g in gws:
+        line = (f"gateway {g['url']} on {g['host']}: {g['unit_state']}, MainPID {g['main_pid']}, {g['workers']} "
+                f"workers: {g['state']}" + (f" (error: {g['error']})" if g["error"] else ""))
+        rose = {k: v for k, v in (g.get("failures_since_last_look") or {}).items() if v}
+        if rose:
+            line += "; counted since the last look: " + ", ".join(f"{k} +{v}" for k, v in rose.items())
+        glines.append(line)
+    if len(gws) == 1:
+        head += "; " + glines.pop()
+    lines = banner + [head] + glines + [format_table(rows)]
     for r in doc["instances"]:
         if r["state"] != "ok":
             lines.append(f"{r['instance']} {r['state']}: {'; '.join(r['reasons'])}"
                          + (f"\n  -> {r['action']}" if r.get("action") else ""))
-    if g["state"] != "ok":
-        lines.append(f"gateway {g['state']}: {'; '.join(g['reasons'])}" + (f"\n  -> {g['action']}" if g["action"] else ""))
+    for g in gws:
+        if g["state"] != "ok":
+            lines.append(f"gateway {g['host']} {g['state']}: {'; '.join(g['reasons'])}"
+                         + (f"\n  -> {g['action']}" if g["action"] else ""))
+    lines += [f"warning: {w}" for w in doc.get("warnings", [])]
     healthy = sum(1 for r in doc["instances"] if r["healthy"])
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
-    bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + ([] if g["state"] == "ok" else ["gateway"])
+    bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + [
+        f"gateway {g['host']}" if len(gws) > 1 else "gateway" for g in gws if g["state"] != "ok"]
     tail += f"; not ok: {', '.join(bad)}" if bad else "; all ok"
     if doc.get("cordoned"):
         tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"

@@ -39,6 +39,6 @@ def open_record(inv, *, cached_ok: bool = False) -> SharedRecord:
     from pdops.model.inventory import StateLocation
     from pdops.record.local import local_dir
 
-    where = inv.state or StateLocation(inv.gateway.host)
+    where = inv.state or StateLocation(inv.gateway.first.host)
     return SharedRecord(inv.cluster, local_dir(inv), where.host, where.dir, SSHTransport(inv, where.host),
                         cached_ok=cached_ok)

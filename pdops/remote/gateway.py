@@ -193,3 +193,54 @@ class GatewayClient:
             if time.monotonic() >= deadline:
                 raise Unverified(f"worker {worker_id} still listed by the gateway at the deadline")
             time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+
+
+class Gateways:
+    """Every gateway of the cluster (`pdops_gateway.host` or `.hosts`), each an independent smg with
+    its own registrations: what pdops asks of "the gateway" it asks of each, and a worker is in
+    service only when every gateway routes to it (docs/gateway.md "Two or more gateways")."""
+
+    def __init__(self, nodes, *, api_key_file: str | None = None, timeout: float = 5.0,
+                 poll_interval: float = 0.25):
+        if not nodes:
+            raise InvalidInput("pdops_gateway", "no gateway named", fix="name at least one gateway host")
+        self.nodes = tuple(nodes)
+        self.clients: dict[str, GatewayClient] = {
+            n.host: GatewayClient(n.url, api_key_file=api_key_file, timeout=timeout, poll_interval=poll_interval)
+            for n in self.nodes}
+
+    @classmethod
+    def of(cls, inv, **kw) -> "Gateways":
+        return cls(inv.gateway.nodes, api_key_file=inv.gateway.api_key_file, **kw)
+
+    def __repr__(self) -> str:
+        return f"Gateways({', '.join(self.clients)})"
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def items(self):
+        return self.clients.items()
+
+    def client(self, host: str) -> GatewayClient:
+        return self.clients[host]
+
+    def workers(self) -> dict[str, list[Worker]]:
+        """{gateway host: its /workers}; Unreachable names the first gateway that does not answer."""
+        return {h: c.list_workers() for h, c in self.clients.items()}
+
+    def wait_worker_healthy(self, url: str, deadline: float,
+                            progress: Callable[[str], None] | None = None) -> dict[str, Worker]:
+        """Until every gateway lists ``url`` healthy and ready: {gateway host: its worker}."""
+        return {h: c.wait_worker_healthy(url, deadline, progress) for h, c in self.clients.items()}
+
+    def wait_url_gone(self, url: str, deadline: float) -> None:
+        """Until no gateway lists a worker at ``url`` (smg drops a removed worker after its settle time)."""
+        for h, c in self.clients.items():
+            for w in gw_facts.by_url(c.list_workers(), url):
+                c.wait_worker_gone(w.id, deadline)
+
+    def routable_everywhere(self) -> set[str]:
+        """The worker URLs (without a trailing /) every gateway routes to now."""
+        sets = [{w.url.rstrip("/") for w in ws if w.routable} for ws in self.workers().values()]
+        return set.intersection(*sets) if sets else set()

@@ -115,7 +115,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 def connections(inv: Inventory):
     """An operation's connections, opened once by its caller (the CLI) and passed to the runner:
     one SSH connection per host (opened on first use, closed at the end) and the gateway client."""
-    from pdops.remote.gateway import GatewayClient
+    from pdops.remote.gateway import Gateways
 
     with HostPool(inv) as pool:
-        yield {"pool": pool, "gateway": GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)}
+        yield {"pool": pool, "gateways": Gateways.of(inv)}

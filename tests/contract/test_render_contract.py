@@ -72,13 +72,13 @@ def test_corrupted_flags_are_rejected_by_sglang(fleet, corrupt):
 
 def test_gateway_command_parses_with_the_gateway_parser(fleet, lab_inv):
     for inv in (fleet, lab_inv):
-        ra = check_gateway_args(gateway_args(inv))
+        ra = check_gateway_args(gateway_args(inv, inv.gateway.first))
         assert ra.pd_disaggregation and ra.disable_retries
         assert ra.prefill_urls == [] and ra.decode_urls == []
-        assert ra.host == inv.gateway.addr and ra.port == inv.gateway.port
+        assert ra.host == inv.gateway.first.addr and ra.port == inv.gateway.port
         assert ra.prometheus_port == inv.gateway.prometheus_port
     with pytest.raises(InvalidInput, match="gateway flags"):
-        check_gateway_args(gateway_args(fleet) + ["--retries-off"])
+        check_gateway_args(gateway_args(fleet, fleet.gateway.first) + ["--retries-off"])
 
 
 def test_every_routing_policy_pdops_accepts_is_one_the_gateway_accepts(fleet):
@@ -87,13 +87,13 @@ def test_every_routing_policy_pdops_accepts_is_one_the_gateway_accepts(fleet):
     from pdops.model.inventory import PREFILL_POLICIES, ROUTING_POLICIES
 
     assert fleet.gateway.policy is None  # not set: the gateway's own default
-    assert check_gateway_args(gateway_args(fleet)).policy == "cache_aware"
+    assert check_gateway_args(gateway_args(fleet, fleet.gateway.first)).policy == "cache_aware"
     for key, flag_dest, choices in (("policy", "policy", ROUTING_POLICIES),
                                     ("prefill_policy", "prefill_policy", PREFILL_POLICIES),
                                     ("decode_policy", "decode_policy", ROUTING_POLICIES)):
         for choice in choices:
             gw = dataclasses.replace(fleet.gateway, **{key: choice})
-            ra = check_gateway_args(gateway_args(dataclasses.replace(fleet, gateway=gw)))
+            ra = check_gateway_args(gateway_args(dataclasses.replace(fleet, gateway=gw), gw.first))
             assert getattr(ra, flag_dest) == choice, (key, choice)
 
 

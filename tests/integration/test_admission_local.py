@@ -43,7 +43,7 @@ def _cfg(gw_port: int, *, cap: int, queue: int, queue_timeout_s: int = 30, overf
          keys=(KEY_A,)) -> AdmissionConfig:
     return AdmissionConfig(host="local", listen_addr="127.0.0.1", port=free_port(), cap=cap, queue=queue,
                            queue_timeout_s=queue_timeout_s, overflow_status=overflow, api_keys_file="(test)",
-                           gateway_addr="127.0.0.1", gateway_port=gw_port, keys=tuple(keys))
+                           gateways=(("gw1", "127.0.0.1", gw_port),), keys=tuple(keys))
 
 
 def test_audit_passes_through_haproxy(cluster, tmp_path):
@@ -204,7 +204,7 @@ def _gw_status(sock) -> str:
     head = lines[0].lstrip("# ").split(",")
     for ln in lines[1:]:
         row = dict(zip(head, ln.split(",")))
-        if row.get("pxname") == "gateway" and row.get("svname") == "gw":
+        if row.get("pxname") == "gateways" and row.get("svname") == "gw-gw1":
             return row["status"]
     raise AssertionError(out)
 
@@ -282,7 +282,7 @@ def test_a_paused_health_check_keeps_the_only_gateway_in_service_through_a_resta
     auth = {"Authorization": f"Bearer {KEY_A}"}
 
     def api(paused: bool) -> str:
-        return subprocess.run(health_pause_command(paused, str(sock)), shell=True, capture_output=True, text=True,
+        return subprocess.run(health_pause_command("gw1", paused, str(sock)), shell=True, capture_output=True, text=True,
                               check=True).stdout.strip()
 
     try:

@@ -192,7 +192,7 @@ class Soak:
 
     def op_gateway_kill(self, cmds):
         inv = load_inventory(self.inv_dir)
-        pid = self.kill_main_pid(inv.gateway.host, "pdops-gateway.service")
+        pid = self.kill_main_pid(inv.gateway.first.host, "pdops-gateway.service")
         time.sleep(0.5)
         self.cli(cmds, "deploy", "--topology", self.topology())
         return f"SIGKILL gateway (MainPID {pid}), one deploy"
@@ -239,7 +239,7 @@ class Soak:
         """`n_ops` drawn from `kinds`, or exactly `ops` in that order."""
         inv = load_inventory(self.inv_dir)
         sequence = ops or [self.rng.choice(kinds) for _ in range(n_ops)]
-        with Load(inv.gateway.url) as load:
+        with Load(inv.gateway.first.url) as load:
             for n, op in enumerate(sequence, 1):
                 before, cmds, t0 = self.ops_seen(), [], time.time()
                 self.unexpected = []

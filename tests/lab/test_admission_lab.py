@@ -108,7 +108,7 @@ def test_admission_runs_under_systemd_with_a_0600_key_map_and_the_request_id_in_
 
 def test_gateway_keeps_retries_and_its_token_bucket_off(lab, cluster):
     _, inv, _, _, _ = cluster
-    c = lab.connection(inv.gateway.host)
+    c = lab.connection(inv.gateway.first.host)
     try:
         script = c.run("cat /opt/pdops/bin/pdops-gateway.sh", hide=True).stdout
     finally:

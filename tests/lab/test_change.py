@@ -49,7 +49,7 @@ def changed(inv_dir: Path, *args, gateway_restart: bool = False, run=None) -> tu
     restart, requests arriving while it restarts are turned away (counted and printed); none
     already in flight may fail."""
     inv = load_inventory(inv_dir)
-    with Load(inv.gateway.url) as load:
+    with Load(inv.gateway.first.url) as load:
         proc = (run or (lambda *a: cli(inv_dir, *a)))(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = load.refused() if gateway_restart else []
@@ -158,7 +158,7 @@ def test_an_sglang_upgrade_rolls_every_instance_onto_the_new_pin(live):
 
     def gateway_pid():
         proc = cli(live, "status", "--json")
-        return json.loads(proc.stdout)["gateway"]["main_pid"]
+        return json.loads(proc.stdout)["gateways"][0]["main_pid"]
 
     dry = pinned("deploy", "--topology", "2p2d", "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
@@ -167,7 +167,7 @@ def test_an_sglang_upgrade_rolls_every_instance_onto_the_new_pin(live):
     assert "gateway: restarted" not in dry.stdout and "rolling: 2 wave(s)" in dry.stdout
     gw, before = gateway_pid(), main_pids(live)
     inv = load_inventory(live)
-    with Load(inv.gateway.url) as load:
+    with Load(inv.gateway.first.url) as load:
         proc = pinned("deploy", "--topology", "2p2d")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     load.assert_clean()
@@ -287,7 +287,7 @@ def test_a_bundle_that_fails_to_start_halts_and_rollback_restores_the_recorded_f
     prof["extra_args"] = ["--no-such-sglang-flag"]
     p.write_text(yaml.safe_dump(prof))
     inv = load_inventory(inv_dir)
-    with Load(inv.gateway.url) as load:
+    with Load(inv.gateway.first.url) as load:
         bad = cli(inv_dir, "deploy", "--topology", "2p2d")
     assert bad.returncode != 0
     assert "the rollout halted" in bad.stderr and "still serving revision" in bad.stderr
@@ -299,7 +299,7 @@ def test_a_bundle_that_fails_to_start_halts_and_rollback_restores_the_recorded_f
     assert after == {"p02": before["p02"], "d02": before["d02"]}  # never touched
     last = st.journal().read(st.journal().operations()[-1])
     assert any(r["step"] == "start p01" and r["status"] == "failed" for r in last)
-    with Load(inv.gateway.url) as load:
+    with Load(inv.gateway.first.url) as load:
         back = cli(inv_dir, "rollback")
     assert back.returncode == 0, back.stdout + back.stderr
     load.assert_clean()

@@ -39,7 +39,7 @@ def test_unit_that_fails_to_start_stops_the_deploy_with_its_journal(lab, fresh):
     state = record(inv)
     assert state.current() is None
     # nothing that was not verified was registered
-    gw = load_inventory(inv).gateway
+    gw = load_inventory(inv).gateway.first
     assert GatewayClient(gw.url).list_workers() == []
     verdict = [r for r in state.journal().records() if r["step"] == "verdict"]
     assert verdict and verdict[-1]["status"] == "failed"
@@ -58,7 +58,7 @@ def test_unreachable_host_changes_nothing(lab, fresh):
 
 
 def test_gateway_port_taken_is_refused_then_unreachable_gateway_fails_named(lab, fresh):
-    gw = load_inventory(lab.inventory).gateway
+    gw = load_inventory(lab.inventory).gateway.first
     stop_all(lab)
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -95,7 +95,7 @@ def test_deploy_2p1d_serves_200_requests_through_the_gateway(live):
     assert "verified: a canary generation through each of 2 prefill x decode pair(s): p01 x d01, p02 x d01" \
         in proc.stdout
     inv = load_inventory(inv_dir)
-    rows = send(inv.gateway.url, requests=200, concurrency=16, max_new_tokens=8, stream_every=2)
+    rows = send(inv.gateway.first.url, requests=200, concurrency=16, max_new_tokens=8, stream_every=2)
     assert len(rows) == 200
     bad = [r.to_dict() for r in rows if not r.ok]
     assert not bad, bad[:3]
@@ -114,8 +114,8 @@ def test_status_shows_three_healthy_registered_instances(live):
         assert r["healthy"] and r["registered"] and r["worker_id"] == r["recorded_worker_id"]
         assert r["units"][0]["state"] == "active/running" and r["units"][0]["main_pid"]
         assert r["state"] == "ok" and r["action"] is None, r
-    assert doc["gateway"]["unit_state"] == "active/running" and doc["gateway"]["workers"] == 3
-    assert doc["gateway"]["state"] == "ok" and doc["ok"] is True
+    assert doc["gateways"][0]["unit_state"] == "active/running" and doc["gateways"][0]["workers"] == 3
+    assert doc["gateways"][0]["state"] == "ok" and doc["ok"] is True
     text = inv_cmd("status", "-i", str(inv_dir)).stdout
     assert "3/3 instances registered and healthy; all ok" in text
 

@@ -87,10 +87,10 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
     results: list = []
     plain: list = []
     t = threading.Thread(target=lambda: results.extend(send(
-        inv.gateway.url, requests=20, concurrency=20, max_new_tokens=150, stream_every=1, rid_prefix="drain-d")))
+        inv.gateway.first.url, requests=20, concurrency=20, max_new_tokens=150, stream_every=1, rid_prefix="drain-d")))
     # and non-streaming ones (stream_every=0): both kinds must survive the removal
     t2 = threading.Thread(target=lambda: plain.extend(send(
-        inv.gateway.url, requests=10, concurrency=10, max_new_tokens=150, stream_every=0, rid_prefix="drain-n")))
+        inv.gateway.first.url, requests=10, concurrency=10, max_new_tokens=150, stream_every=0, rid_prefix="drain-n")))
     t.start()
     t2.start()
     _wait_for(lambda: _running(d02.url) > 0, what="streams on d02")
@@ -102,7 +102,7 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
         if "left the gateway" in line:
             break
     # the gateway no longer routes to d02: requests sent now must all land on d01
-    late = send(inv.gateway.url, requests=8, concurrency=8, max_new_tokens=4, stream_every=2, rid_prefix="after-removal")
+    late = send(inv.gateway.first.url, requests=8, concurrency=8, max_new_tokens=4, stream_every=2, rid_prefix="after-removal")
     out = "".join(lines) + drain.stdout.read()
     assert drain.wait(timeout=300) == 0, out
     t.join(timeout=120)
@@ -138,7 +138,7 @@ def test_drain_prefill_with_kv_transfers_in_flight_and_a_stray(lab, cluster):
     prompt = " ".join(["tok"] * 20000)
     results: list = []
     t = threading.Thread(target=lambda: results.extend(send(
-        inv.gateway.url, requests=6, concurrency=6, prompt=prompt, max_new_tokens=8, stream_every=2,
+        inv.gateway.first.url, requests=6, concurrency=6, prompt=prompt, max_new_tokens=8, stream_every=2,
         rid_prefix="drain-p")))
     t.start()
     _wait_for(lambda: _running(p02.url, "prefill_inflight_queue_reqs") + _running(p02.url) > 0,

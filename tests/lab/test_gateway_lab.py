@@ -51,7 +51,7 @@ def _run(lab, host: str, cmd: str) -> str:
 
 
 def _gateway_pid(lab, inv) -> int:
-    return int(_run(lab, inv.gateway.host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip())
+    return int(_run(lab, inv.gateway.first.host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip())
 
 
 def _routable_urls(client: GatewayClient) -> set[str]:
@@ -109,18 +109,18 @@ def test_gateway_sigkill_under_load_comes_back_with_every_worker_and_replays_not
 
     inv = load_inventory(cluster)
     pl = _placement(cluster)
-    client = GatewayClient(inv.gateway.url, timeout=2, poll_interval=0.1)
+    client = GatewayClient(inv.gateway.first.url, timeout=2, poll_interval=0.1)
     urls = {i.url for i in pl.instances}
     assert _routable_urls(client) == urls
     rows: list = []
     t = threading.Thread(target=lambda: rows.extend(send(
-        inv.gateway.url, duration=14, concurrency=6, max_new_tokens=100, stream_every=1, timeout=30,
+        inv.gateway.first.url, duration=14, concurrency=6, max_new_tokens=100, stream_every=1, timeout=30,
         rid_prefix="gwkill")))
     t.start()  # rows arrive when the load ends: streams on the decodes say it is flowing
     _wait(lambda: sum(_running(d.url) for d in pl.role("decode")) >= 4, 20, "streams running at the decodes")
     pid = _gateway_pid(lab, inv)
     killed_at = time.time()
-    _run(lab, inv.gateway.host, f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
+    _run(lab, inv.gateway.first.host, f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
     back_s = _wait(lambda: _routable_urls(client) == urls, 60, "every worker routable again")
     t.join(timeout=60)
     new_pid = _gateway_pid(lab, inv)
@@ -164,7 +164,7 @@ def test_verify_fails_and_deploy_repairs_what_it_observes(lab, cluster):
     pl = _placement(cluster)
     state = _state(cluster)
     before = state.current()
-    client = GatewayClient(inv.gateway.url, timeout=2, poll_interval=0.1)
+    client = GatewayClient(inv.gateway.first.url, timeout=2, poll_interval=0.1)
     # a worker the revision does not know, routed to by the gateway: verify fails naming it
     stray = start_sim(["--disaggregation-mode", "decode"], {"PDOPS_SIM_SHUTDOWN_POLL_S": "0.2"})
     try:
@@ -216,19 +216,19 @@ def test_verify_fails_and_deploy_repairs_what_it_observes(lab, cluster):
 def test_a_drained_instance_stays_out_after_a_gateway_restart(lab, cluster):
     inv = load_inventory(cluster)
     pl = _placement(cluster)
-    client = GatewayClient(inv.gateway.url, timeout=2, poll_interval=0.1)
+    client = GatewayClient(inv.gateway.first.url, timeout=2, poll_interval=0.1)
     proc = inv_cmd("drain", "-i", str(cluster), "--instance", "d02", "--interval", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     keep = {i.url for i in pl.instances if i.id != "d02"}
-    _run(lab, inv.gateway.host, f"systemctl restart {GATEWAY_UNIT}")
+    _run(lab, inv.gateway.first.host, f"systemctl restart {GATEWAY_UNIT}")
     _wait(lambda: _routable_urls(client) == keep, 30, "the three kept workers routable")
     assert {w.url for w in client.list_workers()} == keep
-    wl = json.loads(_run(lab, inv.gateway.host, "cat /etc/pdops/gateway-workers.json"))
+    wl = json.loads(_run(lab, inv.gateway.first.host, "cat /etc/pdops/gateway-workers.json"))
     assert sorted(w["instance"] for w in wl["workers"]) == ["d01", "p01", "p02"]
     # the start-up registration's own lines in the unit's journal (ExecStartPost), after the restart
-    log = _run(lab, inv.gateway.host, f"journalctl -u {GATEWAY_UNIT} -o cat --no-pager | grep '^pdops: '")
+    log = _run(lab, inv.gateway.first.host, f"journalctl -u {GATEWAY_UNIT} -o cat --no-pager | grep '^pdops: '")
     last = log.split("nothing to register")[-1].rsplit("worker(s) queued or listed", 1)
     assert len(last) == 2 and last[0].rstrip().endswith("3 of 3"), log[-2000:]
     after_restart = log.strip().splitlines()[-4:]
     assert not any(pl.get("d02").url in ln for ln in after_restart), after_restart
-    assert all(r.ok for r in send(inv.gateway.url, requests=6, concurrency=3, max_new_tokens=4, rid_prefix="kept"))
+    assert all(r.ok for r in send(inv.gateway.first.url, requests=6, concurrency=3, max_new_tokens=4, rid_prefix="kept"))

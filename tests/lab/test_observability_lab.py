@@ -117,7 +117,7 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     # distinct prompts through the gateway; its policy may still send them all to one decode (seen
     # once in a run beside a soak), so every prefill x decode pair also gets generations of its own,
     # sent straight to the pair as the canary sends them
-    rows = send(inv.gateway.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2,
+    rows = send(inv.gateway.first.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2,
                 prompt_for=lambda i: make_prompt(30, i))
     assert all(r.ok for r in rows)
     from pdops.ops.deploy.actions import canary_pair
@@ -152,7 +152,7 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     assert query(base, "pdops:total_tpm:cluster > 0")
     # inv status --prometheus: the last 5 minutes' TPM per instance, from this Prometheus
     doc = json.loads(cli(inv_dir, "status", "--json", "--prometheus", base).stdout)
-    assert doc["gateway"]["prometheus_error"] is None
+    assert doc["gateways"][0]["prometheus_error"] is None
     assert all(r["prometheus"].get("tpm_5m", 0) > 0 for r in doc["instances"]), [r["prometheus"] for r in doc["instances"]]
 
 
@@ -179,7 +179,7 @@ def test_a_decode_killed_mid_stream_makes_its_instance_down_alert_go_pending(lab
     status = json.loads(cli(inv_dir, "status", "--json").stdout)
     pid = next(r for r in status["instances"] if r["instance"] == "d01")["units"][0]["main_pid"]
     rows: list = []
-    t = threading.Thread(target=lambda: rows.extend(send(inv.gateway.url, requests=4, concurrency=4,
+    t = threading.Thread(target=lambda: rows.extend(send(inv.gateway.first.url, requests=4, concurrency=4,
                                                          max_new_tokens=2000, stream_every=1, timeout=60)))
     t.start()
     wait_for(lambda: queue(d01.url) >= 1, 30, "streams running on d01 (the only decode now)")

@@ -74,10 +74,10 @@ def test_a_reboot_with_a_change_pending_is_one_deploy_back_to_serving(lab, tmp_p
     for i in pl.instances:  # the pending change is what runs now
         assert http_json("GET", f"{i.url}/server_info", timeout=10)[1]["max_running_requests"] == 32
     inv = load_inventory(inv_dir)
-    rows = send(inv.gateway.url, requests=8, concurrency=4, max_new_tokens=8, rid_prefix="back")
+    rows = send(inv.gateway.first.url, requests=8, concurrency=4, max_new_tokens=8, rid_prefix="back")
     if not all(r.ok for r in rows):  # the gateway's view says why (e.g. a prefill listed on its old bootstrap port)
         pytest.fail(json.dumps({"failed": [r.to_dict() for r in rows if not r.ok][:2],
-                                "workers": http_json("GET", f"{inv.gateway.url}/workers", timeout=10)[1]},
+                                "workers": http_json("GET", f"{inv.gateway.first.url}/workers", timeout=10)[1]},
                                default=str)[:4000])
     verify = cli(inv_dir, "verify")
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -146,7 +146,7 @@ def test_orphaned_halves_are_named_by_status_and_ended_by_end_orphans_and_by_a_d
     t2.join(timeout=30)
     assert not t2.is_alive()
     inv = load_inventory(inv_dir)
-    assert all(r.ok for r in send(inv.gateway.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after"))
+    assert all(r.ok for r in send(inv.gateway.first.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after"))
     stop_all(lab)
 
 
@@ -183,7 +183,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     t.start()
     wait_for(lambda: queue(d01.url) > 0, 30, "the long generation running on d01")
     inv = load_inventory(inv_dir)
-    with Load(inv.gateway.url) as load:
+    with Load(inv.gateway.first.url) as load:
         bad = cli(inv_dir, "deploy", "--topology", "2p2d")
     t.join(timeout=120)
     assert bad.returncode != 0, bad.stdout + bad.stderr
@@ -203,6 +203,6 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     assert sorted(r["instance"] for r in doc["instances"] if r["healthy"]) == ["d01", "d02", "p01", "p02"]
     from pdops.remote.load import send
 
-    after = send(inv.gateway.url, requests=8, concurrency=4, max_new_tokens=4, stream_every=2, rid_prefix="after-halt")
+    after = send(inv.gateway.first.url, requests=8, concurrency=4, max_new_tokens=4, stream_every=2, rid_prefix="after-halt")
     assert all(r.ok for r in after), [r.to_dict() for r in after if not r.ok]
     stop_all(lab)

@@ -96,7 +96,7 @@ def all_ok(inv_dir: Path, repaired_id: str) -> None:
     caused on the repaired instance's peers (counted since the last look); the next look is clean."""
     rc, doc = status(inv_dir)
     bad = {r["instance"]: r["reasons"] for r in doc["instances"] if r["state"] != "ok"}
-    assert repaired_id not in bad and doc["gateway"]["state"] == "ok", (bad, doc["gateway"])
+    assert repaired_id not in bad and doc["gateways"][0]["state"] == "ok", (bad, doc["gateways"][0])
     assert all(all(" since the last look" in x for x in rs) for rs in bad.values()), bad
     rc, doc = status(inv_dir)
     assert rc == 0 and doc["ok"], [(r["instance"], r["state"], r["reasons"]) for r in doc["instances"]]
@@ -117,7 +117,7 @@ def test_a_decode_killed_mid_stream_is_named_restarted_repaired_and_its_lost_wor
     d01 = inst(live, "d01")
     _, doc = status(live)
     pid = row(doc, "d01")["units"][0]["main_pid"]
-    batch = Batch(inv.gateway.url, 16, 600, "kill-d01", prompt_words=20)
+    batch = Batch(inv.gateway.first.url, 16, 600, "kill-d01", prompt_words=20)
     wait_for(lambda: queue(d01.url) >= 1, 30,
              f"streams running on d01 (d02 runs {queue(inst(live, 'd02').url)})")
     c = lab.connection(d01.head.host)
@@ -143,7 +143,7 @@ def test_a_decode_killed_mid_stream_is_named_restarted_repaired_and_its_lost_wor
     rev = record(live).current_revision()
     assert rev.extra["repair"]["instance"] == "d01" and set(rev.extra["repair"]["lost"]) == lost_by_client
     # nothing was sent again: every request ID the client sent appears once in d01's and d02's logs at most
-    rows = Batch(inv.gateway.url, 6, 8, "after-d01")
+    rows = Batch(inv.gateway.first.url, 6, 8, "after-d01")
     rows.join()
     assert not rows.failed()
 
@@ -155,7 +155,7 @@ def test_a_prefill_child_crash_with_kv_in_flight_is_repaired_on_its_other_bootst
     p01 = inst(live, "p01")
     _, doc = status(live)
     pid = row(doc, "p01")["units"][0]["main_pid"]
-    batch = Batch(inv.gateway.url, 8, 50, "crash-p01", prompt_words=2000)
+    batch = Batch(inv.gateway.first.url, 8, 50, "crash-p01", prompt_words=2000)
     wait_for(lambda: queue(p01.url, "prefill_inflight") >= 1, 30, "KV in flight from p01")
     assert http_json("POST", f"{p01.url}/_sim/faults", {"crash_child": True}, timeout=5)[0] == 200
     batch.join()
@@ -178,7 +178,7 @@ def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(li
     d02 = inst(live, "d02")
     status(live)  # the last look: counters from here
     assert http_json("POST", f"{d02.url}/_sim/faults", {"dead_session": True}, timeout=5)[0] == 200
-    batch = Batch(inv.gateway.url, 16, 8, "dead-d02", prompt_words=20)
+    batch = Batch(inv.gateway.first.url, 16, 8, "dead-d02", prompt_words=20)
     batch.join()
     failed = batch.failed()
     assert failed and all(r.end - r.start < 10 for r in batch.rows if not r.ok)  # fast 500s, no hang
@@ -186,14 +186,14 @@ def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(li
     r = row(doc, "d02")
     assert rc == 1 and r["state"] == "degraded" and r["action"] == "inv repair --instance d02", r
     assert any(x.startswith(f"transfer_failed +{len(failed)} since the last look") for x in r["reasons"]), r
-    g = doc["gateway"]
+    g = doc["gateways"][0]
     assert g["failures_error"] is None, g  # the gateway's own counters were read (those smg exports)
     print(f"gateway counters after {len(failed)} transfer failures: {g['failures']} "
           f"(since the last look: {g['failures_since_last_look']})")
     repaired(live, "d02")
     _, ev = last_repair(live)
     assert ev["lost"] == [] and set(ev["failed_with_error"]) == failed  # named, none sent again
-    after = Batch(inv.gateway.url, 16, 8, "after-d02", prompt_words=20)
+    after = Batch(inv.gateway.first.url, 16, 8, "after-d02", prompt_words=20)
     after.join()
     assert not after.failed()
 
@@ -221,7 +221,7 @@ def test_requests_stuck_in_a_queue_are_shown_then_ended_by_a_repair_with_force_a
     inv = load_inventory(live)
     p01 = inst(live, "p01")
     assert http_json("POST", f"{p01.url}/_sim/faults", {"hang_room": True}, timeout=5)[0] == 200
-    batch = Batch(inv.gateway.url, 2, 8, "stuck")
+    batch = Batch(inv.gateway.first.url, 2, 8, "stuck")
     wait_for(lambda: queue(p01.url, "prefill_inflight") >= 2, 30, "the stuck KV on p01")
     _, doc = status(live)
     assert row(doc, "p01")["queues"]["prefill_inflight"] == 2

@@ -70,7 +70,7 @@ def cluster(lab, tmp_path_factory):
 
 
 def _change(c: Cluster, *args):
-    with Load(c.inv.gateway.url) as load:
+    with Load(c.inv.gateway.first.url) as load:
         proc = c.cli(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     load.assert_clean()
@@ -84,7 +84,7 @@ def _assert_status(c: Cluster, revision: int, topology: str, ids: list[str]) -> 
     for r in doc["instances"]:
         assert r["healthy"] and r["registered"] and r["worker_id"] == r["recorded_worker_id"], r
         assert r["units"][0]["state"] == "active/running" and r["units"][0]["main_pid"]
-    assert doc["gateway"]["workers"] == len(ids)
+    assert doc["gateways"][0]["workers"] == len(ids)
     assert c.state.current() == revision
     return {r["instance"]: r["units"][0]["main_pid"] for r in doc["instances"]}
 
@@ -163,7 +163,7 @@ def test_a_change_that_fails_midway_leaves_the_old_topology_serving(cluster, lab
         assert pre.returncode == 4, pre.stdout + pre.stderr
         assert "port 30001" in pre.stdout + pre.stderr and "is taken" in pre.stdout + pre.stderr
         assert "current revision unchanged: 4 (2p1d)" in pre.stderr
-        with Load(cluster.inv.gateway.url) as load:
+        with Load(cluster.inv.gateway.first.url) as load:
             # skip the checks that would see the port taken, so the start itself fails
             # (pairing reads the listening ports through the ports check's facts)
             proc = cluster.cli("scale", "--topology", "3p1d", "--skip-check", "ports", "--skip-check", "pairing")
@@ -175,7 +175,7 @@ def test_a_change_that_fails_midway_leaves_the_old_topology_serving(cluster, lab
     assert "p03 (never registered; stopped, verified)" in proc.stderr
     load.assert_clean()
     assert cluster.state.current() == 4 and cluster.state.revision_numbers() == [1, 2, 3, 4]
-    assert all(w.url != p03_url for w in GatewayClient(cluster.inv.gateway.url).list_workers())
+    assert all(w.url != p03_url for w in GatewayClient(cluster.inv.gateway.first.url).list_workers())
     _assert_status(cluster, 4, "2p1d", ["p01", "p02", "d01"])
     verdicts = [r for r in cluster.state.journal().records() if r["step"] == "verdict"]
     assert verdicts[-1]["status"] == "failed" and verdicts[-1]["evidence"]["current"] == 4

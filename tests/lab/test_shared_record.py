@@ -109,7 +109,7 @@ def test_state_host_unreachable_refuses_with_exit_3_and_changes_nothing(lab, clu
     rec = record(inv_dir)
     before, left = rec.current(), rec.current_revision()
     p01 = left.instances["p01"]
-    gw = GatewayClient(inv.gateway.url, api_key_file=inv.gateway.api_key_file)
+    gw = GatewayClient(inv.gateway.first.url, api_key_file=inv.gateway.api_key_file)
     workers_before = sorted(w.url for w in gw.list_workers())
     sshd(lab, "lab01", "stop")
     try:

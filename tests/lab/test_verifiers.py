@@ -44,7 +44,7 @@ def _vars(**extra):
 
 
 def _workers(inv_dir) -> list:
-    gw = load_inventory(inv_dir).gateway
+    gw = load_inventory(inv_dir).gateway.first
     return GatewayClient(gw.url).list_workers()
 
 

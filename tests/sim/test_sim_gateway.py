@@ -199,7 +199,7 @@ def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
     """An instance added at the address of one drained moments ago (a scale 3p1d -> 2p2d puts d02
     where p03 was): smg keeps the old worker `draining` about 5 s and answers a POST of the same
     URL with 409 and that worker. pdops.ops.deploy.register waits until it is gone, then registers."""
-    from pdops.ops.deploy import register
+    from pdops.ops.deploy.actions import register_one
     from pdops.remote.gateway import GatewayClient, deadline_in
     from pdops.model.placement import Instance, Rank
     from pdops.sim.testing import start_gateway
@@ -215,7 +215,7 @@ def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
         host, port = d.url.removeprefix("http://").rsplit(":", 1)
         inst = Instance("d02", "decode", (Rank(0, "h", host, (0,)),), 0, int(port), None, None)
         said: list = []
-        new_id = register(client, inst, said.append, timeout_s=30)
+        new_id = register_one(client, inst, said.append, deadline_in(30))
         assert new_id != w.id and any("still drains" in s for s in said)
         [now] = [x for x in client.list_workers() if x.url == d.url]
         assert now.id == new_id and now.routable
@@ -238,8 +238,8 @@ def test_registering_a_prefill_the_gateway_lists_under_its_old_bootstrap_port_re
     other bootstrap port), the prefill now serving on the new port: requests routed through the
     old entry would fail at the bootstrap. pdops.ops.deploy.register removes the stale worker first
     and proves the gateway lists the new port; generations then succeed."""
-    from pdops.ops.deploy import register
-    from pdops.remote.gateway import GatewayClient
+    from pdops.ops.deploy.actions import register_one
+    from pdops.remote.gateway import GatewayClient, deadline_in
     from pdops.model.placement import Instance, Rank
     from pdops.sim.testing import start_gateway
 
@@ -253,7 +253,7 @@ def test_registering_a_prefill_the_gateway_lists_under_its_old_bootstrap_port_re
         host, port = p.url.removeprefix("http://").rsplit(":", 1)
         inst = Instance("p01", "prefill", (Rank(0, "h", host, (0,)),), 0, int(port), p.bootstrap_port, None)
         said: list = []
-        new_id = register(client, inst, said.append, timeout_s=30)
+        new_id = register_one(client, inst, said.append, deadline_in(30))
         assert any(f"with bootstrap port {p.bootstrap_port + 1}, not {p.bootstrap_port}" in s for s in said), said
         [now] = [x for x in client.list_workers() if x.url == p.url]
         assert now.id == new_id and now.bootstrap_port == p.bootstrap_port and now.routable

@@ -51,7 +51,7 @@ def test_absent_means_no_admission_layer(fleet):
 def test_defaults(fleet, tmp_path):
     cfg = cfg_for(fleet, tmp_path)
     assert (cfg.host, cfg.port, cfg.cap, cfg.queue, cfg.queue_timeout_s, cfg.overflow_status) == \
-        (fleet.gateway.host, 8080, 16, 32, 30, 429)
+        (fleet.gateway.first.host, 8080, 16, 32, 30, 429)
     assert cfg.keys == GOOD_KEYS
     assert "pdops-key" not in repr(cfg)  # keys never printed
 
@@ -76,7 +76,7 @@ def test_every_rendered_config_passes_haproxy_check(inv_name, settings, tmp_path
     assert by_path[adm.KEYS_MAP_PATH].mode == 0o600
     write_and_check(files, tmp_path / "root")
     text = by_path[adm.CONFIG_PATH].content
-    assert f"maxconn {cfg.cap} check" in text
+    assert f"server admit abns@pdops-admission-{cfg.listen_addr}-{cfg.port} maxconn {cfg.cap}\n" in text
     assert f"timeout queue {cfg.queue_timeout_s}s" in text
     assert f"queue(gateway) ge {cfg.queue}" in text
     assert "set-header X-Request-ID %[uuid] unless { req.hdr(x-request-id) -m found }" in text
@@ -169,10 +169,12 @@ def test_gateway_stays_on_its_data_address_behind_the_admission_layer(fleet, tmp
     from pdops.model.render import gateway_args
 
     cfg = cfg_for(fleet, tmp_path)
-    gw = fleet.gateway
-    args = gateway_args(fleet)
+    gw = fleet.gateway.first
+    args = gateway_args(fleet, gw)
     assert args[args.index("--host") + 1] == gw.addr
     assert "--disable-retries" in args
-    assert args[args.index("--max-concurrent-requests") + 1] == str(gw.max_concurrent_requests)
+    assert args[args.index("--max-concurrent-requests") + 1] == str(fleet.gateway.max_concurrent_requests)
     text = render.haproxy_config(cfg)
-    assert f"server gw {gw.addr}:{gw.port} maxconn {cfg.cap} " in text
+    # the cap is one server (the permit), the gateway a server behind it, health-checked on readiness
+    assert f"server admit abns@pdops-admission-{cfg.listen_addr}-{cfg.port} maxconn {cfg.cap}\n" in text
+    assert f"server gw-{gw.host} {gw.addr}:{gw.port} check " in text

@@ -224,7 +224,7 @@ def test_run_bench_records_ledger_and_manifest(tmp_path, lab_inv):
     res = b.run_bench(lab_inv, st, "2000/64", 4, requests=8, out_dir=tmp_path / "run", load=_fake_load(calls),
                       say=lambda s: None)
     (url, kw), = calls
-    assert url == lab_inv.gateway.url
+    assert url == lab_inv.gateway.first.url
     assert (kw["concurrency"], kw["requests"], kw["max_new_tokens"], kw["stream_every"]) == (4, 8, 64, 1)
     assert res.valid and res.figures.ok == 8
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
@@ -341,7 +341,8 @@ def test_run_bench_over_http_one_row_per_request_no_retries(tmp_path, lab_inv, m
 
     st = _state(tmp_path, lab_inv)
     with _Server() as srv:
-        gw = dataclasses.replace(lab_inv.gateway, addr="127.0.0.1", port=int(srv.url.rsplit(":", 1)[1]))
+        node = dataclasses.replace(lab_inv.gateway.first, addr="127.0.0.1", port=int(srv.url.rsplit(":", 1)[1]))
+        gw = dataclasses.replace(lab_inv.gateway, nodes=(node,), port=node.port)
         inv = dataclasses.replace(lab_inv, gateway=gw)
         res = b.run_bench(inv, st, "300/12", 4, requests=20, out_dir=tmp_path / "run", say=lambda s: None,
                           timeout=30)

@@ -46,11 +46,11 @@ def lab():
 def test_update_adds_and_removes_atomically_and_concurrently(lab, tmp_path):
     inv, pl = lab
     pool = LocalPool(tmp_path / "gateway-workers.json")
-    assert membership.read(pool, inv) is None
+    assert membership.read(pool, inv.gateway.first.host) is None
     p1, p2, d1, d2 = (pl.get(i) for i in ("p01", "p02", "d01", "d02"))
     with ThreadPoolExecutor(4) as ex:  # registrations run in parallel groups: none may be lost
         list(ex.map(lambda i: membership.update(pool, inv, add=[i]), [p1, p2, d1, d2]))
-    doc = membership.read(pool, inv)
+    doc = membership.read(pool, inv.gateway.first.host)
     assert membership.listed_ids(doc) == ["d01", "d02", "p01", "p02"]
     [e] = [w for w in doc["workers"] if w["instance"] == "p01"]
     assert e == {"instance": "p01", "url": p1.url, "worker_type": "prefill", "bootstrap_port": p1.bootstrap_port}
@@ -60,17 +60,17 @@ def test_update_adds_and_removes_atomically_and_concurrently(lab, tmp_path):
     assert oct((tmp_path / "gateway-workers.json").stat().st_mode & 0o777) == "0o644"
     # a fresh deploy restarts the gateway with no workers: an old list must not register any
     assert membership.listed_ids(membership.update(pool, inv, clear=True)) == []
-    assert all(h == inv.gateway.host for h, _ in pool.commands)
+    assert all(h == inv.gateway.first.host for h, _ in pool.commands)
     assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_gateway_unit_registers_the_list_after_every_start(lab):
     inv, pl = lab
-    files = {f.path: f for f in render.render_files(inv, pl) if f.host == inv.gateway.host}
+    files = {f.path: f for f in render.render_files(inv, pl) if f.host == inv.gateway.first.host}
     unit = files[f"{render.UNIT_DIR}/{render.GATEWAY_UNIT}"].content
     line = next(ln for ln in unit.splitlines() if ln.startswith("ExecStartPost="))
     assert line == ("ExecStartPost=-" + f"{inv.gateway.python} {membership.SCRIPT_PATH} register --file "
-                    f"{membership.PATH} --gateway {inv.gateway.url} --wait-s 45")
+                    f"{membership.PATH} --gateway {inv.gateway.first.url} --wait-s 45")
     assert {"RestartSec=1", "StartLimitIntervalSec=60", "StartLimitBurst=10"} <= set(unit.splitlines())
     script = files[membership.SCRIPT_PATH]
     assert script.content == membership.SCRIPT and script.mode == 0o755

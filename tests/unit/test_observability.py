@@ -32,7 +32,7 @@ def test_targets_name_every_engine_and_the_gateway_with_the_revision(lab_inv):
     assert by["p01"]["targets"] == [f"{p01.head.data_addr}:{p01.http_port}"]
     assert by["p01"]["labels"] == {"cluster": "lab", "instance": "p01", "role": "prefill", "host": p01.head.host,
                                    "revision": "7", "job": obs.JOB_ENGINE}
-    assert by["gateway"]["targets"] == [f"{lab_inv.gateway.addr}:{lab_inv.gateway.prometheus_port}"]
+    assert by["gateway"]["targets"] == [f"{lab_inv.gateway.first.addr}:{lab_inv.gateway.prometheus_port}"]
     assert by["gateway"]["labels"]["job"] == obs.JOB_GATEWAY
     # a drained instance is not in the next revision's file
     after = Placement(parse_topology("1p1d"), tuple(i for i in pl.instances if i.id != "p02"))

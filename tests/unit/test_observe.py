@@ -48,6 +48,9 @@ class Gateway:
             raise Unreachable(self.error)
         return self.workers
 
+    def client(self, host):  # the lab inventory has one gateway: this is it
+        return self
+
 
 @pytest.fixture
 def live(tmp_path):
@@ -109,7 +112,7 @@ def test_a_down_unit_a_restarted_engine_and_a_missing_worker_are_each_repaired(l
 def test_a_gateway_down_is_started_and_every_worker_registered(live):
     inv, pl, state = live
     units, _, start_list = healthy_world(pl)
-    units[(inv.gateway.host, GATEWAY_UNIT)] = ("failed", "failed")
+    units[(inv.gateway.first.host, GATEWAY_UNIT)] = ("failed", "failed")
     p = plan(inv, state, units, [], start_list, gw_error="connection refused")
     assert any(f.startswith(f"gateway {GATEWAY_UNIT}: failed/failed") for f in p.findings)
     ids = [s.name for s in p.steps]
@@ -150,7 +153,7 @@ def test_execute_refuses_a_live_plan_that_was_not_observed(live):
     inv, pl, state = live
     p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
     with pytest.raises(Refused):
-        dep.execute_deploy(p, pool=None, gateway=None)
+        dep.execute_deploy(p, pool=None, gateways=None)
 
 
 def test_an_unreadable_start_up_list_is_named_as_such(live):
@@ -185,10 +188,10 @@ def test_what_a_change_plans_from_names_each_instance_that_does_not_serve(live):
     assert seen.not_serving == {"d01": f"units not running: {h}:{u} failed/failed",
                                 "d02": "not in the gateway's /workers"}
     assert seen.down == {"d01"} and seen.gateway is None and not seen.all_serving
-    units[(inv.gateway.host, GATEWAY_UNIT)] = ("failed", "failed")
+    units[(inv.gateway.first.host, GATEWAY_UNIT)] = ("failed", "failed")
     start_list = {"workers": [membership.entry(i) for i in pl.instances if i.id != "p01"]}
     seen = Seen.of(observe(inv, rev, Pool(units, start_list), Gateway([], "connection refused")))
-    assert seen.gateway.startswith(f"{GATEWAY_UNIT} failed/failed") and not seen.gateway_active
+    assert seen.gateway.startswith(f"{GATEWAY_UNIT} failed/failed") and not seen.gateways_active
     assert seen.not_serving == {"d01": f"units not running: {h}:{u} failed/failed",
                                 "p01": "not in the gateway's start-up list"}
     assert Seen.of(observe(inv, rev, Pool(*healthy_world(pl)[::2]), Gateway(healthy_world(pl)[1]))).all_serving
@@ -204,9 +207,9 @@ def test_a_gateway_systemd_restarted_is_a_finding_and_its_cut_halves_are_ended(l
         topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement, manifest=rev.manifest,
         outcome="deployed", instances=rev.instances, extra={**(rev.extra or {}), "gateway_main_pid": 700}).number)
     units, workers, start_list = healthy_world(pl)
-    units[(inv.gateway.host, GATEWAY_UNIT)] = ("active", "running", 700)
+    units[(inv.gateway.first.host, GATEWAY_UNIT)] = ("active", "running", 700)
     assert plan(inv, state, units, workers, start_list).noop  # the recorded gateway process: no change
-    units[(inv.gateway.host, GATEWAY_UNIT)] = ("active", "running", 812, 1)
+    units[(inv.gateway.first.host, GATEWAY_UNIT)] = ("active", "running", 812, 1)
     p = plan(inv, state, units, workers, start_list)
     assert f"gateway {GATEWAY_UNIT} restarted: MainPID 812, recorded 700 (restarts by systemd: 1)" in p.findings
     assert [s.name for s in p.steps] == ["connect", "end-orphans", "verify-running", "record"]
@@ -214,8 +217,8 @@ def test_a_gateway_systemd_restarted_is_a_finding_and_its_cut_halves_are_ended(l
 
 def test_the_gateway_main_pid_is_recorded_from_what_verify_running_read():
     inv = load_inventory(REPO / "inventory" / "lab")
-    running = {f"{inv.gateway.host}:{GATEWAY_UNIT}": {"main_pid": 812, "config": "c1"}}
-    assert dep.gateway_pid_of(running, inv) == {"gateway_main_pid": 812}
+    running = {f"{inv.gateway.first.host}:{GATEWAY_UNIT}": {"main_pid": 812, "config": "c1"}}
+    assert dep.gateway_pid_of(running, inv) == {"gateway_main_pids": {inv.gateway.first.host: 812}}
     assert dep.gateway_pid_of({}, inv) == {}
 
 
@@ -269,4 +272,4 @@ def test_execute_deploy_refuses_a_deploy_that_is_a_rolling_change(live):
     p = dep.plan_deploy(inv, parse_topology("1p1d"), state)
     assert p.change is not None
     with pytest.raises(PdopsError, match="rolling change"):
-        dep.execute_deploy(p, pool=None, gateway=None)
+        dep.execute_deploy(p, pool=None, gateways=None)

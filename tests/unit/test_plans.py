@@ -96,18 +96,24 @@ def observed_world(inv, pl: Placement, observed: dict):
             return [Worker(f"w-{i.id}", i.url, i.role, True, 0, i.bootstrap_port, status="ready")
                     for i in pl.instances if i.id not in missing]
 
+        def client(self, host):  # every gateway of the case sees the same
+            return self
+
     return Pool(), Gateway()
 
 
-def seen_of(observed: dict):
+def seen_of(observed: dict, inv):
     """A change's observation (pdops.reads.observe.Seen) as a case writes it: `not_serving` {id: why},
-    `down` (units not running: nothing to drain), `gateway` (why it does not answer). None: not read."""
+    `down` (units not running: nothing to drain), `gateway` (why the first gateway does not answer),
+    `gateway_active` (its unit is active, hung). None: not read."""
     from pdops.reads.observe import Seen
 
     if not observed:
         return None
+    gw = inv.gateway.first.host
     return Seen(dict(observed.get("not_serving") or {}), frozenset(observed.get("down") or ()),
-                observed.get("gateway"), bool(observed.get("gateway_active", False)))
+                {gw: observed["gateway"]} if observed.get("gateway") else {},
+                frozenset({gw}) if observed.get("gateway") and observed.get("gateway_active") else frozenset())
 
 
 def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=None):
@@ -134,11 +140,11 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] in ("drain", "stop"):
         return dr.plan_drain(inv, state, req["instance"], skip_gateway=req["op"] == "stop").plan
     if req["op"] == "scale":
-        return sc.plan_scale(inv, parse_topology(req["topology"]), state, seen=seen_of(observed)).plan
+        return sc.plan_scale(inv, parse_topology(req["topology"]), state, seen=seen_of(observed, inv)).plan
     if req["op"] == "rollback":
-        return sc.plan_rollback(inv, state, seen=seen_of(observed)).plan
+        return sc.plan_rollback(inv, state, seen=seen_of(observed, inv)).plan
     if req["op"] == "drain-host":
-        return sc.plan_drain_host(inv, state, req["host"], seen=seen_of(observed)).plan
+        return sc.plan_drain_host(inv, state, req["host"], seen=seen_of(observed, inv)).plan
     if req["op"] == "uncordon":
         return sc.plan_uncordon(inv, state, req["host"]).plan
     if req["op"] == "repair":
@@ -149,7 +155,8 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
         pl = Placement.from_dict(state.current_revision().placement)
         rows = {k: v for k, v in observed.items() if k != "gateway"}
         seen = Seen({k: f"observed {v}" for k, v in rows.items() if v != "ok"},
-                    frozenset(k for k, v in rows.items() if v == "down"), observed.get("gateway"))
+                    frozenset(k for k, v in rows.items() if v == "down"),
+                    {inv.gateway.first.host: observed["gateway"]} if observed.get("gateway") else {})
         return repair.plan_repair(inv, state, req["instance"], status_doc(pl, rows), seen=seen).plan
     if req["op"] == "kill-survivors":
         survivors = [{"host": h, "pid": 4242, "start_ticks": 1234, "boot_id": "b", "cmdline": "sglang::scheduler",

@@ -207,7 +207,7 @@ def test_lab_versions_sglang_pinned_mooncake_and_nccl_skipped(lab_inv):
 
 def test_gateway_version_read_from_the_gateways_own_environment(lab_inv):
     """smg is pinned in the gateway's environment (pdops_gateway.python), not the engine's."""
-    gw = lab_inv.host(lab_inv.gateway.host)
+    gw = lab_inv.host(lab_inv.gateway.first.host)
     ok = {"gateway-versions": hf.parse_versions(read("gateway_versions_lab_distinfo.txt"))}
     [r] = pf.CHECKS["ver-gateway"].evaluate(lab_inv, gw, None, ok)
     assert r.status == pf.PASS and "smg 1.13.0" in r.reason

@@ -68,7 +68,7 @@ def test_lab_renders_the_sim_with_the_same_arguments(lab_inv, fleet):
 
 
 def test_gateway_has_no_static_workers_and_no_retries(fleet):
-    args = gateway_args(fleet)
+    args = gateway_args(fleet, fleet.gateway.first)
     assert args[:2] == ["launch", "--pd-disaggregation"]
     assert "--disable-retries" in args
     assert "--prefill" not in args and "--decode" not in args and "--worker-urls" not in args

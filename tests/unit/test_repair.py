@@ -29,8 +29,8 @@ def obs(inst, *, state=None, recorded=100, worker="ready", healthy=True, in_list
     key = f"{inst.head.host}:{inst.units[0][1]}"
     w = None if worker is None else Worker(id="w1", url=inst.url, model_id="m", worker_type=inst.role,
                                            status=worker, is_healthy=healthy, load=0)
-    return InstanceObservation(inst, {key: state or unit()}, {key: recorded} if recorded else {}, w, in_list,
-                               running=running or {}, expected=expected or {})
+    return InstanceObservation(inst, {key: state or unit()}, {key: recorded} if recorded else {}, {"lab01": w},
+                               {"lab01": in_list}, running=running or {}, expected=expected or {})
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
     state = StateDir("lab", tmp_path / "state")
     deployed(lab_inv, state, "1p2d")
     seen = Seen({"d01": "observed restarted", "d02": "units not running: lab03:x inactive/dead"},
-                frozenset({"d02"}), "pdops-gateway.service failed/failed", False)
+                frozenset({"d02"}), {lab_inv.gateway.first.host: "pdops-gateway.service failed/failed"})
     plan = rp.plan_repair(lab_inv, state, "d01", doc(d01="restarted", d02="down"), seen=seen, force=True)
     assert [i.id for i in plan.replaced] == ["d01"] and not plan.added and not plan.removed
     names = [s.name for s in plan.run]
@@ -216,7 +216,7 @@ def test_inv_repair_plans_with_what_the_status_reading_saw(lab_inv, live, monkey
     monkeypatch.setattr(st, "read_status", lambda inv, state, **kw: (doc(d01="not registered"), reading))
     monkeypatch.setattr(Seen, "of", classmethod(lambda cls, obs: Seen(
         {"d01": "observed not registered"} if obs is reading else {}, frozenset(),
-        "pdops-gateway.service failed/failed", False)))
+        {lab_inv.gateway.first.host: "pdops-gateway.service failed/failed"})))
     core.repair.body(None, inventory=str(lab_inv.path), instance="d01", dry_run=True)
     out = capsys.readouterr().out
     assert "observed: the gateway does not answer (pdops-gateway.service failed/failed): started first" in out

@@ -139,7 +139,7 @@ def test_same_topology_is_a_noop_that_says_so(lab_inv, state):
     assert plan.noop and not plan.steps
     assert "no change: revision 1 is already 2p1d" in plan.render()
     with pytest.raises(Refused):
-        sc.execute_scale(plan, state, pool=None, gateway=None)
+        sc.execute_scale(plan, state, pool=None, gateways=None)
     assert state.revision_numbers() == [1]
 
 
@@ -416,7 +416,7 @@ def test_concurrent_operation_is_refused_before_any_host(lab_inv, state):
     plan = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
     with state.lock("drain", operator="alice@laptop"):
         with pytest.raises(Refused, match="alice@laptop"):
-            sc.execute_scale(plan, state, say=lambda s: None, pool=None, gateway=None)
+            sc.execute_scale(plan, state, say=lambda s: None, pool=None, gateways=None)
     assert state.current() == 1 and state.revision_numbers() == [1]
 
 
@@ -588,10 +588,10 @@ def test_the_health_pause_sends_one_quoted_runtime_api_command():
     from pdops.model.admission import STATS_SOCKET, health_pause_command
 
     import shlex
-    argv = shlex.split(health_pause_command(True))
-    assert argv[0] == "python3" and argv[-2:] == [STATS_SOCKET, "disable health gateway/gw"]
-    assert shlex.split(health_pause_command(False, "/x y/admin.sock"))[-2:] == ["/x y/admin.sock",
-                                                                                "enable health gateway/gw"]
+    argv = shlex.split(health_pause_command("lab01", True))
+    assert argv[0] == "python3" and argv[-2:] == [STATS_SOCKET, "disable health gateways/gw-lab01"]
+    assert shlex.split(health_pause_command("lab01", False, "/x y/admin.sock"))[-2:] == [
+        "/x y/admin.sock", "enable health gateways/gw-lab01"]
 
 
 # ---------------------------------------------------------------- planning from what serves now
@@ -647,12 +647,12 @@ def test_a_gateway_that_does_not_answer_is_started_first_and_waited_for(lab_inv,
     from pdops.reads.observe import Seen
 
     deployed(lab_inv, state, "2p2d")
-    seen = Seen({"d01": "units not running"}, frozenset({"d01"}), gateway="pdops-gateway.service failed/failed",
-                gateway_active=False)
+    seen = Seen({"d01": "units not running"}, frozenset({"d01"}),
+                gateways_down={lab_inv.gateway.first.host: "pdops-gateway.service failed/failed"})
     plan = sc.plan_scale(lab_inv, parse_topology("2p2d"), state, seen=seen)
     gw = plan.run[1]
     assert (plan.run[0].name, gw.name, gw.kind) == ("connect", "gateway", "gateway")
-    assert gw.params == {"restart": False, "clear_list": False, "unlist": ["d01"],
+    assert gw.params == {"gateway": lab_inv.gateway.first.host, "restart": False, "clear_list": False, "unlist": ["d01"],
                          "wait_for": {i.id: i.url for i in plan.current_placement.instances if i.id != "d01"}}
     assert "the gateway does not answer (pdops-gateway.service failed/failed): started first" in plan.render()
 

@@ -24,12 +24,12 @@ def plans(tmp_path_factory):
     inv = load_inventory(REPO / "inventory" / "lab")
     pl = place(inv, parse_topology("1p1d"))
     manifest = manifest_of(render_files(inv, pl))
-    gw_host = inv.gateway.host
+    gw_host = inv.gateway.first.host
     for path in (ADMISSION_UNIT, ADMISSION_CFG, KEYS_MAP):
         manifest[gw_host][path] = {"sha256": "a" * 64, "mode": "0o600"}
     state = StateDir("lab", tmp_path_factory.mktemp("state"))
     rev = state.write_revision(topology="1p1d", inventory_hash=inv.digest, placement=pl.to_dict(), manifest=manifest,
-                               outcome="deployed", instances={}, extra={"gateway": inv.gateway.url})
+                               outcome="deployed", instances={}, extra={"gateway": inv.gateway.first.url})
     return {p.host: p for p in host_plans(rev)}, pl, inv
 
 
@@ -92,13 +92,13 @@ BIND = [("127.0.10.1", 18080)]
 
 def test_a_healthy_host_passes_every_check(plans):
     by_host, pl, inv = plans
-    gw = by_host[inv.gateway.host]
+    gw = by_host[inv.gateway.first.host]
     assert gw.gateway_unit and gw.admission_units == ("pdops-admission.service",) and gw.engine_units
     got = checks(gw, pl, binds=BIND)
     assert {n: c.status for n, c in got.items()} == {
         "units": "pass", "cgroup": "pass", "memlock": "pass", "env-0600": "pass", "ports": "pass",
         "gateway": "pass", "admission": "pass"}, {n: c.line() for n, c in got.items()}
-    other = next(p for h, p in by_host.items() if h != inv.gateway.host)
+    other = next(p for h, p in by_host.items() if h != inv.gateway.first.host)
     assert not other.gateway_unit and not other.admission_units
     assert all(c.status == "pass" for c in checks(other, pl).values())
 
@@ -117,7 +117,7 @@ def test_a_healthy_host_passes_every_check(plans):
 ])
 def test_each_fault_fails_the_check_that_owns_it(plans, world, check, says):
     by_host, pl, inv = plans
-    plan = by_host[inv.gateway.host]
+    plan = by_host[inv.gateway.first.host]
     unit = plan.engine_units[0]
     kw: dict = {"binds": BIND}
     if "unit" in world:
@@ -154,15 +154,15 @@ def test_each_fault_fails_the_check_that_owns_it(plans, world, check, says):
 
 def test_lowered_memlock_on_virtual_hardware_is_skipped_with_its_reason(plans):
     by_host, pl, inv = plans
-    plan = by_host[inv.gateway.host]
+    plan = by_host[inv.gateway.first.host]
     got = checks(plan, pl, virtual=True, binds=BIND, memlock="8388608 8388608")["memlock"]
     assert got.status == "skipped" and "virtual hardware" in got.reason and "CAP_SYS_RESOURCE" in got.reason
 
 
 def test_the_gateway_and_admission_checks(plans):
     by_host, pl, inv = plans
-    plan = by_host[inv.gateway.host]
-    assert failed(plan, pl, binds=BIND, health="503") == {"gateway": f"{inv.gateway.url}/health answered 503"}
+    plan = by_host[inv.gateway.first.host]
+    assert failed(plan, pl, binds=BIND, health="503") == {"gateway": f"{inv.gateway.first.url}/health answered 503"}
     # the key map: mode and owner, not content (`inv admission.keys` changes it)
     lines = "".join(f"{'644' if p == KEYS_MAP else ('600' if p.endswith('.env') else '644')} root "
                     f"{'f' * 64 if p == KEYS_MAP else sha}  {p}\n" for p, sha in plan.files.items())
@@ -181,7 +181,7 @@ def test_the_gateway_and_admission_checks(plans):
 def test_an_admission_layer_bound_to_every_address_is_listening(plans, shown):
     """`bind [::]:18080` (dual-stack) is printed by ss as `*:18080`: it serves the bind, so it passes."""
     by_host, pl, inv = plans
-    plan = by_host[inv.gateway.host]
+    plan = by_host[inv.gateway.first.host]
     addr = "::" if shown != "0.0.0.0" else "0.0.0.0"
     socks = [(a, p) for _, a, p in plan.listeners] + [tuple(plan.gateway_url.split("//", 1)[1].rsplit(":", 1))]
     listen = "".join(f'LISTEN 0 128 {a}:{p} 0.0.0.0:* users:(("python",pid=1,fd=7))\n' for a, p in socks)
@@ -191,7 +191,7 @@ def test_an_admission_layer_bound_to_every_address_is_listening(plans, shown):
 
 def test_one_command_per_host_quotes_every_path(plans):
     by_host, _, inv = plans
-    plan = by_host[inv.gateway.host]
+    plan = by_host[inv.gateway.first.host]
     cmd = host_command(plan)
     for section in ("files", "listen", "units", "cgroups", "limits", "health", "binds"):
         assert f"@@PDOPS-SECTION-BEGIN {section}" in cmd
@@ -201,7 +201,7 @@ def test_one_command_per_host_quotes_every_path(plans):
 
 def test_an_unreadable_section_fails_its_checks_with_the_reason(plans):
     by_host, pl, inv = plans
-    plan = by_host[inv.gateway.host]
+    plan = by_host[inv.gateway.first.host]
     out = output(plan, pl, binds=BIND).replace("@@PDOPS-SECTION-END units 0", "@@PDOPS-SECTION-END units 1")
     got = {c.check: c for c in judge(plan, read_facts(out), virtual=False)}
     assert got["units"].failed and "units unreadable: exited 1" in got["units"].reason

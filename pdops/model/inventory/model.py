@@ -87,9 +87,31 @@ class Profile:
 
 
 @dataclass(frozen=True)
-class Gateway:
+class GatewayNode:
+    """One smg process of the cluster: the host it runs on and the address it listens on. Every
+    node takes the same port and Prometheus port (on its own host's data address)."""
+
     host: str
     addr: str
+    port: int
+    prometheus_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.addr}:{self.prometheus_port}/metrics"
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """The cluster's model gateways (`pdops_gateway`): one smg per node, independent of each other,
+    every one given every worker by pdops (docs/gateway.md "Two or more gateways"); the settings
+    below are the same on each."""
+
+    nodes: tuple[GatewayNode, ...]
     port: int
     prometheus_port: int
     api_key_file: str | None
@@ -104,8 +126,36 @@ class Gateway:
     decode_policy: str | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://{self.addr}:{self.port}"
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(n.host for n in self.nodes)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """{host: URL} of every gateway, as a revision records them."""
+        return {n.host: n.url for n in self.nodes}
+
+    @property
+    def first(self) -> GatewayNode:
+        """The first gateway named: the record's default host, and where a client with no admission
+        layer in front is pointed by the docs' examples (it should be given every node's URL)."""
+        return self.nodes[0]
+
+    @property
+    def step_host(self) -> str | None:
+        """The host a step on "the gateway" names: the one gateway's, or None when it acts on several."""
+        return self.nodes[0].host if len(self.nodes) == 1 else None
+
+    def on_each(self) -> str:
+        """How a step says where: "" for one gateway, " on each of the N gateways (a, b)" for several."""
+        n = len(self.nodes)
+        return "" if n == 1 else f" on each of the {n} gateways ({', '.join(self.hosts)})"
+
+    def node(self, host: str) -> GatewayNode:
+        for n in self.nodes:
+            if n.host == host:
+                return n
+        raise InvalidInput("gateway", f"{host!r} runs no gateway of this cluster",
+                           fix=f"use one of: {', '.join(self.hosts)}")
 
 
 DEFAULT_STATE_DIR = "/var/lib/pdops/state"

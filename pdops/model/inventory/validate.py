@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -14,7 +15,7 @@ from pdops.model.admission import parse_admission
 from pdops.errors import InvalidInput
 from pdops.model.prometheus_setting import parse_prometheus
 
-from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, Gateway, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
+from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
                                    Profile, StateLocation, max_slots)
 from pdops.model.inventory.parse import (cluster_vars, load_profile, parse_host, port_number, required, resolve_engine_python,
                                    resolve_gateway_python)
@@ -43,11 +44,8 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
         stride=_stride(pv.get("stride", 10)),
     )
     gv = required(all_vars, "pdops_gateway", "all.vars", (dict,), "set pdops_gateway: {host, port, prometheus_port, ...}")
-    gw_host = required(gv, "host", "pdops_gateway", (str,), "name the inventory host that runs the gateway")
     names = {h.name: h for h in hosts}
-    if gw_host not in names:
-        raise InvalidInput("pdops_gateway.host", f"{gw_host!r} is not a host of this inventory",
-                           fix=f"use one of: {', '.join(names)}")
+    gw_hosts = _gateway_hosts(gv, names)
     mcr = gv.get("max_concurrent_requests", -1)
     qs = gv.get("queue_size", 0)
     if not isinstance(mcr, int) or (mcr < 1 and mcr != -1):
@@ -59,16 +57,17 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
     if key_file is not None and not str(key_file).startswith("/"):
         raise InvalidInput("pdops_gateway.api_key_file", f"{key_file!r} is not an absolute path", fix="use an absolute path")
     policies = {k: _routing_policy(gv, k) for k in ("policy", "prefill_policy", "decode_policy")}
+    gw_port = port_number(gv.get("port"), "pdops_gateway.port")
+    gw_prom = port_number(gv.get("prometheus_port"), "pdops_gateway.prometheus_port")
     gateway = Gateway(
-        host=gw_host, addr=names[gw_host].data_addr,
-        port=port_number(gv.get("port"), "pdops_gateway.port"),
-        prometheus_port=port_number(gv.get("prometheus_port"), "pdops_gateway.prometheus_port"),
+        nodes=tuple(GatewayNode(h, names[h].data_addr, gw_port, gw_prom) for h in gw_hosts),
+        port=gw_port, prometheus_port=gw_prom,
         api_key_file=key_file, max_concurrent_requests=mcr, queue_size=qs,
         health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)),
         python=resolve_gateway_python(str(gv.get("python", "/opt/pdops/gateway-venv/bin/python"))), **policies,
     )
     _check_port_plan(hosts, ports, gateway, prof)
-    state = _state_location(all_vars.get("pdops_state"), names, gw_host)
+    state = _state_location(all_vars.get("pdops_state"), names, gw_hosts[0])
 
     drain = all_vars.get("pdops_drain") or {}
     budget = drain.get("budget_s", 1800)
@@ -94,6 +93,43 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
                                prometheus=parse_prometheus(all_vars, [h.name for h in hosts]))
 
 
+def one_of(names, value: object, what: str = "host", shown: int = 3) -> str:
+    """A fix that names a few valid choices, the closest to `value` first, and how many there are:
+    readable for a 256-host inventory, where listing every name is not."""
+    names = list(names)
+    if len(names) <= shown + 2:
+        return f"use one of: {', '.join(names)}"
+    close = difflib.get_close_matches(str(value), names, n=shown, cutoff=0.0) if isinstance(value, str) else []
+    picks = close or names[:shown]
+    return f"use one of the {len(names)} {what}s of this inventory (closest: {', '.join(picks)})"
+
+
+def _gateway_hosts(gv: dict, names: dict) -> list[str]:
+    """`pdops_gateway.host: gpu01` (one gateway, the default) or `pdops_gateway.hosts: [gpu01, gpu02]`
+    (two or more, each an independent smg that pdops gives every worker)."""
+    if "host" in gv and "hosts" in gv:
+        raise InvalidInput("pdops_gateway", "both `host` and `hosts` are set",
+                           fix="keep `host: <name>` for one gateway or `hosts: [<name>, <name>]` for several")
+    if "hosts" in gv:
+        val = gv["hosts"]
+        if not isinstance(val, list) or not val or not all(isinstance(h, str) for h in val):
+            raise InvalidInput("pdops_gateway.hosts", f"{val!r} is not a list of host names",
+                               fix="e.g. hosts: [gpu01, gpu02]")
+        field_name = "pdops_gateway.hosts"
+    else:
+        val = [required(gv, "host", "pdops_gateway", (str,), "name the inventory host that runs the gateway "
+                        "(or `hosts: [a, b]` for two or more)")]
+        field_name = "pdops_gateway.host"
+    for h in val:
+        if h not in names:
+            raise InvalidInput(field_name, f"{h!r} is not a host of this inventory", fix=one_of(names, h))
+    dup = sorted({h for h in val if val.count(h) > 1})
+    if dup:
+        raise InvalidInput(field_name, f"{', '.join(dup)} named more than once",
+                           fix="one gateway per host: name each host once")
+    return list(val)
+
+
 def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:
     """`pdops_state: {host, dir}`: default the gateway host and /var/lib/pdops/state."""
     fix = f"e.g. pdops_state: {{host: {gw_host}, dir: {DEFAULT_STATE_DIR}}}"
@@ -107,7 +143,7 @@ def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:
     host = val.get("host", gw_host)
     if not isinstance(host, str) or host not in names:
         raise InvalidInput("pdops_state.host", f"{host!r} is not a host of this inventory",
-                           fix=f"use one of: {', '.join(names)} (the record lives on a host of the cluster)")
+                           fix=one_of(names, host) + " (the record lives on a host of the cluster)")
     d = val.get("dir", DEFAULT_STATE_DIR)
     if not isinstance(d, str) or not d.startswith("/"):
         raise InvalidInput("pdops_state.dir", f"{d!r} is not an absolute path", fix=fix)

@@ -157,20 +157,20 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
         "parameters": {"workload": str(wl), "input_tokens": wl.input_tokens, "output_tokens": wl.output_tokens,
                        "concurrency": conc, "requests": n_req, "duration_s": dur, "ignore_eos": ignore_eos,
                        "stream": True, "timeout_s": timeout, "retries": 0},
-        "gateway": inv.gateway.url, "versions": _versions(inv), "load_client": "pdops.remote.load",
+        "gateway": inv.gateway.first.url, "versions": _versions(inv), "load_client": "pdops.remote.load",
         "inventory_digest": inv.digest,
         "inventory_matches_revision": inv.digest == rev.inventory_hash,
         "routing": "not resolved (hook resolve_routing not wired)" if resolve_routing is None else "resolved",
     }
     what = f"{n_req} requests" if n_req is not None else f"{dur:g} s"
-    say(f"bench: {wl} at C{conc}, {what}, against {inv.gateway.url} (revision {rev.number}, {rev.topology}, "
+    say(f"bench: {wl} at C{conc}, {what}, against {inv.gateway.first.url} (revision {rev.number}, {rev.topology}, "
         f"{gpus} GPUs); ledger -> {run_dir}")
     kw = dict(requests=n_req, duration=dur, concurrency=conc, max_new_tokens=wl.output_tokens, stream_every=1,
               timeout=timeout, rid_prefix=run_id, ignore_eos=ignore_eos, headers=_read_key(inv.gateway.api_key_file),
               prompt_for=prompt_for or prompt_maker(wl))
     manifest["started"] = now_iso()
     t0 = time.monotonic()
-    rows = (load or send)(inv.gateway.url, **kw)
+    rows = (load or send)(inv.gateway.first.url, **kw)
     manifest["ended"] = now_iso()
     manifest["client_elapsed_s"] = round(time.monotonic() - t0, 3)
     after = revision_mark(state)

@@ -13,9 +13,9 @@ from pdops.model import membership
 from pdops.remote import ansible
 from pdops.errors import DeployFailed, PdopsError, Unreachable, Unverified
 from pdops.facts import q
-from pdops.remote.gateway import GatewayClient, deadline_in
+from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.hosts import HostPool, http_json
-from pdops.model.inventory import Inventory
+from pdops.model.inventory import GatewayNode, Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
@@ -37,7 +37,7 @@ def _ansible_files(build: Path, files: list[RenderedFile]) -> dict:
 
 
 def _units_by_host(pl: Placement, inv: Inventory) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
+    out: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     adm = admission_config(inv)
     if adm is not None:
         out.setdefault(adm.host, []).append(ADMISSION_UNIT)
@@ -56,7 +56,7 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
     hosts = sorted({f.host for f in files} | set((remove or {}).keys()))
     extra = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
              "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_smg_version": SMG_VERSION,
-             "pdops_gateway_python": inv.gateway.python, "pdops_gateway_host": inv.gateway.host,
+             "pdops_gateway_python": inv.gateway.python, "pdops_gateway_hosts": list(inv.gateway.hosts),
              "pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
              "pdops_units": _units_by_host(pl, inv)}
     t0 = time.monotonic()
@@ -67,32 +67,32 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
             "hosts": {h: vars(r) for h, r in res.recap.items()}}
 
 
-def start_gateway(inv: Inventory, pool: HostPool, client: GatewayClient, say: Say, restart: bool,
+def start_gateway(inv: Inventory, pool: HostPool, gateways: Gateways, node: GatewayNode, say: Say, restart: bool,
                   deadline_s: float = 60, clear_list: bool | None = None) -> dict:
-    """Start (or restart) the gateway unit and wait for its /health, bounded by `deadline_s`.
+    """Start (or restart) one gateway's unit and wait for its /health, bounded by `deadline_s`.
     `clear_list` (default: on a restart) empties its start-up list first."""
-    gw = inv.gateway
     verb = "restart" if restart else "start"
     if restart if clear_list is None else clear_list:
         # a fresh cluster: a list left by an earlier life of it must not register anything
-        membership.update(pool, inv, clear=True)
+        membership.update_one(pool, node.host, clear=True)
     # a unit that hit its start limit refuses `start` until reset: this start is the operator's
-    pool.run(gw.host, f"systemctl reset-failed {q(GATEWAY_UNIT)} || true; systemctl {verb} {q(GATEWAY_UNIT)}")
+    pool.run(node.host, f"systemctl reset-failed {q(GATEWAY_UNIT)} || true; systemctl {verb} {q(GATEWAY_UNIT)}")
     deadline = deadline_in(deadline_s)
+    client = gateways.client(node.host)
     while True:
         try:
             client.health()
             break
         except (Unreachable, Unverified):
-            st = pool.unit_states(gw.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+            st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
             if st.active_state == "failed" or time.monotonic() > deadline:
-                raise DeployFailed(f"gateway {GATEWAY_UNIT} on {gw.host} did not answer {gw.url}/health "
+                raise DeployFailed(f"gateway {GATEWAY_UNIT} on {node.host} did not answer {node.url}/health "
                                    f"(unit {st.active_state}/{st.sub_state})",
-                                   evidence=pool.journal_tail(gw.host, GATEWAY_UNIT)) from None
+                                   evidence=pool.journal_tail(node.host, GATEWAY_UNIT)) from None
             time.sleep(0.3)
-    st = pool.unit_states(gw.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
-    say(f"  gateway up: {gw.url} (MainPID {st.main_pid})")
-    return {"url": gw.url, "main_pid": st.main_pid, "unit": GATEWAY_UNIT}
+    st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+    say(f"  gateway up on {node.host}: {node.url} (MainPID {st.main_pid})")
+    return {"url": node.url, "main_pid": st.main_pid, "unit": GATEWAY_UNIT, "host": node.host}
 
 
 def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 30) -> dict | None:
@@ -154,26 +154,38 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
     return {"url": inst.url, "main_pids": pids, "ready_s": round(time.monotonic() - t0, 2)}
 
 
-def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float = 60) -> str:
-    """POST the instance to the gateway and wait until /workers lists it healthy. A worker still
+def register(gateways: Gateways, inst: Instance, say: Say, timeout_s: float = 60) -> dict[str, str]:
+    """Register the instance with every gateway and wait until each lists it healthy and ready:
+    {gateway host: worker id}. Unverified names the gateway that did not."""
+    deadline = deadline_in(timeout_s)
+    out = {}
+    for host, client in gateways.items():
+        try:
+            out[host] = register_one(client, inst, say, deadline)
+        except Unverified as e:
+            raise Unverified(f"gateway on {host}: {e.message}", fix=e.fix, evidence=e.evidence) from None
+    return out
+
+
+def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: float) -> str:
+    """POST the instance to one gateway and wait until its /workers lists it healthy. A worker still
     draining at this URL (the previous process at this address, drained moments ago: smg keeps it
     about 5 s) is waited out first: a POST now would answer 409 with that worker, which then goes."""
     from pdops.facts.gateway import DRAINING
 
-    deadline = deadline_in(timeout_s)
     try:
         stale = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")
                  and w.status == DRAINING]
     except PdopsError:
         stale = []  # the POST below says what is wrong with the gateway
     for w in stale:
-        say(f"  {inst.id}: the gateway still drains worker {w.id} at {inst.url}; waiting until it is gone")
+        say(f"  {inst.id}: {client.base_url} still drains worker {w.id} at {inst.url}; waiting until it is gone")
         client.wait_worker_gone(w.id, deadline)
     for w in other_identity(client.list_workers(), inst):
         # the same URL under another bootstrap port: an earlier process of it (a registration the
         # gateway retried in the background); requests routed there would fail at the bootstrap
-        say(f"  {inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port {w.bootstrap_port}, "
-            f"not {inst.bootstrap_port}: removing it first")
+        say(f"  {inst.id}: {client.base_url} lists worker {w.id} at {inst.url} with bootstrap port "
+            f"{w.bootstrap_port}, not {inst.bootstrap_port}: removing it first")
         client.remove_worker(w.id)
         client.wait_worker_gone(w.id, deadline)
     worker_id = client.add_worker(inst.url, inst.role, inst.bootstrap_port)
@@ -183,7 +195,7 @@ def register(client: GatewayClient, inst: Instance, say: Say, timeout_s: float =
         raise Unverified(f"{inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port "
                          f"{w.bootstrap_port}, not {inst.bootstrap_port}: requests routed to it would fail at the "
                          "bootstrap", fix="run the operation again: it removes the stale worker first")
-    say(f"  {inst.id} registered: worker {w.id} healthy")
+    say(f"  {inst.id} registered with {client.base_url}: worker {w.id} healthy")
     return w.id or worker_id
 
 
@@ -193,29 +205,31 @@ def other_identity(workers, inst: Instance) -> list:
             and w.bootstrap_port is not None and w.bootstrap_port != inst.bootstrap_port]
 
 
-def undo_registrations(client: GatewayClient, pl: Placement, workers: dict, bad: list, fresh: bool,
-                        say: Say) -> dict:
-    """After a failed registration: remove from the gateway what this deploy could not verify (any
+def undo_registrations(gateways: Gateways, pl: Placement, workers: dict, bad: list, fresh: bool,
+                       say: Say) -> dict:
+    """After a failed registration: remove from every gateway what this deploy could not verify (any
     worker listed for a failed instance) and, on a fresh cluster, what it registered (no revision
     will describe it). Returns what was removed and what is left."""
     removed, left = [], []
-    try:
-        listed = client.list_workers()
-    except PdopsError as exc:
-        return {"removed": [], "left": [f"gateway unreadable: {exc.message}"]}
     targets = {i.url: i.id for i in bad}
     if fresh:
         targets.update({i.url: i.id for i in pl.instances if i.id in workers})
-    for w in listed:
-        if w.url in targets:
-            try:
-                client.remove_worker(w.id)
-                client.wait_worker_gone(w.id, deadline_in(30))
-                removed.append(f"{targets[w.url]} ({w.id})")
-            except PdopsError as exc:
-                left.append(f"{targets[w.url]} ({w.id}): {exc.message}")
+    for host, client in gateways.items():
+        try:
+            listed = client.list_workers()
+        except PdopsError as exc:
+            left.append(f"gateway on {host} unreadable: {exc.message}")
+            continue
+        for w in listed:
+            if w.url in targets:
+                try:
+                    client.remove_worker(w.id)
+                    client.wait_worker_gone(w.id, deadline_in(30))
+                    removed.append(f"{targets[w.url]} ({host}: {w.id})")
+                except PdopsError as exc:
+                    left.append(f"{targets[w.url]} ({host}: {w.id}): {exc.message}")
     if removed:
-        say(f"  removed from the gateway: {', '.join(removed)}")
+        say(f"  removed from the gateways: {', '.join(removed)}")
     return {"removed": removed, "left": left}
 
 
@@ -327,7 +341,7 @@ def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[
     from pdops.model.render import config_ids
 
     want = config_ids(files)
-    by_host: dict[str, list[str]] = {inv.gateway.host: [GATEWAY_UNIT]}
+    by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     for inst in pl.instances:
         for h, u in inst.units:
             by_host.setdefault(h, []).append(u)
@@ -359,7 +373,8 @@ def configs_of(running: dict) -> dict[str, str]:
 
 
 def gateway_pid_of(running: dict, inv: Inventory) -> dict:
-    """{"gateway_main_pid": N} from what verify-running read, for a revision's record: a gateway
-    MainPID that differs later means systemd (or someone) restarted it (pdops.reads.observe)."""
-    pid = (running.get(f"{inv.gateway.host}:{GATEWAY_UNIT}") or {}).get("main_pid")
-    return {"gateway_main_pid": pid} if pid else {}
+    """{"gateway_main_pids": {host: N}} from what verify-running read, for a revision's record: a
+    gateway MainPID that differs later means systemd (or someone) restarted it (pdops.reads.observe)."""
+    pids = {h: (running.get(f"{h}:{GATEWAY_UNIT}") or {}).get("main_pid") for h in inv.gateway.hosts}
+    pids = {h: p for h, p in pids.items() if p}
+    return {"gateway_main_pids": pids} if pids else {}

@@ -7,7 +7,7 @@ import time
 
 from pdops.model import membership
 from pdops.errors import DeployFailed, PdopsError, Refused, Unverified
-from pdops.remote.gateway import GatewayClient
+from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, last_bootstrap_ports
 from pdops.model.render import GATEWAY_UNIT, manifest, snapshot_of, write_build
@@ -56,23 +56,33 @@ def do_deliver(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_gateway(ctx: RunContext, step: Step) -> Outcome:
-    """Start the gateway; with `wait_for` ({instance: url}), until it lists each healthy and ready."""
+    """Start one gateway; with `wait_for` ({instance: url}), until it lists each healthy and ready."""
     from pdops.remote.gateway import deadline_in
 
     t0 = time.monotonic()
+    node = ctx.inv.gateway.node(step.params["gateway"])
     if step.params.get("unlist"):
-        membership.update(ctx.pool, ctx.inv, remove=step.params["unlist"])
-    ev = start_gateway(ctx.inv, ctx.pool, ctx.gateway, ctx.say, restart=step.params["restart"],
+        membership.update_one(ctx.pool, node.host, remove=step.params["unlist"])
+    ev = start_gateway(ctx.inv, ctx.pool, ctx.gateways, node, ctx.say, restart=step.params["restart"],
                        deadline_s=step.deadline, clear_list=step.params.get("clear_list"))
-    ctx.give(step, "started", [f"{ctx.inv.gateway.host}:{GATEWAY_UNIT}"])
+    ctx.give(step, "started", [f"{node.host}:{GATEWAY_UNIT}"])
     wait_for = step.params.get("wait_for") or {}
     deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 5))
     for url in wait_for.values():
-        ctx.gateway.wait_worker_healthy(url, deadline)
+        ctx.gateways.client(node.host).wait_worker_healthy(url, deadline)
     listed = ([f"the gateway lists {', '.join(wait_for)} healthy and ready (registered from its start-up list)"]
               if wait_for else [])
     return Outcome(evidence={**ev, "listed": sorted(wait_for)},
-                   verified=[f"gateway {GATEWAY_UNIT} active and answering {ctx.inv.gateway.url}/health"] + listed)
+                   verified=[f"gateway {GATEWAY_UNIT} on {node.host} active and answering {node.url}/health"] + listed)
+
+
+def do_front_door_ready(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.remote.haproxy import wait_gateways_up
+
+    adm = ctx.inv.admission
+    stats = wait_gateways_up(ctx.pool, adm.host, ctx.inv.gateway.hosts, step.deadline)
+    return Outcome(evidence={h: vars(s) for h, s in stats.items()},
+                   verified=[f"the admission layer on {adm.host} sees {', '.join(stats)} UP"])
 
 
 def do_admission(ctx: RunContext, step: Step) -> Outcome:
@@ -115,14 +125,19 @@ def do_register(ctx: RunContext, step: Step) -> Outcome:
     inst = _inst(ctx, step)
     ctx.give(step, "posted", {inst.id})
     try:
-        wid = register(ctx.gateway, inst, ctx.say, step.deadline)
+        wids = register(ctx.gateways, inst, ctx.say, step.deadline)
     except PdopsError as exc:
         raise DeployFailed(f"{inst.id} not registered healthy: {exc.message}", evidence=exc.evidence,
                            fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
                                "gateway's; fix the cause and deploy again") from None
+    # the revision records the first gateway's worker id (each gateway has its own ids; a drain finds
+    # the worker in each by its URL)
+    wid = wids[ctx.inv.gateway.hosts[0]]
     ctx.give(step, "workers", {inst.id: wid})
-    return Outcome(evidence={"worker_id": wid},
-                   verified=[f"{inst.id} registered (worker {wid}), listed healthy and ready by the gateway's /workers"])
+    where = "the gateway's /workers" if len(wids) == 1 else f"the /workers of each of the {len(wids)} gateways"
+    return Outcome(evidence={"worker_id": wid, "worker_ids": wids},
+                   verified=[f"{inst.id} registered (worker {', '.join(wids.values())}), listed healthy and ready "
+                             f"by {where}"])
 
 
 def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
@@ -146,7 +161,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
     rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
                                    placement=pl.to_dict(), manifest=manifest(files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
-                                   extra={"gateway": ctx.inv.gateway.url, "build": str(ctx.get(step, "build")),
+                                   extra={"gateways": ctx.inv.gateway.urls, "build": str(ctx.get(step, "build")),
                                           "configs": configs_of(running), **gateway_pid_of(running, ctx.inv),
                                           "last_bootstrap": last_bootstrap_ports({}, pl)},
                                    snapshot=snapshot_of(ctx.inv, files))
@@ -204,7 +219,7 @@ def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
     fresh = step.params["fresh"]
     pl = ctx.placement
     bad = [pl.get(i) for i in posted if i not in workers]
-    undone = undo_registrations(ctx.gateway, pl, workers, bad, fresh, ctx.say)
+    undone = undo_registrations(ctx.gateways, pl, workers, bad, fresh, ctx.say)
     # what the gateway no longer serves leaves its start-up list too (a restart must not revive it)
     drop = [i.id for i in bad] + ([i for i in workers] if fresh else [])
     if drop:
@@ -224,7 +239,7 @@ register_executors({"connect": do_connect, "preflight": do_preflight, "render": 
           "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
           "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
           "record-repair": do_record_repair, "verify-running": do_verify_running,
-          "undo-register": do_undo_register},
+          "undo-register": do_undo_register, "front-door-ready": do_front_door_ready},
     gives={"render": ("build",), "gateway": ("started",), "start": ("started_instances", "started", "healthy", "main_pids"),
            "register": ("posted", "workers"), "verify-running": ("running",)},
     needs={"deliver": ("build",), "canary": ("started_instances?",), "gateway-list": ("workers",),
@@ -232,7 +247,7 @@ register_executors({"connect": do_connect, "preflight": do_preflight, "render": 
            "record-repair": ("workers?", "running?"), "undo-register": ("workers?", "posted?")})
 
 
-def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
+def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateways: Gateways) -> dict:
     """Walk a deploy plan with the runner, under the cluster lock (`walk_deploy`). Returns the verdict:
     the new revision, what was verified and what could not be (skipped checks never count as
     verified). Raises with a verdict on failure. `pool` and `gateway` are the operation's connections,
@@ -245,10 +260,10 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
                          fix="a pdops bug to report")
     op = new_op_id("deploy")
     with plan.state.lock("deploy", op_id=op):
-        return walk_deploy(plan, op, say, pool=pool, gateway=gateway)
+        return walk_deploy(plan, op, say, pool=pool, gateways=gateways)
 
 
-def walk_deploy(plan: DeployPlan, op: str, say: Say = print, *, pool: HostPool, gateway: GatewayClient) -> dict:
+def walk_deploy(plan: DeployPlan, op: str, say: Say = print, *, pool: HostPool, gateways: Gateways) -> dict:
     """Walk a deploy plan under a lock the caller holds (`execute_deploy`, or `inv sweep` between its
     rows): the verdict journalled, or the failure with what runs and what is current."""
     if plan.live is not None and not plan.steps:
@@ -256,7 +271,7 @@ def walk_deploy(plan: DeployPlan, op: str, say: Say = print, *, pool: HostPool, 
                       "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
     state = plan.state
     state.check_basis(plan.basis)
-    ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=plan.placement)
+    ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=plan.placement)
     try:
         verdict = walk(plan.plan, ctx)
     except PdopsError as exc:

@@ -21,7 +21,8 @@ from pdops.model.topology import Topology
 if TYPE_CHECKING:
     from pdops.reads.observe import Observation
 
-from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps,
+from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, front_door_step, gateway_steps, preflight_step,
+                                register_steps, start_steps,
                                 undo_register_step, verify_running_step)
 
 
@@ -117,9 +118,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     fresh = current is None
     steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
     steps += delivery_steps(inv, pl, files)
-    steps.append(Step("gateway", inv.gateway.host, f"{'restart' if fresh else 'start'} {GATEWAY_UNIT} with no "
-                      f"workers, wait for {inv.gateway.url}/health", 60, kind="gateway", params={"restart": fresh},
-                      verifies="the gateway answers /health"))
+    steps += gateway_steps(inv, restart=fresh, what=" with no workers", wait="")
     adm = admission_config(inv)
     if adm is not None:
         steps.append(Step("admission", adm.host, f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of "
@@ -129,6 +128,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps.append(canary_step("canary", pairs, retry_once=False,
                              why="sent straight to each pair before anything is registered"))
     steps += register_steps(inv, pl.instances, group="register")
+    steps += front_door_step(inv)
     steps.append(verify_running_step(pl, inv, files))
     steps.append(Step("record", None, "write the revision, move `current` to it", kind="record-deploy",
                       params={"placement": pl, "files": files}))
@@ -161,11 +161,11 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
         change.state = plan.state
         return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
-    if obs.gateway_down:
-        restart = isinstance(obs.gateway_unit, UnitState) and obs.gateway_unit.active_state == "active"
-        steps.append(Step("gateway", inv.gateway.host, f"{'restart' if restart else 'start'} {GATEWAY_UNIT} (after "
-                          "each start it queues its start-up list itself), wait for "
-                          f"{inv.gateway.url}/health", 60, kind="gateway", params={"restart": restart}))
+    down_gws = [g for g in obs.gateways if g.down]
+    if down_gws:
+        restart = {g.host: isinstance(g.unit, UnitState) and g.unit.active_state == "active" for g in down_gws}
+        steps += [s for s in gateway_steps(inv, restart=restart, what=" (after each start it queues its start-up "
+                                           "list itself)", wait="") if s.params["gateway"] in restart]
     down = [o.instance for o in obs.instances if o.down]
     restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
     steps += start_steps(inv, down, restart=False, group="start")
@@ -176,6 +176,8 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
                                  why="through every pair of a started or restarted instance, before registration"))
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
+    if down_gws or need:
+        steps += front_door_step(inv)
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))

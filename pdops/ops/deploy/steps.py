@@ -7,7 +7,7 @@ from __future__ import annotations
 from pdops.model import membership
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Placement
-from pdops.model.render import RenderedFile
+from pdops.model.render import GATEWAY_UNIT, RenderedFile
 from pdops.runner import Step
 
 
@@ -46,26 +46,55 @@ def canary_step(name: str, pairs: list[tuple[str, str]], *, retry_once: bool, wh
                 params={"pairs": pairs, "retry_once": retry_once, **({"instance": instance} if instance else {})})
 
 
+def gateway_steps(inv: Inventory, *, restart: bool | dict, what: str, wait: str, deadline_s: float = 60,
+                  **params) -> list[Step]:
+    """One step per gateway (each an independent smg): start or restart its unit, wait for its /health.
+    `restart`: one answer for all, or {host: bool}."""
+    out = []
+    for node in inv.gateway.nodes:
+        again = restart.get(node.host, False) if isinstance(restart, dict) else restart
+        name = "gateway" if len(inv.gateway.nodes) == 1 else f"gateway {node.host}"
+        out.append(Step(name, node.host, f"{'restart' if again else 'start'} {GATEWAY_UNIT}{what}, wait for "
+                        f"{node.url}/health{wait}", deadline_s, kind="gateway",
+                        params={"restart": again, "gateway": node.host, **params},
+                        verifies="the gateway answers /health"))
+    return out
+
+
+def front_door_step(inv: Inventory) -> list[Step]:
+    """Behind the admission layer: until HAProxy sees every gateway UP (its readiness check passed
+    `rise` times, which needs workers registered), so the operation ends with the front door open."""
+    adm = inv.admission
+    if adm is None:
+        return []
+    return [Step("front-door", adm.host, f"until the admission layer on {adm.host} sees every gateway "
+                 f"({', '.join(inv.gateway.hosts)}) UP: smg's /readiness answered 200 twice in a row", 30,
+                 kind="front-door-ready", verifies="requests through the admission layer reach a gateway")]
+
+
 def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
     reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
     out = []
+    where = inv.gateway.on_each()
     for i in insts:
         bp = f" bootstrap {i.bootstrap_port}" if i.bootstrap_port else ""
-        out.append(Step(f"register {i.id}", inv.gateway.host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}), "
-                        "wait until /workers lists it healthy and ready",
+        out.append(Step(f"register {i.id}", inv.gateway.step_host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}){where}, "
+                        "wait until /workers lists it healthy and ready" + (" on each" if where else ""),
                         reg_s, kind="register", params={"instance": i.id},
                         group=group))
     if insts:
         ids = [i.id for i in insts]
-        out.append(Step("gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), inv.gateway.host,
-                        f"add {', '.join(ids)} to the gateway's start-up list ({membership.PATH}): from now on a "
-                        "gateway restart registers them by itself", 30, kind="gateway-list", params={"instances": ids}))
+        out.append(Step("gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), inv.gateway.step_host,
+                        f"add {', '.join(ids)} to the gateway's start-up list ({membership.PATH}){where}: from now "
+                        "on a gateway restart registers them by itself", 30, kind="gateway-list",
+                        params={"instances": ids}))
     return out
 
 
 def verify_running_step(pl: Placement, inv: Inventory, files: list[RenderedFile]) -> Step:
-    n = sum(len(i.units) for i in pl.instances) + 1
-    return Step("verify-running", None, f"every unit of the revision ({n}, the gateway's too) active, and its "
+    n = sum(len(i.units) for i in pl.instances) + len(inv.gateway.nodes)
+    gws = "the gateway's too" if len(inv.gateway.nodes) == 1 else f"the {len(inv.gateway.nodes)} gateways' too"
+    return Step("verify-running", None, f"every unit of the revision ({n}, {gws}) active, and its "
                 "MainPID started from this revision's files (the PID and config id its launch script noted in "
                 "/run/pdops/<unit>/config before exec)", 60,
                 kind="verify-running", verifies="the running processes use the revision's files",
@@ -75,7 +104,7 @@ def verify_running_step(pl: Placement, inv: Inventory, files: list[RenderedFile]
 def undo_register_step(*, fresh: bool, instances: int) -> Step:
     """A deploy's rescue: what it registered but cannot record leaves the gateway. Its budget: each
     removal waits up to 30 s for the gateway to stop listing the worker, one at a time."""
-    return Step("undo-register", None, "remove from the gateway (and its start-up list) every instance this deploy "
+    return Step("undo-register", None, "remove from every gateway (and its start-up list) every instance this deploy "
                 "registered that was not verified healthy" + (", and on this fresh cluster every one it registered "
                 "(no revision will describe them)" if fresh else "") + "; the units it started are left running "
                 "for inspection", 60 + 35 * instances, kind="undo-register", params={"fresh": fresh})

@@ -11,7 +11,7 @@ from pdops.errors import DrainFailed, PdopsError, Refused, Unverified
 from pdops.facts import nvidia as nv_facts
 from pdops.facts import ports as port_facts
 from pdops.facts import skipped_in
-from pdops.remote.gateway import GatewayClient, deadline_in
+from pdops.remote.gateway import Gateways, deadline_in
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, Placement
 from pdops.model.render import SLICE_UNIT, UNIT_DIR
@@ -72,12 +72,12 @@ def do_verify_gone(ctx: RunContext, step: Step) -> Outcome:
 
 
 def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool,
-                           gateway: GatewayClient) -> dict:
+                           gateways: Gateways) -> dict:
     """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
     op = new_op_id("stop")
     with state.lock("stop", op_id=op):
         state.check_basis(plan.rev.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=Placement.from_dict(plan.rev.placement))
+        ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=Placement.from_dict(plan.rev.placement))
         try:
             verdict = walk(plan.plan, ctx)
         except PdopsError as exc:
@@ -133,17 +133,21 @@ def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
     _drain_state(ctx, inst, step)
     if step.params.get("in_change"):  # out of service from now on: a halted change's rescue reads this
         ctx.give(step, "left_gateway", [inst.id])
-    # out of the gateway's start-up list first: a gateway restart from now on does not bring it back
+    # out of every gateway's start-up list first: a gateway restart from now on does not bring it back
     left = membership.update(ctx.pool, ctx.inv, remove=[inst.id])
-    removed = leave_gateway(ctx.gateway, inst, step.params.get("worker_id"), deadline_s=step.deadline)
+    # then out of every gateway, each verified to route no new request to it, before the empty checks
+    removed = {h: ids for h, c in ctx.gateways.items()
+               if (ids := leave_gateway(c, inst, step.params.get("worker_id"), deadline_s=step.deadline))}
+    where = "the gateway" if len(ctx.gateways) == 1 else f"each of the {len(ctx.gateways)} gateways"
     if not removed:
         return Outcome("noop", {"already_removed": step.params.get("worker_id"),
                                 "gateway_list": membership.listed_ids(left)},
-                       verified=[f"{inst.id} is not in the gateway's /workers"],
-                       reason=f"{inst.id} is not in the gateway's /workers (already removed)")
-    ctx.say(f"  {inst.id} left the gateway: worker {', '.join(removed)} removed, draining (no new request routed to it)")
-    return Outcome(evidence={"removed": removed, "gateway_list": membership.listed_ids(left)},
-                   verified=[f"{inst.id} out of the gateway's start-up list and draining in the gateway (no new "
+                       verified=[f"{inst.id} is not in the /workers of {where}"],
+                       reason=f"{inst.id} is not in the /workers of {where} (already removed)")
+    ids = [i for v in removed.values() for i in v]
+    ctx.say(f"  {inst.id} left {where}: worker {', '.join(ids)} removed, draining (no new request routed to it)")
+    return Outcome(evidence={"removed": ids, "removed_by_gateway": removed, "gateway_list": membership.listed_ids(left)},
+                   verified=[f"{inst.id} out of the start-up list of {where} and draining or gone in each (no new "
                              "request routed to it)"])
 
 
@@ -275,14 +279,14 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
         out = Outcome(evidence=stop_evidence(inst, res), verified=verified,
                       unverified=sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")}))
     wid = step.params.get("gateway_worker")
-    if wid and ctx.gateway is not None:
+    if wid and ctx.gateways is not None:
         # right after the stop smg may still list the removed worker as draining: the drain ends when
-        # the gateway's view is the revision's (an `inv status` at once then counts what runs)
+        # each gateway's view is the revision's (an `inv status` at once then counts what runs)
         try:
-            ctx.gateway.wait_worker_gone(wid, deadline_in(GONE_WAIT_S))
-            out.verified.append(f"the gateway no longer lists worker {wid} ({inst.id})")
+            ctx.gateways.wait_url_gone(inst.url, deadline_in(GONE_WAIT_S))
+            out.verified.append(f"no gateway lists a worker at {inst.url} any more ({inst.id})")
         except PdopsError as exc:
-            out.unverified.append(f"the gateway still lists worker {wid} of {inst.id}: {exc.message}")
+            out.unverified.append(f"a gateway still lists a worker of {inst.id} at {inst.url}: {exc.message}")
     if step.params.get("in_change"):
         ctx.give(step, "replaced_out" if step.params.get("old") else "drained", [inst.id])
     return out
@@ -346,7 +350,9 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                                    placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"drained": inst.id, "rollback": rollback,
-                                          "gateway": rev0.extra.get("gateway"), **carried},
+                                          **{k: rev0.extra[k] for k in ("gateway", "gateways", "gateway_main_pid",
+                                                                        "gateway_main_pids") if k in rev0.extra},
+                                          **carried},
                                    snapshot=snapshot_subset(ctx.state.revision_snapshot(rev0.number), hosts_files))
     ctx.state.set_current(rev.number)
     return Outcome(evidence={"revision": rev.number, "rollback": rollback},
@@ -367,7 +373,7 @@ register_executors(
 
 
 def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,
-                  gateway: GatewayClient) -> dict:
+                  gateways: Gateways) -> dict:
     """Walk a drain (or stop) plan with the runner. An interruption (SSH lost, engine unreachable,
     a check failing) ends with a journalled verdict naming the last completed step; the instance
     is never recorded as stopped unless the stop was verified. Re-running the same drain resumes:
@@ -376,7 +382,7 @@ def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: H
     op = new_op_id(plan.plan.operation)
     with state.lock(plan.plan.operation, op_id=op):
         state.check_basis(plan.rev.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=plan.placement)
+        ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=plan.placement)
         try:
             verdict = walk(plan.plan, ctx)
         except PdopsError as exc:

@@ -111,9 +111,11 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
     steps = []
     if gateway:
         steps.append(
-            Step(f"{prefix}leave-gateway", inv.gateway.host, f"out of the gateway's start-up worker list, then DELETE "
-                 f"/workers/{worker_id}; verify the gateway lists it draining (no new request) or not at all; "
-                 "requests already routed to it keep running", 30, kind="leave-gateway",
+            Step(f"{prefix}leave-gateway", inv.gateway.step_host, f"out of the gateway's start-up worker list, then DELETE "
+                 f"/workers/{worker_id}{inv.gateway.on_each()}; verify "
+                 + ("the gateway lists" if len(inv.gateway.nodes) == 1 else "each gateway lists")
+                 + " it draining (no new request) or not at all; requests already routed to it keep running",
+                 30 * len(inv.gateway.nodes), kind="leave-gateway",
                  params={**p, "worker_id": worker_id}))
     if gateway and wait:
         steps += [
@@ -137,7 +139,8 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
              inv.stop_timeout_s + 60, kind="stop", params=p),
         Step(f"{prefix}verify-stop", inst.head.host, "cgroup empty (or removed), every recorded PID gone or reused, "
              "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)"
-             + (f"; the gateway no longer lists worker {worker_id} (smg drops a removed worker seconds after it is "
+             + (f"; {'the gateway no longer lists' if len(inv.gateway.nodes) == 1 else 'no gateway lists'} "
+                f"worker {worker_id} (smg drops a removed worker seconds after it is "
                 f"empty; still listed after {GONE_WAIT_S:g}s: not verified)" if gateway and worker_id else ""),
              60 + (GONE_WAIT_S if gateway and worker_id else 0),
              kind="verify-stop", params={**p, "gateway_worker": worker_id if gateway else None}),

@@ -135,7 +135,7 @@ def next_probe_id(journal) -> str:
     return f"T{n + 1}"
 
 
-def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
+def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
     """Walk a probe's one plan under the cluster lock: its steps, then its way back (the plan's
     `always` steps: they run whether the probe's own steps passed or not, and after Ctrl-C). The
     probe-result record (also in the journal) says what was measured and where the pair is now."""
@@ -150,7 +150,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateway) -> dict:
         pid = next_probe_id(j)
         say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
         union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
-        ctx = RunContext(plan.probe_inv, state, op, say, pool, gateway, placement=union, old_placement=plan.baseline)
+        ctx = RunContext(plan.probe_inv, state, op, say, pool, gateways, placement=union, old_placement=plan.baseline)
         walked = plan.plan
         walked.head["probe"] = pid
         failure: PdopsError | None = None

@@ -181,7 +181,7 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     files = [f for f in mf_files if (f.host, f.path) in own]
     base_args = engine_args(inv, full_pl, p, p.ranks[0])
     variables = changed_variables(base_args, bundle)
-    hosts = sorted({r.host for i in cur_pl.instances + (p, d) for r in i.ranks} | {inv.gateway.host})
+    hosts = sorted({r.host for i in cur_pl.instances + (p, d) for r in i.ranks} | set(inv.gateway.hosts))
     steps = [connect_step(hosts)]
     if spare:
         steps.append(preflight_step(set(), pair_pl, cur_pl))

@@ -10,10 +10,9 @@ import pdops.ops.admission_keys  # noqa: F401
 import pdops.ops.deploy  # noqa: F401
 import pdops.ops.drain  # noqa: F401
 import pdops.ops.repair  # noqa: F401
-from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.admission import health_pause_command
 from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unverified
-from pdops.remote.gateway import GatewayClient
+from pdops.remote.gateway import Gateways
+from pdops.remote.haproxy import gateway_stats, runtime, wait_gateways_up
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import manifest, snapshot_of
@@ -23,57 +22,76 @@ from pdops.record.local import Revision, StateDir, new_op_id
 from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
 
 
-def _admission_health_check(pool, host: str, *, paused: bool) -> None:
-    """Pause or resume HAProxy's health check of the gateway (runtime API); Unverified with the
-    way out when HAProxy answers anything but its empty success."""
-    answer = pool.run(host, health_pause_command(paused), timeout=15).stdout.strip()
-    if answer:
-        verb = "pause" if paused else "resume"
-        raise Unverified(f"admission layer on {host}: HAProxy did not {verb} its health check of the gateway: {answer}",
-                         fix=f"systemctl reload {ADMISSION_UNIT} on {host} re-reads its config (checks on); "
-                             "then run the change again")
-
-
 def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
-    """Restart the gateway on its new files; every instance of the target back in its /workers."""
+    """Restart one gateway on its new files; every instance of the target back in its /workers.
+    Behind the admission layer it stays out of HAProxy's way meanwhile: with other gateways, its
+    server is set to `drain` (no new request; those on it finish) and back to `ready` after; alone,
+    its health check is paused (the connection retries cover the seconds it refuses)."""
     from pdops.facts import q
+    from pdops.model.admission import health_pause_command, server_state_command
     from pdops.remote.gateway import deadline_in
     from pdops.model.render import GATEWAY_UNIT
 
-    inv, pool, gw = ctx.inv, ctx.pool, ctx.gateway
-    old_pid = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
+    inv, pool = ctx.inv, ctx.pool
+    node = inv.gateway.node(step.params["gateway"])
+    client = ctx.gateways.client(node.host)
+    old_pid = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
     adm_host = step.params.get("admission_host")
+    others = [h for h in inv.gateway.hosts if h != node.host]
+    if adm_host and others:
+        stats = gateway_stats(pool, adm_host)
+        up = [h for h in others if h in stats and stats[h].up]
+        if not up:
+            raise Unverified(f"no other gateway is UP in HAProxy ("
+                             f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
+                             f"taking {node.host} out would leave the front door with none; nothing was changed",
+                             fix="`inv status` shows each gateway; repair the others first (inv deploy --topology "
+                                 "<the live one>), then run the change again")
+        out_cmd, back_cmd = server_state_command(node.host, "drain"), server_state_command(node.host, "ready")
+        out_what, back_what = "drain the gateway's server", "set the gateway's server ready"
+    elif adm_host:
+        up = []
+        out_cmd, back_cmd = health_pause_command(node.host, True), health_pause_command(node.host, False)
+        out_what, back_what = "pause its health check of the gateway", "resume its health check of the gateway"
     if adm_host:
-        _admission_health_check(pool, adm_host, paused=True)
+        runtime(pool, adm_host, out_cmd, out_what)
     t0 = time.monotonic()
     try:
-        pool.run(inv.gateway.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
+        pool.run(node.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
         restarted_s = round(time.monotonic() - t0, 2)
-        st = pool.unit_states(inv.gateway.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
+        st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
         if st.active_state != "active" or st.main_pid == old_pid:
-            raise Unverified(f"gateway {GATEWAY_UNIT} is {st.active_state}/{st.sub_state} (MainPID {st.main_pid}, was "
-                             f"{old_pid}) after the restart", evidence=pool.journal_tail(inv.gateway.host, GATEWAY_UNIT))
+            raise Unverified(f"gateway {GATEWAY_UNIT} on {node.host} is {st.active_state}/{st.sub_state} (MainPID "
+                             f"{st.main_pid}, was {old_pid}) after the restart",
+                             evidence=pool.journal_tail(node.host, GATEWAY_UNIT))
         deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
         for iid in step.params["instances"]:
-            gw.wait_worker_healthy(ctx.placement.get(iid).url, deadline)
+            client.wait_worker_healthy(ctx.placement.get(iid).url, deadline)
     except BaseException:
-        if adm_host:  # back whatever the restart did: HAProxy must see a gateway that is really down
+        if adm_host:  # back whatever the restart did: HAProxy's own check judges a gateway really down
             try:
-                _admission_health_check(pool, adm_host, paused=False)
+                runtime(pool, adm_host, back_cmd, back_what)
             except PdopsError as exc:
                 ctx.say(f"  also: {exc.message}; fix: {exc.fix}")
         raise
-    if adm_host:  # resumed once the new gateway serves: a check in its start-up would mark it DOWN
-        _admission_health_check(pool, adm_host, paused=False)
-    ctx.say(f"  gateway restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
+    if adm_host:  # back once the new gateway serves: a check in its start-up would mark it DOWN
+        runtime(pool, adm_host, back_cmd, back_what)
+    if adm_host and others:  # in the front door again before the next gateway leaves it
+        wait_gateways_up(pool, adm_host, [node.host], 30)
+    ctx.say(f"  gateway on {node.host} restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
             f"{len(step.params['instances'])} worker(s) healthy and ready again")
-    held = ([f"the admission layer on {adm_host} kept the gateway in service through the restart (HAProxy's "
-             "health check of it paused, then resumed: both acknowledged)"] if adm_host else [])
-    return Outcome(evidence={"old_main_pid": old_pid, "main_pid": st.main_pid, "restart_s": restarted_s,
-                             "ready_s": round(time.monotonic() - t0, 2),
-                             **({"admission_health_check": f"paused and resumed on {adm_host}"} if adm_host else {})},
-                   verified=[f"gateway restarted from the new files (MainPID {st.main_pid}); every instance listed "
-                             "healthy and ready by /workers again"] + held)
+    held = []
+    if adm_host and others:
+        held = [f"the admission layer on {adm_host} sent no new request to {node.host} during its restart (server "
+                f"drained, then ready: both acknowledged; {', '.join(up)} UP meanwhile)"]
+    elif adm_host:
+        held = [f"the admission layer on {adm_host} kept the gateway in service through the restart (HAProxy's "
+                "health check of it paused, then resumed: both acknowledged)"]
+    return Outcome(evidence={"gateway": node.host, "old_main_pid": old_pid, "main_pid": st.main_pid,
+                             "restart_s": restarted_s, "ready_s": round(time.monotonic() - t0, 2),
+                             **({"admission": f"{out_what}, then {back_what}, on {adm_host}"} if adm_host else {})},
+                   verified=[f"gateway on {node.host} restarted from the new files (MainPID {st.main_pid}); every "
+                             "instance listed healthy and ready by its /workers again"] + held)
 
 
 def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
@@ -106,7 +124,7 @@ register_executors({"record-scale": do_record_scale, "deliver-wave": do_deliver_
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
-                  gateway: GatewayClient) -> dict:
+                  gateways: Gateways) -> dict:
     """Walk a scale or rollback plan with the runner; returns the verdict (with the new revision).
     Raises ScaleFailed with a verdict on failure, after undoing what it can."""
     if plan.noop:
@@ -115,14 +133,14 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
     op = new_op_id(kind)
     with state.lock(kind, op_id=op):
         state.check_basis(plan.current.number)
-        return walk_scale(plan, state, op, say, pool=pool, gateway=gateway)
+        return walk_scale(plan, state, op, say, pool=pool, gateways=gateways)
 
 
 def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, pool: HostPool,
-               gateway: GatewayClient) -> dict:
+               gateways: Gateways) -> dict:
     """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv sweep` between its
     rows); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
-    ctx = RunContext(plan.inv, state, op, say, pool, gateway, placement=union_placement(plan),
+    ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=union_placement(plan),
                      old_placement=plan.current_placement, replacing=frozenset(i.id for i in plan.replaced))
     try:
         verdict = walk(plan.plan, ctx)
@@ -172,7 +190,7 @@ def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, bu
         "inventory_hash": cur.inventory_hash,
         "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
     }
-    extra = {"gateway": plan.inv.gateway.url, "build": str(build) if build else None, "rollback": rollback,
+    extra = {"gateways": plan.inv.gateway.urls, "build": str(build) if build else None, "rollback": rollback,
              "configs": configs_of(running or {}), **gateway_pid_of(running or {}, plan.inv),
              "cordoned": list(plan.cordoned),
              "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or

@@ -125,7 +125,7 @@ class ScalePlan:
     @property
     def hosts(self) -> list[str]:
         """Hosts the change touches: every host of the target (Ansible delivers there) and of removed instances."""
-        hs = {r.host for i in self.target.instances for r in i.ranks} | {self.inv.gateway.host}
+        hs = {r.host for i in self.target.instances for r in i.ranks} | set(self.inv.gateway.hosts)
         hs |= {h for i in self.removed for h in i.hosts}
         return sorted(hs)
 
@@ -152,12 +152,15 @@ class ScalePlan:
         lines = [head]
         if self.seen is not None:
             if self.seen.gateway:
-                lines.append(f"  observed: the gateway does not answer ({self.seen.gateway}): started first")
+                which = "the gateway" if len(self.inv.gateway.nodes) == 1 else \
+                    f"gateway {', '.join(sorted(self.seen.gateways_down))}"
+                lines.append(f"  observed: {which} does not answer ({self.seen.gateway}): started first")
             changed = {i.id for i in self.replaced + self.removed} | {o for o, _ in self.surge}
             lines += [f"  observed: {i} does not serve ({why})" + ("" if i in changed else ": not part of this change")
                       for i, why in self.seen.not_serving.items()]
             if self.seen.all_serving:
-                lines.append("  observed: every instance of the revision serves; the gateway answers")
+                lines.append("  observed: every instance of the revision serves; "
+                             + ("the gateway answers" if len(self.inv.gateway.nodes) == 1 else "every gateway answers"))
         lines += [f"  floor: {b}" for b in self.broken]
         lines.append("  added:   " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
                                                 f"{gpu_range(i.head.gpus)}, {i.url}" for i in self.added) or "none"))

@@ -80,8 +80,7 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     halt["down"] = [i.id for i in down]
     deadline = ctx.deadline(step)
     by_url = {i.url.rstrip("/"): i for i in ctx.placement.instances + old.instances}
-    serving_now = [by_url[w.url.rstrip("/")] for w in ctx.gateway.list_workers()
-                   if w.routable and w.url.rstrip("/") in by_url]
+    serving_now = [by_url[u] for u in sorted(ctx.gateways.routable_everywhere()) if u in by_url]
     restored: dict[str, str] = {}
     failed: list[str] = [f"{i.id}: units not active or /health not answering" for i in down]
     back = list(running)
@@ -101,7 +100,8 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
                 back = []
     for x in back:
         try:  # register() waits out the worker the drain left draining at this URL
-            restored[x.id] = register(ctx.gateway, x, ctx.say, max(deadline - time.monotonic(), 15))
+            restored[x.id] = register(ctx.gateways, x, ctx.say,
+                                      max(deadline - time.monotonic(), 15))[ctx.inv.gateway.hosts[0]]
         except PdopsError as exc:
             failed.append(f"{x.id}: not registered again: {exc.message}")
     if restored:
@@ -182,7 +182,7 @@ def _halt_partial(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
                                    outcome="partial", op_id=ctx.op,
                                    extra={"scale_failed": exc.message, "from_revision": cur.number,
                                           "target": str(plan.target.topology), "drained": drained,
-                                          "gateway": plan.inv.gateway.url, "rollback": {"to_revision": cur.number}})
+                                          "gateways": plan.inv.gateway.urls, "rollback": {"to_revision": cur.number}})
     ctx.state.set_current(rev.number)
     return (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
             f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}; "
@@ -221,8 +221,7 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
         for h, u in i.units:
             if f"{h}:{u}" in src_cfg:
                 cfg[f"{h}:{u}"] = src_cfg[f"{h}:{u}"]
-    gw_key = next((k for k in old_cfg if k.endswith(":pdops-gateway.service")), None)
-    if gw_key:
+    for gw_key in (k for k in old_cfg if k.endswith(":pdops-gateway.service")):
         cfg[gw_key] = old_cfg[gw_key]
     rev = ctx.state.write_revision(
         topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
@@ -230,7 +229,7 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
         instances=instances_doc(plan, pl, workers, main_pids),
         outcome="partial", op_id=ctx.op,
         extra={"scale_failed": exc.message, "from_revision": cur.number, "target": str(plan.target.topology),
-               "drained": drained, "replaced": done, "out_of_service": out_now, "gateway": plan.inv.gateway.url,
+               "drained": drained, "replaced": done, "out_of_service": out_now, "gateways": plan.inv.gateway.urls,
                "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
                "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
                                                       last_bootstrap_ports({}, cur_pl), pl),

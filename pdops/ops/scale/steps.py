@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.reads import orphans
+from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
 from pdops.model.topology import Topology
@@ -23,6 +24,10 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
 
     inv, cur, tgt = plan.inv, plan.current, plan.target
     first = gateway_start_steps(plan)
+    if first:
+        from pdops.ops.deploy.steps import front_door_step
+
+        first += front_door_step(inv)
     if not plan.steps and not plan.gateway_restart and not plan.admission_reload:
         # only the cordons change: what runs is checked, then the revision records them
         from pdops.ops.deploy import verify_running_step
@@ -83,18 +88,9 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                            prefix=f"drain {s.instance.id}: ", in_change=True, wait=s.instance.id not in down)
         live.discard(s.instance.id)
     from pdops.ops.deploy import verify_running_step
-    from pdops.model.render import GATEWAY_UNIT, gateway_grace_s
 
     if plan.gateway_restart:
-        out.append(Step("gateway-restart", inv.gateway.host, f"systemctl restart {GATEWAY_UNIT}: smg finishes what is "
-                        f"in flight (up to {gateway_grace_s(inv)}s), the new process starts from the new files and "
-                        "registers every worker of its start-up list; wait until /workers lists each healthy and ready"
-                        + (f"; the admission layer on {inv.admission.host} keeps the gateway in service meanwhile "
-                           "(HAProxy's health check of it paused through the runtime API until the new gateway "
-                           "lists every worker healthy, resumed whatever the outcome; refused connections retried)" if inv.admission else ""),
-                        gateway_grace_s(inv) + 120, kind="gateway-restart",
-                        params={"instances": [i.id for i in tgt.instances],
-                                "admission_host": inv.admission.host if inv.admission else None}))
+        out += gateway_restart_steps(inv, [i.id for i in tgt.instances])
     if plan.admission_reload:
         host = inv.admission.host
         out.append(Step("admission-check", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
@@ -111,11 +107,41 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     return out
 
 
+def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
+    """One gateway at a time: restart it on its new files, wait until it lists every instance.
+    Behind the admission layer, with other gateways: HAProxy sends it nothing new meanwhile (its
+    server drained, ready again after); alone: its health check paused (the connection retries
+    cover the seconds it refuses)."""
+    from pdops.model.render import GATEWAY_UNIT, gateway_grace_s
+
+    adm = inv.admission
+    several = len(inv.gateway.nodes) > 1
+    out = []
+    for node in inv.gateway.nodes:
+        held = ""
+        if adm and several:
+            held = (f"; first its server in the admission layer on {adm.host} is set to drain (refused unless "
+                    "another gateway is UP there): no new request goes to it, those on it finish; set ready "
+                    "again once it lists every worker, whatever the outcome")
+        elif adm:
+            held = (f"; the admission layer on {adm.host} keeps the gateway in service meanwhile "
+                    "(HAProxy's health check of it paused through the runtime API until the new gateway "
+                    "lists every worker healthy, resumed whatever the outcome; refused connections retried)")
+        out.append(Step("gateway-restart" + (f" {node.host}" if several else ""), node.host,
+                        f"systemctl restart {GATEWAY_UNIT}: smg finishes what is in flight (up to "
+                        f"{gateway_grace_s(inv)}s), the new process starts from the new files and registers every "
+                        f"worker of its start-up list; wait until /workers lists each healthy and ready" + held,
+                        gateway_grace_s(inv) + 120, kind="gateway-restart",
+                        params={"gateway": node.host, "instances": list(instances),
+                                "admission_host": adm.host if adm else None}))
+    return out
+
+
 def gateway_start_steps(plan: ScalePlan) -> list[Step]:
     """A gateway observed not answering is started before anything else (it registers its start-up
     list itself after each start); the change goes on once it lists every instance that serves."""
     seen = plan.seen
-    if not seen or not seen.gateway:
+    if not seen or not seen.gateways_down:
         return []
     from pdops.model.render import GATEWAY_UNIT
 
@@ -125,15 +151,21 @@ def gateway_start_steps(plan: ScalePlan) -> list[Step]:
     # its engine is down is retried in the background and may be listed later with its old identity
     # (a prefill's old bootstrap port); each is listed again once registered
     unlist = [i for i in seen.not_serving if i in {x.id for x in plan.replaced + plan.removed}]
-    verb = "restart" if seen.gateway_active else "start"
-    return [Step("gateway", inv.gateway.host, f"observed: {seen.gateway}; "
-                 + (f"{', '.join(unlist)} out of its start-up list (started again by this change, listed again once "
-                    "registered); " if unlist else "")
-                 + f"{verb} {GATEWAY_UNIT} (after each start it registers its start-up list), wait for "
-                 f"{inv.gateway.url}/health" + (f" and until it lists {', '.join(serving)} healthy and ready"
+    out = []
+    for host, why in sorted(seen.gateways_down.items()):
+        node = inv.gateway.node(host)
+        active = host in seen.gateways_active
+        verb = "restart" if active else "start"
+        out.append(Step("gateway" if len(inv.gateway.nodes) == 1 else f"gateway {host}", host, f"observed: {why}; "
+                        + (f"{', '.join(unlist)} out of its start-up list (started again by this change, listed again "
+                           "once registered); " if unlist else "")
+                        + f"{verb} {GATEWAY_UNIT} (after each start it registers its start-up list), wait for "
+                        f"{node.url}/health" + (f" and until it lists {', '.join(serving)} healthy and ready"
                                                 if serving else ""),
-                 60 + 15 * len(serving), kind="gateway",
-                 params={"restart": seen.gateway_active, "clear_list": False, "wait_for": serving, "unlist": unlist})]
+                        60 + 15 * len(serving), kind="gateway",
+                        params={"gateway": host, "restart": active, "clear_list": False, "wait_for": serving,
+                                "unlist": unlist}))
+    return out
 
 
 def wave_files(plan: ScalePlan, ids: list[str]) -> dict:
@@ -229,7 +261,7 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
                         params={"instances": started, "change": change_facts(plan), "may_run": may_run}))
     taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
     if taken_out:
-        out.append(Step("restore-service", inv.gateway.host, f"each of {', '.join(taken_out)} whose `leave-gateway` "
+        out.append(Step("restore-service", inv.gateway.step_host, f"each of {', '.join(taken_out)} whose `leave-gateway` "
                         "step ran and whose `stop` step did not: if its units are active and its /health answers, a "
                         "canary through it and the instances the gateway serves, then registered again and back in "
                         "the gateway's start-up list; otherwise named out of service",

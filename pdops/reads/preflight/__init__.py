@@ -71,7 +71,7 @@ def plan_preflight(inv: Inventory, topology: Topology | Placement | None, skip: 
     skip = validate_skip(skip)
     pl = resolve_placement(inv, topology, previous)
     used = {h for i in pl.instances for h in i.hosts} if pl is not None else {h.name for h in inv.hosts}
-    used.add(inv.gateway.host)
+    used.update(inv.gateway.hosts)
     plans = []
     for host in inv.hosts:
         if host.name not in used:

@@ -375,7 +375,7 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           _eval_version("ver-nccl"), False, _uses_gpus),
     Check("ver-gateway", "smg version = pin, in the gateway's own environment (gateway host)",
           lambda i, h: ("gateway-versions",), _eval_version("ver-gateway"), False,
-          lambda i, h, p: None if h.name == i.gateway.host else "not the gateway host"),
+          lambda i, h, p: None if h.name in i.gateway.hosts else "not a gateway host"),
 )}
 PAIRING = "pairing"
 CHECK_NAMES = tuple(CHECKS) + (PAIRING,)

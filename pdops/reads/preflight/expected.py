@@ -25,7 +25,7 @@ def gpus_in_use(inv: Inventory, host: Host, pl: Placement | None) -> list[int]:
 
 def expected_units(inv: Inventory, host: Host, pl: Placement | None) -> list[str]:
     units = [u for inst in instances_on(pl, host.name) for h, u in inst.units if h == host.name]
-    if inv.gateway.host == host.name:
+    if host.name in inv.gateway.hosts:
         units.append(GATEWAY_UNIT)
     return units
 
@@ -58,7 +58,7 @@ def expected_ports(inv: Inventory, host: Host, pl: Placement | None) -> list[Por
         for s in range(max(host.gpu_count // g, 1)):
             out.append(PortUse(p.http_base + p.stride * s, f"slot {s} http", (), True))
             out.append(PortUse(p.bootstrap_base + p.stride * s, f"slot {s} bootstrap", (), True))
-    if inv.gateway.host == host.name:
+    if host.name in inv.gateway.hosts:
         out.append(PortUse(inv.gateway.port, "gateway", (GATEWAY_UNIT,)))
         out.append(PortUse(inv.gateway.prometheus_port, "gateway metrics", (GATEWAY_UNIT,)))
     return out

@@ -27,7 +27,7 @@ def run_verify(inv: Inventory, state) -> str:
     with connections(inv) as conns:
         pool = conns["pool"]
         outputs = run_parallel(list(plans), lambda h: pool.run(h, host_command(plans[h]), timeout=60).stdout)
-        findings = observe(inv, rev, pool, conns["gateway"]).findings()
+        findings = observe(inv, rev, pool, conns["gateways"]).findings()
     checks: list[CheckResult] = []
     for host, out in outputs.items():
         if isinstance(out, Exception):

@@ -71,12 +71,14 @@ def host_plans(rev) -> list[HostPlan]:
         head = inst.head  # ranks >= 1 serve no HTTP
         ports = [inst.http_port] + ([inst.bootstrap_port] if inst.bootstrap_port else [])
         listen.setdefault(head.host, []).extend((inst.id, head.data_addr, p) for p in ports)
-    gw_url = (rev.extra or {}).get("gateway")
+    extra = rev.extra or {}
+    # {host: URL} since several gateways; one "gateway" URL in older records
+    gw_urls = extra.get("gateways") or {}
     out = []
     for host in sorted(set(rev.manifest) | set(engine)):
         files = {p: m["sha256"] for p, m in (rev.manifest.get(host) or {}).items()}
         out.append(HostPlan(host, tuple(engine.get(host, ())), files, tuple(listen.get(host, ())),
-                            gw_url if GATEWAY_UNIT_PATH in files else None))
+                            gw_urls.get(host, extra.get("gateway")) if GATEWAY_UNIT_PATH in files else None))
     return out
 
 
@@ -155,11 +157,12 @@ def parse_words(text: str) -> dict[str, list[str]]:
 
 
 def parse_binds(text: str) -> list[tuple[str, int]]:
-    """(address, port) of each `bind addr:port` line of an HAProxy config."""
+    """(address, port) of each `bind addr:port` line of an HAProxy config (a bind on a socket,
+    `abns@...` or `unix@...`, is inside the host: not a listening port to check)."""
     out = []
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) >= 2 and parts[0] == "bind":
+        if len(parts) >= 2 and parts[0] == "bind" and "@" not in parts[1]:
             addr, port = parts[1].rsplit(":", 1)
             out.append((addr.strip("[]"), int(port)))
     return out

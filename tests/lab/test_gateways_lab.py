@@ -1,0 +1,269 @@
+"""Two gateways behind the admission layer, on the lab (docs/gateway.md "Two or more gateways").
+
+One 2p1d cluster (p01 lab01, p02 lab02, d01 lab03), smg on lab03 and lab04, HAProxy on lab03
+spreading requests over both, the record on lab03. Under load through HAProxy, with a CPU hog
+on one core: a planned restart of every gateway turns no request away; SIGKILL of one gateway
+and its whole host going down turn away at most what was in flight on it at that moment (a
+connection HAProxy tries on a dead gateway is refused and sent to the other one, so the
+detection window of its health check adds nothing); nothing is replayed; `inv status` and
+`inv verify` name the gateway that differs, and one `inv deploy` repairs it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement
+from pdops.model.render import GATEWAY_UNIT
+from pdops.remote.gateway import Gateways
+from tests.lab.clusters import REPO, Load, cli, deployed, record
+
+pytestmark = pytest.mark.lab
+
+KEY = "pdops-lab-key-G-" + "g" * 16
+GATEWAYS = ["lab03", "lab04"]
+
+
+@contextlib.contextmanager
+def cpu_hog():
+    """A busy loop on one core for the test's length (it ends itself after 10 minutes at most)."""
+    p = subprocess.Popen(["timeout", "600", "taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+    try:
+        yield p
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(lab, tmp_path_factory):
+    import yaml
+
+    root = tmp_path_factory.mktemp("gateways")
+    keys = root / "admission.keys"
+    keys.touch(mode=0o600)
+    keys.write_text(KEY + "\n")
+
+    def two_gateways(doc):
+        gv = doc["all"]["vars"]["pdops_gateway"]
+        gv.pop("host")
+        gv["hosts"] = list(GATEWAYS)
+        doc["all"]["vars"]["pdops_admission"] = {"host": GATEWAYS[0], "port": 18082, "cap": 16, "queue": 16,
+                                                 "queue_timeout_s": 60, "overflow_status": 429,
+                                                 "api_keys_file": str(keys)}
+    base_env = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())["env"]
+    with deployed(lab, root / "inv", "2p1d", mutate=two_gateways,
+                  profile={"env": {**base_env, "PDOPS_SIM_DECODE_STEP_MS": "10"}}) as (inv_dir, proc):
+        yield inv_dir, proc
+
+
+def _run(lab, host: str, cmd: str) -> str:
+    c = lab.connection(host)
+    try:
+        return c.run(cmd, hide=True, warn=True).stdout
+    finally:
+        c.close()
+
+
+def _main_pid(lab, host: str) -> int:
+    return int(_run(lab, host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip() or 0)
+
+
+def _routable(inv) -> dict[str, set[str]]:
+    out = {}
+    for h, c in Gateways.of(inv, timeout=2).items():
+        try:
+            out[h] = {w.url for w in c.list_workers() if w.routable}
+        except Exception:  # noqa: BLE001 - down or restarting: nothing routable there
+            out[h] = set()
+    return out
+
+
+def _wait(pred, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _load(url: str, seconds: float, prefix: str) -> tuple[threading.Thread, list]:
+    from pdops.remote.load import send
+
+    rows: list = []
+    t = threading.Thread(target=lambda: rows.extend(send(
+        url, duration=seconds, concurrency=6, max_new_tokens=60, stream_every=1, timeout=60, rid_prefix=prefix,
+        headers={"Authorization": f"Bearer {KEY}"})))
+    t.start()
+    return t, rows
+
+
+def _never_twice(lab, inv_dir, prefix: str) -> None:
+    """Each request ID reached each engine at most once (their request logs, every invocation)."""
+    pl = Placement.from_dict(record(inv_dir).current_revision().placement)
+    for inst in pl.instances:
+        host, unit = inst.units[0]
+        n: Counter = Counter()
+        for line in _run(lab, host, f"journalctl -u {unit} -o cat --no-pager").splitlines():
+            if '"request.received"' in line:
+                n[json.loads(line[line.find("{"):])["rid"]] += 1
+        twice = {rid: k for rid, k in n.items() if rid.startswith(prefix) and k > 1}
+        assert not twice, f"{inst.id} received these request IDs more than once: {twice}"
+
+
+def _streams_running(inv_dir, at_least: int = 4) -> None:
+    """Until the decode runs `at_least` streams: the load is flowing through both gateways."""
+    from pdops.remote.hosts import http_json
+
+    [d] = Placement.from_dict(record(inv_dir).current_revision().placement).role("decode")
+
+    def running() -> int:
+        try:
+            return http_json("GET", f"{d.url}/v1/loads", timeout=2)[1]["loads"][0]["num_running_reqs"]
+        except Exception:  # noqa: BLE001 - not answering: nothing counted
+            return 0
+    _wait(lambda: running() >= at_least, 30, f"{at_least} streams running at the decode")
+
+
+def _sessions(lab, inv, host: str) -> int:
+    """HAProxy's current sessions on one gateway's server (`show stat`, on the admission host)."""
+    from pdops.model.admission import GATEWAYS_BACKEND, stat_command
+
+    out = _run(lab, inv.admission.host, stat_command())
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    head = lines[0].lstrip("# ").split(",")
+    for ln in lines[1:]:
+        row = dict(zip(head, ln.split(",")))
+        if row.get("pxname") == GATEWAYS_BACKEND and row.get("svname") == f"gw-{host}":
+            return int(row.get("scur") or 0)
+    raise AssertionError(f"no server gw-{host} in HAProxy's stats: {out[:500]}")
+
+
+def _status(inv_dir) -> dict:
+    proc = cli(inv_dir, "status", "--json")
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_every_gateway_routes_to_every_worker_and_status_shows_each(cluster):
+    inv_dir, proc = cluster
+    inv = load_inventory(inv_dir)
+    assert "gateway up on lab03" in proc.stdout and "gateway up on lab04" in proc.stdout, proc.stdout
+    urls = {i.url for i in Placement.from_dict(record(inv_dir).current_revision().placement).instances}
+    assert _routable(inv) == {h: urls for h in GATEWAYS}
+    doc = _status(inv_dir)
+    assert [(g["host"], g["state"], g["workers"]) for g in doc["gateways"]] == [("lab03", "ok", 3), ("lab04", "ok", 3)]
+    assert doc["ok"] and doc["warnings"] == [], doc
+    assert cli(inv_dir, "verify").returncode == 0
+
+
+def test_a_planned_restart_of_every_gateway_turns_no_request_away(lab, cluster):
+    """A gateway setting changes under load, a core busy: the gateways restart one at a time, each
+    drained in HAProxy first (no new request) and set ready once it lists every worker; every
+    request through the front door is served."""
+    import yaml
+
+    inv_dir, _ = cluster
+    inv = load_inventory(inv_dir)
+    before = {h: _main_pid(lab, h) for h in GATEWAYS}
+    hosts = inv_dir / "hosts.yml"
+    doc = yaml.safe_load(hosts.read_text())
+    doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 6
+    hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with cpu_hog(), Load(inv.admission.url, headers={"Authorization": f"Bearer {KEY}"}) as load:
+        proc = cli(inv_dir, "deploy", "--topology", "2p1d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for h in GATEWAYS:
+        assert f"gateway on {h} restarted in" in proc.stdout, proc.stdout
+    assert proc.stdout.index("gateway-restart lab03") < proc.stdout.index("gateway-restart lab04")
+    after = {h: _main_pid(lab, h) for h in GATEWAYS}
+    assert all(after[h] != before[h] for h in GATEWAYS), (before, after)
+    print(f"\nplanned restart of both gateways under load, one core busy: {len(load.rows)} requests, "
+          f"{sum(not r.ok for r in load.rows)} failed")
+    load.assert_clean(at_least=12)  # every request served whole, each request ID once
+    _never_twice(lab, inv_dir, "scale-load")
+
+
+def _bounded_by_what_was_in_flight(rows, at: float, what: str) -> list:
+    """What failed is at most what was in flight at `at` (started before, not ended by then); every
+    request that started after `at` was served; returns the failed rows."""
+    failed = [r for r in rows if not r.ok]
+    in_flight = [r for r in rows if r.start < at and (r.end or 0) > at]
+    print(f"{what}: {len(rows)} requests, {len(in_flight)} in flight at that moment, {len(failed)} failed")
+    for r in failed:
+        print(f"  failed {r.rid}: started {r.start - at:+.2f}s, ended {(r.end or at) - at:+.2f}s, "
+              f"HTTP {r.http_status}, {r.status}: {str(r.error)[:160]}")
+    assert all(r.start < at for r in failed), [r.to_dict() for r in failed if r.start >= at][:3]
+    assert len(failed) <= len(in_flight), (len(failed), len(in_flight))
+    assert [r for r in rows if r.start >= at], "no request was sent after it"
+    return failed
+
+
+def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab, cluster):
+    """The crash of one gateway: the streams it carried are cut (counted, never replayed); HAProxy's
+    next connection to it is refused and tried on the other gateway, so nothing sent after the kill
+    fails; systemd restarts it and its start-up list registers every worker again."""
+    inv_dir, _ = cluster
+    inv = load_inventory(inv_dir)
+    urls = {i.url for i in Placement.from_dict(record(inv_dir).current_revision().placement).instances}
+    with cpu_hog():
+        assert _routable(inv)["lab04"] == urls
+        t, rows = _load(inv.admission.url, 14, "gw-kill")
+        _streams_running(inv_dir)
+        # the kill lands on streams HAProxy has in flight on lab04 (the rows say which)
+        _wait(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
+        pid = _main_pid(lab, "lab04")
+        killed_at = time.time()
+        _run(lab, "lab04", f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
+        back_s = _wait(lambda: _routable(inv)["lab04"] == urls, 60, "lab04 routing to every worker again")
+        t.join(timeout=90)
+    print(f"\ngateway lab04 SIGKILL -> every worker routable on it again in {back_s:.1f}s")
+    _bounded_by_what_was_in_flight(rows, killed_at, "SIGKILL of gateway lab04 under load")
+    _never_twice(lab, inv_dir, "gw-kill")
+    # decided from observation: verify names the restarted gateway, one deploy records it
+    proc = cli(inv_dir, "verify")
+    assert proc.returncode == 5 and f"gateway {GATEWAY_UNIT} on lab04 restarted" in proc.stderr, \
+        proc.stdout + proc.stderr
+    proc = cli(inv_dir, "deploy", "--topology", "2p1d")
+    assert proc.returncode == 0 and "plan: repair revision" in proc.stdout, proc.stdout + proc.stderr
+    assert cli(inv_dir, "verify").returncode == 0
+
+
+def test_a_gateway_host_down_turns_away_at_most_what_was_in_flight_on_it(lab, cluster):
+    """The whole host of one gateway powers off under load: the other gateway serves every request
+    sent after it; `inv status` names the gateway that is down; once the host is back, one deploy
+    starts it and registers every worker there."""
+    from pdops import lab as lab_api
+
+    inv_dir, _ = cluster
+    inv = load_inventory(inv_dir)
+    with cpu_hog():
+        t, rows = _load(inv.admission.url, 14, "gw-host")
+        _streams_running(inv_dir)
+        _wait(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
+        down_at = time.time()
+        lab_api.down(hosts=[4])
+        t.join(timeout=90)
+    try:
+        _bounded_by_what_was_in_flight(rows, down_at, "lab04 (a gateway's host) powered off under load")
+        doc = _status(inv_dir)
+        gws = {g["host"]: g for g in doc["gateways"]}
+        assert gws["lab03"]["state"] == "ok" and gws["lab04"]["state"] in ("down", "unknown"), gws
+        assert all(r["state"] == "ok" for r in doc["instances"]), doc["instances"]
+    finally:
+        lab.ensure_up()
+    proc = cli(inv_dir, "deploy", "--topology", "2p1d")
+    assert proc.returncode == 0 and "gateway lab04" in proc.stdout, proc.stdout + proc.stderr
+    urls = {i.url for i in Placement.from_dict(record(inv_dir).current_revision().placement).instances}
+    assert _routable(inv)["lab04"] == urls
+    _never_twice(lab, inv_dir, "gw-host")
+    assert cli(inv_dir, "verify").returncode == 0
