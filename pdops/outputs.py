@@ -27,4 +27,8 @@ OUTPUTS: dict[str, str] = {
     "plan_verdicts": "walk-plan step id -> the verdict of the plan it walked (e.g. the revision recorded)",
     "sweep_matrix": "the sweep's Matrix being filled (pdops.ops.sweep.matrix): every cell, its runs and state",
     "sweep_failed_rows": "ratio -> why its sweep-scale step failed (its runs are not made)",
+    "fence": "a fenced rollout's gateway for the new generation, out of the front door, and the old pool's "
+             "workers it dropped ({gateway, dropped})",
+    "shifted": "the share of new requests (percent) a fenced rollout last gave the new generation's gateway",
+    "committed": "a fenced rollout moved the whole front door to the new generation; the old pool drains (True)",
 }

@@ -50,11 +50,12 @@ def demo(c, hosts="4"):
             "skip_check": "a preflight check to skip (repeatable; recorded in the journal)",
             "max_unavailable": "instances per role out at once while replacing (default 1; 0: surge every one)",
             "force": "accept a plan that leaves a role with no serving instance at some step",
-            "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)"},
+            "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)",
+            "unfenced": "roll a change of generation in waves anyway (requests pairing old and new fail)"},
       iterable=["skip_check"])
 @cli_errors
 def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=None, max_unavailable=None,
-           force=False, allow_capacity_dip=False):
+           force=False, allow_capacity_dip=False, unfenced=False):
     """Deploy a topology; on a live cluster, plan any difference (topology, inventory, profile, pdops's
     templates) as a rolling change: keep, replace, add, remove; or repair what observation finds."""
     from pdops.ops import deploy as dep
@@ -68,7 +69,7 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
 
     def make(seen):
         return dep.plan_deploy(inv, topo, state, set(skip_check or ()), max_unavailable=mu, force=force,
-                               allow_capacity_dip=allow_capacity_dip, seen=seen)
+                               allow_capacity_dip=allow_capacity_dip, seen=seen, unfenced=unfenced)
 
     plan = make(None)
     from pdops.remote.hosts import connections

@@ -25,11 +25,12 @@ def print_change_verdict(plan, verdict: dict) -> None:
             "allow_capacity_dip": "accept a plan that must drain before it can add (GPUs to free first)",
             "skip_check": "a preflight check to skip (repeatable; recorded in the journal)",
             "max_unavailable": "instances per role out at once while replacing (default 1; 0: surge every one)",
-            "force": "accept a plan that leaves a role with no serving instance at some step"},
+            "force": "accept a plan that leaves a role with no serving instance at some step",
+            "unfenced": "roll a change of generation in waves anyway (requests pairing old and new fail)"},
       iterable=["skip_check"])
 @cli_errors
 def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=False, skip_check=None,
-          max_unavailable=None, force=False):
+          max_unavailable=None, force=False, unfenced=False):
     """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
     from pdops.ops import scale as sc
     from pdops.cli.core import run_change, whole_cluster
@@ -42,7 +43,7 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     state = rec.open_record(inv)
     run_change(inv, state, lambda seen: sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip,
                                                       skip_checks=set(skip_check or ()), max_unavailable=mu,
-                                                      force=force, seen=seen), dry_run)
+                                                      force=force, seen=seen, unfenced=unfenced), dry_run)
 
 
 @task(help={"inventory": "inventory dir or file", "to": "revision number (default: the previous deployed one)",

@@ -47,20 +47,21 @@ def _run(pool, host: str, args: list[str]) -> dict | None:
 
 
 def update(pool, inv: Inventory, *, add: list[Instance] = (), remove: list[str] = (),
-           revision: int | None = None, clear: bool = False) -> dict:
+           revision: int | None = None, clear: bool = False, hosts=None) -> dict:
     """Add and/or remove instances in the list of every gateway (atomic on each host, under a lock
     there); `clear`: start from an empty list. Returns the first gateway's list; Unverified names
     every gateway whose list could not be changed (the others were)."""
     docs, failed = {}, []
-    for host in inv.gateway.hosts:
+    hosts = [h for h in inv.gateway.hosts if hosts is None or h in set(hosts)]
+    for host in hosts:
         try:
             docs[host] = update_one(pool, host, add=add, remove=remove, revision=revision, clear=clear)
         except Unverified as e:
             failed.append(f"{host}: {e.message}")
     if failed:
-        raise Unverified(f"the start-up worker list of {len(failed)} of {len(inv.gateway.hosts)} gateway(s) "
+        raise Unverified(f"the start-up worker list of {len(failed)} of {len(hosts)} gateway(s) "
                          "could not be changed", evidence="\n".join(failed)[-1500:])
-    return docs[inv.gateway.hosts[0]]
+    return docs[hosts[0]]
 
 
 def update_one(pool, host: str, *, add: list[Instance] = (), remove: list[str] = (),

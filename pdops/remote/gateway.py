@@ -216,6 +216,15 @@ class Gateways:
     def __repr__(self) -> str:
         return f"Gateways({', '.join(self.clients)})"
 
+    def subset(self, hosts) -> "Gateways":
+        """The same clients, only those of `hosts` (None: all)."""
+        if hosts is None:
+            return self
+        out = object.__new__(Gateways)
+        out.nodes = tuple(n for n in self.nodes if n.host in set(hosts))
+        out.clients = {h: c for h, c in self.clients.items() if h in set(hosts)}
+        return out
+
     def __len__(self) -> int:
         return len(self.clients)
 

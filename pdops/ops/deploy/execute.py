@@ -125,14 +125,14 @@ def do_register(ctx: RunContext, step: Step) -> Outcome:
     inst = _inst(ctx, step)
     ctx.give(step, "posted", {inst.id})
     try:
-        wids = register(ctx.gateways, inst, ctx.say, step.deadline)
+        wids = register(ctx.gateways.subset(step.params.get("gateways")), inst, ctx.say, step.deadline)
     except PdopsError as exc:
         raise DeployFailed(f"{inst.id} not registered healthy: {exc.message}", evidence=exc.evidence,
                            fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
                                "gateway's; fix the cause and deploy again") from None
     # the revision records the first gateway's worker id (each gateway has its own ids; a drain finds
     # the worker in each by its URL)
-    wid = wids[ctx.inv.gateway.hosts[0]]
+    wid = next(wids[h] for h in ctx.inv.gateway.hosts if h in wids)
     ctx.give(step, "workers", {inst.id: wid})
     where = "the gateway's /workers" if len(wids) == 1 else f"the /workers of each of the {len(wids)} gateways"
     return Outcome(evidence={"worker_id": wid, "worker_ids": wids},
@@ -147,7 +147,7 @@ def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
     missing = [i.id for i in add if i.id not in workers]
     if missing:
         raise Unverified(f"not registered, so not put in the gateway's start-up list: {', '.join(missing)}")
-    listed = membership.listed_ids(membership.update(ctx.pool, ctx.inv, add=add))
+    listed = membership.listed_ids(membership.update(ctx.pool, ctx.inv, add=add, hosts=step.params.get("gateways")))
     return Outcome(evidence={"gateway_list": listed},
                    verified=[f"{', '.join(i.id for i in add)} in the gateway's start-up list"])
 

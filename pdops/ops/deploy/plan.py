@@ -12,7 +12,7 @@ from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.model.placement import Placement, place
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, manifest, render_files
+from pdops.model.render import RenderedFile, admission_config, manifest, render_files
 from pdops.runner import Plan, Step
 from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
@@ -86,7 +86,8 @@ class DeployPlan:
 
 
 def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None, *,
-                max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False, seen=None):
+                max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False, seen=None,
+                unfenced: bool = False):
     """Pure apart from reading the record: what a deploy of `topo` will do, or why not; always a
     DeployPlan. On a live cluster: the live revision's placement and files (its repairs decided
     from observation, plan_reconcile), or any other difference as a rolling change
@@ -101,7 +102,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
 
         # one placement and one rendering: the change planner's, from the record
         change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
-                               force=force, allow_capacity_dip=allow_capacity_dip, seen=seen)
+                               force=force, allow_capacity_dip=allow_capacity_dip, seen=seen, unfenced=unfenced)
         change.state = state
         if change.noop and seen is None and change.target == previous and manifest(change.files) == current.manifest:
             # same placement, same files (every one: the change planner's no-op does not count shared

@@ -72,22 +72,27 @@ def front_door_step(inv: Inventory) -> list[Step]:
                  kind="front-door-ready", verifies="requests through the admission layer reach a gateway")]
 
 
-def register_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
+def register_steps(inv: Inventory, insts, *, group: str | None, gateways: list[str] | None = None,
+                   prefix: str = "") -> list[Step]:
+    """Register each instance with every gateway (or only `gateways`), then one update of the
+    start-up lists; `prefix` names the steps when a plan registers the same instances twice."""
     reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
     out = []
-    where = inv.gateway.on_each()
+    where = inv.gateway.on_each() if gateways is None else f" on gateway {', '.join(gateways)} only"
+    only = {} if gateways is None else {"gateways": list(gateways)}
+    host = inv.gateway.step_host if gateways is None else (gateways[0] if len(gateways) == 1 else None)
     for i in insts:
         bp = f" bootstrap {i.bootstrap_port}" if i.bootstrap_port else ""
-        out.append(Step(f"register {i.id}", inv.gateway.step_host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}){where}, "
+        out.append(Step(f"{prefix}register {i.id}", host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}){where}, "
                         "wait until /workers lists it healthy and ready" + (" on each" if where else ""),
-                        reg_s, kind="register", params={"instance": i.id},
+                        reg_s, kind="register", params={"instance": i.id, **only},
                         group=group))
     if insts:
         ids = [i.id for i in insts]
-        out.append(Step("gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), inv.gateway.step_host,
+        out.append(Step(f"{prefix}gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), host,
                         f"add {', '.join(ids)} to the gateway's start-up list ({membership.PATH}){where}: from now "
                         "on a gateway restart registers them by itself", 30, kind="gateway-list",
-                        params={"instances": ids}))
+                        params={"instances": ids, **only}))
     return out
 
 

@@ -30,11 +30,13 @@ The package, by concern (each module imports only those listed before it):
   the rescue: R1 undo-added, R2 restore-service, R3 record-halt);
 - ``execute``: the executors of a change's own kinds, the walk under the lock, the record;
 - ``rescue``: the executors of the rescue's kinds (imported here: they register them);
+- ``fenced``: a change of generation planned as a fenced (blue/green) rollout, its steps and rescue;
+- ``fence_exec``: the executors of a fenced rollout's own kinds (imported here);
 - ``planner``: plan_change and the operations that are one (scale, apply, rollback,
-  ``drain --host``, uncordon).
+  ``drain --host``, uncordon); it hands a change of generation to ``fenced``.
 """
 
-from pdops.ops.scale import rescue  # noqa: F401 - registers the rescue kinds' executors
+from pdops.ops.scale import fence_exec, rescue  # noqa: F401 - register their kinds' executors
 from pdops.ops.scale.execute import execute_scale, walk_scale
 from pdops.ops.scale.model import ScalePlan, ScaleStep, cordoned_hosts, instance_files, union_placement
 from pdops.ops.scale.planner import (compile_steps, plan_apply, plan_change, plan_drain_host, plan_rollback, plan_scale,

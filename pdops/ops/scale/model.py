@@ -51,9 +51,28 @@ class ScaleStep:
         return f"drain {i.id} ({i.role}) on {where}: leave the gateway, wait empty, two empty checks, verified stop"
 
 
+@dataclass(frozen=True)
+class GenerationChange:
+    """The generation (pdops.model.generation) of each instance before and after a change: whether
+    the old and the new instances can exchange KV, i.e. whether a rolling change may pair them."""
+
+    old: dict[str, str]  # instance id -> digest, from the current revision's recorded files
+    new: dict[str, str]  # instance id -> digest, from the target's files
+    diff: list[str]  # what differs ("page size 64 -> 32"), empty when nothing does
+
+    @property
+    def changes(self) -> bool:
+        return bool(set(self.new.values()) - set(self.old.values()))
+
+    def line(self) -> str:
+        old, new = sorted(set(self.old.values())), sorted(set(self.new.values()))
+        if not self.changes:
+            return f"generation: unchanged ({', '.join(new)}): old and new instances exchange KV as before"
+        return (f"generation: {', '.join(old)} -> {', '.join(new)} ({'; '.join(self.diff)}): a prefill of one and "
+                "a decode of the other cannot exchange KV")
+
+
 @dataclass
-
-
 class ScalePlan:
     inv: Inventory
     current: Revision
@@ -86,6 +105,10 @@ class ScalePlan:
     state: object = field(default=None, repr=False, compare=False)  # the record it was read from
     seen: Seen | None = None  # what the hosts and the gateway reported when it was planned (None: not read)
     broken: list[str] = field(default_factory=list)  # roles with no serving instance before the change
+    generation: GenerationChange | None = None  # None: not compared (the current revision's files not at hand)
+    how: str = ""  # how the planner rolls the change (waves, or fenced) and why
+    # a fenced rollout (pdops.ops.scale.fenced): {gateway, others, shifts, hold_s, shrink, admission_host}
+    fence: dict | None = None
 
     @property
     def start_capacity(self) -> tuple[int, int]:
@@ -108,6 +131,9 @@ class ScalePlan:
                           "replaced": {i.id: self.why[i.id] for i in self.replaced}, "waves": self.waves,
                           "surge": self.surge, "max_unavailable": self.max_unavailable,
                           "kept": [i.id for i in self.kept], "dip": self.dip, "broken": self.broken,
+                          **({"generation": {"old": self.generation.old, "new": self.generation.new,
+                                             "diff": self.generation.diff}} if self.generation else {}),
+                          **({"fence": self.fence} if self.fence else {}),
                           **({"observed": {"not_serving": self.seen.not_serving, "gateway": self.seen.gateway}}
                              if self.seen is not None else {})},
                     rescue=self.rescue, always=always_steps(), suffix=self._capacity_after())
@@ -162,6 +188,19 @@ class ScalePlan:
                 lines.append("  observed: every instance of the revision serves; "
                              + ("the gateway answers" if len(self.inv.gateway.nodes) == 1 else "every gateway answers"))
         lines += [f"  floor: {b}" for b in self.broken]
+        if self.generation is not None:
+            lines.append(f"  {self.generation.line()}")
+        if self.how:
+            lines.append(f"  rolled {self.how}")
+        if self.fence:
+            f = self.fence
+            lines.append(f"  fenced: the new pool ({', '.join(i.id for i in self.added)}) on free slots, registered "
+                         f"with gateway {f['gateway']} only, which first leaves the front door and drops the old pool; "
+                         f"traffic moves to it in steps ({', '.join(f'{p}%' for p in f['shifts'])}, each held "
+                         f"{f['hold_s']:g}s with the new pool's failure counters flat); then the old pool "
+                         f"({', '.join(i.id for i in self.removed)}) drains and {', '.join(f['others'])} get the new "
+                         "pool. Before `commit` a failure leaves the old generation serving every request; after it, "
+                         "the new one")
         lines.append("  added:   " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "
                                                 f"{gpu_range(i.head.gpus)}, {i.url}" for i in self.added) or "none"))
         lines.append("  removed: " + (", ".join(f"{i.id} ({i.role}) on {'/'.join(i.hosts)} GPUs "

@@ -33,7 +33,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                 skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
                 force: bool = False, replace_ids: dict[str, str] | None = None,
                 cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None,
-                restart_not_serving: bool = True) -> ScalePlan:
+                restart_not_serving: bool = True, cur_snapshot: dict | None = None, unfenced: bool = False,
+                shift_hold_s: float | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -46,7 +47,12 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     running is not waited for (nothing runs to drain); a role of which nothing serves is said in the
     plan, not refused; a gateway that does not answer is started as the first step.
     `restart_not_serving=False` (`inv repair`, one instance): what does not serve counts for no floor
-    and no canary pair, but only `replace_ids` are started again."""
+    and no canary pair, but only `replace_ids` are started again.
+
+    `cur_snapshot` (the current revision's recorded files): the generation of each instance before
+    and after is compared (pdops.model.generation). A change of generation is not rolled in waves,
+    where old and new instances would pair: it is planned as a fenced rollout (pdops.ops.scale.fenced),
+    or refused when the cluster cannot fence; `unfenced` rolls it in waves all the same."""
     from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -64,6 +70,13 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     # a rollback returns to the files recorded with its target (its snapshot), not to what the
     # inventory on disk renders now
     files = files_of(snapshot) if snapshot is not None else render_files(inv, target_pl)
+    gen = generation_change(cur_snapshot, cur_pl, files, target_pl)
+    if gen is not None and gen.changes and not unfenced:
+        from pdops.ops.scale.fenced import plan_fenced
+
+        return plan_fenced(inv, cur, target_pl.topology, gen, skip_checks=skip_checks, seen=seen,
+                           allow_capacity_dip=allow_capacity_dip, cordoned=cordoned, rollback_of=rollback_of,
+                           snapshot=snapshot, hold_s=shift_hold_s)
     new_mf = manifest(files)
     # which kept ids run other files or another placement now: replaced
     why: dict[str, str] = {}
@@ -246,7 +259,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
-                     base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken)
+                     base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
+                     generation=gen, how=_waves_why(gen))
     compile_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
@@ -259,6 +273,32 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                           "instances fit beside the old ones",
                       evidence=plan.render())
     return plan
+
+
+def generation_change(cur_snapshot: dict | None, cur_pl: Placement, files, target_pl: Placement):
+    """The generation of each instance before (from the current revision's recorded files) and
+    after (the target's files); None when the current revision's files are not at hand."""
+    from pdops.model.generation import generation_diff, generations
+
+    from pdops.ops.scale.model import GenerationChange
+
+    if cur_snapshot is None:
+        return None
+    old, new = generations(files_of(cur_snapshot), cur_pl), generations(files, target_pl)
+    olds = {g.digest for g in old.values()}
+    o = next(iter(old.values()), None)
+    n = next((g for g in new.values() if g.digest not in olds), next(iter(new.values()), None))
+    diff = generation_diff(o.fields, n.fields) if o and n else []
+    return GenerationChange({i: g.digest for i, g in old.items()}, {i: g.digest for i, g in new.items()}, diff)
+
+
+def _waves_why(gen) -> str:
+    if gen is None:
+        return "in waves (the current revision's files are not at hand: its generation is not compared)"
+    if gen.changes:
+        return ("in waves although the generation changes (--unfenced): until the last wave, a request that pairs "
+                "an old instance with a new one fails its KV transfer")
+    return "in waves: the generation is unchanged, old and new instances may pair"
 
 
 def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: Placement, role: str,
@@ -307,7 +347,7 @@ def _surge(inv: Inventory, target_pl: Placement, reps: list[Instance], cur_pl: P
 def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
                skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
                replace_ids: dict[str, str] | None = None, avoid: frozenset[str] | None = None,
-               seen: Seen | None = None) -> ScalePlan:
+               seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """What `inv deploy --topology T` (or `inv scale`) does on a live cluster: the smallest change from
     the current revision to what the inventory, `target` and this pdops render now. Reads only the record."""
     from pdops.model.placement import place_change
@@ -317,7 +357,9 @@ def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capac
     cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
     target_pl = place_change(inv, target, cur_pl, avoid=cordoned, last_ports=(cur.extra or {}).get("last_bootstrap"))
     return plan_change(inv, cur, target_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
-                       max_unavailable=max_unavailable, force=force, replace_ids=replace_ids, seen=seen)
+                       max_unavailable=max_unavailable, force=force, replace_ids=replace_ids, seen=seen,
+                       cur_snapshot=state.revision_snapshot(cur.number), unfenced=unfenced,
+                       shift_hold_s=shift_hold_s)
 
 
 def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool = False,
@@ -374,10 +416,11 @@ def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
 
 def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
                skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
-               seen: Seen | None = None) -> ScalePlan:
+               seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """`inv scale --topology T`: the same planner as `inv deploy` of a live cluster (plan_apply)."""
     return plan_apply(inv, target, state, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
-                      max_unavailable=max_unavailable, force=force, seen=seen)
+                      max_unavailable=max_unavailable, force=force, seen=seen, unfenced=unfenced,
+                      shift_hold_s=shift_hold_s)
 
 
 def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[str]:
@@ -421,7 +464,7 @@ def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[st
 
 def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
                   skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
-                  seen: Seen | None = None) -> ScalePlan:
+                  seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """A change back to the previous deployed revision (or revision `to`): to its recorded placement
     and the files recorded with it (its snapshot), whatever the inventory on disk renders now; only
     its hosts must still be in the inventory (to be reached). A revision recorded before snapshots:
@@ -455,7 +498,8 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
                           f"placement of revision {tgt.number} are recorded; only the hosts' addresses are read from it)")
         plan = plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
                            rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force,
-                           seen=seen)
+                           seen=seen, cur_snapshot=state.revision_snapshot(cur.number), unfenced=unfenced,
+                           shift_hold_s=shift_hold_s)
         plan.rollback_inventory_hash = tgt.inventory_hash
         return plan
     refuse_changed_inventory(inv, cur)

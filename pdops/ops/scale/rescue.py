@@ -30,7 +30,8 @@ def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
     plan: ChangeFacts = step.params["change"]
     started = {i: inst for i, inst in ctx.get(step, "started_instances", {}).items() if i in step.params["instances"]}
     workers, posted, healthy = ctx.get(step, "workers", {}), ctx.get(step, "posted", set()), ctx.get(step, "healthy", set())
-    changed = ctx.get(step, "drained") or ctx.get(step, "replaced_out")
+    # a fenced rollout that committed serves from the new pool alone: it is kept like a replacement
+    changed = ctx.get(step, "drained") or ctx.get(step, "replaced_out") or ctx.get(step, "committed")
     replaced_ids = {i.id for i in plan.replaced}
     kept, undone, left = [], [], []
     for iid, inst in reversed(list(started.items())):
@@ -247,6 +248,7 @@ _STOPPED = ("drained?", "replaced_out?", "left_gateway?")
 register_executors(
     {"undo-added": do_undo_added, "restore-service": do_restore_service, "record-halt": do_record_halt},
     gives={"undo-added": ("halt",), "restore-service": ("workers", "halt"), "record-halt": ("halt_verdict",)},
-    needs={"undo-added": ("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?"),
+    needs={"undo-added": ("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?",
+                          "committed?"),
            "restore-service": _STOPPED,
            "record-halt": _STOPPED + ("halt?", "workers?", "main_pids?")})

@@ -1,0 +1,197 @@
+"""A fenced rollout carried out (pdops.ops.scale.fenced): the executors of its own step kinds. Each
+reads its step, the outputs it declares, HAProxy's runtime API on the admission host, the
+gateways and the engines now."""
+
+from __future__ import annotations
+
+import time
+
+from pdops.errors import PdopsError, Unverified
+from pdops.facts import engine as engine_facts
+from pdops.model import membership
+from pdops.model.admission import server_state_command, server_weight_command
+from pdops.remote.gateway import deadline_in
+from pdops.remote.haproxy import gateway_stats, runtime, wait_gateways_up
+from pdops.remote.hosts import http_json
+from pdops.runner import Outcome, RunContext, Step, register_executors
+
+
+def _set_front_door(ctx: RunContext, adm: str, *, weights: dict[str, int], drain=(), ready=()) -> list[str]:
+    """Weights first, then states: a gateway set to drain takes no new request, one set ready takes
+    its share again once HAProxy's check sees it UP. Returns what was set, for the evidence."""
+    done = []
+    for h, w in weights.items():
+        runtime(ctx.pool, adm, server_weight_command(h, w), f"set the weight of gateway {h} to {w}")
+        done.append(f"{h} weight {w}")
+    for h in drain:
+        runtime(ctx.pool, adm, server_state_command(h, "drain"), f"drain gateway {h}")
+        done.append(f"{h} drain")
+    for h in ready:
+        runtime(ctx.pool, adm, server_state_command(h, "ready"), f"set gateway {h} ready")
+        done.append(f"{h} ready")
+    return done
+
+
+def do_fence_gateway(ctx: RunContext, step: Step) -> Outcome:
+    """The new generation's gateway leaves the front door and drops the old pool's workers."""
+    g, others, adm = step.params["gateway"], step.params["others"], step.params["admission_host"]
+    stats = gateway_stats(ctx.pool, adm)
+    up = [h for h in others if h in stats and stats[h].up]
+    if not up:
+        raise Unverified(f"no other gateway is UP in HAProxy ({', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
+                         f"fencing {g} would leave the front door with none; nothing was changed",
+                         fix="`inv status` shows each gateway; repair them first (inv deploy --topology <the live one>)")
+    runtime(ctx.pool, adm, server_state_command(g, "drain"), f"drain gateway {g}")
+    ctx.give(step, "fence", {"gateway": g, "dropped": []})
+    deadline = ctx.deadline(step)
+    while (left := gateway_stats(ctx.pool, adm)[g].sessions) > 0:
+        if time.monotonic() > deadline:
+            raise Unverified(f"gateway {g} still carries {left} request(s) through HAProxy at the deadline")
+        time.sleep(0.5)
+    ids = step.params["instances"]
+    membership.update_one(ctx.pool, g, remove=ids)
+    client = ctx.gateways.client(g)
+    urls = {ctx.old_placement.get(i).url.rstrip("/"): i for i in ids}
+    dropped = []
+    for w in client.list_workers():
+        if w.url.rstrip("/") in urls:
+            client.remove_worker(w.id)
+            dropped.append(urls[w.url.rstrip("/")])
+    for w in client.list_workers():
+        if w.url.rstrip("/") in urls:
+            client.wait_worker_gone(w.id, deadline_in(30))
+    ctx.give(step, "fence", {"gateway": g, "dropped": dropped})
+    ctx.say(f"  gateway {g} out of the front door (0 in flight), routes to nothing: dropped {', '.join(dropped)}")
+    return Outcome(evidence={"gateway": g, "others_up": up, "dropped": dropped},
+                   verified=[f"HAProxy on {adm} sends gateway {g} no new request and it carries none",
+                             f"{g} lists none of the old pool ({', '.join(ids)}), nor does its start-up list"])
+
+
+def _failures(ctx: RunContext, g: str, ids: list[str]) -> dict[str, float]:
+    """The new pool's transfer and bootstrap failure counters and the gateway's PD failure counters,
+    by name: what must stay flat while a shift holds. A source that does not answer is a failure."""
+    from pdops.reads.status import FAILURE_COUNTERS, GATEWAY_COUNTERS
+
+    out: dict[str, float] = {}
+    for iid in ids:
+        inst = ctx.placement.get(iid)
+        status, text = http_json("GET", f"{inst.url}{engine_facts.METRICS_PATH}", timeout=5)
+        if status != 200 or not isinstance(text, str):
+            raise Unverified(f"{iid} /metrics answered HTTP {status} while the front door moves to it")
+        m = engine_facts.parse_metrics(text)
+        out.update({f"{iid} {k}": engine_facts.counter(m, n) for k, n in FAILURE_COUNTERS.items()})
+    node = ctx.inv.gateway.node(g)
+    status, text = http_json("GET", node.metrics_url, timeout=5)
+    if status != 200 or not isinstance(text, str):
+        raise Unverified(f"gateway {g} metrics answered HTTP {status} while the front door moves to it")
+    m = engine_facts.parse_metrics(text)
+    # absent until the first failure (docs/gateway.md): absent counts as 0
+    out.update({f"gateway {g} {k}": engine_facts.counter(m, n) if n in m else 0.0 for k, n in GATEWAY_COUNTERS.items()})
+    return out
+
+
+def do_shift(ctx: RunContext, step: Step) -> Outcome:
+    """Move a share of new requests to the new generation's gateway and hold it with the new pool's
+    failure counters flat; on a rise, or the gateway not UP, the shift is undone and the step fails."""
+    g, others, adm = step.params["gateway"], step.params["others"], step.params["admission_host"]
+    pct, hold = int(step.params["percent"]), float(step.params["hold_s"])
+    ids = step.params["instances"]
+    ctx.get(step, "fence")
+    back = {"weights": {g: 0, **{h: 100 for h in others}}, "drain": [g], "ready": others}
+    try:
+        if step.params.get("first"):
+            runtime(ctx.pool, adm, server_weight_command(g, 0), f"set the weight of gateway {g} to 0")
+            runtime(ctx.pool, adm, server_state_command(g, "ready"), f"set gateway {g} ready")
+            wait_gateways_up(ctx.pool, adm, [g], 30)
+        base = _failures(ctx, g, ids)
+        _set_front_door(ctx, adm, weights={g: pct, **{h: 100 - pct for h in others}})
+        ctx.give(step, "shifted", pct)
+        t0 = time.monotonic()
+        stats = gateway_stats(ctx.pool, adm)
+        while True:
+            now = _failures(ctx, g, ids)
+            rose = {k: v - base.get(k, 0.0) for k, v in now.items() if v > base.get(k, 0.0)}
+            if rose:
+                raise Unverified(f"the new generation's failure counters rose during the {pct}% shift: "
+                                 + ", ".join(f"{k} +{v:g}" for k, v in rose.items()))
+            stats = gateway_stats(ctx.pool, adm)
+            if not stats[g].up:
+                raise Unverified(f"gateway {g} is {stats[g].status} in HAProxy during the {pct}% shift")
+            if time.monotonic() - t0 >= hold:
+                break
+            time.sleep(min(1.0, max(0.0, hold - (time.monotonic() - t0))))
+    except BaseException:
+        try:  # undone whatever failed: every new request to the old generation again
+            _set_front_door(ctx, adm, **back)
+            ctx.give(step, "shifted", 0)
+        except PdopsError as exc:
+            ctx.say(f"  also: the shift could not be undone: {exc.message}; fix: {exc.fix}")
+        raise
+    ctx.say(f"  {pct}% of new requests to gateway {g} (the new generation), held {hold:g}s: no failure counted")
+    return Outcome(evidence={"percent": pct, "hold_s": hold, "counters": base,
+                             "sessions": {h: s.sessions for h, s in stats.items()}},
+                   verified=[f"HAProxy on {adm}: {g} weight {pct}, {', '.join(others)} weight {100 - pct}",
+                             f"held {hold:g}s: the new pool's and {g}'s failure counters did not rise"])
+
+
+def do_fence_commit(ctx: RunContext, step: Step) -> Outcome:
+    if ctx.get(step, "shifted") != 100:
+        raise Unverified("the front door is not wholly on the new generation: the old pool must not drain")
+    ctx.give(step, "committed", True)
+    return Outcome(evidence={"committed": True}, verified=["every new request goes to the new generation"])
+
+
+def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
+    adm = step.params["admission_host"]
+    done = _set_front_door(ctx, adm, weights=step.params.get("weights", {}), drain=step.params.get("drain", ()),
+                           ready=step.params.get("ready", ()))
+    up = list(step.params.get("ready", ()))
+    if up:
+        wait_gateways_up(ctx.pool, adm, up, max(ctx.deadline(step) - time.monotonic(), 5))
+    return Outcome(evidence={"set": done}, verified=[f"HAProxy on {adm}: {'; '.join(done)}"]
+                   + ([f"{', '.join(up)} UP"] if up else []))
+
+
+def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
+    """Rescue before `commit`: the fenced gateway serves the old pool again."""
+    from pdops.ops.deploy.actions import register_one
+
+    g, adm = step.params["gateway"], step.params["admission_host"]
+    fenced = ctx.get(step, "fence", None)
+    if not fenced:
+        return Outcome.noop(f"gateway {g} was not taken out of the front door")
+    client = ctx.gateways.client(g)
+    back, failed = [], []
+    deadline = deadline_in(max(ctx.deadline(step) - time.monotonic() - 30, 15))
+    for iid in step.params["instances"]:
+        inst = ctx.old_placement.get(iid)
+        try:
+            status = http_json("GET", f"{inst.url}/health", timeout=5)[0]
+        except PdopsError:
+            status = None
+        if status != 200:
+            failed.append(f"{iid}: /health answered {status}")
+            continue
+        try:
+            register_one(client, inst, ctx.say, deadline)
+            back.append(inst)
+        except PdopsError as exc:
+            failed.append(f"{iid}: {exc.message}")
+    if back:
+        membership.update_one(ctx.pool, g, add=back)
+    _set_front_door(ctx, adm, weights={g: 100}, ready=[g])
+    wait_gateways_up(ctx.pool, adm, [g], 30)
+    ev = {"gateway": g, "registered": [i.id for i in back], "not": failed}
+    if failed and not back:
+        exc = Unverified(f"gateway {g} got none of the old pool back", evidence="\n".join(failed))
+        exc.journal_evidence = ev
+        raise exc
+    return Outcome(evidence=ev, verified=[f"{g} routes to {', '.join(i.id for i in back)} again and is UP in HAProxy"],
+                   unverified=[f"not back on {g}: {f}" for f in failed])
+
+
+register_executors(
+    {"fence-gateway": do_fence_gateway, "shift": do_shift, "fence-commit": do_fence_commit,
+     "front-door-set": do_front_door_set, "unfence-gateway": do_unfence_gateway},
+    gives={"fence-gateway": ("fence",), "shift": ("shifted",), "fence-commit": ("committed",)},
+    needs={"shift": ("fence",), "fence-commit": ("shifted",), "unfence-gateway": ("fence?",)})

@@ -1,0 +1,180 @@
+"""A change of generation on the lab, under load through the admission layer (docs/changes.md
+"Generations"). One 1p1d cluster, smg on lab03 and lab04 behind HAProxy on lab03.
+
+1. A fenced rollout whose new pool fails its canary leaves the old generation serving every
+   request, both gateways routing to it again; the journal says what was undone.
+2. The fenced rollout itself, with a core busy: no request fails, none is replayed.
+3. The hazard, shown honestly (last: it leaves smg's circuit breakers open on the new workers):
+   the change back rolled the way a generation-blind planner rolls it (`--unfenced`: the lone
+   instances surge, old and new serve side by side) fails requests whose prefill and decode are
+   of different generations."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+
+import pytest
+import yaml
+
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import Placement
+from pdops.remote.gateway import Gateways
+from tests.lab.clusters import REPO, cli, deployed, record
+from tests.lab.test_gateways_lab import KEY, cpu_hog, _run
+
+pytestmark = pytest.mark.lab
+
+GATEWAYS = ["lab03", "lab04"]
+
+
+@pytest.fixture(scope="module")
+def cluster(lab, tmp_path_factory):
+    root = tmp_path_factory.mktemp("generation")
+    keys = root / "admission.keys"
+    keys.touch(mode=0o600)
+    keys.write_text(KEY + "\n")
+
+    def two_gateways(doc):
+        v = doc["all"]["vars"]
+        v["pdops_gateway"].pop("host")
+        v["pdops_gateway"]["hosts"] = list(GATEWAYS)
+        v["pdops_admission"] = {"host": GATEWAYS[0], "port": 18083, "cap": 16, "queue": 16, "queue_timeout_s": 60,
+                                "overflow_status": 429, "api_keys_file": str(keys)}
+        v["pdops_fence_hold_s"] = 3
+    base = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
+    with deployed(lab, root / "inv", "1p1d", mutate=two_gateways,
+                  profile={"env": {**base["env"], "PDOPS_SIM_DECODE_STEP_MS": "10"}}) as (inv_dir, _):
+        yield inv_dir
+
+
+def _set_page_size(inv_dir, page_size: int | None, faults: dict | None = None) -> None:
+    prof = inv_dir / "profiles" / "p.yml"
+    doc = yaml.safe_load(prof.read_text())
+    if page_size is None:
+        doc["bundle"].pop("page_size", None)
+    else:
+        doc["bundle"]["page_size"] = page_size
+    prof.write_text(yaml.safe_dump(doc))
+    hosts = inv_dir / "hosts.yml"
+    inv = yaml.safe_load(hosts.read_text())
+    if faults:
+        inv["all"]["vars"]["pdops_sim_faults"] = faults
+    else:
+        inv["all"]["vars"].pop("pdops_sim_faults", None)
+    hosts.write_text(yaml.safe_dump(inv, sort_keys=False))
+
+
+def _live(inv_dir) -> Placement:
+    return Placement.from_dict(record(inv_dir).current_revision().placement)
+
+
+def _routes(inv_dir) -> dict[str, set[str]]:
+    inv = load_inventory(inv_dir)
+    return {h: {w.url for w in c.list_workers() if w.routable} for h, c in Gateways.of(inv, timeout=3).items()}
+
+
+class _Loop:
+    """Closed-loop streams through the admission layer until stopped, every request in the ledger."""
+
+    def __init__(self, url: str, prefix: str):
+        self.url, self.prefix, self.rows, self._stop = url, prefix, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from pdops.remote.load import send
+
+        n = 0
+        while not self._stop.is_set():
+            self.rows += send(self.url, requests=12, concurrency=6, max_new_tokens=40, stream_every=2, timeout=60,
+                              rid_prefix=f"{self.prefix}-{n}", headers={"Authorization": f"Bearer {KEY}"})
+            n += 1
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=120)
+
+
+def _never_twice(lab, inv_dir, prefix: str) -> None:
+    """Each request ID reached each engine any revision names at most once (their request logs)."""
+    st = record(inv_dir)
+    units = {(h, u) for n in st.revision_numbers()
+             for i in Placement.from_dict(st.read_revision(n).placement).instances for h, u in i.units[:1]}
+    for host, unit in sorted(units):
+        n: Counter = Counter()
+        for line in _run(lab, host, f"journalctl -u {unit} -o cat --no-pager").splitlines():
+            if '"request.received"' in line:
+                n[json.loads(line[line.find("{"):])["rid"]] += 1
+        twice = {rid: k for rid, k in n.items() if rid.startswith(prefix) and k > 1}
+        assert not twice, f"{host}:{unit} received these request IDs more than once: {twice}"
+
+
+def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving(lab, cluster):
+    inv_dir = cluster
+    inv = load_inventory(inv_dir)
+    before = _live(inv_dir)
+    rev0 = record(inv_dir).current_revision().number
+    _set_page_size(inv_dir, 32, faults={"p02": "fail_transfer"})
+    dry = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")
+    assert dry.returncode == 0 and "rolled fenced (blue/green)" in dry.stdout, dry.stdout + dry.stderr
+    assert "added:   p02 (prefill)" in dry.stdout and "d02 (decode)" in dry.stdout, dry.stdout
+    with _Loop(inv.admission.url, "gen-halt") as load:
+        proc = cli(inv_dir, "deploy", "--topology", "1p1d")
+    assert proc.returncode != 0 and "canary new pool" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert f"current revision unchanged: {rev0}" in out, out
+    bad = [r.to_dict() for r in load.rows if not r.ok]
+    assert load.rows and not bad, bad[:3]
+    urls = {i.url for i in before.instances}
+    assert _live(inv_dir) == before and _routes(inv_dir) == {h: urls for h in GATEWAYS}
+    j = record(inv_dir).journal()
+    op = [o for o in j.operations() if o.startswith("scale-")][-1]
+    steps = {r["step"]: r["status"] for r in j.read(op)}
+    assert steps.get("front-door back") == "ok" and steps.get("unfence") == "ok", steps
+    assert steps.get("undo-added") == "ok", steps
+    _never_twice(lab, inv_dir, "gen-halt")
+    assert cli(inv_dir, "verify").returncode == 0
+
+
+def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
+    inv_dir = cluster
+    inv = load_inventory(inv_dir)
+    _set_page_size(inv_dir, 32)
+    with cpu_hog(), _Loop(inv.admission.url, "gen-fenced") as load:
+        proc = cli(inv_dir, "deploy", "--topology", "1p1d")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for s in ("fence", "shift 10%", "shift 50%", "shift 100%", "commit", "front-door open"):
+        assert f" {s} — " in proc.stdout, (s, proc.stdout)
+    failed = [r.to_dict() for r in load.rows if not r.ok]
+    print(f"\nfenced generation change under load, one core busy: {len(load.rows)} requests, {len(failed)} failed")
+    assert len(load.rows) >= 12 and not failed, failed[:3]
+    _never_twice(lab, inv_dir, "gen-fenced")
+    live = _live(inv_dir)
+    urls = {i.url for i in live.instances}
+    assert _routes(inv_dir) == {h: urls for h in GATEWAYS}
+    proc = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")
+    assert "no change" in proc.stdout or "generation: unchanged" in proc.stdout, proc.stdout
+    assert cli(inv_dir, "verify").returncode == 0
+
+
+def test_a_generation_change_rolled_in_waves_fails_requests_that_pair_across(lab, cluster):
+    inv_dir = cluster
+    inv = load_inventory(inv_dir)
+    _set_page_size(inv_dir, None)
+    dry = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")  # the planner would fence it
+    assert dry.returncode == 0 and "(page size 32 -> unset): a prefill of one and a decode of the other cannot" \
+        in dry.stdout and "rolled fenced (blue/green)" in dry.stdout, dry.stdout + dry.stderr
+    with _Loop(inv.admission.url, "gen-waves") as load:
+        proc = cli(inv_dir, "deploy", "--topology", "1p1d", "--unfenced")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "although the generation changes (--unfenced)" in proc.stdout, proc.stdout
+    failed = [r for r in load.rows if not r.ok]
+    crossed = [r for r in failed if "generation mismatch" in str(r.error)]
+    print(f"\ngeneration change rolled in waves under load: {len(load.rows)} requests, {len(failed)} failed, "
+          f"{len(crossed)} of them naming the generation mismatch")
+    assert crossed, [r.to_dict() for r in failed[:3]] or "no request paired across generations"

@@ -1,0 +1,130 @@
+"""A change of generation is planned fenced (blue/green), or refused, never rolled in waves unless
+asked (docs/changes.md "Generations"). Pure: the planner and its printed plan, no host."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdops.errors import Refused
+from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.placement import place
+from pdops.model.render import manifest, render_files, snapshot_of
+from pdops.model.topology import parse_topology
+from pdops.ops import scale as sc
+from pdops.record.local import StateDir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def inventory(tmp_path: Path, name: str, *, gateways=("lab03", "lab04"), admission=True, page_size=None,
+              hosts: int = 4, mem=None):
+    doc = single_file_doc(REPO / "inventory" / "lab")
+    v = doc["all"]["vars"]
+    v["pdops_gateway"].pop("host")
+    v["pdops_gateway"]["hosts"] = list(gateways)
+    hs = doc["all"]["children"]["gpu_hosts"]["hosts"]
+    for n in range(5, hosts + 1):
+        hs[f"lab{n:02d}"] = {**hs["lab01"], "ansible_host": f"127.0.10.{n}", "pdops_data_addr": f"127.0.10.{n}"}
+    if admission:
+        keys = tmp_path / "admission.keys"
+        keys.write_text("pdops-unit-case-key-" + "k" * 16 + "\n")
+        os.chmod(keys, 0o600)
+        v["pdops_admission"] = {"host": gateways[0], "api_keys_file": str(keys)}
+    prof = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
+    if page_size is not None:
+        prof["bundle"]["page_size"] = page_size
+    if mem is not None:
+        prof["bundle"]["mem_fraction_static"] = mem
+    d = tmp_path / name
+    (d / "profiles").mkdir(parents=True, exist_ok=True)
+    (d / "profiles" / "p.yml").write_text(yaml.safe_dump(prof))
+    v["pdops_profile"] = "profiles/p.yml"
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return load_inventory(d)
+
+
+def recorded(inv, state: StateDir, topo: str):
+    """A revision as a deploy records it, its snapshot included (the generation is read from it)."""
+    pl = place(inv, parse_topology(topo))
+    files = render_files(inv, pl)
+    rev = state.write_revision(topology=topo, inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(files), instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"}
+                                                                    for i in pl.instances},
+                               outcome="deployed", snapshot=snapshot_of(inv, files))
+    state.set_current(rev.number)
+    return rev
+
+
+@pytest.fixture
+def state(tmp_path):
+    return StateDir("lab", tmp_path / "state")
+
+
+def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, state):
+    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    plan = sc.plan_scale(inventory(tmp_path, "new", page_size=32), parse_topology("1p1d"), state)
+    assert plan.generation.changes and "page size unset -> 32" in plan.generation.diff
+    assert plan.fence["gateway"] == "lab04" and plan.fence["others"] == ["lab03"]
+    # the new pool: new ids on the free slots, nothing replaced in place, the old pool removed
+    assert [(i.id, i.hosts) for i in plan.added] == [("p02", ("lab03",)), ("d02", ("lab04",))]
+    assert [i.id for i in plan.removed] == ["p01", "d01"] and not plan.replaced and not plan.waves
+    names = [s.name for s in plan.run]
+    order = ["fence", "start p02", "canary new pool", "register p02", "shift 10%", "shift 50%", "shift 100%", "commit",
+             "drain p01: leave-gateway", "drain d01: verify-stop", "join register p02", "front-door open", "front-door",
+             "record"]
+    assert [n for n in names if n in order] == order
+    reg = next(s for s in plan.run if s.name == "register p02")
+    assert reg.params["gateways"] == ["lab04"]  # the new generation on its own gateway only
+    assert next(s for s in plan.run if s.name == "join register p02").params["gateways"] == ["lab03"]
+    rescue = {s.name: s for s in plan.rescue}
+    assert rescue["front-door back"].when == ("committed", False) and rescue["unfence"].when == ("committed", False)
+    assert rescue["rescue join register p02"].when == ("committed", True)
+    assert rescue["restore-service"].when == ("committed", False)  # never the old generation back after commit
+    text = plan.render()
+    assert "generation: " in text and "page size unset -> 32" in text
+    assert "rolled fenced (blue/green)" in text and "shift 50%" in text and "only if not committed" in text
+    plan.plan.check()  # every step's needs are given by an earlier step
+
+
+def test_a_change_that_keeps_the_generation_rolls_in_waves_and_says_why(tmp_path, state):
+    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    plan = sc.plan_scale(inventory(tmp_path, "new", mem=0.45), parse_topology("1p1d"), state)
+    assert not plan.generation.changes and plan.fence is None
+    assert plan.surge == [("p01", "p02"), ("d01", "d02")]  # a lone instance of its role surges, as before
+    text = plan.render()
+    assert "generation: unchanged" in text and "rolled in waves: the generation is unchanged" in text
+
+
+def test_without_two_gateways_behind_the_admission_layer_it_is_refused_unless_unfenced(tmp_path, state):
+    recorded(inventory(tmp_path, "old", gateways=("lab01",)), state, "1p1d")
+    new = inventory(tmp_path, "new", gateways=("lab01",), page_size=32)
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(new, parse_topology("1p1d"), state)
+    assert "alters the generation (page size unset -> 32)" in e.value.message and "1 gateway" in e.value.message
+    assert "--unfenced" in e.value.fix
+    plan = sc.plan_scale(new, parse_topology("1p1d"), state, unfenced=True)
+    assert plan.fence is None and plan.surge == [("p01", "p02"), ("d01", "d02")]
+    assert "although the generation changes (--unfenced)" in plan.render()
+
+
+def test_too_few_free_slots_shrink_the_old_pool_only_with_a_capacity_dip(tmp_path, state):
+    recorded(inventory(tmp_path, "old", hosts=5), state, "2p1d")
+    new = inventory(tmp_path, "new", hosts=5, page_size=32)
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(new, parse_topology("2p1d"), state)
+    assert "the old pool would shrink by p02 first" in e.value.message and "--allow-capacity-dip" in e.value.fix
+    plan = sc.plan_scale(new, parse_topology("2p1d"), state, allow_capacity_dip=True)
+    names = [s.name for s in plan.run]
+    assert names.index("shrink p02: verify-stop") < names.index("fence") < names.index("start p03")
+    assert plan.fence["shrink"] == ["p02"]
+
+
+def test_no_room_even_at_the_floor_is_refused(tmp_path, state):
+    recorded(inventory(tmp_path, "old"), state, "2p1d")
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(inventory(tmp_path, "new", page_size=32), parse_topology("2p1d"), state, allow_capacity_dip=True)
+    assert "frees too few" in e.value.message
