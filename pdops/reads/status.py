@@ -433,7 +433,7 @@ def format_status(doc: dict) -> str:
                          + (f"\n  -> {r['action']}" if r.get("action") else ""))
     for g in gws:
         if g["state"] != "ok":
-            lines.append(f"gateway {g['host']} {g['state']}: {'; '.join(g['reasons'])}"
+            lines.append(f"gateway{'' if len(gws) == 1 else ' ' + g['host']} {g['state']}: {'; '.join(g['reasons'])}"
                          + (f"\n  -> {g['action']}" if g["action"] else ""))
     lines += [f"warning: {w}" for w in doc.get("warnings", [])]
     healthy = sum(1 for r in doc["instances"] if r["healthy"])

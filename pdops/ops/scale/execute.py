@@ -78,7 +78,8 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
         runtime(pool, adm_host, back_cmd, back_what)
     if adm_host and others:  # in the front door again before the next gateway leaves it
         wait_gateways_up(pool, adm_host, [node.host], 30)
-    ctx.say(f"  gateway on {node.host} restarted in {restarted_s}s (MainPID {old_pid} -> {st.main_pid}); "
+    ctx.say(f"  gateway{'' if not others else ' on ' + node.host} restarted in {restarted_s}s (MainPID {old_pid} -> "
+            f"{st.main_pid}); "
             f"{len(step.params['instances'])} worker(s) healthy and ready again")
     held = []
     if adm_host and others:
