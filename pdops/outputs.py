@@ -20,7 +20,7 @@ OUTPUTS: dict[str, str] = {
     "lost_work": "instance id -> {lost, failed}: the request ids an ended process never finished",
     "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",
     "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
-    "admission_keys": "the key rotation: {main_pid, added, revoked}",
+    "admission_keys": "admission host -> what its check read: {main_pid, added, revoked} (a key rotation)",
     "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
     "probe_result": "a probe's measured outcome per request",
     "probe_keep": "whether a probe keeps its bundle (--keep and every request ok)",

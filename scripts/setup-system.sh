@@ -3,7 +3,7 @@
 # Installs only what is missing; never starts a service on the machine itself.
 set -euo pipefail
 need=()
-for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus; do
+for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 [ ${#need[@]} -eq 0 ] && exit 0
@@ -23,9 +23,13 @@ trap '[ $made_policy = 1 ] && rm -f /usr/sbin/policy-rc.d' EXIT
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends "${need[@]}"
-# Prometheus is only a tool here (the lab test starts its own, on a loopback port): the
-# package's own service stays disabled, so no boot (a lab host's included) starts it.
-if printf '%s\n' "${need[@]}" | grep -qx prometheus; then
-  systemctl disable prometheus.service >/dev/null 2>&1 ||
-    rm -f /etc/systemd/system/multi-user.target.wants/prometheus.service
-fi
+# Prometheus and keepalived are only tools here (the lab test starts its own Prometheus on a
+# loopback port; keepalived's parser checks the VRRP config pdops renders): the packages' own
+# services stay disabled, so no boot (a lab host's included) starts them. keepalived must never
+# run on this machine: it would put a virtual address on a real interface.
+for svc in prometheus keepalived; do
+  if printf '%s\n' "${need[@]}" | grep -qx "$svc"; then
+    systemctl disable "$svc.service" >/dev/null 2>&1 ||
+      rm -f "/etc/systemd/system/multi-user.target.wants/$svc.service"
+  fi
+done

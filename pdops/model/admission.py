@@ -60,10 +60,10 @@ CONN_RETRIES = 10
 CHECK_INTER_MS, CHECK_FALL, CHECK_RISE = 2000, 3, 2
 
 
-def admit_address(cfg) -> str:
+def admit_address(addr: str, port: int) -> str:
     """Where the permit hands requests to the gateways' frontend: an abstract unix socket, named by
     the admission bind (unique on a host; lab hosts share one network namespace)."""
-    return f"abns@pdops-admission-{cfg.listen_addr}-{cfg.port}"
+    return f"abns@pdops-admission-{addr}-{port}"
 # Sent to the runtime API by the host's python3 (a package file, like pdops's other host scripts).
 _RUNTIME_SCRIPT = (Path(__file__).resolve().parents[1] / "hostscripts" / "haproxy_runtime.py").read_text()
 
@@ -133,7 +133,13 @@ GATEWAY_KEY_ENV = "PDOPS_GATEWAY_KEY"
 
 DEFAULTS = {"port": 8080, "cap": 16, "queue": 32, "queue_timeout_s": 30, "overflow_status": 429,
             "api_keys_file": "/etc/pdops/admission.keys"}
-KNOWN = set(DEFAULTS) | {"host", "listen_addr", "metrics_port"}
+KNOWN = set(DEFAULTS) | {"host", "hosts", "listen_addr", "metrics_port", "vip", "vrrp_interface", "vrrp_router_id"}
+# The front door's own pair (docs/gateway.md "The front door itself"): keepalived holds the virtual
+# address on one admission host at a time; pdops renders its config and a sysctl that lets HAProxy
+# bind the address on the host that does not hold it yet.
+KEEPALIVED_CONFIG = "/etc/keepalived/keepalived.conf"
+NONLOCAL_BIND_SYSCTL = "/etc/sysctl.d/90-pdops-admission.conf"
+IFACE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
 OVERFLOW_STATUSES = (429, 503)
 # Keys: a charset that can never close a quote, start a comment or split a map line.
 KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,256}")
@@ -159,15 +165,38 @@ class AdmissionConfig:
     keys: tuple[str, ...] = field(default=(), repr=False, compare=False)
     # HAProxy's own Prometheus exporter (GET /metrics) on listen_addr; None: not served
     metrics_port: int | None = None
+    # further admission hosts, each (host, its listen address), with the same settings: two or
+    # more HAProxy, each a front door of its own (docs/gateway.md "The front door itself")
+    others: tuple[tuple[str, str], ...] = ()
+    # the virtual address keepalived holds on one of them (VRRP), its interface and router id
+    vip: str | None = None
+    vrrp_interface: str | None = None
+    vrrp_router_id: int = 51
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return (self.host,) + tuple(h for h, _ in self.others)
+
+    def addr_of(self, host: str) -> str:
+        return dict(((self.host, self.listen_addr),) + self.others)[host]
+
+    def url_of(self, host: str) -> str:
+        addr = self.addr_of(host)
+        addr = "127.0.0.1" if addr in ("0.0.0.0", "::") else addr
+        return f"http://{addr}:{self.port}"
+
+    def metrics_addr_of(self, host: str) -> str:
+        addr = self.addr_of(host)
+        return "127.0.0.1" if addr in ("0.0.0.0", "::") else addr
 
     @property
     def metrics_addr(self) -> str:
-        return "127.0.0.1" if self.listen_addr in ("0.0.0.0", "::") else self.listen_addr
+        return self.metrics_addr_of(self.host)
 
     @property
     def url(self) -> str:
-        addr = "127.0.0.1" if self.listen_addr in ("0.0.0.0", "::") else self.listen_addr
-        return f"http://{addr}:{self.port}"
+        """The first admission host's URL (pdops's own probes; clients use the VIP, or every URL)."""
+        return self.url_of(self.host)
 
     @property
     def key_ids(self) -> tuple[str, ...]:
@@ -248,18 +277,21 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     unknown = sorted(set(raw) - KNOWN)
     if unknown:
         raise InvalidInput(f"{VAR}.{unknown[0]}", "unknown setting", fix=f"use only: {', '.join(sorted(KNOWN))}")
-    host_name = raw.get("host", inv.gateway.first.host)
-    names = [h.name for h in inv.hosts]
-    if host_name not in names:
-        raise InvalidInput(f"{VAR}.host", f"{host_name!r} is not a host of this inventory",
-                           fix=f"use one of: {', '.join(names)} (default: the gateway host)")
-    host = inv.host(host_name)
-    listen = raw.get("listen_addr", host.data_addr)
-    try:
-        listen = str(ipaddress.ip_address(str(listen)))
-    except ValueError:
-        raise InvalidInput(f"{VAR}.listen_addr", f"{listen!r} is not an IP address",
-                           fix="use the address clients reach (default: the host's pdops_data_addr)") from None
+    host_names = _admission_hosts(raw, inv)
+    listens = []
+    for name in host_names:
+        listen = raw.get("listen_addr", inv.host(name).data_addr)
+        try:
+            listens.append(str(ipaddress.ip_address(str(listen))))
+        except ValueError:
+            raise InvalidInput(f"{VAR}.listen_addr", f"{listen!r} is not an IP address",
+                               fix="use the address clients reach (default: the host's pdops_data_addr)") from None
+    host_name, listen = host_names[0], listens[0]
+    vip, iface, vrid = _vrrp(raw, len(host_names))
+    if vip and getattr(inv, "virtual_hardware", False):
+        raise InvalidInput(f"{VAR}.vip", "the lab's hosts share one network namespace: keepalived there would put "
+                           "the virtual address on this machine's own interface",
+                           fix="leave vip out in the lab: each admission host answers on its own address")
     port = raw.get("port", DEFAULTS["port"])
     if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535:
         raise InvalidInput(f"{VAR}.port", f"{port!r} is not a port in 1024-65535", fix="pick an unprivileged port")
@@ -277,7 +309,7 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
 
     gw = inv.gateway
     taken: dict[str, range] = {}
-    if host_name in gw.hosts:
+    if set(host_names) & set(gw.hosts):
         taken["pdops_gateway.port"] = range(gw.port, gw.port + 1)
         taken["pdops_gateway.prometheus_port"] = range(gw.prometheus_port, gw.prometheus_port + 1)
     taken.update(inv.reserved_port_ranges())
@@ -299,7 +331,55 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     return AdmissionConfig(host=host_name, listen_addr=listen, port=port, cap=cap, queue=queue,
                            queue_timeout_s=qto, overflow_status=overflow, api_keys_file=kf,
                            gateways=tuple((n.host, n.addr, n.port) for n in gw.nodes), keys=keys,
-                           metrics_port=mport)
+                           metrics_port=mport, others=tuple(zip(host_names[1:], listens[1:])), vip=vip,
+                           vrrp_interface=iface, vrrp_router_id=vrid)
+
+def _admission_hosts(raw: dict, inv) -> list[str]:
+    """`host: gpu01` (default: the first gateway host) or `hosts: [gpu01, gpu02]` (two front doors)."""
+    names = [h.name for h in inv.hosts]
+    if "host" in raw and "hosts" in raw:
+        raise InvalidInput(VAR, "both `host` and `hosts` are set",
+                           fix="`host: <name>` for one admission host, `hosts: [<name>, <name>]` for two")
+    val = raw["hosts"] if "hosts" in raw else [raw.get("host", inv.gateway.first.host)]
+    field_name = f"{VAR}.hosts" if "hosts" in raw else f"{VAR}.host"
+    if not isinstance(val, list) or not val or not all(isinstance(h, str) for h in val):
+        raise InvalidInput(field_name, f"{val!r} is not a list of host names", fix="e.g. hosts: [gpu01, gpu02]")
+    for h in val:
+        if h not in names:
+            raise InvalidInput(field_name, f"{h!r} is not a host of this inventory",
+                               fix=f"use a host of the inventory (default: the gateway host); {len(names)} hosts, "
+                                   f"e.g. {', '.join(names[:3])}")
+    if len(set(val)) != len(val):
+        raise InvalidInput(field_name, "a host is named more than once", fix="one HAProxy per host: name each once")
+    return list(val)
+
+
+def _vrrp(raw: dict, n_hosts: int) -> tuple[str | None, str | None, int]:
+    """`vip`, `vrrp_interface`, `vrrp_router_id`: keepalived's pair, with two admission hosts or more."""
+    vip = raw.get("vip")
+    if vip is None:
+        for k in ("vrrp_interface", "vrrp_router_id"):
+            if k in raw:
+                raise InvalidInput(f"{VAR}.{k}", "set without `vip`",
+                                   fix="set vip (the virtual address) too, or remove it")
+        return None, None, 51
+    if n_hosts < 2:
+        raise InvalidInput(f"{VAR}.vip", "a virtual address needs two admission hosts or more to move between",
+                           fix="name them in pdops_admission.hosts, or remove vip")
+    try:
+        vip = str(ipaddress.ip_address(str(vip)))
+    except ValueError:
+        raise InvalidInput(f"{VAR}.vip", f"{vip!r} is not an IP address", fix="the address clients use") from None
+    iface = raw.get("vrrp_interface")
+    if not isinstance(iface, str) or not IFACE_RE.fullmatch(iface):
+        raise InvalidInput(f"{VAR}.vrrp_interface", f"{iface!r} is not a network interface name",
+                           fix="the interface that carries the data addresses on the admission hosts, e.g. bond0")
+    vrid = raw.get("vrrp_router_id", 51)
+    if isinstance(vrid, bool) or not isinstance(vrid, int) or not 1 <= vrid <= 255:
+        raise InvalidInput(f"{VAR}.vrrp_router_id", f"{vrid!r} is not 1..255",
+                           fix="a VRRP router id unique on the admission hosts' network")
+    return vip, iface, vrid
+
 
 
 # ---------------------------------------------------------------- rendering

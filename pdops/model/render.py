@@ -275,9 +275,10 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
         files += _gateway_files(inv, node, slice_text)
     adm = admission_config(inv)
     if adm is not None:
-        if adm.host not in hosts_used:
-            files.append(RenderedFile(adm.host, f"{UNIT_DIR}/{SLICE_UNIT}",
-                                      tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
+        for h in adm.hosts:
+            if h not in hosts_used:
+                files.append(RenderedFile(h, f"{UNIT_DIR}/{SLICE_UNIT}",
+                                          tpl.get_template("pdops.slice.j2").render(cluster=inv.cluster), 0o644))
         files += render_admission_files(inv, adm)
     return files
 
@@ -379,35 +380,64 @@ def admission_config(inv: Inventory) -> adm_mod.AdmissionConfig | None:
 
 def haproxy_config(cfg: adm_mod.AdmissionConfig, *, keys_map_path: str = adm_mod.KEYS_MAP_PATH,
                    errorfile_path: str = adm_mod.ERRORFILE_PATH, user: str | None = "haproxy",
-                   gateway_key_env: str | None = None, stats_socket: str | None = None) -> str:
-    """The HAProxy config text. Holds no key: keys come from `keys_map_path`."""
-    bind = f"[{cfg.listen_addr}]" if ":" in cfg.listen_addr else cfg.listen_addr
-    servers = [(f"gw-{host}", (f"[{addr}]" if ":" in addr else addr) + f":{port}") for host, addr, port in cfg.gateways]
+                   gateway_key_env: str | None = None, stats_socket: str | None = None,
+                   host: str | None = None) -> str:
+    """The HAProxy config text of one admission host (default: the first). Holds no key: keys come
+    from `keys_map_path`. With a virtual address it binds that too (the host that does not hold
+    it yet can, by the sysctl pdops renders beside: `net.ipv4.ip_nonlocal_bind`)."""
+    def brk(a: str) -> str:
+        return f"[{a}]" if ":" in a else a
+
+    addr = cfg.addr_of(host or cfg.host)
+    binds = [f"{brk(addr)}:{cfg.port}"] + ([f"{brk(cfg.vip)}:{cfg.port}"] if cfg.vip else [])
+    servers = [(f"gw-{h}", f"{brk(a)}:{port}") for h, a, port in cfg.gateways]
     return _env().get_template("haproxy.cfg.j2").render(
         cap=cfg.cap, queue=cfg.queue, queue_timeout_s=cfg.queue_timeout_s, overflow_status=cfg.overflow_status,
-        bind=f"{bind}:{cfg.port}", servers=servers, keys_map=keys_map_path, admit_addr=adm_mod.admit_address(cfg),
+        binds=binds, servers=servers, keys_map=keys_map_path, admit_addr=adm_mod.admit_address(addr, cfg.port),
         admit_server=adm_mod.ADMIT_SERVER, gateways_backend=adm_mod.GATEWAYS_BACKEND,
         check_inter_ms=adm_mod.CHECK_INTER_MS, check_fall=adm_mod.CHECK_FALL, check_rise=adm_mod.CHECK_RISE,
         errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
         stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, retries=adm_mod.CONN_RETRIES, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
-        metrics_bind=(f"{bind}:{cfg.metrics_port}" if cfg.metrics_port else None),
+        metrics_bind=(f"{brk(addr)}:{cfg.metrics_port}" if cfg.metrics_port else None),
     )
 
 
+def keepalived_config(inv: Inventory, cfg: adm_mod.AdmissionConfig, host: str) -> str:
+    """keepalived's VRRP instance on one admission host: the virtual address held by one host at a
+    time, the first named preferred (priority 150, the others 100 less 10 per place), moved when
+    the holder's HAProxy unit is not active (checked every 2 s, 2 failures)."""
+    place_ = cfg.hosts.index(host)
+    return _env().get_template("keepalived.conf.j2").render(
+        cluster=inv.cluster, host=host, iface=cfg.vrrp_interface, router_id=cfg.vrrp_router_id,
+        priority=150 if place_ == 0 else max(100 - 10 * (place_ - 1), 1), vip=cfg.vip,
+        prefix=128 if ":" in cfg.vip else 32, unit=adm_mod.UNIT,
+        peers=[cfg.addr_of(h) for h in cfg.hosts if h != host], own=cfg.addr_of(host))
+
+
 def render_admission_files(inv: Inventory, cfg: adm_mod.AdmissionConfig) -> list[RenderedFile]:
-    """haproxy.cfg, the 0600 key map, the overflow errorfile and the unit, on cfg.host."""
+    """On each admission host: haproxy.cfg, the 0600 key map, the overflow errorfile and the unit;
+    with a virtual address also keepalived's config and the sysctl that lets HAProxy bind it."""
     key_file = inv.gateway.api_key_file
     env = adm_mod.GATEWAY_KEY_ENV if key_file else None
-    text = haproxy_config(cfg, gateway_key_env=env, stats_socket=adm_mod.STATS_SOCKET)
     unit = _env().get_template("admission.service.j2").render(
         cluster=inv.cluster, haproxy=adm_mod.HAPROXY_BIN, config=adm_mod.CONFIG_PATH, slice=SLICE_UNIT,
         gateway_key_file=key_file, gateway_key_env=adm_mod.GATEWAY_KEY_ENV)
-    return [
-        RenderedFile(cfg.host, adm_mod.CONFIG_PATH, text, 0o644),
-        RenderedFile(cfg.host, adm_mod.KEYS_MAP_PATH, adm_mod.keys_map(cfg.keys), 0o600),
-        RenderedFile(cfg.host, adm_mod.ERRORFILE_PATH, adm_mod.overflow_response(cfg.overflow_status), 0o644),
-        RenderedFile(cfg.host, f"{UNIT_DIR}/{adm_mod.UNIT}", unit, 0o644),
-    ]
+    out = []
+    for h in cfg.hosts:
+        text = haproxy_config(cfg, gateway_key_env=env, stats_socket=adm_mod.STATS_SOCKET, host=h)
+        out += [
+            RenderedFile(h, adm_mod.CONFIG_PATH, text, 0o644),
+            RenderedFile(h, adm_mod.KEYS_MAP_PATH, adm_mod.keys_map(cfg.keys), 0o600),
+            RenderedFile(h, adm_mod.ERRORFILE_PATH, adm_mod.overflow_response(cfg.overflow_status), 0o644),
+            RenderedFile(h, f"{UNIT_DIR}/{adm_mod.UNIT}", unit, 0o644),
+        ]
+        if cfg.vip:
+            out += [RenderedFile(h, adm_mod.KEEPALIVED_CONFIG, keepalived_config(inv, cfg, h), 0o644),
+                    RenderedFile(h, adm_mod.NONLOCAL_BIND_SYSCTL,
+                                 f"# Rendered by pdops ({inv.cluster}): HAProxy binds the admission VIP {cfg.vip} "
+                                 "before keepalived moves it here\nnet.ipv4.ip_nonlocal_bind = 1\n"
+                                 + ("net.ipv6.ip_nonlocal_bind = 1\n" if ":" in cfg.vip else ""), 0o644)]
+    return out
 
 
 def manifest(files: list[RenderedFile]) -> dict[str, dict[str, dict]]:

@@ -32,18 +32,20 @@ def parse_map(text: str) -> tuple[str, ...]:
     return tuple(line.split(" ", 1)[0] for line in text.splitlines() if line.strip())
 
 
-def probe(cfg: AdmissionConfig, key: str, timeout: float) -> int:
-    """The HTTP status the admission layer answers to GET /health with this key."""
-    status, _ = http_json("GET", f"{cfg.url}/health", timeout=timeout, headers={"Authorization": f"Bearer {key}"})
+def probe(url: str, key: str, timeout: float) -> int:
+    """The HTTP status an admission host answers to GET /health with this key."""
+    status, _ = http_json("GET", f"{url}/health", timeout=timeout, headers={"Authorization": f"Bearer {key}"})
     return status
 
 
 def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple[str, ...],
-                      deadline_s: float = 30.0, interval_s: float = 0.2) -> dict:
+                      deadline_s: float = 30.0, interval_s: float = 0.2, host: str | None = None) -> dict:
     """Poll until, in one pass, every new key gets a non-401 answer and every revoked key a 401
     (a reload takes effect when the new workers take the listener). Unverified at the deadline."""
     # A key's request goes through the cap: it may wait up to the queue timeout for a permit.
     timeout = cfg.queue_timeout_s + 5
+    host = host or cfg.host
+    url = cfg.url_of(host)
     deadline = time.monotonic() + deadline_s
     t0 = time.monotonic()
     while True:
@@ -51,7 +53,7 @@ def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple
         seen: dict[str, int] = {}
         for k in new[:PROBE_MAX]:
             try:
-                s = probe(cfg, k, timeout)
+                s = probe(url, k, timeout)
             except Unreachable as exc:
                 bad.append(f"new key {key_id(k)}: {exc.message}")
                 continue
@@ -60,7 +62,7 @@ def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple
                 bad.append(f"new key {key_id(k)} got 401")
         for k in revoked[:PROBE_MAX]:
             try:
-                s = probe(cfg, k, 10)
+                s = probe(url, k, 10)
             except Unreachable as exc:
                 bad.append(f"revoked key {key_id(k)}: {exc.message}")
                 continue
@@ -70,8 +72,8 @@ def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple
         if not bad:
             return {"answers": seen, "applied_after_s": round(time.monotonic() - t0, 2)}
         if time.monotonic() > deadline:
-            raise Unverified(f"the new keys are not in effect on {cfg.url} after {deadline_s:.0f}s",
-                             fix=f"check `journalctl -u {UNIT}` on {cfg.host}; the reload may have been refused",
+            raise Unverified(f"the new keys are not in effect on {url} after {deadline_s:.0f}s",
+                             fix=f"check `journalctl -u {UNIT}` on {host}; the reload may have been refused",
                              evidence="\n".join(bad[:10]))
         time.sleep(interval_s)
 
@@ -86,19 +88,24 @@ def plan_rotate_keys(inv: Inventory, state, deadline_s: float = 30.0) -> Plan:
         raise Refused(f"{inv.cluster} has no deployed revision", fix="deploy the cluster first (`inv deploy`)")
     new_map = keys_map(cfg.keys)
     sha = hashlib.sha256(new_map.encode()).hexdigest()
-    steps = [
-        Step("check-unit", cfg.host, f"{UNIT} is active; read the key map it serves now (key ids only)", 30,
-             kind="admission-check"),
-        Step("deliver", cfg.host, f"deploy.yml puts only {KEYS_MAP_PATH} in place (0600 root, sha256 {sha[:12]}); "
-             "check mode, owner and hash on the host", 120, kind="deliver-keys", params={"map": new_map, "sha": sha}),
-        Step("reload", cfg.host, f"systemctl reload {UNIT} (haproxy -c, then USR2: old workers finish their streams); "
-             "the master MainPID must stay", 60, kind="admission-reload"),
-        Step("verify", None, f"every new key gets a non-401 answer and every revoked key a 401 (up to {PROBE_MAX} "
-             "each way)", deadline_s, kind="verify-keys"),
-    ]
-    return Plan("admission-keys", f"plan: rotate the admission keys of {inv.cluster} on {cfg.host} "
+    several = len(cfg.hosts) > 1
+    steps = []
+    for h in cfg.hosts:  # one admission host at a time: the others keep serving with their keys
+        tag = f" {h}" if several else ""
+        steps += [
+            Step(f"check-unit{tag}", h, f"{UNIT} is active; read the key map it serves now (key ids only)", 30,
+                 kind="admission-check", params={"host": h}),
+            Step(f"deliver{tag}", h, f"deploy.yml puts only {KEYS_MAP_PATH} in place (0600 root, sha256 {sha[:12]}); "
+                 "check mode, owner and hash on the host", 120, kind="deliver-keys",
+                 params={"map": new_map, "sha": sha, "host": h}),
+            Step(f"reload{tag}", h, f"systemctl reload {UNIT} (haproxy -c, then USR2: old workers finish their "
+                 "streams); the master MainPID must stay", 60, kind="admission-reload", params={"host": h}),
+            Step(f"verify{tag}", None, f"every new key gets a non-401 answer from {cfg.url_of(h)} and every revoked "
+                 f"key a 401 (up to {PROBE_MAX} each way)", deadline_s, kind="verify-keys", params={"host": h}),
+        ]
+    return Plan("admission-keys", f"plan: rotate the admission keys of {inv.cluster} on {', '.join(cfg.hosts)} "
                 f"({len(cfg.keys)} keys), under the cluster lock", steps,
-                head={"host": cfg.host, "unit": UNIT, "map": KEYS_MAP_PATH, "keys": len(cfg.keys),
+                head={"host": cfg.host, "hosts": list(cfg.hosts), "unit": UNIT, "map": KEYS_MAP_PATH, "keys": len(cfg.keys),
                       "key_ids": list(cfg.key_ids), "map_sha256": sha})
 
 
@@ -107,19 +114,20 @@ def do_check_unit(ctx: RunContext, step: Step) -> Outcome:
     rotation, the key map it serves now against the operator's key file (key ids only). A change
     that reloads the layer for another setting (params keys=False) reads no key."""
     cfg = ctx.inv.admission
-    st = ctx.pool.unit_states(cfg.host, [UNIT])[UNIT]
+    host = step.params.get("host", cfg.host)
+    st = ctx.pool.unit_states(host, [UNIT])[UNIT]
     if st.active_state != "active":
-        raise Refused(f"{UNIT} on {cfg.host} is {st.active_state}/{st.sub_state}: nothing to reload",
+        raise Refused(f"{UNIT} on {host} is {st.active_state}/{st.sub_state}: nothing to reload",
                       fix="deploy the cluster (or start the unit) first; a deploy delivers the keys too",
-                      evidence=ctx.pool.journal_tail(cfg.host, UNIT))
+                      evidence=ctx.pool.journal_tail(host, UNIT))
     if not step.params.get("keys", True):  # a change reloading the layer: its MainPID, no key read
-        ctx.give(step, "admission_keys", {"main_pid": st.main_pid, "added": (), "revoked": ()})
+        ctx.give(step, "admission_keys", {host: {"main_pid": st.main_pid, "added": (), "revoked": ()}})
         return Outcome(evidence={"main_pid": st.main_pid}, verified=[f"{UNIT} active (MainPID {st.main_pid})"])
-    old = parse_map(ctx.pool.run(cfg.host, f"cat {q(KEYS_MAP_PATH)}").stdout)
+    old = parse_map(ctx.pool.run(host, f"cat {q(KEYS_MAP_PATH)}").stdout)
     added = tuple(k for k in cfg.keys if k not in old)
     revoked = tuple(k for k in old if k not in cfg.keys)
-    ctx.give(step, "admission_keys", {"main_pid": st.main_pid, "added": added, "revoked": revoked})
-    ctx.say(f"admission keys on {cfg.host}: {len(cfg.keys)} keys "
+    ctx.give(step, "admission_keys", {host: {"main_pid": st.main_pid, "added": added, "revoked": revoked}})
+    ctx.say(f"admission keys on {host}: {len(cfg.keys)} keys "
             f"(+{len(added)} added: {', '.join(map(key_id, added)) or '-'}; "
             f"-{len(revoked)} revoked: {', '.join(map(key_id, revoked)) or '-'})")
     return Outcome(evidence={"main_pid": st.main_pid, "added": [key_id(k) for k in added],
@@ -128,44 +136,47 @@ def do_check_unit(ctx: RunContext, step: Step) -> Outcome:
 
 def do_deliver_keys(ctx: RunContext, step: Step) -> Outcome:
     cfg, inv = ctx.inv.admission, ctx.inv
+    host = step.params.get("host", cfg.host)
     sha = step.params["sha"]
     res = ansible.run_playbook(inv, "deploy.yml", {
-        "pdops_files": {cfg.host: [ansible.file_entry(KEYS_MAP_PATH, step.params["map"].encode(), 0o600)]},
+        "pdops_files": {host: [ansible.file_entry(KEYS_MAP_PATH, step.params["map"].encode(), 0o600)]},
         "pdops_remove": {}, "pdops_units": {}, "pdops_engine_python": inv.engine_python,
-        "pdops_gateway_python": inv.gateway.python, "pdops_gateway_hosts": list(inv.gateway.hosts)}, [cfg.host])
-    remote = ctx.pool.run(cfg.host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
+        "pdops_gateway_python": inv.gateway.python, "pdops_gateway_hosts": list(inv.gateway.hosts)}, [host])
+    remote = ctx.pool.run(host, f"stat -c '%a %U:%G' {q(KEYS_MAP_PATH)} && sha256sum {q(KEYS_MAP_PATH)}")
     mode_owner, remote_sha = remote.stdout.splitlines()[0].strip(), remote.stdout.split()[-2]
     if mode_owner != "600 root:root" or remote_sha != sha:
-        raise Unverified(f"{KEYS_MAP_PATH} on {cfg.host} is {mode_owner} sha256 {remote_sha[:12]}, "
+        raise Unverified(f"{KEYS_MAP_PATH} on {host} is {mode_owner} sha256 {remote_sha[:12]}, "
                          f"expected 600 root:root sha256 {sha[:12]}")
     ctx.say(f"  delivered {KEYS_MAP_PATH} (0600 root, sha256 {sha[:12]}, {res.changed} changed)")
     return Outcome(evidence={"changed": res.changed, "mode": mode_owner, "sha256": sha},
-                   verified=[f"{KEYS_MAP_PATH} on {cfg.host} is 0600 root with the new map's sha256"])
+                   verified=[f"{KEYS_MAP_PATH} on {host} is 0600 root with the new map's sha256"])
 
 
 def do_reload(ctx: RunContext, step: Step) -> Outcome:
     cfg = ctx.inv.admission
-    ctx.pool.run(cfg.host, f"systemctl reload {q(UNIT)}")  # ExecReload: haproxy -c, then USR2
+    host = step.params.get("host", cfg.host)
+    ctx.pool.run(host, f"systemctl reload {q(UNIT)}")  # ExecReload: haproxy -c, then USR2
     # Type=notify: the unit stays "reloading" until the new workers report READY.
     deadline = ctx.deadline(step) - 5
-    st2 = ctx.pool.unit_states(cfg.host, [UNIT])[UNIT]
+    st2 = ctx.pool.unit_states(host, [UNIT])[UNIT]
     while st2.active_state == "reloading" and time.monotonic() < deadline:
         time.sleep(0.2)
-        st2 = ctx.pool.unit_states(cfg.host, [UNIT])[UNIT]
-    before = ctx.get(step, "admission_keys")["main_pid"]
+        st2 = ctx.pool.unit_states(host, [UNIT])[UNIT]
+    before = ctx.get(step, "admission_keys")[host]["main_pid"]
     if st2.active_state != "active" or st2.main_pid != before:
         raise Unverified(f"{UNIT} is {st2.active_state}/{st2.sub_state} (MainPID {before} -> "
                          f"{st2.main_pid}) after the reload: not a graceful reload",
-                         evidence=ctx.pool.journal_tail(cfg.host, UNIT))
-    ctx.say(f"  reloaded {UNIT} (master MainPID {st2.main_pid} kept: in-flight streams continue)")
+                         evidence=ctx.pool.journal_tail(host, UNIT))
+    ctx.say(f"  reloaded {UNIT}{' on ' + host if len(cfg.hosts) > 1 else ''} (master MainPID {st2.main_pid} kept: in-flight streams continue)")
     return Outcome(evidence={"unit": UNIT, "main_pid": st2.main_pid},
                    verified=[f"{UNIT} reloaded gracefully (master MainPID {st2.main_pid} kept)"])
 
 
 def do_verify_keys(ctx: RunContext, step: Step) -> Outcome:
     cfg = ctx.inv.admission
-    keys = ctx.get(step, "admission_keys")
-    ev = wait_keys_applied(cfg, cfg.keys, keys["revoked"], step.deadline - 5)
+    host = step.params.get("host", cfg.host)
+    keys = ctx.get(step, "admission_keys")[host]
+    ev = wait_keys_applied(cfg, cfg.keys, keys["revoked"], step.deadline - 5, host=host)
     ev.update(added=[key_id(k) for k in keys["added"]], revoked=[key_id(k) for k in keys["revoked"]])
     ctx.say(f"  verified after {ev['applied_after_s']}s: {min(len(cfg.keys), PROBE_MAX)} keys accepted, "
             f"{min(len(keys['revoked']), PROBE_MAX)} revoked keys get 401")
@@ -195,7 +206,7 @@ def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.
         cfg = inv.admission
         verdict.update(keys=len(cfg.keys), map_sha256=plan.head["map_sha256"])
         ctx.journal.step(op, "verdict", "ok", verdict)
-        keys = ctx.output("admission_keys")
-        return {"op": op, "host": cfg.host, "keys": len(cfg.keys), "added": [key_id(k) for k in keys["added"]],
+        keys = ctx.output("admission_keys")[cfg.host]
+        return {"op": op, "host": cfg.host, "hosts": list(cfg.hosts), "keys": len(cfg.keys), "added": [key_id(k) for k in keys["added"]],
                 "revoked": [key_id(k) for k in keys["revoked"]], "map_sha256": plan.head["map_sha256"],
                 "verdict": verdict}

@@ -41,9 +41,10 @@ def targets(inv, revision: int, placement: Placement) -> list[dict]:
                     "labels": {**base, "job": JOB_GATEWAY, "instance": name, "role": "gateway", "host": node.host}})
     adm = inv.admission
     if adm is not None and getattr(adm, "metrics_port", None):
-        out.append({"targets": [f"{adm.metrics_addr}:{adm.metrics_port}"],
-                    "labels": {**base, "job": JOB_ADMISSION, "instance": "admission", "role": "admission",
-                               "host": adm.host}})
+        for h in adm.hosts:
+            name = "admission" if len(adm.hosts) == 1 else f"admission-{h}"
+            out.append({"targets": [f"{adm.metrics_addr_of(h)}:{adm.metrics_port}"],
+                        "labels": {**base, "job": JOB_ADMISSION, "instance": name, "role": "admission", "host": h}})
     return out
 
 

@@ -317,3 +317,65 @@ def test_a_paused_health_check_keeps_the_only_gateway_in_service_through_a_resta
                 gw.stop()
             except Exception:  # noqa: BLE001 - already stopped
                 pass
+
+
+def test_two_admission_hosts_each_route_over_both_gateways_and_survive_one_gateway_gone(tmp_path):
+    """The front door's pair (docs/gateway.md "The front door itself"): two HAProxy processes, one
+    per admission host (here 127.0.0.1 and 127.0.0.2 on one machine), each with the cap and keys and
+    both gateways behind it. Each answers on its own address and routes over both gateways; with one
+    gateway stopped, both go on serving every request (a refused connection is tried on the other
+    gateway). What the lab cannot show: keepalived moving the virtual address between them (one
+    network namespace); its config is checked by keepalived's own parser in tests/unit."""
+    import dataclasses
+
+    from pdops.model.admission import gateway_server
+
+    g1, g2 = _Gateway(free_port()), _Gateway(free_port())
+    g1.start()
+    g2.start()
+    port = free_port()
+    cfg = AdmissionConfig(host="adm1", listen_addr="127.0.0.1", port=port, cap=4, queue=4, queue_timeout_s=30,
+                          overflow_status=429, api_keys_file="(test)",
+                          gateways=(("gw1", "127.0.0.1", g1.port), ("gw2", "127.0.0.1", g2.port)), keys=(KEY_A,),
+                          others=(("adm2", "127.0.0.2"),))
+    other = dataclasses.replace(cfg, host="adm2", listen_addr="127.0.0.2", others=(("adm1", "127.0.0.1"),))
+    assert cfg.hosts == ("adm1", "adm2") and other.url == f"http://127.0.0.2:{port}"
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    procs = []
+    try:
+        procs.append(start_haproxy(cfg, tmp_path / "a", stats_socket=str(tmp_path / "a.sock")))
+        procs.append(start_haproxy(other, tmp_path / "b", stats_socket=str(tmp_path / "b.sock")))
+        for sock in ("a.sock", "b.sock"):
+            wait_until(lambda s=sock: all(_status_of(tmp_path / s, gateway_server(h)).startswith("UP")
+                                          for h in ("gw1", "gw2")), 15, "both gateways UP in HAProxy")
+        for url in (cfg.url, other.url):
+            assert [http("POST", url + "/generate", {"text": "x"}, headers=auth, timeout=5)[0]
+                    for _ in range(6)] == [200] * 6
+        assert g1.served >= 2 and g2.served >= 2, (g1.served, g2.served)  # each HAProxy spreads over both
+        g1.stop()
+        before = g2.served
+        for url in (cfg.url, other.url):
+            assert [http("POST", url + "/generate", {"text": "x"}, headers=auth, timeout=10)[0]
+                    for _ in range(4)] == [200] * 4
+        assert g2.served - before == 8
+    finally:
+        for p in procs:
+            p.kill_all()
+        g2.stop()
+
+
+def _status_of(sock, server: str) -> str:
+    import subprocess
+
+    from pdops.model.admission import runtime_command
+
+    out = subprocess.run(runtime_command("show stat", str(sock)), shell=True, capture_output=True, text=True,
+                         check=True).stdout
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    head = lines[0].lstrip("# ").split(",")
+    px, sv = server.split("/")
+    for ln in lines[1:]:
+        row = dict(zip(head, ln.split(",")))
+        if row.get("pxname") == px and row.get("svname") == sv:
+            return row["status"]
+    raise AssertionError(out)

@@ -128,3 +128,19 @@ def test_no_room_even_at_the_floor_is_refused(tmp_path, state):
     with pytest.raises(Refused) as e:
         sc.plan_scale(inventory(tmp_path, "new", page_size=32), parse_topology("2p1d"), state, allow_capacity_dip=True)
     assert "frees too few" in e.value.message
+
+
+def test_a_flag_sglang_rejects_is_refused_when_the_change_is_planned(tmp_path, state):
+    """The generation is read through SGLang's own flag table: a profile whose command line SGLang
+    would refuse is refused before anything runs, not found when the first wave fails to start."""
+    from pdops.errors import InvalidInput
+
+    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    new = inventory(tmp_path, "new")
+    prof = new.path / "profiles" / "p.yml"
+    doc = yaml.safe_load(prof.read_text())
+    doc["extra_args"] = ["--no-such-sglang-flag"]
+    prof.write_text(yaml.safe_dump(doc))
+    with pytest.raises(InvalidInput) as e:
+        sc.plan_scale(load_inventory(new.path), parse_topology("1p1d"), state)
+    assert "unrecognized arguments: --no-such-sglang-flag" in e.value.message

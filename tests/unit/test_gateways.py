@@ -256,3 +256,105 @@ def test_behind_the_admission_layer_a_crashed_gateway_restarts_only_after_haprox
     assert restart_sec(lab_with(tmp_path, "a", admission=True, hosts=["lab01", "lab02"])) > detect_s
     assert restart_sec(lab_with(tmp_path, "b", hosts=["lab01", "lab02"])) == 1  # no HAProxy to wait for
     assert restart_sec(lab_with(tmp_path, "c", admission=True, host="lab01")) == 1  # alone: back at once
+
+
+def rtx_with(tmp_path, **admission):
+    """The reference fleet (rtx6000d: real hardware, not the lab) with two gateways and `admission`."""
+    import os
+
+    doc = single_file_doc(REPO / "inventory" / "rtx6000d")
+    v = doc["all"]["vars"]
+    v["pdops_gateway"].pop("host", None)
+    v["pdops_gateway"]["hosts"] = ["gpu01", "gpu02"]
+    keys = tmp_path / "rtx.keys"
+    keys.write_text("pdops-unit-case-key-" + "k" * 16 + "\n")
+    os.chmod(keys, 0o600)
+    v["pdops_admission"] = {"api_keys_file": str(keys), **admission}
+    d = tmp_path / "rtx"
+    d.mkdir(exist_ok=True)
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return load_inventory(d)
+
+
+def test_two_admission_hosts_with_a_virtual_address_render_haproxy_and_keepalived_on_each(tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    from pdops.model import admission as adm
+    from pdops.model.render import render_admission_files
+
+    inv = rtx_with(tmp_path, hosts=["gpu01", "gpu02"], vip="10.30.0.100", vrrp_interface="bond0", vrrp_router_id=61)
+    cfg = inv.admission
+    assert cfg.hosts == ("gpu01", "gpu02") and cfg.vip == "10.30.0.100"
+    files = {(f.host, f.path): f for f in render_admission_files(inv, cfg)}
+    for h, prio, peer in (("gpu01", 150, cfg.addr_of("gpu02")), ("gpu02", 100, cfg.addr_of("gpu01"))):
+        text = files[(h, adm.CONFIG_PATH)].content
+        assert f"bind {cfg.addr_of(h)}:8080\n" in text and "bind 10.30.0.100:8080\n" in text
+        assert f"abns@pdops-admission-{cfg.addr_of(h)}-8080" in text  # the permit's socket, per host
+        kc = files[(h, adm.KEEPALIVED_CONFIG)].content
+        assert f"priority {prio}\n" in kc and "virtual_router_id 61\n" in kc and "interface bond0\n" in kc
+        assert "10.30.0.100/32 dev bond0" in kc and f"        {peer}\n" in kc and adm.UNIT in kc
+        assert files[(h, adm.NONLOCAL_BIND_SYSCTL)].content.endswith("net.ipv4.ip_nonlocal_bind = 1\n")
+        conf = tmp_path / f"keepalived-{h}.conf"
+        # the parser also checks that the interface exists (and is not loopback): this machine's own
+        conf.write_text(kc.replace("bond0", next(n for n in sorted(os.listdir("/sys/class/net")) if n != "lo")))
+        exe = shutil.which("keepalived") or "/usr/sbin/keepalived"
+        assert shutil.which(exe), "keepalived missing: bash scripts/setup-system.sh installs it (not started)"
+        # keepalived's own parser (config test only: nothing runs, no address is touched)
+        proc = subprocess.run([exe, "--config-test", "-f", str(conf)], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("admission, field, words", [
+    ({"hosts": ["gpu01"], "vip": "10.30.0.100", "vrrp_interface": "bond0"}, "pdops_admission.vip",
+     "needs two admission hosts"),
+    ({"hosts": ["gpu01", "gpu02"], "vip": "10.30.0.100"}, "pdops_admission.vrrp_interface",
+     "is not a network interface name"),
+    ({"hosts": ["gpu01", "gpu02"], "vip": "not-an-ip", "vrrp_interface": "bond0"}, "pdops_admission.vip",
+     "is not an IP address"),
+    ({"host": "gpu01", "hosts": ["gpu02"]}, "pdops_admission", "both `host` and `hosts` are set"),
+    ({"hosts": ["gpu01", "gpu01"]}, "pdops_admission.hosts", "named more than once"),
+    ({"hosts": ["gpu01"], "vrrp_router_id": 5}, "pdops_admission.vrrp_router_id", "set without `vip`"),
+])
+def test_a_bad_front_door_pair_is_refused_before_anything_runs(tmp_path, admission, field, words):
+    with pytest.raises(InvalidInput) as e:
+        rtx_with(tmp_path, **admission)
+    assert e.value.field == field and words in e.value.message
+
+
+def test_the_lab_refuses_a_virtual_address(tmp_path):
+    """Lab hosts share one network namespace: keepalived would put the address on this machine."""
+    with pytest.raises(InvalidInput) as e:
+        load_inventory(_lab_vip(tmp_path))
+    assert e.value.field == "pdops_admission.vip" and "one network namespace" in e.value.message
+
+
+def _lab_vip(tmp_path):
+    d = lab_with(tmp_path, "vip", admission=True, hosts=["lab01", "lab02"])
+    doc = yaml.safe_load((d / "hosts.yml").read_text())
+    doc["all"]["vars"]["pdops_admission"].update(hosts=["lab01", "lab02"], vip="127.0.10.99", vrrp_interface="lo")
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return d
+
+
+def test_every_admission_host_is_started_restarted_around_and_given_the_keys(tmp_path):
+    """With two HAProxy, every runtime-API step acts on both, and each gets its own start and keys."""
+    import os
+
+    from pdops.ops import admission_keys
+
+    d = lab_with(tmp_path, "two-adm", admission=True, hosts=["lab01", "lab02"])
+    doc = yaml.safe_load((d / "hosts.yml").read_text())
+    doc["all"]["vars"]["pdops_admission"]["hosts"] = ["lab01", "lab02"]
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    inv = load_inventory(d)
+    state = StateDir("lab", tmp_path / "s")
+    plan = dep.plan_deploy(inv, parse_topology("1p1d"), state)
+    assert [(s.name, s.params["host"]) for s in plan.steps if s.kind == "admission"] == [
+        ("admission lab01", "lab01"), ("admission lab02", "lab02")]
+    deployed(inv, state, "1p1d")
+    keys_plan = admission_keys.plan_rotate_keys(inv, state)
+    assert [s.name for s in keys_plan.steps] == ["check-unit lab01", "deliver lab01", "reload lab01", "verify lab01",
+                                                 "check-unit lab02", "deliver lab02", "reload lab02", "verify lab02"]
+    assert os.path.exists(inv.admission.api_keys_file)

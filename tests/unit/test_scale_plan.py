@@ -192,7 +192,7 @@ def test_a_gateway_setting_change_restarts_the_gateway_after_the_instances(lab_i
     assert names.index("register p03") < names.index("gateway-restart") < names.index("verify-running")
     assert "gateway: restarted after the instances" in plan.render()
     step = {s.name: s for s in plan.plan.steps}["gateway-restart"]
-    assert step.params["admission_host"] is None and "admission layer" not in step.description
+    assert step.params["admission_hosts"] == [] and "admission layer" not in step.description
     same = sc.plan_scale(changed, parse_topology("2p1d"), state)
     assert not same.noop and same.plan.step_ids()[-3:] == ["gateway-restart", "verify-running", "record"]
 
@@ -579,7 +579,7 @@ def test_a_gateway_restart_behind_the_admission_layer_keeps_the_gateway_in_servi
     deployed(base, state, "2p1d")
     plan = sc.plan_apply(variant(repo, tmp_path, with_admission(7), name="changed"), parse_topology("2p1d"), state)
     step = {s.name: s for s in plan.plan.steps}["gateway-restart"]
-    assert step.params["admission_host"] == base.admission.host
+    assert step.params["admission_hosts"] == [base.admission.host]
     assert "health check of it paused through the runtime API until the new gateway lists every worker healthy, " \
            "resumed whatever the outcome" in step.description
 

@@ -39,8 +39,8 @@ def _ansible_files(build: Path, files: list[RenderedFile]) -> dict:
 def _units_by_host(pl: Placement, inv: Inventory) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     adm = admission_config(inv)
-    if adm is not None:
-        out.setdefault(adm.host, []).append(ADMISSION_UNIT)
+    for h in adm.hosts if adm is not None else ():
+        out.setdefault(h, []).append(ADMISSION_UNIT)
     for inst in pl.instances:
         for host, unit in inst.units:
             out.setdefault(host, []).append(unit)
@@ -57,6 +57,8 @@ def deliver(inv: Inventory, pl: Placement, files: list[RenderedFile], build: Pat
     extra = {"pdops_engine_python": inv.engine_python, "pdops_sglang_version": SGLANG_VERSION,
              "pdops_mooncake_version": MOONCAKE_VERSION, "pdops_smg_version": SMG_VERSION,
              "pdops_gateway_python": inv.gateway.python, "pdops_gateway_hosts": list(inv.gateway.hosts),
+             "pdops_admission_hosts": list(inv.admission.hosts) if inv.admission else [],
+             "pdops_admission_vip": bool(inv.admission and inv.admission.vip),
              "pdops_files": _ansible_files(build, files), "pdops_remove": remove or {},
              "pdops_units": _units_by_host(pl, inv)}
     t0 = time.monotonic()
@@ -95,24 +97,33 @@ def start_gateway(inv: Inventory, pool: HostPool, gateways: Gateways, node: Gate
     return {"url": node.url, "main_pid": st.main_pid, "unit": GATEWAY_UNIT, "host": node.host}
 
 
-def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 30) -> dict | None:
-    """Start the admission layer (HAProxy) after the gateway; wait until it answers HTTP."""
+def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 30,
+                    host: str | None = None) -> dict | None:
+    """Start the admission layer (HAProxy) on one admission host after the gateways; wait until it
+    answers HTTP."""
     adm = admission_config(inv)
     if adm is None:
         return None
-    pool.run(adm.host, f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
+    host = host or adm.host
+    url = adm.url_of(host)
+    if adm.vip:  # HAProxy binds the virtual address before keepalived holds it here: the sysctl first
+        from pdops.model.admission import NONLOCAL_BIND_SYSCTL
+
+        pool.run(host, f"sysctl -q -p {q(NONLOCAL_BIND_SYSCTL)} && systemctl enable -q keepalived.service && "
+                       "systemctl restart keepalived.service")
+    pool.run(host, f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
     deadline = deadline_in(deadline_s)
     while True:
         try:
-            status, _ = http_json("GET", f"{adm.url}/health", timeout=3)
+            status, _ = http_json("GET", f"{url}/health", timeout=3)
             break  # any HTTP answer (401 without a key) means it serves
         except Unreachable:
             if time.monotonic() > deadline:
-                raise DeployFailed(f"admission layer {ADMISSION_UNIT} on {adm.host} did not answer {adm.url}",
-                                   evidence=pool.journal_tail(adm.host, ADMISSION_UNIT)) from None
+                raise DeployFailed(f"admission layer {ADMISSION_UNIT} on {host} did not answer {url}",
+                                   evidence=pool.journal_tail(host, ADMISSION_UNIT)) from None
             time.sleep(0.3)
-    say(f"  admission layer up: {adm.url} (cap {adm.cap}, queue {adm.queue}; unauthenticated probe got {status})")
-    return {"url": adm.url, "cap": adm.cap, "probe_status": status}
+    say(f"  admission layer up: {url} (cap {adm.cap}, queue {adm.queue}; unauthenticated probe got {status})")
+    return {"url": url, "host": host, "cap": adm.cap, "probe_status": status}
 
 
 def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: float, say: Say,

@@ -80,13 +80,17 @@ def do_front_door_ready(ctx: RunContext, step: Step) -> Outcome:
     from pdops.remote.haproxy import wait_gateways_up
 
     adm = ctx.inv.admission
-    stats = wait_gateways_up(ctx.pool, adm.host, ctx.inv.gateway.hosts, step.deadline)
-    return Outcome(evidence={h: vars(s) for h, s in stats.items()},
-                   verified=[f"the admission layer on {adm.host} sees {', '.join(stats)} UP"])
+    seen = {}
+    for a in adm.hosts:
+        stats = wait_gateways_up(ctx.pool, a, ctx.inv.gateway.hosts, max(ctx.deadline(step) - time.monotonic(), 5))
+        seen[a] = {h: vars(s) for h, s in stats.items()}
+    return Outcome(evidence=seen, verified=[f"the admission layer on {a} sees {', '.join(ctx.inv.gateway.hosts)} UP"
+                                            for a in adm.hosts])
 
 
 def do_admission(ctx: RunContext, step: Step) -> Outcome:
-    ev = start_admission(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline)
+    ev = start_admission(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline,
+                         host=step.params.get("host"))
     return Outcome(evidence=ev, verified=[f"admission layer answering {ev['url']}"])
 
 

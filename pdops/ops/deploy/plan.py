@@ -121,9 +121,10 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps += delivery_steps(inv, pl, files)
     steps += gateway_steps(inv, restart=fresh, what=" with no workers", wait="")
     adm = admission_config(inv)
-    if adm is not None:
-        steps.append(Step("admission", adm.host, f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of "
-                          f"the gateway, wait for {adm.url} to answer", 30, kind="admission", params={"restart": fresh}))
+    for h in adm.hosts if adm is not None else ():
+        steps.append(Step("admission" + (f" {h}" if len(adm.hosts) > 1 else ""), h,
+                          f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of the gateways, wait for "
+                          f"{adm.url_of(h)} to answer", 30, kind="admission", params={"restart": fresh, "host": h}))
     steps += start_steps(inv, pl.instances, restart=fresh, group="start")
     pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode")]
     steps.append(canary_step("canary", pairs, retry_once=False,

@@ -67,7 +67,8 @@ def front_door_step(inv: Inventory) -> list[Step]:
     adm = inv.admission
     if adm is None:
         return []
-    return [Step("front-door", adm.host, f"until the admission layer on {adm.host} sees every gateway "
+    return [Step("front-door", adm.host if len(adm.hosts) == 1 else None, f"until the admission layer on "
+                 f"{', '.join(adm.hosts)} sees every gateway "
                  f"({', '.join(inv.gateway.hosts)}) UP: smg's /readiness answered 200 twice in a row", 30,
                  kind="front-door-ready", verifies="requests through the admission layer reach a gateway")]
 

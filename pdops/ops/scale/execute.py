@@ -36,25 +36,32 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     node = inv.gateway.node(step.params["gateway"])
     client = ctx.gateways.client(node.host)
     old_pid = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
-    adm_host = step.params.get("admission_host")
+    adm_hosts = list(step.params.get("admission_hosts") or [])
+    where = ", ".join(adm_hosts)
     others = [h for h in inv.gateway.hosts if h != node.host]
-    if adm_host and others:
-        stats = gateway_stats(pool, adm_host)
-        up = [h for h in others if h in stats and stats[h].up]
-        if not up:
-            raise Unverified(f"no other gateway is UP in HAProxy ("
-                             f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
-                             f"taking {node.host} out would leave the front door with none; nothing was changed",
-                             fix="`inv status` shows each gateway; repair the others first (inv deploy --topology "
-                                 "<the live one>), then run the change again")
+    up: list[str] = []
+    if adm_hosts and others:
+        for a in adm_hosts:  # every HAProxy must still have another gateway to send to
+            stats = gateway_stats(pool, a)
+            up = [h for h in others if h in stats and stats[h].up]
+            if not up:
+                raise Unverified(f"no other gateway is UP in HAProxy on {a} ("
+                                 f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
+                                 f"taking {node.host} out would leave that front door with none; nothing was changed",
+                                 fix="`inv status` shows each gateway; repair the others first (inv deploy --topology "
+                                     "<the live one>), then run the change again")
         out_cmd, back_cmd = server_state_command(node.host, "drain"), server_state_command(node.host, "ready")
         out_what, back_what = "drain the gateway's server", "set the gateway's server ready"
-    elif adm_host:
-        up = []
+    else:
         out_cmd, back_cmd = health_pause_command(node.host, True), health_pause_command(node.host, False)
         out_what, back_what = "pause its health check of the gateway", "resume its health check of the gateway"
-    if adm_host:
-        runtime(pool, adm_host, out_cmd, out_what)
+
+    def back() -> None:
+        for a in adm_hosts:
+            runtime(pool, a, back_cmd, back_what)
+
+    for a in adm_hosts:
+        runtime(pool, a, out_cmd, out_what)
     t0 = time.monotonic()
     try:
         pool.run(node.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
@@ -68,29 +75,28 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
         for iid in step.params["instances"]:
             client.wait_worker_healthy(ctx.placement.get(iid).url, deadline)
     except BaseException:
-        if adm_host:  # back whatever the restart did: HAProxy's own check judges a gateway really down
-            try:
-                runtime(pool, adm_host, back_cmd, back_what)
-            except PdopsError as exc:
-                ctx.say(f"  also: {exc.message}; fix: {exc.fix}")
+        try:  # back whatever the restart did: HAProxy's own check judges a gateway really down
+            back()
+        except PdopsError as exc:
+            ctx.say(f"  also: {exc.message}; fix: {exc.fix}")
         raise
-    if adm_host:  # back once the new gateway serves: a check in its start-up would mark it DOWN
-        runtime(pool, adm_host, back_cmd, back_what)
-    if adm_host and others:  # in the front door again before the next gateway leaves it
-        wait_gateways_up(pool, adm_host, [node.host], 30)
+    back()  # once the new gateway serves: a check in its start-up would mark it DOWN
+    if adm_hosts and others:  # in the front door again before the next gateway leaves it
+        for a in adm_hosts:
+            wait_gateways_up(pool, a, [node.host], 30)
     ctx.say(f"  gateway{'' if not others else ' on ' + node.host} restarted in {restarted_s}s (MainPID {old_pid} -> "
             f"{st.main_pid}); "
             f"{len(step.params['instances'])} worker(s) healthy and ready again")
     held = []
-    if adm_host and others:
-        held = [f"the admission layer on {adm_host} sent no new request to {node.host} during its restart (server "
+    if adm_hosts and others:
+        held = [f"the admission layer on {where} sent no new request to {node.host} during its restart (server "
                 f"drained, then ready: both acknowledged; {', '.join(up)} UP meanwhile)"]
-    elif adm_host:
-        held = [f"the admission layer on {adm_host} kept the gateway in service through the restart (HAProxy's "
+    elif adm_hosts:
+        held = [f"the admission layer on {where} kept the gateway in service through the restart (HAProxy's "
                 "health check of it paused, then resumed: both acknowledged)"]
     return Outcome(evidence={"gateway": node.host, "old_main_pid": old_pid, "main_pid": st.main_pid,
                              "restart_s": restarted_s, "ready_s": round(time.monotonic() - t0, 2),
-                             **({"admission": f"{out_what}, then {back_what}, on {adm_host}"} if adm_host else {})},
+                             **({"admission": f"{out_what}, then {back_what}, on {where}"} if adm_hosts else {})},
                    verified=[f"gateway on {node.host} restarted from the new files (MainPID {st.main_pid}); every "
                              "instance listed healthy and ready by its /workers again"] + held)
 

@@ -16,35 +16,41 @@ from pdops.remote.hosts import http_json
 from pdops.runner import Outcome, RunContext, Step, register_executors
 
 
-def _set_front_door(ctx: RunContext, adm: str, *, weights: dict[str, int], drain=(), ready=()) -> list[str]:
-    """Weights first, then states: a gateway set to drain takes no new request, one set ready takes
-    its share again once HAProxy's check sees it UP. Returns what was set, for the evidence."""
+def _set_front_door(ctx: RunContext, adms: list[str], *, weights: dict[str, int], drain=(), ready=()) -> list[str]:
+    """On every admission host's HAProxy, weights first, then states: a gateway set to drain takes no
+    new request, one set ready takes its share again once HAProxy's check sees it UP. Returns what
+    was set, for the evidence."""
     done = []
-    for h, w in weights.items():
-        runtime(ctx.pool, adm, server_weight_command(h, w), f"set the weight of gateway {h} to {w}")
-        done.append(f"{h} weight {w}")
-    for h in drain:
-        runtime(ctx.pool, adm, server_state_command(h, "drain"), f"drain gateway {h}")
-        done.append(f"{h} drain")
-    for h in ready:
-        runtime(ctx.pool, adm, server_state_command(h, "ready"), f"set gateway {h} ready")
-        done.append(f"{h} ready")
-    return done
+    for adm in adms:
+        for h, w in weights.items():
+            runtime(ctx.pool, adm, server_weight_command(h, w), f"set the weight of gateway {h} to {w}")
+        for h in drain:
+            runtime(ctx.pool, adm, server_state_command(h, "drain"), f"drain gateway {h}")
+        for h in ready:
+            runtime(ctx.pool, adm, server_state_command(h, "ready"), f"set gateway {h} ready")
+    done += [f"{h} weight {w}" for h, w in weights.items()] + [f"{h} drain" for h in drain]
+    done += [f"{h} ready" for h in ready]
+    return [f"{d} (on {', '.join(adms)})" for d in done]
 
 
 def do_fence_gateway(ctx: RunContext, step: Step) -> Outcome:
     """The new generation's gateway leaves the front door and drops the old pool's workers."""
-    g, others, adm = step.params["gateway"], step.params["others"], step.params["admission_host"]
-    stats = gateway_stats(ctx.pool, adm)
-    up = [h for h in others if h in stats and stats[h].up]
-    if not up:
-        raise Unverified(f"no other gateway is UP in HAProxy ({', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
-                         f"fencing {g} would leave the front door with none; nothing was changed",
-                         fix="`inv status` shows each gateway; repair them first (inv deploy --topology <the live one>)")
-    runtime(ctx.pool, adm, server_state_command(g, "drain"), f"drain gateway {g}")
+    g, others, adms = step.params["gateway"], step.params["others"], step.params["admission_hosts"]
+    adm = ", ".join(adms)
+    for a in adms:
+        stats = gateway_stats(ctx.pool, a)
+        up = [h for h in others if h in stats and stats[h].up]
+        if not up:
+            raise Unverified(f"no other gateway is UP in HAProxy on {a} ("
+                             f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
+                             f"fencing {g} would leave that front door with none; nothing was changed",
+                             fix="`inv status` shows each gateway; repair them first (inv deploy --topology "
+                                 "<the live one>)")
+    for a in adms:
+        runtime(ctx.pool, a, server_state_command(g, "drain"), f"drain gateway {g}")
     ctx.give(step, "fence", {"gateway": g, "dropped": []})
     deadline = ctx.deadline(step)
-    while (left := gateway_stats(ctx.pool, adm)[g].sessions) > 0:
+    while (left := sum(gateway_stats(ctx.pool, a)[g].sessions for a in adms)) > 0:
         if time.monotonic() > deadline:
             raise Unverified(f"gateway {g} still carries {left} request(s) through HAProxy at the deadline")
         time.sleep(0.5)
@@ -93,36 +99,38 @@ def _failures(ctx: RunContext, g: str, ids: list[str]) -> dict[str, float]:
 def do_shift(ctx: RunContext, step: Step) -> Outcome:
     """Move a share of new requests to the new generation's gateway and hold it with the new pool's
     failure counters flat; on a rise, or the gateway not UP, the shift is undone and the step fails."""
-    g, others, adm = step.params["gateway"], step.params["others"], step.params["admission_host"]
+    g, others, adms = step.params["gateway"], step.params["others"], step.params["admission_hosts"]
+    adm = ", ".join(adms)
     pct, hold = int(step.params["percent"]), float(step.params["hold_s"])
     ids = step.params["instances"]
     ctx.get(step, "fence")
     back = {"weights": {g: 0, **{h: 100 for h in others}}, "drain": [g], "ready": others}
     try:
         if step.params.get("first"):
-            runtime(ctx.pool, adm, server_weight_command(g, 0), f"set the weight of gateway {g} to 0")
-            runtime(ctx.pool, adm, server_state_command(g, "ready"), f"set gateway {g} ready")
-            wait_gateways_up(ctx.pool, adm, [g], 30)
+            _set_front_door(ctx, adms, weights={g: 0}, ready=[g])
+            for a in adms:
+                wait_gateways_up(ctx.pool, a, [g], 30)
         base = _failures(ctx, g, ids)
-        _set_front_door(ctx, adm, weights={g: pct, **{h: 100 - pct for h in others}})
+        _set_front_door(ctx, adms, weights={g: pct, **{h: 100 - pct for h in others}})
         ctx.give(step, "shifted", pct)
         t0 = time.monotonic()
-        stats = gateway_stats(ctx.pool, adm)
+        stats = gateway_stats(ctx.pool, adms[0])
         while True:
             now = _failures(ctx, g, ids)
             rose = {k: v - base.get(k, 0.0) for k, v in now.items() if v > base.get(k, 0.0)}
             if rose:
                 raise Unverified(f"the new generation's failure counters rose during the {pct}% shift: "
                                  + ", ".join(f"{k} +{v:g}" for k, v in rose.items()))
-            stats = gateway_stats(ctx.pool, adm)
-            if not stats[g].up:
-                raise Unverified(f"gateway {g} is {stats[g].status} in HAProxy during the {pct}% shift")
+            for a in adms:
+                stats = gateway_stats(ctx.pool, a)
+                if not stats[g].up:
+                    raise Unverified(f"gateway {g} is {stats[g].status} in HAProxy on {a} during the {pct}% shift")
             if time.monotonic() - t0 >= hold:
                 break
             time.sleep(min(1.0, max(0.0, hold - (time.monotonic() - t0))))
     except BaseException:
         try:  # undone whatever failed: every new request to the old generation again
-            _set_front_door(ctx, adm, **back)
+            _set_front_door(ctx, adms, **back)
             ctx.give(step, "shifted", 0)
         except PdopsError as exc:
             ctx.say(f"  also: the shift could not be undone: {exc.message}; fix: {exc.fix}")
@@ -142,13 +150,13 @@ def do_fence_commit(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
-    adm = step.params["admission_host"]
-    done = _set_front_door(ctx, adm, weights=step.params.get("weights", {}), drain=step.params.get("drain", ()),
+    adms = step.params["admission_hosts"]
+    done = _set_front_door(ctx, adms, weights=step.params.get("weights", {}), drain=step.params.get("drain", ()),
                            ready=step.params.get("ready", ()))
     up = list(step.params.get("ready", ()))
-    if up:
-        wait_gateways_up(ctx.pool, adm, up, max(ctx.deadline(step) - time.monotonic(), 5))
-    return Outcome(evidence={"set": done}, verified=[f"HAProxy on {adm}: {'; '.join(done)}"]
+    for a in adms if up else ():
+        wait_gateways_up(ctx.pool, a, up, max(ctx.deadline(step) - time.monotonic(), 5))
+    return Outcome(evidence={"set": done}, verified=[f"HAProxy: {'; '.join(done)}"]
                    + ([f"{', '.join(up)} UP"] if up else []))
 
 
@@ -156,7 +164,7 @@ def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
     """Rescue before `commit`: the fenced gateway serves the old pool again."""
     from pdops.ops.deploy.actions import register_one
 
-    g, adm = step.params["gateway"], step.params["admission_host"]
+    g, adms = step.params["gateway"], step.params["admission_hosts"]
     fenced = ctx.get(step, "fence", None)
     if not fenced:
         return Outcome.noop(f"gateway {g} was not taken out of the front door")
@@ -179,8 +187,9 @@ def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
             failed.append(f"{iid}: {exc.message}")
     if back:
         membership.update_one(ctx.pool, g, add=back)
-    _set_front_door(ctx, adm, weights={g: 100}, ready=[g])
-    wait_gateways_up(ctx.pool, adm, [g], 30)
+    _set_front_door(ctx, adms, weights={g: 100}, ready=[g])
+    for a in adms:
+        wait_gateways_up(ctx.pool, a, [g], 30)
     ev = {"gateway": g, "registered": [i.id for i in back], "not": failed}
     if failed and not back:
         exc = Unverified(f"gateway {g} got none of the old pool back", evidence="\n".join(failed))

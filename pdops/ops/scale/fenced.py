@@ -126,7 +126,7 @@ def plan_fenced(inv: Inventory, cur: Revision, topology: Topology, gen: Generati
         steps.append(ScaleStep("drain", b, (gp, gd), "the old generation, after the front door moved"))
     hold = float(inv.vars.get("pdops_fence_hold_s", DEFAULT_HOLD_S) if hold_s is None else hold_s)
     fence = {"gateway": inv.gateway.hosts[-1], "others": list(inv.gateway.hosts[:-1]), "shifts": list(SHIFTS),
-             "hold_s": hold, "shrink": [i.id for i in shrink], "admission_host": inv.admission.host}
+             "hold_s": hold, "shrink": [i.id for i in shrink], "admission_hosts": list(inv.admission.hosts)}
     plan = ScalePlan(inv, cur, cur_pl, green_pl, files, added=green, removed=list(cur_pl.instances), kept=[],
                      steps=steps, dip=dip, skip_checks=set(skip_checks or ()), seen=seen, generation=gen,
                      cordoned=sorted(avoid), fence=fence,
@@ -161,7 +161,9 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
     from pdops.ops.drain import drain_steps
 
     inv, cur, tgt, f = plan.inv, plan.current, plan.target, plan.fence
-    g, others, adm = f["gateway"], f["others"], f["admission_host"]
+    g, others, adms = f["gateway"], f["others"], f["admission_hosts"]
+    adm = ", ".join(adms)  # where HAProxy runs: each gets the same commands
+    at = adms[0] if len(adms) == 1 else None
     green = list(tgt.instances)
     shrink = [plan.current_placement.get(i) for i in f["shrink"]]
     blue = [i for i in plan.current_placement.instances if i.id not in f["shrink"]]
@@ -182,7 +184,7 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
                     f"(refused unless {', '.join(others)} is UP there), wait until nothing is in flight on it, then "
                     f"out of {g}'s start-up list and DELETE /workers on {g}: every worker of the old pool "
                     f"({', '.join(i.id for i in blue)}); {g} routes to nothing", float(inv.drain_budget_s) + 60,
-                    kind="fence-gateway", params={"gateway": g, "others": others, "admission_host": adm,
+                    kind="fence-gateway", params={"gateway": g, "others": others, "admission_hosts": adms,
                                                    "instances": [i.id for i in blue]}))
     out += start_steps(inv, green, restart=False, group="start new pool" if len(green) > 1 else None)
     pairs = [(p.id, d.id) for p in tgt.role("prefill") for d in tgt.role("decode")]
@@ -192,21 +194,21 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
     for pct in f["shifts"]:
         share = (f"{g} weight {pct}, {', '.join(others)} weight {100 - pct}" if pct < 100
                  else f"{g} weight 100, {', '.join(others)} weight 0 (no new request)")
-        out.append(Step(f"shift {pct}%", adm, f"HAProxy on {adm}: {share}" + (f"; {g} set ready first and waited UP"
+        out.append(Step(f"shift {pct}%", at, f"HAProxy on {adm}: {share}" + (f"; {g} set ready first and waited UP"
                         if pct == f["shifts"][0] else "") + f"; hold {f['hold_s']:g}s: the new pool's transfer and "
                         f"bootstrap failure counters and {g}'s PD failure counters must not rise, else the shift is "
                         f"undone ({g} drained, {', '.join(others)} back at weight 100) and the change fails",
                         f["hold_s"] + 60, kind="shift",
-                        params={"gateway": g, "others": others, "admission_host": adm, "percent": pct,
+                        params={"gateway": g, "others": others, "admission_hosts": adms, "percent": pct,
                                 "hold_s": f["hold_s"], "first": pct == f["shifts"][0],
                                 "instances": [i.id for i in green]}))
     out.append(Step("commit", None, f"the whole front door is on the new generation (gateway {g}): from here the old "
                     "pool drains, and a failure leaves the new generation serving", 5, kind="fence-commit"))
     out += drains(blue, "drain")
     out += register_steps(inv, green, group="join" if len(green) > 1 else None, gateways=others, prefix="join ")
-    out.append(Step("front-door open", adm, f"HAProxy on {adm}: every gateway ({', '.join(inv.gateway.hosts)}) ready at "
+    out.append(Step("front-door open", at, f"HAProxy on {adm}: every gateway ({', '.join(inv.gateway.hosts)}) ready at "
                     "weight 100", 60, kind="front-door-set",
-                    params={"admission_host": adm, "weights": {h: 100 for h in inv.gateway.hosts},
+                    params={"admission_hosts": adms, "weights": {h: 100 for h in inv.gateway.hosts},
                             "ready": list(inv.gateway.hosts)}))
     out += front_door_step(inv)
     out.append(verify_running_step(tgt, inv, plan.files))
@@ -224,11 +226,13 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
     from pdops.ops.scale.steps import rescue_steps
 
     inv, f = plan.inv, plan.fence
-    g, others, adm = f["gateway"], f["others"], f["admission_host"]
+    g, others, adms = f["gateway"], f["others"], f["admission_hosts"]
+    adm = ", ".join(adms)  # where HAProxy runs: each gets the same commands
+    at = adms[0] if len(adms) == 1 else None
     base = {s.kind: s for s in rescue_steps(plan)}
-    out = [Step("front-door back", adm, f"HAProxy on {adm}: {g} drained at weight 0, {', '.join(others)} ready at "
+    out = [Step("front-door back", at, f"HAProxy on {adm}: {g} drained at weight 0, {', '.join(others)} ready at "
                 "weight 100: every new request goes to the old generation", 60, kind="front-door-set",
-                params={"admission_host": adm, "weights": {g: 0, **{h: 100 for h in others}}, "drain": [g],
+                params={"admission_hosts": adms, "weights": {g: 0, **{h: 100 for h in others}}, "drain": [g],
                         "ready": others}, when=("committed", False))]
     if "undo-added" in base:
         out.append(base["undo-added"])
@@ -238,16 +242,16 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
         out.append(rs)
     out.append(Step("unfence", g, f"{g} gets the old pool's workers back (those serving: registered, in its start-up "
                     f"list), then HAProxy on {adm} sets it ready at weight 100", 120, kind="unfence-gateway",
-                    params={"gateway": g, "admission_host": adm,
+                    params={"gateway": g, "admission_hosts": adms,
                             "instances": [i.id for i in plan.current_placement.instances]},
                     when=("committed", False)))
     joins = register_steps(inv, list(plan.target.instances), group=None, gateways=others, prefix="rescue join ")
     for s in joins:
         s.when = ("committed", True)
     out += joins
-    out.append(Step("rescue front-door open", adm, f"HAProxy on {adm}: every gateway ready at weight 100 (the new "
+    out.append(Step("rescue front-door open", at, f"HAProxy on {adm}: every gateway ready at weight 100 (the new "
                     "generation serves through each)", 60, kind="front-door-set",
-                    params={"admission_host": adm, "weights": {h: 100 for h in inv.gateway.hosts},
+                    params={"admission_hosts": adms, "weights": {h: 100 for h in inv.gateway.hosts},
                             "ready": list(inv.gateway.hosts)}, when=("committed", True)))
     out.append(base["record-halt"])
     return out

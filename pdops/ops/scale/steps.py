@@ -92,11 +92,14 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if plan.gateway_restart:
         out += gateway_restart_steps(inv, [i.id for i in tgt.instances])
     if plan.admission_reload:
-        host = inv.admission.host
-        out.append(Step("admission-check", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
-                        kind="admission-check", params={"keys": False}))
-        out.append(Step("admission-reload", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: old "
-                        "workers finish their streams); the master MainPID must stay", 60, kind="admission-reload"))
+        hosts = inv.admission.hosts
+        for host in hosts:
+            tag = f" {host}" if len(hosts) > 1 else ""
+            out.append(Step(f"admission-check{tag}", host, f"{ADMISSION_UNIT} is active; its master's MainPID", 30,
+                            kind="admission-check", params={"keys": False, "host": host}))
+            out.append(Step(f"admission-reload{tag}", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: "
+                            "old workers finish their streams); the master MainPID must stay", 60,
+                            kind="admission-reload", params={"host": host}))
     rep = plan.repair or {}
     if rep and plan.current_placement.get(rep["instance"]).role == "decode":
         # the halves the ended decode process left on the prefills wait for a side that is gone
@@ -119,12 +122,13 @@ def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
     out = []
     for node in inv.gateway.nodes:
         held = ""
+        where = ", ".join(adm.hosts) if adm else ""
         if adm and several:
-            held = (f"; first its server in the admission layer on {adm.host} is set to drain (refused unless "
+            held = (f"; first its server in the admission layer on {where} is set to drain (refused unless "
                     "another gateway is UP there): no new request goes to it, those on it finish; set ready "
                     "again once it lists every worker, whatever the outcome")
         elif adm:
-            held = (f"; the admission layer on {adm.host} keeps the gateway in service meanwhile "
+            held = (f"; the admission layer on {where} keeps the gateway in service meanwhile "
                     "(HAProxy's health check of it paused through the runtime API until the new gateway "
                     "lists every worker healthy, resumed whatever the outcome; refused connections retried)")
         out.append(Step("gateway-restart" + (f" {node.host}" if several else ""), node.host,
@@ -133,7 +137,7 @@ def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
                         f"worker of its start-up list; wait until /workers lists each healthy and ready" + held,
                         gateway_grace_s(inv) + 120, kind="gateway-restart",
                         params={"gateway": node.host, "instances": list(instances),
-                                "admission_host": adm.host if adm else None}))
+                                "admission_hosts": list(adm.hosts) if adm else []}))
     return out
 
 
