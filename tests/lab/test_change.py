@@ -161,7 +161,7 @@ def test_an_sglang_upgrade_is_a_change_of_generation_refused_where_it_cannot_be_
     before, rev = main_pids(live), record(live).current()
     for args in (("--dry-run",), ()):
         proc = pinned("deploy", "--topology", "2p2d", *args)
-        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert proc.returncode == 4, proc.stdout + proc.stderr  # refused
         assert "alters the generation (SGLang version 0.5.23 -> 0.5.24)" in proc.stderr, proc.stderr
         assert "pdops_gateway.hosts" in proc.stderr and "--unfenced" in proc.stderr, proc.stderr
     assert main_pids(live) == before and record(live).current() == rev
@@ -250,7 +250,9 @@ def test_a_host_added_then_taken_to_maintenance_and_back(lab, tmp_path):
 
 
 def test_a_bundle_that_fails_to_start_halts_and_rollback_restores_the_recorded_files(lab, tmp_path):
-    """The first wave's new processes fail (a flag SGLang rejects): the rollout halts, the instances
+    """The first wave's new processes fail (a bundle whose --mem-fraction-static leaves no room for the
+    KV pool: the engine exits at start, as SGLang does; a flag SGLang rejects is refused at planning
+    now, before anything runs, by the generation's parse of every rendered command line): the rollout halts, the instances
     not yet replaced keep serving the old revision (same MainPIDs), the journal and a `partial`
     revision name what changed; `inv rollback` returns to the previous revision's recorded files even
     though the inventory on disk still names the bad bundle."""
@@ -262,7 +264,7 @@ def test_a_bundle_that_fails_to_start_halts_and_rollback_restores_the_recorded_f
     before = main_pids(inv_dir)
     p = inv_dir / "profiles" / "p.yml"
     prof = yaml.safe_load(p.read_text())
-    prof["extra_args"] = ["--no-such-sglang-flag"]
+    prof["bundle"]["mem_fraction_static"] = 0.05
     p.write_text(yaml.safe_dump(prof))
     inv = load_inventory(inv_dir)
     with Load(inv.gateway.first.url) as load:
