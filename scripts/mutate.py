@@ -75,6 +75,15 @@ MUTATIONS = (
     Mutation("verify: a MainPID outside its unit's cgroup passes", "_cgroup_problems",
              ("tests/unit/test_verify_checks.py",),
              old="elif str(pid) not in procs.get(u, []):", new="elif False:"),
+    Mutation("generation: a change of generation counts as none (rolled in waves)", "GenerationChange.changes",
+             ("tests/unit/test_fenced.py",), body="return False"),
+    Mutation("sim: a prefill and a decode of two generations pair", "mismatch",
+             ("tests/sim/test_sim_generation.py", "tests/unit/test_generation.py"), body="return None"),
+    Mutation("gateways: a gateway that does not route to an instance is not seen", "InstanceObservation.gateway_problems",
+             ("tests/unit/test_gateways.py",), body="return {}"),
+    Mutation("front door: every gateway taken as UP in HAProxy without reading it", "wait_gateways_up",
+             ("tests/lab/test_gateways_lab.py::test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it",),
+             body="return {}"),
 )
 
 
