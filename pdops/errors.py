@@ -116,3 +116,16 @@ def exit_statuses() -> dict[int, str]:
             raise AssertionError(f"exit status {cls.exit_code} means both {prev!r} and {cls.kind!r}")
         table[cls.exit_code] = cls.kind
     return dict(sorted(table.items()))
+
+
+def one_of(names, value: object, what: str = "host", shown: int = 3, of: str = "this inventory") -> str:
+    """A fix that names a few valid choices, the closest to `value` first, and how many there are:
+    readable for a 256-host inventory, where listing every name is not."""
+    import difflib
+
+    names = list(names)
+    if len(names) <= shown + 2:
+        return f"use one of: {', '.join(names)}"
+    close = difflib.get_close_matches(str(value), names, n=shown, cutoff=0.0) if isinstance(value, str) else []
+    picks = close or names[:shown]
+    return f"use one of the {len(names)} {what}s of {of} (closest: {', '.join(picks)})"

@@ -28,7 +28,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdops.errors import InvalidInput
+from pdops.errors import InvalidInput, one_of
 
 VAR = "pdops_admission"
 # In /etc/pdops (root, 0700, made by prepare.yml): deploy.yml creates no directory. HAProxy's
@@ -347,8 +347,7 @@ def _admission_hosts(raw: dict, inv) -> list[str]:
     for h in val:
         if h not in names:
             raise InvalidInput(field_name, f"{h!r} is not a host of this inventory",
-                               fix=f"use a host of the inventory (default: the gateway host); {len(names)} hosts, "
-                                   f"e.g. {', '.join(names[:3])}")
+                               fix=one_of(names, h) + " (default: the first gateway host)")
     if len(set(val)) != len(val):
         raise InvalidInput(field_name, "a host is named more than once", fix="one HAProxy per host: name each once")
     return list(val)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pdops.errors import InvalidInput
+from pdops.errors import InvalidInput, one_of
 from pdops.model.inventory import Host, Inventory
 from pdops.model.topology import Topology
 
@@ -72,8 +72,9 @@ class Placement:
         for inst in self.instances:
             if inst.id == instance_id:
                 return inst
-        known = ", ".join(i.id for i in self.instances) or "none"
-        raise InvalidInput("--instance", f"no instance {instance_id!r} in this placement", fix=f"use one of: {known}")
+        raise InvalidInput("--instance", f"no instance {instance_id!r} in this placement",
+                           fix=one_of([i.id for i in self.instances], instance_id, "instance", of="this placement") if self.instances
+                           else "this placement has no instance")
 
     def role(self, role: str) -> tuple[Instance, ...]:
         return tuple(i for i in self.instances if i.role == role)

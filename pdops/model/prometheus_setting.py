@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdops.errors import InvalidInput
+from pdops.errors import InvalidInput, one_of
 
 VAR = "pdops_prometheus"
 DEFAULT_TARGETS_DIR = "/etc/prometheus/file_sd"
@@ -36,7 +36,7 @@ def parse_prometheus(all_vars: dict, host_names: list[str]) -> PrometheusConfig 
     host = raw.get("host")
     if host not in host_names:
         raise InvalidInput(f"{VAR}.host", f"{host!r} is not a host of this inventory",
-                           fix=f"one of: {', '.join(host_names)} (pdops delivers the target file there over SSH)")
+                           fix=one_of(host_names, host) + " (pdops delivers the target file there over SSH)")
     d = raw.get("targets_dir", DEFAULT_TARGETS_DIR)
     if not isinstance(d, str) or not d.startswith("/") or any(c in d for c in "\n\0") or ".." in d.split("/"):
         raise InvalidInput(f"{VAR}.targets_dir", f"{d!r} is not an absolute directory path", fix=fix)

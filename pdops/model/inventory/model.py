@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 
-from pdops.errors import InvalidInput
+from pdops.errors import InvalidInput, one_of
 
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
@@ -155,7 +155,7 @@ class Gateway:
             if n.host == host:
                 return n
         raise InvalidInput("gateway", f"{host!r} runs no gateway of this cluster",
-                           fix=f"use one of: {', '.join(self.hosts)}")
+                           fix=one_of(self.hosts, host, "gateway"))
 
 
 DEFAULT_STATE_DIR = "/var/lib/pdops/state"
@@ -225,7 +225,7 @@ class Inventory:
         for h in self.hosts:
             if h.name == name:
                 return h
-        raise InvalidInput("host", f"unknown host {name!r}", fix=f"use one of: {', '.join(h.name for h in self.hosts)}")
+        raise InvalidInput("host", f"unknown host {name!r}", fix=one_of([h.name for h in self.hosts], name))
 
     @property
     def gateway_binary(self) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdops.model.admission import parse_admission
-from pdops.errors import InvalidInput
+from pdops.errors import InvalidInput, one_of
 from pdops.model.prometheus_setting import parse_prometheus
 
 from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
@@ -91,17 +90,6 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
     )
     return dataclasses.replace(inv, admission=parse_admission(all_vars, inv),
                                prometheus=parse_prometheus(all_vars, [h.name for h in hosts]))
-
-
-def one_of(names, value: object, what: str = "host", shown: int = 3) -> str:
-    """A fix that names a few valid choices, the closest to `value` first, and how many there are:
-    readable for a 256-host inventory, where listing every name is not."""
-    names = list(names)
-    if len(names) <= shown + 2:
-        return f"use one of: {', '.join(names)}"
-    close = difflib.get_close_matches(str(value), names, n=shown, cutoff=0.0) if isinstance(value, str) else []
-    picks = close or names[:shown]
-    return f"use one of the {len(names)} {what}s of this inventory (closest: {', '.join(picks)})"
 
 
 def _gateway_hosts(gv: dict, names: dict) -> list[str]:
