@@ -193,18 +193,22 @@ def test_a_planned_restart_of_every_gateway_turns_no_request_away(lab, cluster):
     _never_twice(lab, inv_dir, "scale-load")
 
 
-def _bounded_by_what_was_in_flight(rows, at: float, what: str) -> list:
-    """What failed is at most what was in flight at `at` (started before, not ended by then); every
-    request that started after `at` was served; returns the failed rows."""
+def _bounded_by_what_was_in_flight(rows, at: float, what: str, until: float | None = None) -> list:
+    """What failed is at most what was in flight when it died, somewhere in [`at`, `until`] (the
+    command that kills was sent at `at` and had returned at `until`: the death lands in between):
+    every failed request started before `until` and had not ended by `at`, and every request that
+    started after `until` was served; returns the failed rows."""
+    until = at if until is None else until
     failed = [r for r in rows if not r.ok]
-    in_flight = [r for r in rows if r.start < at and (r.end or 0) > at]
-    print(f"{what}: {len(rows)} requests, {len(in_flight)} in flight at that moment, {len(failed)} failed")
+    in_flight = [r for r in rows if r.start < until and (r.end or 0) > at]
+    print(f"{what}: {len(rows)} requests, {len(in_flight)} in flight at that moment "
+          f"(a window of {until - at:.2f}s), {len(failed)} failed")
     for r in failed:
         print(f"  failed {r.rid}: started {r.start - at:+.2f}s, ended {(r.end or at) - at:+.2f}s, "
               f"HTTP {r.http_status}, {r.status}: {str(r.error)[:160]}")
-    assert all(r.start < at for r in failed), [r.to_dict() for r in failed if r.start >= at][:3]
+    assert all(r.start < until for r in failed), [r.to_dict() for r in failed if r.start >= until][:3]
     assert len(failed) <= len(in_flight), (len(failed), len(in_flight))
-    assert [r for r in rows if r.start >= at], "no request was sent after it"
+    assert [r for r in rows if r.start >= until], "no request was sent after it"
     return failed
 
 
@@ -222,12 +226,18 @@ def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab,
         # the kill lands on streams HAProxy has in flight on lab04 (the rows say which)
         _wait(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
         pid = _main_pid(lab, "lab04")
-        killed_at = time.time()
-        _run(lab, "lab04", f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
+        c = lab.connection("lab04")
+        try:
+            c.open()  # the SSH handshake before the clock starts: the window is one command's round trip
+            killed_at = time.time()
+            c.run(f"kill -KILL {pid}", hide=True)  # by the unit's MainPID, as a crash would
+            kill_sent = time.time()
+        finally:
+            c.close()
         back_s = _wait(lambda: _routable(inv)["lab04"] == urls, 60, "lab04 routing to every worker again")
         t.join(timeout=90)
     print(f"\ngateway lab04 SIGKILL -> every worker routable on it again in {back_s:.1f}s")
-    _bounded_by_what_was_in_flight(rows, killed_at, "SIGKILL of gateway lab04 under load")
+    _bounded_by_what_was_in_flight(rows, killed_at, "SIGKILL of gateway lab04 under load", kill_sent)
     _never_twice(lab, inv_dir, "gw-kill")
     # decided from observation: verify names the restarted gateway, one deploy records it
     proc = cli(inv_dir, "verify")
@@ -241,29 +251,132 @@ def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab,
 def test_a_gateway_host_down_turns_away_at_most_what_was_in_flight_on_it(lab, cluster):
     """The whole host of one gateway powers off under load: the other gateway serves every request
     sent after it; `inv status` names the gateway that is down; once the host is back, one deploy
-    starts it and registers every worker there."""
+    starts it and registers every worker there.
+
+    Runbook docs/runbooks/gateway-host-lost.md, its commands in its order: `inv status` (exit 1, the
+    gateway row and the line under the table), `inv verify` (exit 5, naming the gateway), `inv deploy`
+    while the host is still down (refused: exit 3, nothing changed), then with the host back `inv
+    deploy --dry-run` (the repair plan), `inv deploy` (starts it, registers every worker there),
+    `inv verify` (exit 0), `inv status` (exit 0)."""
     from pdops import lab as lab_api
 
     inv_dir, _ = cluster
     inv = load_inventory(inv_dir)
+    rev_before = record(inv_dir).current()
     with cpu_hog():
         t, rows = _load(inv.admission.url, 14, "gw-host")
         _streams_running(inv_dir)
         _wait(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
         down_at = time.time()
         lab_api.down(hosts=[4])
+        gone_at = time.time()
         t.join(timeout=90)
     try:
-        _bounded_by_what_was_in_flight(rows, down_at, "lab04 (a gateway's host) powered off under load")
+        _bounded_by_what_was_in_flight(rows, down_at, "lab04 (a gateway's host) powered off under load", gone_at)
+        # runbook 1: inv status
+        st = cli(inv_dir, "status")
+        print(f"\n$ inv status (lab04 down): exit {st.returncode}\n{st.stdout}{st.stderr}")
+        assert st.returncode == 1, st.stdout + st.stderr
+        gw4 = inv.gateway.node("lab04").url
+        assert f"gateway {inv.gateway.node('lab03').url} on lab03: active/running" in st.stdout, st.stdout
+        assert f"gateway {gw4} on lab04: unknown, MainPID None, 0 workers: down" in st.stdout, st.stdout
+        assert "gateway lab04 down: unreadable" in st.stdout and "Unable to connect to port 22" in st.stdout
+        assert "  -> inv deploy --topology 2p1d (starts it and registers every worker" in st.stdout, st.stdout
+        assert "3/3 instances registered and healthy; not ok: gateway lab04" in st.stdout, st.stdout
+        assert "warning:" not in st.stdout, st.stdout
         doc = _status(inv_dir)
         gws = {g["host"]: g for g in doc["gateways"]}
         assert gws["lab03"]["state"] == "ok" and gws["lab04"]["state"] in ("down", "unknown"), gws
         assert all(r["state"] == "ok" for r in doc["instances"]), doc["instances"]
+        # runbook 2: inv verify fails, naming the gateway
+        v = cli(inv_dir, "verify")
+        assert v.returncode == 5, v.stdout + v.stderr
+        assert "lab04 read: failed" in v.stderr and f"gateway {GATEWAY_UNIT} on lab04: unreadable" in v.stderr, v.stderr
+        assert "fix: `inv deploy --topology <the live one>` repairs" in v.stderr, v.stderr
+        # runbook 3: a deploy before the host is back cannot reach it: nothing changed
+        d = cli(inv_dir, "deploy", "--topology", "2p1d")
+        assert d.returncode == 3 and "unreachable: cannot reach lab04" in d.stderr, d.stdout + d.stderr
+        assert "fix: check the hosts and SSH; nothing was changed" in d.stderr, d.stderr
+        assert record(inv_dir).current() == rev_before
     finally:
         lab.ensure_up()
+    # runbook 4: the host is back: the repair plan, then the repair
+    dry = cli(inv_dir, "deploy", "--topology", "2p1d", "--dry-run")
+    assert dry.returncode == 0 and "plan: repair revision" in dry.stdout, dry.stdout + dry.stderr
+    assert f"gateway {GATEWAY_UNIT} on lab04: inactive/dead" in dry.stdout, dry.stdout
+    assert "gateway lab04 — [lab04] start pdops-gateway.service" in dry.stdout, dry.stdout
+    assert "on each of the 2 gateways (lab03, lab04)" in dry.stdout, dry.stdout
     proc = cli(inv_dir, "deploy", "--topology", "2p1d")
     assert proc.returncode == 0 and "gateway lab04" in proc.stdout, proc.stdout + proc.stderr
+    assert f"gateway up on lab04: {gw4}" in proc.stdout, proc.stdout
+    assert "listed healthy and ready by the /workers of each of the 2 gateways" in proc.stdout, proc.stdout
+    assert "verified: the admission layer on lab03 sees lab03, lab04 UP" in proc.stdout, proc.stdout
     urls = {i.url for i in Placement.from_dict(record(inv_dir).current_revision().placement).instances}
     assert _routable(inv)["lab04"] == urls
     _never_twice(lab, inv_dir, "gw-host")
+    # runbook 5: verify and status
+    assert cli(inv_dir, "verify").returncode == 0
+    st = cli(inv_dir, "status")
+    assert st.returncode == 0 and "3/3 instances registered and healthy; all ok" in st.stdout, st.stdout + st.stderr
+    assert f"gateway {gw4} on lab04: active/running" in st.stdout, st.stdout
+
+
+def test_a_gateway_host_gone_for_good_is_taken_out_of_the_inventory(lab, cluster):
+    """Runbook docs/runbooks/gateway-host-lost.md, "Gone for good", its commands in order: lab04
+    powers off and stays off; the operator takes it out of `pdops_gateway.hosts` and out of the
+    inventory; `inv deploy --dry-run` plans a change of the other gateway's files (its unit's
+    RestartSec, the admission layer's server list) and names nothing on lab04; `inv deploy`, under
+    load through the front door, restarts the remaining gateway (HAProxy's check paused) and reloads
+    HAProxy without gw-lab04: no request fails; `inv status` warns of the single point of failure;
+    `inv verify` passes. When the host comes back its gateway unit is still enabled with its old
+    start-up list (pdops no longer manages it): `systemctl disable --now` it there. The module's last
+    test: it leaves the cluster with one gateway."""
+    import yaml
+
+    from pdops import lab as lab_api
+
+    inv_dir, _ = cluster
+    inv = load_inventory(inv_dir)
+    lab_api.down(hosts=[4])
+    try:
+        hosts = inv_dir / "hosts.yml"
+        doc = yaml.safe_load(hosts.read_text())
+        doc["all"]["vars"]["pdops_gateway"]["hosts"] = ["lab03"]
+        doc["all"]["children"]["gpu_hosts"]["hosts"].pop("lab04")
+        hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
+        dry = cli(inv_dir, "deploy", "--topology", "2p1d", "--dry-run")
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        assert "added:   none" in dry.stdout and "removed: none" in dry.stdout, dry.stdout
+        assert ("gateway: restarted after the instances (2 of its files change: lab03:/etc/pdops/gateway.env changed; "
+                "lab03:/etc/systemd/system/pdops-gateway.service changed)") in dry.stdout, dry.stdout
+        assert ("admission layer: reloaded gracefully at the end (HAProxy's master stays, old workers finish their "
+                "streams): lab03:/etc/pdops/pdops-admission.cfg changed") in dry.stdout, dry.stdout
+        assert "kept:    p01, p02, d01" in dry.stdout, dry.stdout
+        assert "lab04" not in dry.stdout, dry.stdout  # the planner says nothing of the host taken out
+        with Load(inv.admission.url, headers={"Authorization": f"Bearer {KEY}"}) as load:
+            proc = cli(inv_dir, "deploy", "--topology", "2p1d")
+        print(f"\ngateway host taken out of the inventory, the other gateway restarted under load: "
+              f"{len(load.rows)} requests, {sum(not r.ok for r in load.rows)} failed")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "gateway restarted in" in proc.stdout and "3 worker(s) healthy and ready again" in proc.stdout
+        assert "verified: the admission layer on lab03 kept the gateway in service through the restart" in proc.stdout
+        assert "verified: pdops-admission.service reloaded gracefully" in proc.stdout, proc.stdout
+        load.assert_clean()
+        cfg = _run(lab, "lab03", "cat /etc/pdops/pdops-admission.cfg")
+        assert [ln.split()[1] for ln in cfg.splitlines() if ln.strip().startswith("server gw-")] == ["gw-lab03"], cfg
+        assert _main_pid(lab, "lab03") and "RestartSec=1" in _run(lab, "lab03", f"systemctl cat {GATEWAY_UNIT}")
+        st = cli(inv_dir, "status")
+        assert st.returncode == 0 and "3/3 instances registered and healthy; all ok" in st.stdout, st.stdout + st.stderr
+        assert "warning: single point of failure: one gateway (lab03)" in st.stdout, st.stdout
+        assert "lab04" not in st.stdout, st.stdout
+        v = cli(inv_dir, "verify")
+        assert v.returncode == 0 and "on 3 host(s)" in v.stdout, v.stdout + v.stderr
+    finally:
+        lab.ensure_up()
+    # the host came back: its gateway unit is still enabled (a real host would start it at boot and
+    # register every worker of its old start-up list); nothing routes to it, pdops no longer reads it
+    assert _run(lab, "lab04", f"systemctl is-enabled {GATEWAY_UNIT}").strip() == "enabled"
+    assert '"instance": "d01"' in _run(lab, "lab04", "cat /etc/pdops/gateway-workers.json")
+    _run(lab, "lab04", f"systemctl disable --now {GATEWAY_UNIT}")
+    assert _run(lab, "lab04", f"systemctl is-enabled {GATEWAY_UNIT}").strip() == "disabled"
     assert cli(inv_dir, "verify").returncode == 0

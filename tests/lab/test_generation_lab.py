@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import Counter
 
@@ -127,7 +128,9 @@ def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving
         proc = cli(inv_dir, "deploy", "--topology", "1p1d")
     assert proc.returncode != 0 and "canary new pool" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
+    assert proc.returncode == 9 and "scale stopped: canary failed for p02 x d02" in proc.stderr, out
     assert f"current revision unchanged: {rev0}" in out, out
+    assert "undone: d02 (never registered; stopped, verified), p02 (never registered; stopped, verified)" in out, out
     bad = [r.to_dict() for r in load.rows if not r.ok]
     assert load.rows and not bad, bad[:3]
     urls = {i.url for i in before.instances}
@@ -137,16 +140,54 @@ def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving
     steps = {r["step"]: r["status"] for r in j.read(op)}
     assert steps.get("front-door back") == "ok" and steps.get("unfence") == "ok", steps
     assert steps.get("undo-added") == "ok", steps
+    # runbook "A failure": the journal of the operation, then verify and status
+    jr = cli(inv_dir, "journal", "--op", op)
+    assert jr.returncode == 0, jr.stdout + jr.stderr
+    for s in ("canary new pool", "front-door back", "undo-added", "unfence"):
+        assert f" {s}  " in jr.stdout, (s, jr.stdout)
     _never_twice(lab, inv_dir, "gen-halt")
     assert cli(inv_dir, "verify").returncode == 0
+    st = cli(inv_dir, "status")
+    assert st.returncode == 0 and "all ok" in st.stdout, st.stdout + st.stderr
 
 
 def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
+    """Runbook docs/runbooks/generation-change.md, its commands in order: `inv status` (the
+    prerequisites: two gateways ok, no warning), `inv deploy --dry-run` (the generation line, `rolled
+    fenced`, the steps), `inv deploy` under load with a core busy while `inv status` is read over and
+    over (what on-call sees during the rollout), then `inv journal --op` (the shifts and their hold),
+    `inv verify`, `inv status`, and `inv rollback --dry-run` (refused across generations)."""
     inv_dir = cluster
     inv = load_inventory(inv_dir)
+    st = cli(inv_dir, "status")
+    assert st.returncode == 0 and "all ok" in st.stdout and "warning:" not in st.stdout, st.stdout + st.stderr
+    for h in GATEWAYS:
+        assert f"on {h}: active/running" in st.stdout, st.stdout
+    rev0 = record(inv_dir).current_revision().number
     _set_page_size(inv_dir, 32)
+    dry = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert re.search(r"generation: [0-9a-f]{12} -> [0-9a-f]{12} \(page size unset -> 32\): a prefill of one and a "
+                     r"decode of the other cannot exchange KV", dry.stdout), dry.stdout
+    assert "rolled fenced (blue/green): the generation changes (page size unset -> 32)" in dry.stdout, dry.stdout
+    for s in ("fence", "shift 10%", "shift 50%", "shift 100%", "commit", "join register p02", "front-door open"):
+        assert f" {s} — " in dry.stdout, (s, dry.stdout)
+    assert "only if not committed" in dry.stdout, dry.stdout
+    seen: list = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            p = cli(inv_dir, "status")
+            seen.append((p.returncode, p.stdout))
+    watcher = threading.Thread(target=watch, daemon=True)
     with cpu_hog(), _Loop(inv.admission.url, "gen-fenced") as load:
-        proc = cli(inv_dir, "deploy", "--topology", "1p1d")
+        watcher.start()
+        try:
+            proc = cli(inv_dir, "deploy", "--topology", "1p1d")
+        finally:
+            done.set()
+            watcher.join(timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for s in ("fence", "shift 10%", "shift 50%", "shift 100%", "commit", "front-door open"):
         assert f" {s} — " in proc.stdout, (s, proc.stdout)
@@ -154,12 +195,33 @@ def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
     print(f"\nfenced generation change under load, one core busy: {len(load.rows)} requests, {len(failed)} failed")
     assert len(load.rows) >= 12 and not failed, failed[:3]
     _never_twice(lab, inv_dir, "gen-fenced")
+    print(f"`inv status` read {len(seen)} time(s) during the rollout; exit statuses {[rc for rc, _ in seen]}")
+    assert seen and all(rc in (0, 1) for rc, _ in seen), seen
+    during = [out for rc, out in seen if rc == 1]
+    assert during and all(out.startswith("lock: held by") and "running 'scale'" in out for out in during), during
+    assert any("gateway lab04 degraded: " in out and "does not route to p01, d01" in out for out in during), during
     live = _live(inv_dir)
     urls = {i.url for i in live.instances}
     assert _routes(inv_dir) == {h: urls for h in GATEWAYS}
+    j = record(inv_dir).journal()
+    op = [o for o in j.operations() if o.startswith("scale-")][-1]
+    ops = cli(inv_dir, "journal")
+    assert ops.returncode == 0 and op in ops.stdout, ops.stdout + ops.stderr
+    jr = cli(inv_dir, "journal", "--op", op)
+    assert jr.returncode == 0, jr.stdout + jr.stderr
+    for s in ("fence", "shift 10%", "shift 50%", "shift 100%", "commit", "front-door open"):
+        assert f" {s}  " in jr.stdout, (s, jr.stdout)
+    assert cli(inv_dir, "verify").returncode == 0
+    st = cli(inv_dir, "status")
+    assert st.returncode == 0 and "all ok" in st.stdout, st.stdout + st.stderr
     proc = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")
     assert "no change" in proc.stdout or "generation: unchanged" in proc.stdout, proc.stdout
-    assert cli(inv_dir, "verify").returncode == 0
+    # the way back is not a rollback: it would replace in place and pair the generations
+    rb = cli(inv_dir, "rollback", "--dry-run")
+    print(f"\n$ inv rollback --dry-run: exit {rb.returncode}\n{rb.stdout}{rb.stderr}")
+    assert rb.returncode == 4, rb.stdout + rb.stderr
+    assert f"returning to revision {rev0} changes the generation (page size 32 -> unset)" in rb.stderr, rb.stderr
+    assert "deploy the old settings instead" in rb.stderr, rb.stderr
 
 
 def test_a_generation_change_rolled_in_waves_fails_requests_that_pair_across(lab, cluster):
