@@ -59,6 +59,14 @@ class Unverified(PdopsError):
     kind = "unverified"
 
 
+def short_command(command: str, limit: int = 100) -> str:
+    """A command as a message shows it: its first line, at most `limit` characters (pdops's host
+    scripts travel as `python3 -c <the whole script>`, which would fill a screen)."""
+    first = command.strip().splitlines()[0] if command.strip() else ""
+    cut = first if len(first) <= limit else first[:limit]
+    return cut + (" ..." if cut != command.strip() else "")
+
+
 class RemoteCommandFailed(PdopsError):
     """A command on a host exited non-zero; carries host, command, exit code and output tail."""
 
@@ -67,7 +75,7 @@ class RemoteCommandFailed(PdopsError):
 
     def __init__(self, host: str, command: str, exit_code: int, output: str = ""):
         tail = "\n".join(output.rstrip().splitlines()[-20:])
-        super().__init__(f"{host}: `{command}` exited {exit_code}", evidence=tail or None)
+        super().__init__(f"{host}: `{short_command(command)}` exited {exit_code}", evidence=tail or None)
         self.host = host
         self.command = command
         self.returncode = exit_code

@@ -14,7 +14,7 @@ from typing import Any, Callable, Hashable, Iterable, TypeVar
 from invoke.exceptions import CommandTimedOut
 from invoke.runners import Result
 
-from pdops.errors import PdopsError, RemoteCommandFailed, Unreachable
+from pdops.errors import PdopsError, RemoteCommandFailed, Unreachable, short_command
 
 T = TypeVar("T", bound=Hashable)
 R = TypeVar("R")
@@ -69,7 +69,7 @@ def run_remote(conn, command: str, *, hide: bool | str = True, timeout: float | 
     except PdopsError:
         raise
     except (socket.error, EOFError) as e:
-        raise Unreachable(f"{host}: connection failed running `{command}`: {e}",
+        raise Unreachable(f"{host}: connection failed running `{short_command(command)}`: {e}",
                           fix="check that the host is up and SSH answers") from None
     except Exception as e:
         # paramiko's SSHException / NoValidConnectionsError / AuthenticationException

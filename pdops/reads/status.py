@@ -357,7 +357,10 @@ def _gateway_row(inv: Inventory, rev, obs, g, counters, rose: dict) -> dict:
             reasons.append(f"start-up list unreadable: {g.start_list_error}")
         gstate = "degraded" if reasons else "ok"
     node = inv.gateway.node(g.host)
-    action = {"down": f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
+    lost = not gu_read and len(inv.gateway.hosts) > 1  # its host does not answer SSH either
+    action = {"down": (f"its host does not answer: runbook gateway-host-lost (inv deploy --topology {rev.topology} "
+                       "once it is back; or take it out of pdops_gateway.hosts)") if lost else
+                      f"inv deploy --topology {rev.topology} (starts it and registers every worker; runbook "
                       "gateway-crashed)",
               "degraded": f"inv deploy --topology {rev.topology}",
               "unknown": f"check SSH to {g.host}, then `inv status` again"}.get(gstate)
@@ -436,6 +439,10 @@ def format_status(doc: dict) -> str:
             lines.append(f"gateway{'' if len(gws) == 1 else ' ' + g['host']} {g['state']}: {'; '.join(g['reasons'])}"
                          + (f"\n  -> {g['action']}" if g["action"] else ""))
     lines += [f"warning: {w}" for w in doc.get("warnings", [])]
+    if (doc.get("record") or {}).get("lock"):
+        lines.append("note: a change holds the cluster lock (above): what differs from the current revision may be "
+                     "its work in progress (a fenced rollout's gateway routes only to the new pool); act on it "
+                     "only once the lock is released")
     healthy = sum(1 for r in doc["instances"] if r["healthy"])
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
     bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + [

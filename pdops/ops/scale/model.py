@@ -218,10 +218,14 @@ class ScalePlan:
             lines.append(f"  cordoned: {', '.join(self.cordoned) or 'none'} (was {', '.join(was) or 'none'}): placement "
                          "avoids these hosts until `inv uncordon --host H`")
         if self.gateway_restart:
+            adm, n = self.inv.admission, len(self.inv.gateway.nodes)
+            meanwhile = ("each gateway in turn leaves HAProxy first (drained) and comes back once it lists every "
+                         "worker: none is refused" if adm and n > 1 else
+                         "HAProxy keeps it in service (health check paused, refused connections retried)" if adm
+                         else "requests arriving while it restarts are refused")
             lines.append(f"  gateway: restarted after the instances ({len(self.gateway_restart)} of its files change: "
                          + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "
-                         "finishes first, requests arriving while it restarts are refused, every worker registered "
-                         "again from its start-up list")
+                         f"finishes first, {meanwhile}, every worker registered again from its start-up list")
         if self.admission_reload:
             lines.append("  admission layer: reloaded gracefully at the end (HAProxy's master stays, old workers "
                          "finish their streams): " + "; ".join(c.split(' (sha256')[0] for c in self.admission_reload))

@@ -278,7 +278,8 @@ def judge(plan: HostPlan, facts: dict, *, virtual: bool) -> list[CheckResult]:
                                content=False)
         add("admission", probs)
     elif plan.gateway_unit:
-        add("admission", [], skipped="this revision renders no admission unit on the gateway host")
+        add("admission", [], skipped="this revision renders no admission unit on this gateway host (the admission "
+                                     "layer runs on another host, or nowhere)")
     return out
 
 
