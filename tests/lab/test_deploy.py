@@ -127,7 +127,7 @@ def test_verify_passes_on_every_host_in_one_round_trip_each(live):
     # units, cgroup, memlock, env-0600 and ports on each engine host, the gateway on its host; no
     # admission layer in the lab inventory, and the sandbox's memlock: skipped, each with its reason
     assert re.search(r"verify \S+: \d+ check\(s\) passed on \d+ host\(s\), \d+ skipped \(", proc.stdout), proc.stdout
-    assert "admission: this revision renders no admission unit on the gateway host" in proc.stdout, proc.stdout
+    assert "admission: this revision renders no admission unit on this gateway host" in proc.stdout, proc.stdout
     assert "memlock: virtual hardware" in proc.stdout, proc.stdout
 
 
