@@ -281,7 +281,8 @@ def test_a_gateway_host_down_turns_away_at_most_what_was_in_flight_on_it(lab, cl
         assert f"gateway {inv.gateway.node('lab03').url} on lab03: active/running" in st.stdout, st.stdout
         assert f"gateway {gw4} on lab04: unknown, MainPID None, 0 workers: down" in st.stdout, st.stdout
         assert "gateway lab04 down: unreadable" in st.stdout and "Unable to connect to port 22" in st.stdout
-        assert "  -> inv deploy --topology 2p1d (starts it and registers every worker" in st.stdout, st.stdout
+        assert "  -> its host does not answer: runbook gateway-host-lost (inv deploy --topology 2p1d once it is back" \
+            in st.stdout, st.stdout
         assert "3/3 instances registered and healthy; not ok: gateway lab04" in st.stdout, st.stdout
         assert "warning:" not in st.stdout, st.stdout
         doc = _status(inv_dir)
@@ -352,7 +353,9 @@ def test_a_gateway_host_gone_for_good_is_taken_out_of_the_inventory(lab, cluster
         assert ("admission layer: reloaded gracefully at the end (HAProxy's master stays, old workers finish their "
                 "streams): lab03:/etc/pdops/pdops-admission.cfg changed") in dry.stdout, dry.stdout
         assert "kept:    p01, p02, d01" in dry.stdout, dry.stdout
-        assert "lab04" not in dry.stdout, dry.stdout  # the planner says nothing of the host taken out
+        # the planner names the host taken out, and that it cannot reach it (it left the inventory too)
+        assert ("gateway: lab04 leaves (no longer in pdops_gateway.hosts): its unit stopped and disabled, its files "
+                "removed; the host is not in the inventory, so pdops cannot reach it") in dry.stdout, dry.stdout
         with Load(inv.admission.url, headers={"Authorization": f"Bearer {KEY}"}) as load:
             proc = cli(inv_dir, "deploy", "--topology", "2p1d")
         print(f"\ngateway host taken out of the inventory, the other gateway restarted under load: "
@@ -361,6 +364,8 @@ def test_a_gateway_host_gone_for_good_is_taken_out_of_the_inventory(lab, cluster
         assert "gateway restarted in" in proc.stdout and "3 worker(s) healthy and ready again" in proc.stdout
         assert "verified: the admission layer on lab03 kept the gateway in service through the restart" in proc.stdout
         assert "verified: pdops-admission.service reloaded gracefully" in proc.stdout, proc.stdout
+        assert "not verified: lab04 is not in the inventory: its gateway unit was not disabled" in proc.stdout, \
+            proc.stdout
         load.assert_clean()
         cfg = _run(lab, "lab03", "cat /etc/pdops/pdops-admission.cfg")
         assert [ln.split()[1] for ln in cfg.splitlines() if ln.strip().startswith("server gw-")] == ["gw-lab03"], cfg

@@ -358,3 +358,15 @@ def test_every_admission_host_is_started_restarted_around_and_given_the_keys(tmp
     assert [s.name for s in keys_plan.steps] == ["check-unit lab01", "deliver lab01", "reload lab01", "verify lab01",
                                                  "check-unit lab02", "deliver lab02", "reload lab02", "verify lab02"]
     assert os.path.exists(inv.admission.api_keys_file)
+
+
+def test_a_gateway_taken_out_of_the_inventory_is_retired_by_the_next_change(tmp_path):
+    """A host no longer in pdops_gateway.hosts: the change stops and disables its gateway unit and
+    removes its files (said, not done, when the host left the inventory too)."""
+    state = StateDir("lab", tmp_path / "s")
+    deployed(load_inventory(lab_with(tmp_path, "both", hosts=["lab01", "lab02"])), state, "1p1d")
+    one = load_inventory(lab_with(tmp_path, "one", hosts=["lab01"]))
+    plan = sc.plan_scale(one, parse_topology("1p1d"), state)
+    [st] = [s for s in plan.run if s.kind == "retire-gateway"]
+    assert (st.name, st.host, st.params) == ("retire-gateway lab02", "lab02", {"host": "lab02", "reachable": True})
+    assert "gateway: lab02 leaves (no longer in pdops_gateway.hosts)" in plan.render()

@@ -101,6 +101,37 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
                              "instance listed healthy and ready by its /workers again"] + held)
 
 
+def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:
+    """A gateway host no longer named: its unit stopped and disabled, its files removed. A host that
+    cannot be reached (or is not in the inventory) is said, not failed: nothing routes to it any more
+    (HAProxy's config and every record have dropped it), but it would start at boot."""
+    from pdops.errors import Unreachable
+    from pdops.facts import q
+    from pdops.model import membership
+    from pdops.model.render import BIN_DIR, ENV_DIR, GATEWAY_UNIT, UNIT_DIR
+
+    h = step.params["host"]
+    later = f"when {h} answers again: `systemctl disable --now {GATEWAY_UNIT}` there"
+    if not step.params.get("reachable"):
+        return Outcome("noop", {"host": h}, unverified=[f"{h} is not in the inventory: its gateway unit was not "
+                                                        f"disabled; {later}"], reason=f"{h} is not in the inventory")
+    files = [f"{UNIT_DIR}/{GATEWAY_UNIT}", f"{BIN_DIR}/pdops-gateway.sh", f"{ENV_DIR}/gateway.env",
+             membership.PATH, membership.SCRIPT_PATH]
+    try:
+        ctx.pool.run(h, f"systemctl disable --now {q(GATEWAY_UNIT)} 2>/dev/null || true; rm -f "
+                     + " ".join(q(f) for f in files) + "; systemctl daemon-reload", timeout=step.deadline)
+        st = ctx.pool.unit_states(h, [GATEWAY_UNIT])[GATEWAY_UNIT]
+    except Unreachable as exc:
+        return Outcome("noop", {"host": h, "error": exc.message},
+                       unverified=[f"{h} unreachable: its gateway unit was not disabled; {later}"],
+                       reason=f"{h} unreachable")
+    if st.is_active:
+        raise Unverified(f"{GATEWAY_UNIT} on {h} is still {st.active_state} after `systemctl disable --now`")
+    ctx.say(f"  {h} is no longer a gateway: {GATEWAY_UNIT} stopped and disabled, its files removed")
+    return Outcome(evidence={"host": h, "unit": f"{st.active_state}/{st.sub_state}", "removed": files},
+                   verified=[f"{GATEWAY_UNIT} on {h} stopped and disabled, its files removed"])
+
+
 def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
     """The own files of a wave's instances (their old processes are stopped by now)."""
     from pdops.ops.deploy import deliver
@@ -125,7 +156,7 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
 
 
 # kinds, registered by those modules (imported at the top of this one)
-register_executors({"record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart},
+register_executors({"retire-gateway": do_retire_gateway, "record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart},
                    needs={"deliver-wave": ("build",),
                           "record-scale": ("workers?", "build?", "main_pids?", "running?", "lost_work?")})
 

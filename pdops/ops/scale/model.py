@@ -96,6 +96,7 @@ class ScalePlan:
     surge: list[tuple[str, str]] = field(default_factory=list)  # (old id, the new id that replaces it)
     max_unavailable: int = 1
     gateway_restart: list[str] = field(default_factory=list)  # the gateway's files that change (restart it)
+    retired_gateways: list[str] = field(default_factory=list)  # gateway hosts no longer named: stopped, disabled
     cordoned: list[str] = field(default_factory=list)  # hosts placement avoids after this change
     admission_reload: list[str] = field(default_factory=list)  # its config files that change (a graceful reload)
     base_snapshot: dict | None = field(default=None, repr=False)  # a rollback's target: its files and inventory
@@ -226,6 +227,11 @@ class ScalePlan:
             lines.append(f"  gateway: restarted after the instances ({len(self.gateway_restart)} of its files change: "
                          + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "
                          f"finishes first, {meanwhile}, every worker registered again from its start-up list")
+        for h in self.retired_gateways:
+            lines.append(f"  gateway: {h} leaves (no longer in pdops_gateway.hosts): its unit stopped and disabled, its "
+                         "files removed" + ("" if h in {x.name for x in self.inv.hosts} else
+                                            "; the host is not in the inventory, so pdops cannot reach it: if it "
+                                            "comes back, `systemctl disable --now pdops-gateway.service` there"))
         if self.admission_reload:
             lines.append("  admission layer: reloaded gracefully at the end (HAProxy's master stays, old workers "
                          "finish their streams): " + "; ".join(c.split(' (sha256')[0] for c in self.admission_reload))

@@ -111,6 +111,11 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                       fix="keep the settings that render the unit as they are for this change, or restart the "
                           "admission layer in a maintenance window")
     gateway_restart = [c for c in shared if c not in adm_changes]
+    # a gateway host no longer named (pdops_gateway.hosts): its unit is stopped, disabled, its files removed
+    from pdops.model.render import GATEWAY_UNIT, UNIT_DIR
+
+    retired = sorted(h for h, paths in cur.manifest.items()
+                     if f"{UNIT_DIR}/{GATEWAY_UNIT}" in paths and h not in inv.gateway.hosts)
     # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
     if snapshot is None and any(cur_by_id[i].role == "prefill" for i in why):
         from pdops.model.placement import remake, uses_alt_port
@@ -170,7 +175,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     cordon_change = cordoned != sorted(cordoned_hosts(cur))
     gateway_down = bool(seen and seen.gateway)
     if not added and not removed and not replaced and not gateway_restart and not cordon_change and not adm_changes \
-            and not gateway_down:
+            and not gateway_down and not retired:
         return ScalePlan(inv, cur, cur_pl, target_pl, files, [], [], kept, [], kept_files=n_kept_files,
                          noop=f"revision {cur.number} is already {cur.topology} with this placement and these "
                               "rendered files: nothing to add, replace or drain", rollback_of=rollback_of,
@@ -259,6 +264,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
                      replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
+                     retired_gateways=retired,
                      base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
                      generation=gen, how=_waves_why(gen))
     compile_steps(plan)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.reads import orphans
 from pdops.model.inventory import Inventory
+from pdops.model.render import GATEWAY_UNIT
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
 from pdops.model.topology import Topology
@@ -28,7 +29,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         from pdops.ops.deploy.steps import front_door_step
 
         first += front_door_step(inv)
-    if not plan.steps and not plan.gateway_restart and not plan.admission_reload:
+    if not plan.steps and not plan.gateway_restart and not plan.admission_reload and not plan.retired_gateways:
         # only the cordons change: what runs is checked, then the revision records them
         from pdops.ops.deploy import verify_running_step
 
@@ -91,6 +92,13 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
 
     if plan.gateway_restart:
         out += gateway_restart_steps(inv, [i.id for i in tgt.instances])
+    known = {h.name for h in inv.hosts}
+    for h in plan.retired_gateways:
+        out.append(Step(f"retire-gateway {h}", h if h in known else None,
+                        f"{h} is no longer a gateway: systemctl disable --now {GATEWAY_UNIT}, its files (unit, launch "
+                        "script, env file, start-up list and its script) removed, daemon-reload"
+                        + ("" if h in known else "; the host is not in the inventory: said, not done"), 60,
+                        kind="retire-gateway", params={"host": h, "reachable": h in known}))
     if plan.admission_reload:
         hosts = inv.admission.hosts
         for host in hosts:
