@@ -58,6 +58,8 @@ CONN_RETRIES = 10
 # check's timeout); until then the connections HAProxy tries on it are refused and redispatched
 # (retries), so what it turns away is what was in flight on it (docs/gateway.md).
 CHECK_INTER_MS, CHECK_FALL, CHECK_RISE = 2000, 3, 2
+# The weight every gateway's server has in the rendered config: a front door "as deployed".
+FULL_WEIGHT = 100
 
 
 def admit_address(addr: str, port: int) -> str:
@@ -278,6 +280,10 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     if unknown:
         raise InvalidInput(f"{VAR}.{unknown[0]}", "unknown setting", fix=f"use only: {', '.join(sorted(KNOWN))}")
     host_names = _admission_hosts(raw, inv)
+    if len(host_names) > 1 and "listen_addr" in raw and str(raw["listen_addr"]) not in ("0.0.0.0", "::"):
+        raise InvalidInput(f"{VAR}.listen_addr", f"{raw['listen_addr']!r} would be every admission host's address",
+                           fix="leave it out (each listens on its own pdops_data_addr), or 0.0.0.0; clients use "
+                               "the vip or every host's address")
     listens = []
     for name in host_names:
         listen = raw.get("listen_addr", inv.host(name).data_addr)

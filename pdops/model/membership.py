@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdops.errors import Unverified
+from pdops.errors import PdopsError, Unverified
 from pdops.facts import q
 from pdops.model.inventory import GatewayNode, Inventory
 from pdops.model.placement import Instance
@@ -56,11 +56,13 @@ def update(pool, inv: Inventory, *, add: list[Instance] = (), remove: list[str] 
     for host in hosts:
         try:
             docs[host] = update_one(pool, host, add=add, remove=remove, revision=revision, clear=clear)
-        except Unverified as e:
+        except PdopsError as e:  # unreadable list or unreachable host: named, the others still changed
             failed.append(f"{host}: {e.message}")
     if failed:
         raise Unverified(f"the start-up worker list of {len(failed)} of {len(hosts)} gateway(s) "
-                         "could not be changed", evidence="\n".join(failed)[-1500:])
+                         "could not be changed", evidence="\n".join(failed)[-1500:],
+                         fix="a gateway host that does not answer: runbook gateway-host-lost (take it out of "
+                             "pdops_gateway.hosts, or bring it back), then run the operation again")
     return docs[hosts[0]]
 
 

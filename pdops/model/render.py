@@ -394,7 +394,7 @@ def haproxy_config(cfg: adm_mod.AdmissionConfig, *, keys_map_path: str = adm_mod
     return _env().get_template("haproxy.cfg.j2").render(
         cap=cfg.cap, queue=cfg.queue, queue_timeout_s=cfg.queue_timeout_s, overflow_status=cfg.overflow_status,
         binds=binds, servers=servers, keys_map=keys_map_path, admit_addr=adm_mod.admit_address(addr, cfg.port),
-        admit_server=adm_mod.ADMIT_SERVER, gateways_backend=adm_mod.GATEWAYS_BACKEND,
+        admit_server=adm_mod.ADMIT_SERVER, gateways_backend=adm_mod.GATEWAYS_BACKEND, full_weight=adm_mod.FULL_WEIGHT,
         check_inter_ms=adm_mod.CHECK_INTER_MS, check_fall=adm_mod.CHECK_FALL, check_rise=adm_mod.CHECK_RISE,
         errorfile=errorfile_path, user=user, gateway_key_env=gateway_key_env, stats_socket=stats_socket,
         stream_timeout_s=adm_mod.STREAM_TIMEOUT_S, retries=adm_mod.CONN_RETRIES, maxconn=max(4 * (cfg.cap + cfg.queue), 1024),
@@ -411,7 +411,8 @@ def keepalived_config(inv: Inventory, cfg: adm_mod.AdmissionConfig, host: str) -
         cluster=inv.cluster, host=host, iface=cfg.vrrp_interface, router_id=cfg.vrrp_router_id,
         priority=150 if place_ == 0 else max(100 - 10 * (place_ - 1), 1), vip=cfg.vip,
         prefix=128 if ":" in cfg.vip else 32, unit=adm_mod.UNIT,
-        peers=[cfg.addr_of(h) for h in cfg.hosts if h != host], own=cfg.addr_of(host))
+        # VRRP speaks between the hosts' own data addresses (a listen address may be 0.0.0.0)
+        peers=[inv.host(h).data_addr for h in cfg.hosts if h != host], own=inv.host(host).data_addr)
 
 
 def render_admission_files(inv: Inventory, cfg: adm_mod.AdmissionConfig) -> list[RenderedFile]:

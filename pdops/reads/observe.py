@@ -184,6 +184,8 @@ class Observation:
     revision: int
     gateways: list[GatewayObservation]
     instances: list[InstanceObservation] = field(default_factory=list)
+    # what HAProxy (each admission host) does not do as deployed: a gateway not UP or not at its weight
+    front_door: list[str] = field(default_factory=list)
 
     @property
     def gateway_down(self) -> bool:
@@ -199,7 +201,7 @@ class Observation:
         return [g for g in self.gateways if not g.down]
 
     def findings(self) -> list[str]:
-        out = [f for g in self.gateways for f in g.findings(self.revision, self.instances)]
+        out = [f for g in self.gateways for f in g.findings(self.revision, self.instances)] + list(self.front_door)
         for o in self.instances:
             out += [f"{o.id}: {f}" for f in o.findings()]
         return out
@@ -309,7 +311,7 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways) -
            GatewayObservation(h, state_of(h, GATEWAY_UNIT), str(gw_res[h]), [], None, str(gw_res[h]),
                               several=len(inv.gateway.hosts) > 1)
            for h in inv.gateway.hosts]
-    obs = Observation(rev.number, gws)
+    obs = Observation(rev.number, gws, front_door=_front_door(inv, pool))
     answered = [g for g in gws if g.error is None]
     for inst in pl.instances:
         rec = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
@@ -321,6 +323,19 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways) -
             running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()},
             expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected}))
     return obs
+
+
+def _front_door(inv: Inventory, pool: HostPool) -> list[str]:
+    """HAProxy's runtime state of each gateway, on each admission host (none without the layer)."""
+    from pdops.remote.haproxy import front_door_problems
+
+    out: list[str] = []
+    for a in inv.admission.hosts if inv.admission is not None else ():
+        try:
+            out += front_door_problems(pool, a, inv.gateway.hosts)
+        except PdopsError as exc:
+            out.append(f"HAProxy on {a}: its runtime API could not be read: {exc.message}")
+    return out
 
 
 def with_configs(pool: HostPool, host: str, units: list[str]) -> tuple[dict[str, UnitState], dict[str, str | None]]:

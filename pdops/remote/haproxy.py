@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 
 from pdops.errors import InvalidInput, Unverified
-from pdops.model.admission import UNIT, ServerStat, parse_gateway_stats, stat_command
+from pdops.model.admission import (FULL_WEIGHT, UNIT, ServerStat, parse_gateway_stats, server_state_command, server_weight_command,
+                                   stat_command)
 
 
 def gateway_stats(pool, adm_host: str) -> dict[str, ServerStat]:
@@ -44,3 +45,37 @@ def wait_gateways_up(pool, adm_host: str, hosts, deadline_s: float) -> dict[str,
                              f"{', '.join(f'{h} ({s})' for h, s in late.items())} UP after {deadline_s:g}s",
                              fix="`inv status` shows each gateway; its readiness (GET /readiness) must answer 200")
         time.sleep(0.5)
+
+
+
+
+def set_front_door(pool, adms, *, weights: dict[str, int], drain=(), ready=()) -> list[str]:
+    """On every admission host's HAProxy, weights first, then states: a gateway set to drain takes no
+    new request, one set ready takes its share again once HAProxy's check sees it UP. Returns what
+    was set, for the evidence."""
+    for adm in adms:
+        for h, w in weights.items():
+            runtime(pool, adm, server_weight_command(h, w), f"set the weight of gateway {h} to {w}")
+        for h in drain:
+            runtime(pool, adm, server_state_command(h, "drain"), f"drain gateway {h}")
+        for h in ready:
+            runtime(pool, adm, server_state_command(h, "ready"), f"set gateway {h} ready")
+    done = [f"{h} weight {w}" for h, w in weights.items()] + [f"{h} drain" for h in drain]
+    done += [f"{h} ready" for h in ready]
+    return [f"{d} (on {', '.join(adms)})" for d in done]
+
+
+def front_door_problems(pool, adm_host: str, gateways) -> list[str]:
+    """What HAProxy on one admission host does not do as deployed: a gateway's server that is not UP,
+    or whose weight is not the rendered one (a change stopped between a drain and its ready)."""
+    stats = gateway_stats(pool, adm_host)
+    out = []
+    for h in gateways:
+        st = stats.get(h)
+        if st is None:
+            out.append(f"HAProxy on {adm_host} has no server for gateway {h} (its running config is not this "
+                       "revision's)")
+        elif not st.up or st.weight != FULL_WEIGHT:
+            out.append(f"HAProxy on {adm_host}: gateway {h} is {st.status}, weight {st.weight} (deployed: UP, "
+                       f"weight {FULL_WEIGHT})")
+    return out

@@ -177,4 +177,4 @@ def test_gateway_stays_on_its_data_address_behind_the_admission_layer(fleet, tmp
     text = render.haproxy_config(cfg)
     # the cap is one server (the permit), the gateway a server behind it, health-checked on readiness
     assert f"server admit abns@pdops-admission-{cfg.listen_addr}-{cfg.port} maxconn {cfg.cap}\n" in text
-    assert f"server gw-{gw.host} {gw.addr}:{gw.port} check " in text
+    assert f"server gw-{gw.host} {gw.addr}:{gw.port} weight 100 check " in text

@@ -84,6 +84,12 @@ def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, sta
     assert rescue["front-door back"].when == ("committed", False) and rescue["unfence"].when == ("committed", False)
     assert rescue["rescue join register p02"].when == ("committed", True)
     assert rescue["restore-service"].when == ("committed", False)  # never the old generation back after commit
+    # the front door goes back only if the fence happened; the new pool is kept only once committed;
+    # after commit what of the old pool is not yet drained leaves the other gateways before the join
+    assert rescue["front-door back"].params["only_if_fenced"] and rescue["undo-added"].params["fenced"]
+    names = [s.name for s in plan.rescue]
+    assert names.index("rescue leave old pool") < names.index("rescue join register p02")
+    assert rescue["rescue leave old pool"].when == ("committed", True)
     text = plan.render()
     assert "generation: " in text and "page size unset -> 32" in text
     assert "rolled fenced (blue/green)" in text and "shift 50%" in text and "only if not committed" in text
@@ -144,3 +150,18 @@ def test_a_flag_sglang_rejects_is_refused_when_the_change_is_planned(tmp_path, s
     with pytest.raises(InvalidInput) as e:
         sc.plan_scale(load_inventory(new.path), parse_topology("1p1d"), state)
     assert "unrecognized arguments: --no-such-sglang-flag" in e.value.message
+
+
+def test_the_new_pool_never_lands_on_gpus_the_old_pool_holds(tmp_path, state):
+    """TP 8 -> 4 is a change of layout (a generation): slots of the new shape overlap the old ones."""
+    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    new = inventory(tmp_path, "new")
+    prof = new.path / "profiles" / "p.yml"
+    doc = yaml.safe_load(prof.read_text())
+    doc["parallel"] = {"tp": 4, "ep": 4, "pp": 1}
+    prof.write_text(yaml.safe_dump(doc))
+    plan = sc.plan_scale(load_inventory(new.path), parse_topology("1p1d"), state)
+    assert plan.fence and "prefill TP 8 -> 4" in "; ".join(plan.generation.diff)
+    old = {(r.host, g) for i in plan.removed for r in i.ranks for g in r.gpus}
+    assert all(not ({(r.host, g) for r in i.ranks for g in r.gpus} & old) for i in plan.added), \
+        [(i.id, i.hosts, i.head.gpus) for i in plan.added]

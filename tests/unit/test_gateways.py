@@ -370,3 +370,40 @@ def test_a_gateway_taken_out_of_the_inventory_is_retired_by_the_next_change(tmp_
     [st] = [s for s in plan.run if s.kind == "retire-gateway"]
     assert (st.name, st.host, st.params) == ("retire-gateway lab02", "lab02", {"host": "lab02", "reachable": True})
     assert "gateway: lab02 leaves (no longer in pdops_gateway.hosts)" in plan.render()
+
+
+def test_haproxy_not_as_deployed_is_a_finding_and_a_repair_step():
+    """A change stopped between a drain and its ready leaves a gateway drained or at weight 0: verify
+    names it, a deploy of the live topology opens the front door again."""
+    import types
+
+    from pdops.remote.haproxy import front_door_problems
+
+    head = "# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,wredis,status,weight"
+    rows = ["gateways,gw-lab03,0,0,0,0,,0,0,0,,0,,0,0,0,0,UP,100", "gateways,gw-lab04,0,0,0,0,,0,0,0,,0,,0,0,0,0,DRAIN,0",
+            "gateways,BACKEND,0,0,0,0,,0,0,0,,0,,0,0,0,0,UP,100"]
+
+    class Pool:
+        def run(self, host, command, timeout=60):
+            return types.SimpleNamespace(stdout="\n".join([head] + rows) + "\n", stderr="")
+
+    assert front_door_problems(Pool(), "lab03", ["lab03", "lab04"]) == [
+        "HAProxy on lab03: gateway lab04 is DRAIN, weight 0 (deployed: UP, weight 100)"]
+    assert front_door_problems(Pool(), "lab03", ["lab03", "lab05"])[0].startswith(
+        "HAProxy on lab03 has no server for gateway lab05")
+
+
+def test_two_admission_hosts_refuse_one_listen_address_for_both(tmp_path):
+    with pytest.raises(InvalidInput) as e:
+        rtx_with(tmp_path, hosts=["gpu01", "gpu02"], listen_addr="10.30.0.11")
+    assert e.value.field == "pdops_admission.listen_addr" and "every admission host's address" in e.value.message
+
+
+def test_taking_a_gateway_out_with_instance_changes_is_refused(tmp_path):
+    from pdops.errors import Refused
+
+    state = StateDir("lab", tmp_path / "s")
+    deployed(load_inventory(lab_with(tmp_path, "both", hosts=["lab01", "lab02"])), state, "1p1d")
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(load_inventory(lab_with(tmp_path, "one", hosts=["lab01"])), parse_topology("2p1d"), state)
+    assert "takes gateway(s) lab02 out and changes instances at once" in e.value.message

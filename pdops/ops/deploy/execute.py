@@ -88,6 +88,23 @@ def do_front_door_ready(ctx: RunContext, step: Step) -> Outcome:
                                             for a in adm.hosts])
 
 
+def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
+    """HAProxy's gateway servers set as the step says, on every admission host (a fenced rollout's
+    steps and rescue; a repair of a front door a stopped change left drained)."""
+    from pdops.remote.haproxy import set_front_door, wait_gateways_up
+
+    adms = step.params["admission_hosts"]
+    if step.params.get("only_if_fenced") and not ctx.get(step, "fence", None):
+        return Outcome.noop("the fence step did not run: the front door was never changed")
+    done = set_front_door(ctx.pool, adms, weights=step.params.get("weights", {}), drain=step.params.get("drain", ()),
+                          ready=step.params.get("ready", ()))
+    up = list(step.params.get("ready", ()))
+    for a in adms if up else ():
+        wait_gateways_up(ctx.pool, a, up, max(ctx.deadline(step) - time.monotonic(), 5))
+    return Outcome(evidence={"set": done}, verified=[f"HAProxy: {'; '.join(done)}"]
+                   + ([f"{', '.join(up)} UP"] if up else []))
+
+
 def do_admission(ctx: RunContext, step: Step) -> Outcome:
     ev = start_admission(ctx.inv, ctx.pool, ctx.say, restart=step.params["restart"], deadline_s=step.deadline,
                          host=step.params.get("host"))
@@ -243,12 +260,14 @@ register_executors({"connect": do_connect, "preflight": do_preflight, "render": 
           "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
           "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
           "record-repair": do_record_repair, "verify-running": do_verify_running,
-          "undo-register": do_undo_register, "front-door-ready": do_front_door_ready},
+          "undo-register": do_undo_register, "front-door-ready": do_front_door_ready,
+          "front-door-set": do_front_door_set},
     gives={"render": ("build",), "gateway": ("started",), "start": ("started_instances", "started", "healthy", "main_pids"),
            "register": ("posted", "workers"), "verify-running": ("running",)},
     needs={"deliver": ("build",), "canary": ("started_instances?",), "gateway-list": ("workers",),
            "record-deploy": ("workers", "build", "running", "main_pids?"),
-           "record-repair": ("workers?", "running?"), "undo-register": ("workers?", "posted?")})
+           "record-repair": ("workers?", "running?"), "undo-register": ("workers?", "posted?"),
+           "front-door-set": ("fence?",)})
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateways: Gateways) -> dict:

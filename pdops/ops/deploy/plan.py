@@ -178,7 +178,16 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
                                  why="through every pair of a started or restarted instance, before registration"))
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
-    if down_gws or need:
+    if obs.front_door and inv.admission is not None:  # a stopped change left a gateway drained or weighted
+        from pdops.model.admission import FULL_WEIGHT
+
+        steps.append(Step("front-door open", inv.admission.hosts[0] if len(inv.admission.hosts) == 1 else None,
+                          f"observed: {'; '.join(obs.front_door)}; HAProxy on {', '.join(inv.admission.hosts)}: "
+                          f"every gateway ready at weight {FULL_WEIGHT}", 60, kind="front-door-set",
+                          params={"admission_hosts": list(inv.admission.hosts),
+                                  "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},
+                                  "ready": list(inv.gateway.hosts)}))
+    if down_gws or need or obs.front_door:
         steps += front_door_step(inv)
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named

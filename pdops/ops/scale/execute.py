@@ -60,10 +60,10 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
         for a in adm_hosts:
             runtime(pool, a, back_cmd, back_what)
 
-    for a in adm_hosts:
-        runtime(pool, a, out_cmd, out_what)
     t0 = time.monotonic()
     try:
+        for a in adm_hosts:
+            runtime(pool, a, out_cmd, out_what)
         pool.run(node.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
         restarted_s = round(time.monotonic() - t0, 2)
         st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]

@@ -9,28 +9,24 @@ import time
 from pdops.errors import PdopsError, Unverified
 from pdops.facts import engine as engine_facts
 from pdops.model import membership
-from pdops.model.admission import server_state_command, server_weight_command
+from pdops.model.admission import server_state_command
 from pdops.remote.gateway import deadline_in
-from pdops.remote.haproxy import gateway_stats, runtime, wait_gateways_up
+from pdops.model.admission import FULL_WEIGHT
+from pdops.remote.haproxy import gateway_stats, runtime, set_front_door, wait_gateways_up
 from pdops.remote.hosts import http_json
 from pdops.runner import Outcome, RunContext, Step, register_executors
 
 
 def _set_front_door(ctx: RunContext, adms: list[str], *, weights: dict[str, int], drain=(), ready=()) -> list[str]:
-    """On every admission host's HAProxy, weights first, then states: a gateway set to drain takes no
-    new request, one set ready takes its share again once HAProxy's check sees it UP. Returns what
-    was set, for the evidence."""
-    done = []
-    for adm in adms:
-        for h, w in weights.items():
-            runtime(ctx.pool, adm, server_weight_command(h, w), f"set the weight of gateway {h} to {w}")
-        for h in drain:
-            runtime(ctx.pool, adm, server_state_command(h, "drain"), f"drain gateway {h}")
-        for h in ready:
-            runtime(ctx.pool, adm, server_state_command(h, "ready"), f"set gateway {h} ready")
-    done += [f"{h} weight {w}" for h, w in weights.items()] + [f"{h} drain" for h in drain]
-    done += [f"{h} ready" for h in ready]
-    return [f"{d} (on {', '.join(adms)})" for d in done]
+    return set_front_door(ctx.pool, adms, weights=weights, drain=drain, ready=ready)
+
+
+def _stat(ctx: RunContext, adm: str, g: str):
+    stats = gateway_stats(ctx.pool, adm)
+    if g not in stats:
+        raise Unverified(f"HAProxy on {adm} has no server for gateway {g}: its running config is not this "
+                         "revision's", fix=f"systemctl reload pdops-admission.service on {adm}, then `inv verify`")
+    return stats[g]
 
 
 def do_fence_gateway(ctx: RunContext, step: Step) -> Outcome:
@@ -46,11 +42,11 @@ def do_fence_gateway(ctx: RunContext, step: Step) -> Outcome:
                              f"fencing {g} would leave that front door with none; nothing was changed",
                              fix="`inv status` shows each gateway; repair them first (inv deploy --topology "
                                  "<the live one>)")
+    ctx.give(step, "fence", {"gateway": g, "dropped": []})  # from here the rescue puts the front door back
     for a in adms:
         runtime(ctx.pool, a, server_state_command(g, "drain"), f"drain gateway {g}")
-    ctx.give(step, "fence", {"gateway": g, "dropped": []})
     deadline = ctx.deadline(step)
-    while (left := sum(gateway_stats(ctx.pool, a)[g].sessions for a in adms)) > 0:
+    while (left := sum(_stat(ctx, a, g).sessions for a in adms)) > 0:
         if time.monotonic() > deadline:
             raise Unverified(f"gateway {g} still carries {left} request(s) through HAProxy at the deadline")
         time.sleep(0.5)
@@ -104,7 +100,7 @@ def do_shift(ctx: RunContext, step: Step) -> Outcome:
     pct, hold = int(step.params["percent"]), float(step.params["hold_s"])
     ids = step.params["instances"]
     ctx.get(step, "fence")
-    back = {"weights": {g: 0, **{h: 100 for h in others}}, "drain": [g], "ready": others}
+    back = {"weights": {g: 0, **{h: FULL_WEIGHT for h in others}}, "drain": [g], "ready": others}
     try:
         if step.params.get("first"):
             _set_front_door(ctx, adms, weights={g: 0}, ready=[g])
@@ -122,9 +118,9 @@ def do_shift(ctx: RunContext, step: Step) -> Outcome:
                 raise Unverified(f"the new generation's failure counters rose during the {pct}% shift: "
                                  + ", ".join(f"{k} +{v:g}" for k, v in rose.items()))
             for a in adms:
-                stats = gateway_stats(ctx.pool, a)
-                if not stats[g].up:
-                    raise Unverified(f"gateway {g} is {stats[g].status} in HAProxy on {a} during the {pct}% shift")
+                st = _stat(ctx, a, g)
+                if not st.up:
+                    raise Unverified(f"gateway {g} is {st.status} in HAProxy on {a} during the {pct}% shift")
             if time.monotonic() - t0 >= hold:
                 break
             time.sleep(min(1.0, max(0.0, hold - (time.monotonic() - t0))))
@@ -149,17 +145,6 @@ def do_fence_commit(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence={"committed": True}, verified=["every new request goes to the new generation"])
 
 
-def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
-    adms = step.params["admission_hosts"]
-    done = _set_front_door(ctx, adms, weights=step.params.get("weights", {}), drain=step.params.get("drain", ()),
-                           ready=step.params.get("ready", ()))
-    up = list(step.params.get("ready", ()))
-    for a in adms if up else ():
-        wait_gateways_up(ctx.pool, a, up, max(ctx.deadline(step) - time.monotonic(), 5))
-    return Outcome(evidence={"set": done}, verified=[f"HAProxy: {'; '.join(done)}"]
-                   + ([f"{', '.join(up)} UP"] if up else []))
-
-
 def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
     """Rescue before `commit`: the fenced gateway serves the old pool again."""
     from pdops.ops.deploy.actions import register_one
@@ -169,6 +154,13 @@ def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
     if not fenced:
         return Outcome.noop(f"gateway {g} was not taken out of the front door")
     client = ctx.gateways.client(g)
+    new_urls = {i.url.rstrip("/") for i in ctx.placement.instances if i.id not in step.params["instances"]}
+    still = [w.url for w in client.list_workers() if w.url.rstrip("/") in new_urls]
+    if still:
+        raise Unverified(f"gateway {g} still routes to the new generation ({', '.join(still)}): it stays out of the "
+                         "front door (drained) rather than serve both generations",
+                         fix=f"remove those workers from {g} (or let `inv deploy` finish the change), then set it "
+                             "ready in HAProxy")
     back, failed = [], []
     deadline = deadline_in(max(ctx.deadline(step) - time.monotonic() - 30, 15))
     for iid in step.params["instances"]:
@@ -187,7 +179,7 @@ def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
             failed.append(f"{iid}: {exc.message}")
     if back:
         membership.update_one(ctx.pool, g, add=back)
-    _set_front_door(ctx, adms, weights={g: 100}, ready=[g])
+    _set_front_door(ctx, adms, weights={g: FULL_WEIGHT}, ready=[g])
     for a in adms:
         wait_gateways_up(ctx.pool, a, [g], 30)
     ev = {"gateway": g, "registered": [i.id for i in back], "not": failed}
@@ -199,8 +191,33 @@ def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
                    unverified=[f"not back on {g}: {f}" for f in failed])
 
 
+def do_leave_old_pool(ctx: RunContext, step: Step) -> Outcome:
+    """Rescue after `commit`: what of the old pool is not yet drained leaves the other gateways before
+    the new pool joins them (no gateway may route to both generations). Not stopped: named."""
+    from pdops.ops.drain.stopping import leave_gateway
+
+    drained = set(ctx.get(step, "drained", []))
+    left = [i for i in step.params["instances"] if i not in drained]
+    if not left:
+        return Outcome.noop("every instance of the old pool was drained")
+    membership.update(ctx.pool, ctx.inv, remove=left, hosts=step.params["gateways"])
+    removed = {}
+    for h in step.params["gateways"]:
+        client = ctx.gateways.client(h)
+        for iid in left:
+            ids = leave_gateway(client, ctx.old_placement.get(iid), None, deadline_s=30)
+            if ids:
+                removed.setdefault(h, []).extend(ids)
+    ctx.say(f"  out of {', '.join(step.params['gateways'])}, still running, out of service: {', '.join(left)}")
+    return Outcome(evidence={"out_of_service": left, "removed": removed},
+                   verified=[f"{', '.join(left)} in no gateway's /workers or start-up list of "
+                             f"{', '.join(step.params['gateways'])}"],
+                   unverified=[f"{', '.join(left)} still running (out of service): `inv deploy` drains them"])
+
+
 register_executors(
     {"fence-gateway": do_fence_gateway, "shift": do_shift, "fence-commit": do_fence_commit,
-     "front-door-set": do_front_door_set, "unfence-gateway": do_unfence_gateway},
+     "unfence-gateway": do_unfence_gateway, "leave-old-pool": do_leave_old_pool},
     gives={"fence-gateway": ("fence",), "shift": ("shifted",), "fence-commit": ("committed",)},
-    needs={"shift": ("fence",), "fence-commit": ("shifted",), "unfence-gateway": ("fence?",)})
+    needs={"shift": ("fence",), "fence-commit": ("shifted",), "unfence-gateway": ("fence?",),
+           "leave-old-pool": ("drained?",)})

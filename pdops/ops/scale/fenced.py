@@ -23,6 +23,7 @@ fenced gateway gets the old pool back; after `commit`, the other gateways get th
 from __future__ import annotations
 
 from pdops.errors import Refused
+from pdops.model.admission import FULL_WEIGHT
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement, gpu_slots, make_instance
 from pdops.model.render import manifest, render_files
@@ -73,7 +74,14 @@ def plan_fenced(inv: Inventory, cur: Revision, topology: Topology, gen: Generati
     def key(sl):
         return (tuple(h.name for h in sl[0]), sl[1])
 
-    free = [sl for sl in gpu_slots(inv) if key(sl) not in held and not ({h.name for h in sl[0]} & avoid)]
+    busy = {(r.host, g) for i in cur_pl.instances for r in i.ranks for g in r.gpus}
+
+    def gpus(sl):
+        return {(h.name, g) for h in sl[0] for g in sl[2]}
+
+    # free: no instance of the old pool on its GPUs (a slot of another shape may overlap one)
+    free = [sl for sl in gpu_slots(inv) if key(sl) not in held and not (gpus(sl) & busy)
+            and not ({h.name for h in sl[0]} & avoid)]
     need = topology.prefill + topology.decode
     shrink: list[Instance] = []
     dip: list[str] = []
@@ -208,7 +216,7 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
     out += register_steps(inv, green, group="join" if len(green) > 1 else None, gateways=others, prefix="join ")
     out.append(Step("front-door open", at, f"HAProxy on {adm}: every gateway ({', '.join(inv.gateway.hosts)}) ready at "
                     "weight 100", 60, kind="front-door-set",
-                    params={"admission_hosts": adms, "weights": {h: 100 for h in inv.gateway.hosts},
+                    params={"admission_hosts": adms, "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},
                             "ready": list(inv.gateway.hosts)}))
     out += front_door_step(inv)
     out.append(verify_running_step(tgt, inv, plan.files))
@@ -230,12 +238,17 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
     adm = ", ".join(adms)  # where HAProxy runs: each gets the same commands
     at = adms[0] if len(adms) == 1 else None
     base = {s.kind: s for s in rescue_steps(plan)}
-    out = [Step("front-door back", at, f"HAProxy on {adm}: {g} drained at weight 0, {', '.join(others)} ready at "
-                "weight 100: every new request goes to the old generation", 60, kind="front-door-set",
-                params={"admission_hosts": adms, "weights": {g: 0, **{h: 100 for h in others}}, "drain": [g],
-                        "ready": others}, when=("committed", False))]
+    out = [Step("front-door back", at, f"if the fence step ran: HAProxy on {adm}: {g} drained at weight 0, "
+                f"{', '.join(others)} ready at weight 100: every new request goes to the old generation", 60,
+                kind="front-door-set", params={"admission_hosts": adms, "weights": {g: 0, **{h: FULL_WEIGHT for h in others}},
+                                               "drain": [g], "ready": others, "only_if_fenced": True},
+                when=("committed", False))]
     if "undo-added" in base:
-        out.append(base["undo-added"])
+        undo = base["undo-added"]
+        undo.params["fenced"] = True  # the new pool is kept only once committed (a shrink is no reason)
+        undo.description = undo.description.replace("kept if it serves in place of one already drained or replaced "
+                                                     "(its `register` step passed)", "kept only after `commit`")
+        out.append(undo)
     if "restore-service" in base:
         rs = base["restore-service"]
         rs.when = ("committed", False)
@@ -245,13 +258,19 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
                     params={"gateway": g, "admission_hosts": adms,
                             "instances": [i.id for i in plan.current_placement.instances]},
                     when=("committed", False)))
+    out.append(Step("rescue leave old pool", None, f"the old pool's instances not yet drained leave {', '.join(others)} "
+                    "(out of their start-up lists, DELETE /workers; not stopped: named out of service), so that no "
+                    "gateway routes to both generations", 60 + 30 * len(plan.current_placement.instances),
+                    kind="leave-old-pool", params={"gateways": others,
+                                                   "instances": [i.id for i in plan.current_placement.instances]},
+                    when=("committed", True)))
     joins = register_steps(inv, list(plan.target.instances), group=None, gateways=others, prefix="rescue join ")
     for s in joins:
         s.when = ("committed", True)
     out += joins
     out.append(Step("rescue front-door open", at, f"HAProxy on {adm}: every gateway ready at weight 100 (the new "
                     "generation serves through each)", 60, kind="front-door-set",
-                    params={"admission_hosts": adms, "weights": {h: 100 for h in inv.gateway.hosts},
+                    params={"admission_hosts": adms, "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},
                             "ready": list(inv.gateway.hosts)}, when=("committed", True)))
     out.append(base["record-halt"])
     return out

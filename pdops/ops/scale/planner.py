@@ -116,6 +116,11 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
 
     retired = sorted(h for h, paths in cur.manifest.items()
                      if f"{UNIT_DIR}/{GATEWAY_UNIT}" in paths and h not in inv.gateway.hosts)
+    if retired and (set(cur_by_id) ^ tgt_ids or why):
+        raise Refused(f"this change takes gateway(s) {', '.join(retired)} out and changes instances at once: a drain "
+                      "would not remove its workers from a gateway no longer named",
+                      fix="take the gateway out in a change of its own (the inventory's instances as they are), "
+                          "then change the instances")
     # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
     if snapshot is None and any(cur_by_id[i].role == "prefill" for i in why):
         from pdops.model.placement import remake, uses_alt_port

@@ -31,7 +31,8 @@ def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
     started = {i: inst for i, inst in ctx.get(step, "started_instances", {}).items() if i in step.params["instances"]}
     workers, posted, healthy = ctx.get(step, "workers", {}), ctx.get(step, "posted", set()), ctx.get(step, "healthy", set())
     # a fenced rollout that committed serves from the new pool alone: it is kept like a replacement
-    changed = ctx.get(step, "drained") or ctx.get(step, "replaced_out") or ctx.get(step, "committed")
+    changed = ctx.get(step, "committed") if step.params.get("fenced") else \
+        ctx.get(step, "drained") or ctx.get(step, "replaced_out")
     replaced_ids = {i.id for i in plan.replaced}
     kept, undone, left = [], [], []
     for iid, inst in reversed(list(started.items())):

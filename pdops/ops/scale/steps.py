@@ -92,13 +92,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
 
     if plan.gateway_restart:
         out += gateway_restart_steps(inv, [i.id for i in tgt.instances])
-    known = {h.name for h in inv.hosts}
-    for h in plan.retired_gateways:
-        out.append(Step(f"retire-gateway {h}", h if h in known else None,
-                        f"{h} is no longer a gateway: systemctl disable --now {GATEWAY_UNIT}, its files (unit, launch "
-                        "script, env file, start-up list and its script) removed, daemon-reload"
-                        + ("" if h in known else "; the host is not in the inventory: said, not done"), 60,
-                        kind="retire-gateway", params={"host": h, "reachable": h in known}))
     if plan.admission_reload:
         hosts = inv.admission.hosts
         for host in hosts:
@@ -108,6 +101,13 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
             out.append(Step(f"admission-reload{tag}", host, f"systemctl reload {ADMISSION_UNIT} (haproxy -c, then USR2: "
                             "old workers finish their streams); the master MainPID must stay", 60,
                             kind="admission-reload", params={"host": host}))
+    known = {h.name for h in inv.hosts}
+    for h in plan.retired_gateways:
+        out.append(Step(f"retire-gateway {h}", h if h in known else None,
+                        f"{h} is no longer a gateway: systemctl disable --now {GATEWAY_UNIT}, its files (unit, launch "
+                        "script, env file, start-up list and its script) removed, daemon-reload"
+                        + ("" if h in known else "; the host is not in the inventory: said, not done"), 60,
+                        kind="retire-gateway", params={"host": h, "reachable": h in known}))
     rep = plan.repair or {}
     if rep and plan.current_placement.get(rep["instance"]).role == "decode":
         # the halves the ended decode process left on the prefills wait for a side that is gone
