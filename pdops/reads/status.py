@@ -303,9 +303,9 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
             r["prometheus"] = rates.get(r["instance"], {})
         for g in gateways:
             g["prometheus_error"] = perr
-    ok = all(g["state"] == "ok" for g in gateways) and all(r["state"] == "ok" for r in rows)
+    ok = all(g["state"] == "ok" for g in gateways) and all(r["state"] == "ok" for r in rows) and not obs.front_door
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
-            "gateways": gateways, "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
+            "gateways": gateways, "front_door": list(obs.front_door), "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
             "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
 
 
@@ -438,6 +438,9 @@ def format_status(doc: dict) -> str:
         if g["state"] != "ok":
             lines.append(f"gateway{'' if len(gws) == 1 else ' ' + g['host']} {g['state']}: {'; '.join(g['reasons'])}"
                          + (f"\n  -> {g['action']}" if g["action"] else ""))
+    for f in doc.get("front_door", []):
+        lines.append(f"front door not as deployed: {f}\n  -> inv deploy --topology {doc['topology']} (sets every "
+                     "gateway ready at its weight)")
     lines += [f"warning: {w}" for w in doc.get("warnings", [])]
     if (doc.get("record") or {}).get("lock"):
         lines.append("note: a change holds the cluster lock (above): what differs from the current revision may be "
@@ -446,7 +449,8 @@ def format_status(doc: dict) -> str:
     healthy = sum(1 for r in doc["instances"] if r["healthy"])
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
     bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + [
-        f"gateway {g['host']}" if len(gws) > 1 else "gateway" for g in gws if g["state"] != "ok"]
+        f"gateway {g['host']}" if len(gws) > 1 else "gateway" for g in gws if g["state"] != "ok"] + (
+        ["front door"] if doc.get("front_door") else [])
     tail += f"; not ok: {', '.join(bad)}" if bad else "; all ok"
     if doc.get("cordoned"):
         tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"
