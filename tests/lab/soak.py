@@ -12,7 +12,7 @@ Operations and faults, drawn with `random.Random(seed)`:
   observes the restart and ends the prefill halves the crash cut);
 - reboot (fault): every lab host powered off and booted, then runbook hosts-rebooted.md:
   `inv status` (exit 1), `inv deploy`, `inv verify`;
-- halted-change: a change whose new processes fail to start (a flag SGLang rejects) halts; the
+- halted-change: a change whose new processes fail to start (no room for the KV pool) halts; the
   flag is taken out and `inv deploy` applies the inventory;
 - host-add: lab05 (a fifth lab host, not in the soak's inventory) added to the inventory,
   `inv scale --topology 3p2d` (p03 starts there), `inv scale --topology 2p2d`, lab05 taken out of
@@ -128,8 +128,11 @@ class Soak:
         p = self.inv_dir / "profiles" / "p.yml"
         prof = yaml.safe_load(p.read_text())
         for k, v in changes.items():
-            if k == "max_running_requests":
-                prof["bundle"][k] = v
+            if k in ("max_running_requests", "mem_fraction_static"):
+                if v is None:
+                    prof["bundle"].pop(k, None)
+                else:
+                    prof["bundle"][k] = v
             elif v is None:
                 prof.pop(k, None)
             else:
@@ -228,11 +231,15 @@ class Soak:
         return f"{SPARE} added, p03 started on {where}, scaled back, {SPARE} retired"
 
     def op_halted_change(self, cmds):
-        self.set_profile(extra_args=["--no-such-sglang-flag"])
+        # a bundle whose new processes exit at start (no room for the KV pool, as SGLang fails); a flag
+        # SGLang rejects is refused before anything runs, by the generation's parse of the command lines
+        p = self.inv_dir / "profiles" / "p.yml"
+        good = yaml.safe_load(p.read_text())["bundle"].get("mem_fraction_static")
+        self.set_profile(mem_fraction_static=0.05)
         self.cli(cmds, "deploy", "--topology", BASE, expect=9)  # the change stops (ScaleFailed)
-        self.set_profile(extra_args=None)
+        self.set_profile(mem_fraction_static=good)
         self.cli(cmds, "deploy", "--topology", BASE)
-        return "a bundle SGLang rejects: halted; then the fixed inventory deployed"
+        return "a bundle that cannot start: halted; then the fixed inventory deployed"
 
     # ---------------------------------------------------------------- the loop
     def run(self, n_ops: int, ops: list[str] | None = None, kinds: tuple[str, ...] = OPS) -> dict:

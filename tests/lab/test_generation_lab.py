@@ -43,7 +43,7 @@ def cluster(lab, tmp_path_factory):
         v["pdops_gateway"]["hosts"] = list(GATEWAYS)
         v["pdops_admission"] = {"host": GATEWAYS[0], "port": 18083, "cap": 16, "queue": 16, "queue_timeout_s": 60,
                                 "overflow_status": 429, "api_keys_file": str(keys)}
-        v["pdops_fence_hold_s"] = 3
+        v["pdops_fence_hold_s"] = 2
     base = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
     with deployed(lab, root / "inv", "1p1d", mutate=two_gateways,
                   profile={"env": {**base["env"], "PDOPS_SIM_DECODE_STEP_MS": "10"}}) as (inv_dir, _):

@@ -4,8 +4,8 @@ cluster under a closed loop of streaming requests (tests/lab/soak.py, which `mak
 The ten are every kind the soak knows but host-add (it needs a fifth lab host; tests/lab/test_change.py adds
 one), once, and a second drain: drain, scale (there and back),
 rolling change, rollback, host maintenance (drain --host, uncordon, deploy), engine SIGKILL +
-repair, gateway SIGKILL + deploy, a reboot of every host + deploy, a change halted by a flag SGLang
-rejects. After each one the cluster serves with every instance ok; every request that did not get
+repair, gateway SIGKILL + deploy, a reboot of every host + deploy, a change halted by a bundle whose
+engines cannot start. After each one the cluster serves with every instance ok; every request that did not get
 its whole answer falls inside a fault's window or was named by pdops as lost; none reached two
 prefills or two decodes.
 """
