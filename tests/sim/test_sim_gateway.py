@@ -88,10 +88,10 @@ def test_client_disconnect_through_gateway_aborts_on_decode(pd_cluster):
     c, resp = _sse(g.host, g.port, "/generate", {"text": make_prompt(10, 1), "stream": True, "sampling_params": {"max_new_tokens": 20000}})
     assert resp.status == 200
     resp.fp.readline()  # first event arrived: it is running on the decode
-    wait_until(lambda: d.state()["in_flight"], 5, "request in flight on decode")
+    wait_until(lambda: d.state().get("in_flight"), 5, "request in flight on decode")
     c.sock.close()
     c.close()
-    wait_until(lambda: not d.state()["in_flight"], 10, "decode released the disconnected request")
+    wait_until(lambda: not d.state().get("in_flight", True), 10, "decode released the disconnected request")
     assert metric(d, "sglang:num_aborted_requests_total") == aborted + 1
 
 
@@ -108,7 +108,10 @@ def test_injected_transfer_failure_gives_500_on_both_sides(pd_cluster):
         assert time.monotonic() - t0 < 10
         wait_until(lambda: _total(ps, "sglang:num_transfer_failed_reqs_total") == failed_p + 1, 5, "prefill counted the failure")
         assert metric(d, "sglang:num_transfer_failed_reqs_total") == failed_d + 1
-        assert not d.state()["in_flight"] and not any(p.state()["in_flight"] for p in ps)
+        # both sides release the failed room (the 500 can reach the client a moment before the
+        # prefill has dropped it: waited for, bounded)
+        wait_until(lambda: not d.state().get("in_flight", True) and not any(p.state().get("in_flight", True)
+                                                                            for p in ps), 10, "the room released")
     finally:
         for p in ps:
             p.post("/_sim/faults", {"fail_transfer": False})
@@ -132,7 +135,9 @@ def test_dead_session_fails_every_request_fast_until_the_decode_restarts(pd_clus
                                  or "KV transfer failed: decode closed the connection" in str(body)), body
             assert time.monotonic() - t0 < 10
         assert metric(d, "sglang:num_transfer_failed_reqs_total") == failed_d + 3
-        wait_until(lambda: not d.state()["in_flight"] and not any(p.state()["in_flight"] for p in ps), 10,
+        # state() is {} when /_sim/state does not answer in time (a busy machine): not released yet
+        wait_until(lambda: not d.state().get("in_flight", True) and not any(p.state().get("in_flight", True)
+                                                                            for p in ps), 10,
                    "both sides released the failed rooms")
     finally:
         d.post("/_sim/faults", {"dead_session": False})

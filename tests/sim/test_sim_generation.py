@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdops.model.generation import digest, generation_fields, pair_fields, versions_from_env
-from pdops.sim.testing import http, metric
+from pdops.sim.testing import http, metric, wait_until
 
 FAILED = "sglang:num_transfer_failed_reqs_total"
 # a mismatch must fail at once, never at the bootstrap or waiting timeout
@@ -63,7 +63,8 @@ def test_another_generation_fails_the_room_on_both_sides_as_a_transfer_error(sim
         msg = _message(body)
         assert f"generation mismatch: prefill {gp}, decode {gd} ({what})" in msg, (side, msg)
     assert metric(d, FAILED) == 1 and metric(p, FAILED) == 1
-    assert not d.state()["in_flight"] and not p.state()["in_flight"]
+    wait_until(lambda: not d.state().get("in_flight", True) and not p.state().get("in_flight", True), 10,
+               "both sides released the room")
     # the same decode, paired with a prefill of its generation, is served
     q = sims(["--disaggregation-mode", "prefill", "--enable-metrics", flag, d_val], ENV)
     ok = _send(q, d, 42)
