@@ -79,3 +79,19 @@ def front_door_problems(pool, adm_host: str, gateways) -> list[str]:
             out.append(f"HAProxy on {adm_host}: gateway {h} is {st.status}, weight {st.weight} (deployed: UP, "
                        f"weight {FULL_WEIGHT})")
     return out
+
+
+def require_another_up(pool, adms, others, leaving: str, what: str) -> list[str]:
+    """Before a gateway leaves the front door: every admission host's HAProxy must see another gateway
+    UP; Unverified (nothing changed) naming each one's state otherwise. Returns those UP (the last read)."""
+    up: list[str] = []
+    for a in adms:
+        stats = gateway_stats(pool, a)
+        up = [h for h in others if h in stats and stats[h].up]
+        if not up:
+            raise Unverified(f"no other gateway is UP in HAProxy on {a} ("
+                             f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
+                             f"{what} {leaving} would leave that front door with none; nothing was changed",
+                             fix="`inv status` shows each gateway; repair the others first (inv deploy --topology "
+                                 "<the live one>), then run the change again")
+    return up

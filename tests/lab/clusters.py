@@ -163,9 +163,12 @@ class Load:
     """Requests through the gateway (every other one streamed) in small batches until stopped; every
     request is counted in its ledger row."""
 
-    def __init__(self, url: str, headers: dict | None = None):
+    def __init__(self, url: str, headers: dict | None = None, *, prefix: str = "scale-load", requests: int = 6,
+                 concurrency: int = 3, max_new_tokens: int = 8):
         self.url = url
         self.headers = headers
+        self.prefix, self.batch = prefix, {"requests": requests, "concurrency": concurrency,
+                                           "max_new_tokens": max_new_tokens}
         self.rows = []
         self._stop = threading.Event()
         self._error = None
@@ -177,8 +180,8 @@ class Load:
         n = 0
         try:
             while not self._stop.is_set():
-                self.rows += send(self.url, requests=6, concurrency=3, max_new_tokens=8, stream_every=2,
-                                  rid_prefix=f"scale-load-{n}", timeout=60, headers=self.headers)
+                self.rows += send(self.url, **self.batch, stream_every=2, rid_prefix=f"{self.prefix}-{n}", timeout=60,
+                                  headers=self.headers)
                 n += 1
         except Exception as exc:  # noqa: BLE001 - reported by stop()
             self._error = exc
@@ -287,3 +290,28 @@ def assert_journal_walks_the_printed_plan(state, kind: str, out: str, walk_plans
         assert i < len(printed), (sid, journalled, printed)  # journalled, but not printed in this order
         i += 1
     return journalled
+
+
+def never_twice(lab, inv_dir: Path, prefix: str) -> None:
+    """Each request ID starting with `prefix` reached each engine any revision names at most once
+    (its request log in the journal, every invocation): none replayed."""
+    import json
+    from collections import Counter
+
+    from pdops.model.placement import Placement
+
+    st = record(inv_dir)
+    units = {(h, u) for n in st.revision_numbers()
+             for i in Placement.from_dict(st.read_revision(n).placement).instances for h, u in i.units[:1]}
+    for host, unit in sorted(units):
+        c = lab.connection(host)
+        try:
+            out = c.run(f"journalctl -u {unit} -o cat --no-pager", hide=True, warn=True).stdout
+        finally:
+            c.close()
+        n: Counter = Counter()
+        for line in out.splitlines():
+            if '"request.received"' in line:
+                n[json.loads(line[line.find("{"):])["rid"]] += 1
+        twice = {rid: k for rid, k in n.items() if rid.startswith(prefix) and k > 1}
+        assert not twice, f"{host}:{unit} received these request IDs more than once: {twice}"

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 import pytest
 
@@ -24,7 +23,8 @@ from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import REPO, Load, cli, deployed, record
+from tests.lab.clusters import REPO, Load, cli, deployed, never_twice, record
+from tests.lab.test_gateway_lab import _run
 
 pytestmark = pytest.mark.lab
 
@@ -65,14 +65,6 @@ def cluster(lab, tmp_path_factory):
         yield inv_dir, proc
 
 
-def _run(lab, host: str, cmd: str) -> str:
-    c = lab.connection(host)
-    try:
-        return c.run(cmd, hide=True, warn=True).stdout
-    finally:
-        c.close()
-
-
 def _main_pid(lab, host: str) -> int:
     return int(_run(lab, host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip() or 0)
 
@@ -105,19 +97,6 @@ def _load(url: str, seconds: float, prefix: str) -> tuple[threading.Thread, list
         headers={"Authorization": f"Bearer {KEY}"})))
     t.start()
     return t, rows
-
-
-def _never_twice(lab, inv_dir, prefix: str) -> None:
-    """Each request ID reached each engine at most once (their request logs, every invocation)."""
-    pl = Placement.from_dict(record(inv_dir).current_revision().placement)
-    for inst in pl.instances:
-        host, unit = inst.units[0]
-        n: Counter = Counter()
-        for line in _run(lab, host, f"journalctl -u {unit} -o cat --no-pager").splitlines():
-            if '"request.received"' in line:
-                n[json.loads(line[line.find("{"):])["rid"]] += 1
-        twice = {rid: k for rid, k in n.items() if rid.startswith(prefix) and k > 1}
-        assert not twice, f"{inst.id} received these request IDs more than once: {twice}"
 
 
 def _streams_running(inv_dir, at_least: int = 4) -> None:
@@ -190,7 +169,7 @@ def test_a_planned_restart_of_every_gateway_turns_no_request_away(lab, cluster):
     print(f"\nplanned restart of both gateways under load, one core busy: {len(load.rows)} requests, "
           f"{sum(not r.ok for r in load.rows)} failed")
     load.assert_clean(at_least=12)  # every request served whole, each request ID once
-    _never_twice(lab, inv_dir, "scale-load")
+    never_twice(lab, inv_dir, "scale-load")
 
 
 def _bounded_by_what_was_in_flight(rows, at: float, what: str, until: float | None = None) -> list:
@@ -238,7 +217,7 @@ def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab,
         t.join(timeout=90)
     print(f"\ngateway lab04 SIGKILL -> every worker routable on it again in {back_s:.1f}s")
     _bounded_by_what_was_in_flight(rows, killed_at, "SIGKILL of gateway lab04 under load", kill_sent)
-    _never_twice(lab, inv_dir, "gw-kill")
+    never_twice(lab, inv_dir, "gw-kill")
     # decided from observation: verify names the restarted gateway, one deploy records it
     proc = cli(inv_dir, "verify")
     assert proc.returncode == 5 and f"gateway {GATEWAY_UNIT} on lab04 restarted" in proc.stderr, \
@@ -314,7 +293,7 @@ def test_a_gateway_host_down_turns_away_at_most_what_was_in_flight_on_it(lab, cl
     assert "verified: the admission layer on lab03 sees lab03, lab04 UP" in proc.stdout, proc.stdout
     urls = {i.url for i in Placement.from_dict(record(inv_dir).current_revision().placement).instances}
     assert _routable(inv)["lab04"] == urls
-    _never_twice(lab, inv_dir, "gw-host")
+    never_twice(lab, inv_dir, "gw-host")
     # runbook 5: verify and status
     assert cli(inv_dir, "verify").returncode == 0
     st = cli(inv_dir, "status")

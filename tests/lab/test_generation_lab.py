@@ -11,10 +11,8 @@
 
 from __future__ import annotations
 
-import json
 import re
 import threading
-from collections import Counter
 
 import pytest
 import yaml
@@ -22,8 +20,10 @@ import yaml
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import REPO, cli, deployed, record
-from tests.lab.test_gateways_lab import KEY, cpu_hog, _run
+from tests.lab.clusters import REPO, Load, cli, deployed, never_twice, record
+from tests.lab.test_gateways_lab import KEY, cpu_hog
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 pytestmark = pytest.mark.lab
 
@@ -76,45 +76,6 @@ def _routes(inv_dir) -> dict[str, set[str]]:
     return {h: {w.url for w in c.list_workers() if w.routable} for h, c in Gateways.of(inv, timeout=3).items()}
 
 
-class _Loop:
-    """Closed-loop streams through the admission layer until stopped, every request in the ledger."""
-
-    def __init__(self, url: str, prefix: str):
-        self.url, self.prefix, self.rows, self._stop = url, prefix, [], threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        from pdops.remote.load import send
-
-        n = 0
-        while not self._stop.is_set():
-            self.rows += send(self.url, requests=12, concurrency=6, max_new_tokens=40, stream_every=2, timeout=60,
-                              rid_prefix=f"{self.prefix}-{n}", headers={"Authorization": f"Bearer {KEY}"})
-            n += 1
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join(timeout=120)
-
-
-def _never_twice(lab, inv_dir, prefix: str) -> None:
-    """Each request ID reached each engine any revision names at most once (their request logs)."""
-    st = record(inv_dir)
-    units = {(h, u) for n in st.revision_numbers()
-             for i in Placement.from_dict(st.read_revision(n).placement).instances for h, u in i.units[:1]}
-    for host, unit in sorted(units):
-        n: Counter = Counter()
-        for line in _run(lab, host, f"journalctl -u {unit} -o cat --no-pager").splitlines():
-            if '"request.received"' in line:
-                n[json.loads(line[line.find("{"):])["rid"]] += 1
-        twice = {rid: k for rid, k in n.items() if rid.startswith(prefix) and k > 1}
-        assert not twice, f"{host}:{unit} received these request IDs more than once: {twice}"
-
-
 def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving(lab, cluster):
     inv_dir = cluster
     inv = load_inventory(inv_dir)
@@ -124,7 +85,7 @@ def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving
     dry = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")
     assert dry.returncode == 0 and "rolled fenced (blue/green)" in dry.stdout, dry.stdout + dry.stderr
     assert "added:   p02 (prefill)" in dry.stdout and "d02 (decode)" in dry.stdout, dry.stdout
-    with _Loop(inv.admission.url, "gen-halt") as load:
+    with Load(inv.admission.url, AUTH, prefix="gen-halt", requests=12, concurrency=6, max_new_tokens=40) as load:
         proc = cli(inv_dir, "deploy", "--topology", "1p1d")
     assert proc.returncode != 0 and "canary new pool" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
@@ -145,7 +106,7 @@ def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving
     assert jr.returncode == 0, jr.stdout + jr.stderr
     for s in ("canary new pool", "front-door back", "undo-added", "unfence"):
         assert f" {s}  " in jr.stdout, (s, jr.stdout)
-    _never_twice(lab, inv_dir, "gen-halt")
+    never_twice(lab, inv_dir, "gen-halt")
     assert cli(inv_dir, "verify").returncode == 0
     st = cli(inv_dir, "status")
     assert st.returncode == 0 and "all ok" in st.stdout, st.stdout + st.stderr
@@ -181,7 +142,7 @@ def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
             p = cli(inv_dir, "status")
             seen.append((p.returncode, p.stdout))
     watcher = threading.Thread(target=watch, daemon=True)
-    with cpu_hog(), _Loop(inv.admission.url, "gen-fenced") as load:
+    with cpu_hog(), Load(inv.admission.url, AUTH, prefix="gen-fenced", requests=12, concurrency=6, max_new_tokens=40) as load:
         watcher.start()
         try:
             proc = cli(inv_dir, "deploy", "--topology", "1p1d")
@@ -194,7 +155,7 @@ def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
     failed = [r.to_dict() for r in load.rows if not r.ok]
     print(f"\nfenced generation change under load, one core busy: {len(load.rows)} requests, {len(failed)} failed")
     assert len(load.rows) >= 12 and not failed, failed[:3]
-    _never_twice(lab, inv_dir, "gen-fenced")
+    never_twice(lab, inv_dir, "gen-fenced")
     print(f"`inv status` read {len(seen)} time(s) during the rollout; exit statuses {[rc for rc, _ in seen]}")
     assert seen and all(rc in (0, 1) for rc, _ in seen), seen
     during = [out for rc, out in seen if rc == 1]
@@ -231,7 +192,7 @@ def test_a_generation_change_rolled_in_waves_fails_requests_that_pair_across(lab
     dry = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")  # the planner would fence it
     assert dry.returncode == 0 and "(page size 32 -> unset): a prefill of one and a decode of the other cannot" \
         in dry.stdout and "rolled fenced (blue/green)" in dry.stdout, dry.stdout + dry.stderr
-    with _Loop(inv.admission.url, "gen-waves") as load:
+    with Load(inv.admission.url, AUTH, prefix="gen-waves", requests=12, concurrency=6, max_new_tokens=40) as load:
         proc = cli(inv_dir, "deploy", "--topology", "1p1d", "--unfenced")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "although the generation changes (--unfenced)" in proc.stdout, proc.stdout

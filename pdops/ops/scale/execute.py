@@ -12,7 +12,7 @@ import pdops.ops.drain  # noqa: F401
 import pdops.ops.repair  # noqa: F401
 from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unverified
 from pdops.remote.gateway import Gateways
-from pdops.remote.haproxy import gateway_stats, runtime, wait_gateways_up
+from pdops.remote.haproxy import require_another_up, runtime, wait_gateways_up
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import manifest, snapshot_of
@@ -41,15 +41,7 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     others = [h for h in inv.gateway.hosts if h != node.host]
     up: list[str] = []
     if adm_hosts and others:
-        for a in adm_hosts:  # every HAProxy must still have another gateway to send to
-            stats = gateway_stats(pool, a)
-            up = [h for h in others if h in stats and stats[h].up]
-            if not up:
-                raise Unverified(f"no other gateway is UP in HAProxy on {a} ("
-                                 f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
-                                 f"taking {node.host} out would leave that front door with none; nothing was changed",
-                                 fix="`inv status` shows each gateway; repair the others first (inv deploy --topology "
-                                     "<the live one>), then run the change again")
+        up = require_another_up(pool, adm_hosts, others, node.host, "taking out")
         out_cmd, back_cmd = server_state_command(node.host, "drain"), server_state_command(node.host, "ready")
         out_what, back_what = "drain the gateway's server", "set the gateway's server ready"
     else:

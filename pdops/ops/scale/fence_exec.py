@@ -12,8 +12,11 @@ from pdops.model import membership
 from pdops.model.admission import server_state_command
 from pdops.remote.gateway import deadline_in
 from pdops.model.admission import FULL_WEIGHT
-from pdops.remote.haproxy import gateway_stats, runtime, set_front_door, wait_gateways_up
+from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, set_front_door, wait_gateways_up
 from pdops.remote.hosts import http_json
+from pdops.ops.deploy.actions import register_one
+from pdops.ops.drain.stopping import leave_gateway
+from pdops.reads.status import FAILURE_COUNTERS, GATEWAY_COUNTERS
 from pdops.runner import Outcome, RunContext, Step, register_executors
 
 
@@ -33,15 +36,7 @@ def do_fence_gateway(ctx: RunContext, step: Step) -> Outcome:
     """The new generation's gateway leaves the front door and drops the old pool's workers."""
     g, others, adms = step.params["gateway"], step.params["others"], step.params["admission_hosts"]
     adm = ", ".join(adms)
-    for a in adms:
-        stats = gateway_stats(ctx.pool, a)
-        up = [h for h in others if h in stats and stats[h].up]
-        if not up:
-            raise Unverified(f"no other gateway is UP in HAProxy on {a} ("
-                             f"{', '.join(f'{h}: {stats[h].status if h in stats else None}' for h in others)}): "
-                             f"fencing {g} would leave that front door with none; nothing was changed",
-                             fix="`inv status` shows each gateway; repair them first (inv deploy --topology "
-                                 "<the live one>)")
+    up = require_another_up(ctx.pool, adms, others, g, "fencing")
     ctx.give(step, "fence", {"gateway": g, "dropped": []})  # from here the rescue puts the front door back
     for a in adms:
         runtime(ctx.pool, a, server_state_command(g, "drain"), f"drain gateway {g}")
@@ -72,8 +67,6 @@ def do_fence_gateway(ctx: RunContext, step: Step) -> Outcome:
 def _failures(ctx: RunContext, g: str, ids: list[str]) -> dict[str, float]:
     """The new pool's transfer and bootstrap failure counters and the gateway's PD failure counters,
     by name: what must stay flat while a shift holds. A source that does not answer is a failure."""
-    from pdops.reads.status import FAILURE_COUNTERS, GATEWAY_COUNTERS
-
     out: dict[str, float] = {}
     for iid in ids:
         inst = ctx.placement.get(iid)
@@ -147,8 +140,6 @@ def do_fence_commit(ctx: RunContext, step: Step) -> Outcome:
 
 def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
     """Rescue before `commit`: the fenced gateway serves the old pool again."""
-    from pdops.ops.deploy.actions import register_one
-
     g, adms = step.params["gateway"], step.params["admission_hosts"]
     fenced = ctx.get(step, "fence", None)
     if not fenced:
@@ -194,8 +185,6 @@ def do_unfence_gateway(ctx: RunContext, step: Step) -> Outcome:
 def do_leave_old_pool(ctx: RunContext, step: Step) -> Outcome:
     """Rescue after `commit`: what of the old pool is not yet drained leaves the other gateways before
     the new pool joins them (no gateway may route to both generations). Not stopped: named."""
-    from pdops.ops.drain.stopping import leave_gateway
-
     drained = set(ctx.get(step, "drained", []))
     left = [i for i in step.params["instances"] if i not in drained]
     if not left:

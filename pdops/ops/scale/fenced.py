@@ -31,7 +31,11 @@ from pdops.model.topology import Topology
 from pdops.record.local import Revision
 from pdops.runner import Step
 
-from pdops.ops.scale.model import (ROLES, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
+from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
+                                    register_steps, start_steps, verify_running_step)
+from pdops.ops.drain.plan import drain_steps
+from pdops.ops.scale.steps import rescue_steps
+from pdops.ops.scale.model import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
                                    shared_files, slot_key)
 
 SHIFTS = (10, 50, 100)
@@ -66,8 +70,6 @@ def plan_fenced(inv: Inventory, cur: Revision, topology: Topology, gen: Generati
                                   + [f"gateway {h}: {w}" for h, w in (seen.gateways_down if seen else {}).items()]),
                       fix="`inv deploy --topology <the live one>` repairs it first")
     cur_pl = Placement.from_dict(cur.placement)
-    from pdops.ops.scale.model import cordoned_hosts
-
     avoid = set(cordoned_hosts(cur) if cordoned is None else cordoned)
     held = {slot_key(i) for i in cur_pl.instances}
 
@@ -164,10 +166,6 @@ def _shrink(cur_pl: Placement, k: int) -> list[Instance] | None:
 
 def fenced_steps(plan: ScalePlan) -> list[Step]:
     """The runner's steps of a fenced rollout (module doc)."""
-    from pdops.ops.deploy import canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps
-    from pdops.ops.deploy.steps import front_door_step, verify_running_step
-    from pdops.ops.drain import drain_steps
-
     inv, cur, tgt, f = plan.inv, plan.current, plan.target, plan.fence
     g, others, adms = f["gateway"], f["others"], f["admission_hosts"]
     adm = ", ".join(adms)  # where HAProxy runs: each gets the same commands
@@ -230,9 +228,6 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
     request again (front door back to the other gateways, the new pool drained and stopped, the fenced
     gateway given the old pool back); after `commit`, the new generation serves through every gateway.
     Then what runs is recorded (pdops.ops.scale.rescue's R1 and R3, as any change)."""
-    from pdops.ops.deploy import register_steps
-    from pdops.ops.scale.steps import rescue_steps
-
     inv, f = plan.inv, plan.fence
     g, others, adms = f["gateway"], f["others"], f["admission_hosts"]
     adm = ", ".join(adms)  # where HAProxy runs: each gets the same commands

@@ -16,6 +16,7 @@ from pdops.model.topology import Topology
 
 from pdops.ops.scale.model import (ROLES, ScalePlan, ScaleStep, cordoned_hosts, current_revision_of, file_changes, gpu_range,
                                gpu_set, instance_files, refuse_changed_inventory, shared_files, slot_key)
+from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     files = files_of(snapshot) if snapshot is not None else render_files(inv, target_pl)
     gen = generation_change(cur_snapshot, cur_pl, files, target_pl)
     if gen is not None and gen.changes and not unfenced:
-        from pdops.ops.scale.fenced import plan_fenced
-
         return plan_fenced(inv, cur, target_pl.topology, gen, skip_checks=skip_checks, seen=seen,
                            allow_capacity_dip=allow_capacity_dip, cordoned=cordoned, rollback_of=rollback_of,
                            snapshot=snapshot, hold_s=shift_hold_s)
