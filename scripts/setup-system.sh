@@ -2,6 +2,13 @@
 # Debian packages pdops's lab, tests and demo need on a fresh machine (run as root).
 # Installs only what is missing; never starts a service on the machine itself.
 set -euo pipefail
+# The lab boots one systemd per host, each holding 4 inotify instances; Debian's per-user limit
+# of 128 stops a lab at 32 hosts (docs/lab.md). Raised now, and kept for the machine's next boot.
+want=1024
+if [ "$(id -u)" = 0 ] && [ "$(cat /proc/sys/fs/inotify/max_user_instances)" -lt "$want" ]; then
+  echo "fs.inotify.max_user_instances = $want" > /etc/sysctl.d/60-pdops-lab.conf
+  sysctl -q -w fs.inotify.max_user_instances="$want"
+fi
 need=()
 for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")

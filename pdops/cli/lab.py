@@ -29,7 +29,7 @@ def up(c, hosts="4"):  # a string: a bad value gets our error, not invoke's trac
         action = "all already up, inventory current: nothing changed"
     print(lab_api.summary_line(result, action))
     print(f"inventory: {lab_api.inventory_path()}")
-    print(f"ssh key:   {lab_api.ssh_key_path()}   (ssh -i <key> root@127.0.10.1)")
+    print(f"ssh key:   {lab_api.ssh_key_path()}   (ssh -i <key> root@{lab_api.host_address(1)})")
 
 
 @task(help={"host": "only this host (lab03 or 3); repeatable: a host that dies while the others run"},

@@ -44,6 +44,46 @@ def check_binaries(binaries: dict[str, str] | None = None) -> None:
         )
 
 
+# Each lab host's systemd holds 4 inotify instances (counted on a running lab); the kernel's
+# per-user limit, fs.inotify.max_user_instances, is 128 on Debian: 32 hosts at most, and a host
+# past it hangs in its boot until the deadline. scripts/setup-system.sh raises it to INOTIFY_WANTED.
+INOTIFY_PER_HOST = 4
+INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
+INOTIFY_WANTED = 1024
+
+
+def inotify_in_use() -> int:
+    """inotify instances open on this machine now (every process's fds; the lab runs as root)."""
+    n = 0
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in os.scandir(fd_dir):
+                try:
+                    n += os.readlink(fd.path) == "anon_inode:inotify"
+                except OSError:
+                    pass
+        except OSError:
+            pass
+    return n
+
+
+def check_inotify(hosts_to_boot: int, limit: int | None = None, in_use: int | None = None) -> None:
+    """Refuse before booting when the hosts' systemd would run out of inotify instances."""
+    if hosts_to_boot <= 0:
+        return
+    limit = int(INOTIFY_LIMIT.read_text()) if limit is None else limit
+    in_use = inotify_in_use() if in_use is None else in_use
+    need = hosts_to_boot * INOTIFY_PER_HOST
+    if in_use + need > limit:
+        raise Refused(
+            f"{hosts_to_boot} more lab host(s) need {need} inotify instances ({INOTIFY_PER_HOST} each, for "
+            f"systemd); {in_use} of this machine's {limit} (fs.inotify.max_user_instances) are in use, so "
+            f"{max(0, (limit - in_use) // INOTIFY_PER_HOST)} more host(s) fit; nothing booted",
+            fix=f"sysctl -w fs.inotify.max_user_instances={INOTIFY_WANTED}  (scripts/setup-system.sh sets it), "
+                "or boot fewer hosts",
+        )
+
+
 def preflight() -> list[CgroupMount]:
     """Refuse unless root, with every binary and a name=systemd or cgroup2 hierarchy; the mounts."""
     if os.geteuid() != 0:

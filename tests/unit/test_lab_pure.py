@@ -247,3 +247,16 @@ def test_missing_binary_names_the_debian_package():
 def test_needs_staging():
     assert lab.needs_staging(Path("/tmp/ci/repo"))
     assert not lab.needs_staging(Path("/work/main"))
+
+
+def test_a_lab_the_kernels_inotify_limit_cannot_hold_is_refused_before_any_host_boots():
+    """64 hosts need 4 inotify instances each (their systemd); Debian's 128 hold 32: refused, naming the
+    sysctl and how many more fit, instead of 35 hosts hanging in their boot until the deadline."""
+    from pdops.lab.machine import check_inotify
+
+    with pytest.raises(Refused) as e:
+        check_inotify(64, limit=128, in_use=8)
+    assert "30 more host(s) fit" in e.value.message and "nothing booted" in e.value.message
+    assert e.value.fix.startswith("sysctl -w fs.inotify.max_user_instances=1024")
+    check_inotify(64, limit=1024, in_use=300)  # fits: no error
+    check_inotify(0, limit=0, in_use=0)  # nothing to boot
