@@ -43,3 +43,32 @@ def skipped_in(output: str) -> Skipped | None:
         if line.startswith(SKIP_MARKER):
             return Skipped(line[len(SKIP_MARKER):].strip())
     return None
+
+
+# The shell batch protocol: several reads in ONE command (one SSH round trip); each section's output
+# is cut out of it, framed by markers with its exit code (preflight, verify, observe).
+_BEGIN, _END = "@@PDOPS-SECTION-BEGIN", "@@PDOPS-SECTION-END"
+
+
+def batch_command(commands: dict[str, str]) -> str:
+    """One shell command running every section in a subshell, each framed by markers with its exit code."""
+    parts = []
+    for name, cmd in commands.items():
+        parts.append(f"echo {q(_BEGIN + ' ' + name)}; ( {cmd} ) 2>&1; echo \"{_END} {name} $?\"")
+    return "; ".join(parts)
+
+
+def split_sections(output: str) -> dict[str, tuple[int, str]]:
+    """{section: (exit code, text)} from :func:`batch_command` output."""
+    out: dict[str, tuple[int, str]] = {}
+    cur, buf = None, []
+    for line in output.splitlines():
+        if line.startswith(_BEGIN + " "):
+            cur, buf = line[len(_BEGIN) + 1:].strip(), []
+        elif line.startswith(_END + " ") and cur is not None:
+            rc = line.rsplit(" ", 1)[-1]
+            out[cur] = (int(rc) if rc.lstrip("-").isdigit() else -1, "\n".join(buf) + ("\n" if buf else ""))
+            cur = None
+        elif cur is not None:
+            buf.append(line)
+    return out

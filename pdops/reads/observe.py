@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdops.model import membership
 from pdops.errors import PdopsError
 from pdops.facts.gateway import DRAINING, Worker
+from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
@@ -339,26 +340,37 @@ def _front_door(inv: Inventory, pool: HostPool) -> list[str]:
 
 
 def with_configs(pool: HostPool, host: str, units: list[str]) -> tuple[dict[str, UnitState], dict[str, str | None]]:
-    """Units' states and, for each running one, the config id its MainPID carries; one SSH round trip
-    for the config ids of every unit on the host."""
-    states = pool.unit_states(host, units)
+    """Units' states and, for each running one, the config id its MainPID carries: one SSH round trip
+    for every unit of the host (the config notes are read beside `systemctl show`, and count only where
+    their PID is the MainPID that show reports)."""
+    from pdops.errors import Unverified
+
+    if not units:
+        return {}, {}
+    raw = pool.read_sections(host, {"units": systemd_facts.command(*units), "configs": config_notes_command(units)})
+    rc, text = raw.get("units", (-1, ""))
+    if rc != 0:
+        raise Unverified(f"{host}: `systemctl show` of {', '.join(units)} exited {rc}", evidence=text[-800:])
+    states = systemd_facts.parse_by_id(text)
     pids = {u: s.main_pid for u, s in states.items() if s.active_state == "active" and s.main_pid}
-    return states, running_configs(pool, host, pids)
+    return states, parse_config_notes(raw.get("configs", (0, ""))[1], pids)
 
 
-def running_configs(pool: HostPool, host: str, pids: dict[str, int]) -> dict[str, str | None]:
-    """{unit: the config id its MainPID was started with, or None}: the launch script writes
-    "<PID> <PDOPS_CONFIG>" into the unit's RuntimeDirectory before it execs (the PID survives the
-    exec), so the note counts only when its PID is the unit's MainPID now. Read from this note, not
-    /proc/<pid>/environ: a process that sets its title (smg does) overwrites its environ area."""
+def config_notes_command(units: list[str]) -> str:
+    """Each unit's config note: "<unit> <PID> <PDOPS_CONFIG>", or "<unit> -" when it has none. The launch
+    script writes "<PID> <PDOPS_CONFIG>" into the unit's RuntimeDirectory before it execs (the PID survives
+    the exec). Read from this note, not /proc/<pid>/environ: a process that sets its title (smg does)
+    overwrites its environ area."""
     from pdops.facts import q
     from pdops.model.render import RUN_DIR, runtime_dir
 
-    if not pids:
-        return {}
-    script = "; ".join(f"printf '%s ' {q(u)}; head -n1 {q(f'{RUN_DIR}/{runtime_dir(u)}/config')} 2>/dev/null || echo -"
-                       for u in pids)
-    out = pool.run(host, script).stdout
+    return "; ".join(f"printf '%s ' {q(u)}; head -n1 {q(f'{RUN_DIR}/{runtime_dir(u)}/config')} 2>/dev/null || echo -"
+                     for u in units)
+
+
+def parse_config_notes(out: str, pids: dict[str, int]) -> dict[str, str | None]:
+    """{unit: the config id its MainPID was started with, or None} for the units in `pids` (the running
+    ones, by MainPID): a note counts only when its PID is the unit's MainPID now."""
     seen: dict[str, str | None] = {}
     for line in out.splitlines():
         parts = line.split()
@@ -367,3 +379,4 @@ def running_configs(pool: HostPool, host: str, pids: dict[str, int]) -> dict[str
         elif parts and parts[0] in pids:
             seen.setdefault(parts[0], None)
     return {u: seen.get(u) for u in pids}
+

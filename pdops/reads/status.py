@@ -31,7 +31,7 @@ from pdops.errors import PdopsError
 from pdops.facts import engine as engine_facts
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, http_json
-from pdops.reads.identity import record_identity
+from pdops.reads.identity import record_identities
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_parallel
 from pdops.record.local import local_dir
@@ -191,14 +191,18 @@ def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _strays(pool: HostPool, o) -> list[str]:
-    """Processes in a running unit's cgroup that are not its MainPID or MainPID's descendants."""
-    out = []
-    for key, st in o.units.items():
-        host, unit = key.split(":", 1)
-        if getattr(st, "active_state", None) == "active":
-            out += [f"{host}:{unit} {s}" for s in record_identity(pool, host, unit).strays]
-    return out
+def _strays(pool: HostPool, host: str, units: list[str]) -> list[str]:
+    """Processes in a running unit's cgroup (of those on `host`) that are not its MainPID or MainPID's
+    descendants; two SSH round trips for the host, whatever its number of units."""
+    return [f"{host}:{u} {s}" for u, ident in record_identities(pool, host, units).items() for s in ident.strays]
+
+
+def _instance_strays(o, by_host: dict) -> list[str] | Exception:
+    """The strays of one instance's units out of the per-host reads, or the first host's failure."""
+    hosts = dict.fromkeys(k.split(":", 1)[0] for k in o.units)
+    reads = [by_host[h] for h in hosts if h in by_host]
+    failed = next((r for r in reads if isinstance(r, Exception)), None)
+    return failed if failed is not None else [x for r in reads for x in r if x.split(" ", 1)[0] in o.units]
 
 
 def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
@@ -220,8 +224,12 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                 "note": "nothing deployed yet (no current revision)", "ok": True}, None
     with HostPool(inv) as pool:
         obs = observe(inv, rev, pool, Gateways.of(inv))
-        by_id = {o.id: o for o in obs.instances}
-        stray_res = run_parallel(list(by_id), lambda iid: _strays(pool, by_id[iid]))
+        running: dict[str, list[str]] = {}  # host -> its running units (of the revision's instances)
+        for o in obs.instances:
+            for key, st in o.units.items():
+                if getattr(st, "active_state", None) == "active":
+                    running.setdefault(key.split(":", 1)[0], []).append(key.split(":", 1)[1])
+        stray_res = run_parallel(list(running), lambda h: _strays(pool, h, running[h]))
         reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
         # orphaned halves wait in a prefill's bootstrap (or KV-sending) queue: its request log is read
         # only where those are not empty, or where its queues could not be read
@@ -260,7 +268,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                     q[name] = r[0].total(name)
                 except Exception:  # noqa: BLE001 - a field this engine does not report
                     q[name] = None
-        sr = stray_res.get(o.id)
+        sr = _instance_strays(o, stray_res)
         strays = sr if isinstance(sr, list) else []
         h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
                   strays=strays, orphans=orphaned.orphans.get(o.id, []))

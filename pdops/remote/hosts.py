@@ -47,6 +47,13 @@ class HostPool:
     def run(self, host: str, command: str, timeout: float | None = 60):
         return run_remote(self[host], command, timeout=timeout)
 
+    def read_sections(self, host: str, commands: dict[str, str], timeout: float | None = 60) -> dict[str, tuple[int, str]]:
+        """Several reads in one SSH round trip: {name: (exit code, output)} of each command (the batch
+        protocol of pdops.facts; a command that did not run is absent)."""
+        from pdops.facts import batch_command, split_sections
+
+        return split_sections(self.run(host, batch_command(commands), timeout=timeout).stdout)
+
     def unit_states(self, host: str, units: list[str]) -> dict[str, systemd_facts.UnitState]:
         if not units:
             return {}

@@ -77,7 +77,13 @@ def observed_world(inv, pl: Placement, observed: dict):
     pids = {(h, u): 100 + n for i in pl.instances for n, (h, u) in enumerate(i.units)}
 
     class Pool:
+        def read_sections(self, host, commands):
+            return {"units": (0, self.show(host, commands["units"].split()[4:])), "configs": (0, "")}
+
         def unit_states(self, host, units):
+            return systemd.parse_by_id(self.show(host, units))
+
+        def show(self, host, units):
             out = ""
             for u in units:
                 iid = next((i.id for i in pl.instances if (host, u) in i.units), None)
@@ -85,7 +91,7 @@ def observed_world(inv, pl: Placement, observed: dict):
                 out += (f"Id={u}\nLoadState=loaded\nActiveState={'active' if active else 'inactive'}\n"
                         f"SubState={'running' if active else 'dead'}\nMainPID={pids.get((host, u), 90) if active else 0}\n"
                         "NRestarts=0\nResult=success\nUnitFileState=enabled\n\n")
-            return systemd.parse_by_id(out)
+            return out
 
         def run(self, host, command, timeout=60):
             start = {"workers": [membership.entry(i) for i in pl.instances]}

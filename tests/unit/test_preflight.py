@@ -12,6 +12,7 @@ import pytest
 from pdops.reads import preflight as pf
 from pdops.facts import host as hf
 from pdops.reads.preflight import batch as pbatch
+from pdops import facts as batch_protocol
 from pdops.reads.preflight import checks as pchecks
 from pdops.reads.preflight import expected as pexp
 from pdops.reads.preflight import pairing as ppair
@@ -389,16 +390,16 @@ def test_disk_threshold(lab_inv):
 
 def batch(sections: dict[str, str], rcs: dict[str, int] | None = None) -> str:
     rcs = rcs or {}
-    return "".join(f"{pbatch._BEGIN} {n}\n{t}{'' if t.endswith(chr(10)) or not t else chr(10)}{pbatch._END} {n} {rcs.get(n, 0)}\n"
+    return "".join(f"{batch_protocol._BEGIN} {n}\n{t}{'' if t.endswith(chr(10)) or not t else chr(10)}{batch_protocol._END} {n} {rcs.get(n, 0)}\n"
                    for n, t in sections.items())
 
 
 def test_batch_command_runs_sections_in_subshells_and_splits(tmp_path):
     import subprocess
 
-    cmd = pbatch.batch_command({"a": "echo one; exit 3", "b": "echo two", "c": "printf 'x\\ny\\n'"})
+    cmd = batch_protocol.batch_command({"a": "echo one; exit 3", "b": "echo two", "c": "printf 'x\\ny\\n'"})
     out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, check=True).stdout
-    assert pbatch.split_sections(out) == {"a": (3, "one\n"), "b": (0, "two\n"), "c": (0, "x\ny\n")}
+    assert batch_protocol.split_sections(out) == {"a": (3, "one\n"), "b": (0, "two\n"), "c": (0, "x\ny\n")}
 
 
 def test_unreadable_section_fails_only_the_checks_that_need_it(lab_inv):
@@ -558,7 +559,7 @@ class RecordedPool:
         self.commands.append((host, command))
         if host in self.down:
             raise Unreachable(f"{host}: SSH failed: NoValidConnectionsError")
-        if pbatch._BEGIN in command:
+        if batch_protocol._BEGIN in command:
             return types.SimpleNamespace(stdout=batch(self.sections_by_host[host]))
         if command.startswith("systemd-run"):
             ports = [t for t in command.split(" && ")[0].split()[-3:] if t.isdigit()]
@@ -594,7 +595,7 @@ def test_run_preflight_clean_lab_passes_or_skips(lab_inv):
     assert doc["ok"] and doc["pairing"]["cells"][0]["ok"] and doc["failed_hosts"] == []
     # one batched round trip per host, then listener start, probe, listener stop
     kinds = [(h, c.split()[0]) for h, c in pool.commands]
-    assert sum(pbatch._BEGIN in c for _, c in pool.commands) == 2
+    assert sum(batch_protocol._BEGIN in c for _, c in pool.commands) == 2
     assert ("lab01", "systemd-run") in kinds and ("lab01", "systemctl") in kinds
     unit = next(c for h, c in pool.commands if c.startswith("systemd-run")).split("--unit=")[1].split()[0]
     assert unit.startswith(presults.LISTEN_UNIT_PREFIX)

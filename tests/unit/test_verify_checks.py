@@ -8,7 +8,7 @@ from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement, place
 from pdops.model.render import manifest as manifest_of
 from pdops.model.render import render_files
-from pdops.reads.preflight.batch import batch_command
+from pdops.facts import batch_command
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
 from pdops.reads.verify.checks import ADMISSION_KEYS_SUFFIX, HostPlan, host_command, host_plans, judge, read_facts

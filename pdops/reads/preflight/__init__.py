@@ -34,7 +34,8 @@ from pdops.runner import Say
 from pdops.fanout import run_parallel
 from pdops.model.topology import Topology
 from pdops.facts.host import ReadError
-from pdops.reads.preflight.batch import SECTIONS, Section, batch_command, gid_section, parse_sections
+from pdops.facts import batch_command
+from pdops.reads.preflight.batch import SECTIONS, Section, gid_section, parse_sections
 from pdops.reads.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
 from pdops.reads.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
 from pdops.reads.preflight.report import PreflightReport

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdops.errors import PdopsError
-from pdops.facts import nvidia, q, rdma
+from pdops.facts import nvidia, rdma, split_sections
 from pdops.facts import ports as port_facts
 from pdops.facts import systemd as systemd_facts
 from pdops.model.inventory import Host, Inventory
@@ -50,33 +50,6 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
 def gid_section(nic_device: str) -> Section:
     """One GID table per RoCE device (port 1, as Mooncake's MC_IB_PORT default)."""
     return Section(f"gids:{nic_device}", lambda i, h, p: rdma.gids_command(nic_device, 1), rdma.parse_gids)
-
-
-_BEGIN, _END = "@@PDOPS-SECTION-BEGIN", "@@PDOPS-SECTION-END"
-
-
-def batch_command(commands: dict[str, str]) -> str:
-    """One shell command running every section in a subshell, each framed by markers with its exit code."""
-    parts = []
-    for name, cmd in commands.items():
-        parts.append(f"echo {q(_BEGIN + ' ' + name)}; ( {cmd} ) 2>&1; echo \"{_END} {name} $?\"")
-    return "; ".join(parts)
-
-
-def split_sections(output: str) -> dict[str, tuple[int, str]]:
-    """{section: (exit code, text)} from :func:`batch_command` output."""
-    out: dict[str, tuple[int, str]] = {}
-    cur, buf = None, []
-    for line in output.splitlines():
-        if line.startswith(_BEGIN + " "):
-            cur, buf = line[len(_BEGIN) + 1:].strip(), []
-        elif line.startswith(_END + " ") and cur is not None:
-            rc = line.rsplit(" ", 1)[-1]
-            out[cur] = (int(rc) if rc.lstrip("-").isdigit() else -1, "\n".join(buf) + ("\n" if buf else ""))
-            cur = None
-        elif cur is not None:
-            buf.append(line)
-    return out
 
 
 def parse_sections(output: str, sections: dict[str, Section]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pdops.facts import ports as port_facts
 from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
 from pdops.model.placement import Placement
-from pdops.reads.preflight.batch import batch_command, split_sections
+from pdops.facts import batch_command, split_sections
 
 SYSTEMD_DIR = "/etc/systemd/system/"
 GATEWAY_UNIT_PATH = SYSTEMD_DIR + "pdops-gateway.service"
