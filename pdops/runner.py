@@ -13,6 +13,7 @@ steps verified. What ``--dry-run`` prints is :meth:`Plan.render` of the same lis
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -317,6 +318,15 @@ def register_executors(table: dict[str, Executor], *, gives: dict[str, tuple[str
         raise RuntimeError(f"outputs declared for kinds without an executor here: {sorted(stray)}")
 
 
+def operator_cpu_s() -> float:
+    """CPU seconds spent by this machine for the operation so far: this process (every thread) and
+    the children it has waited for (ansible-playbook with its forks, ssh). Journalled per batch of
+    steps (`operator_cpu_s`; `batch_operator_cpu_s` on each step of a parallel batch), so a slow
+    command shows where the operator's own CPU went (bench/fleet_cost.py)."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
 def _run_step(ctx: RunContext, step: Step) -> Outcome:
     fn = EXECUTORS.get(step.kind)
     if fn is None:
@@ -421,7 +431,7 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
         if progress:
             ctx.say(f"[{n}/{total}] " + (batch[0].name if len(batch) == 1 else
                                          f"{', '.join(s.name for s in batch)} (in parallel)"))
-        t_batch = time.monotonic()
+        t_batch, cpu_batch = time.monotonic(), operator_cpu_s()
         if len(batch) == 1:
             try:
                 results: dict = {batch[0]: _run_step(ctx, batch[0])}
@@ -430,6 +440,7 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
         else:
             results = run_parallel(batch, lambda s: _run_step(ctx, s))
         inside = max((ctx._took.pop(s.name, 0.0) for s in batch), default=0.0)
+        cpu = {"operator_cpu_s" if len(batch) == 1 else "batch_operator_cpu_s": round(operator_cpu_s() - cpu_batch, 3)}
         first: Exception | None = None
         failed = [s.name for s, r in results.items() if isinstance(r, Exception)]
         for step, r in results.items():
@@ -440,7 +451,7 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
                 j.step(ctx.op, step.name, "failed", ev)
                 first = first or r
                 continue
-            j.step(ctx.op, step.name, r.status, {**target, **r.evidence})
+            j.step(ctx.op, step.name, r.status, {**target, **r.evidence, **cpu})
             ctx.done.append(step.name)
             verified += r.verified
             unverified += r.unverified
