@@ -34,7 +34,7 @@ from pdops.lab.cgroups import (CgroupMount, cgroup_indexes, cgroup_mounts, host_
                                lab_cgroup_dirs, lab_processes, parse_findmnt_pairs, parse_proc_cgroup)
 from pdops.lab.host import BOOT_DEADLINE_S, STOP_DEADLINE_S
 from pdops.lab.hostfiles import LAB_TARGET, MASKS, SSHD_UNIT, inner_script, outer_script, sshd_config_text, unit_texts
-from pdops.lab.inventory import inventory_doc, inventory_files, inventory_text, own_record
+from pdops.lab.inventory import grown_fleet, inventory_doc, inventory_files, inventory_text, own_record
 from pdops.lab.lifecycle import down, status, up, wait_until
 from pdops.lab.machine import REQUIRED_BINARIES, check_binaries
 from pdops.lab.paths import (ADDRESS_PREFIX, CGROUP_GROUP, DEFAULT_LAB_DIR, LAB_DIR_ENV, MAX_HOSTS, MAX_SLOTS,
@@ -55,7 +55,7 @@ __all__ = [
     "MAX_SLOTS", "PRIVATE_TMPFS", "WRITABLE_BINDS",
     # what a host boots from, and its inventory
     "MASKS", "SSHD_UNIT", "LAB_TARGET", "sshd_config_text", "unit_texts", "outer_script", "inner_script",
-    "inventory_doc", "inventory_text", "inventory_files", "own_record",
+    "inventory_doc", "inventory_text", "inventory_files", "own_record", "grown_fleet",
     # the machine, the cgroups, the records, SSH
     "REQUIRED_BINARIES", "check_binaries", "BOOT_DEADLINE_S", "STOP_DEADLINE_S", "SSH_OPTIONS",
     "CgroupMount", "cgroup_mounts", "cgroup_indexes", "parse_findmnt_pairs", "parse_proc_cgroup",

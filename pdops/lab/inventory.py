@@ -1,5 +1,6 @@
 """The lab's Ansible inventory: hosts 1..n in the shipped lab01's shape, written by `up` as
-hosts.yml + group_vars/; and `own_record`, which makes a copy of it a cluster of its own.
+hosts.yml + group_vars/; `own_record`, which makes a copy of it a cluster of its own; and
+`grown_fleet`, the reference fleet's inventory at any size, for planning at fleet size.
 """
 
 from __future__ import annotations
@@ -87,3 +88,22 @@ def write_inventory(lab_dir: Path, n: int, key: Path) -> bool:
         tmp.replace(path)
         changed = True
     return changed
+
+
+def grown_fleet(where: Path, n: int, profile: dict | None = None) -> Path:
+    """inventory/rtx6000d grown to n hosts gpu01..gpuN (its addresses, off this machine: for `plan`,
+    `render` and pure planning only, never a target), written as `where`/hosts.yml; `profile`: a
+    profile of its own (written beside it) instead of the shipped one. Returns `where`."""
+    doc = single_file_doc(repo_root() / "inventory" / "rtx6000d")
+    hosts = doc["all"]["children"]["gpu_hosts"]["hosts"]
+    proto = dict(hosts["gpu01"])
+    hosts.clear()
+    for i in range(1, n + 1):
+        hosts[f"gpu{i:02d}"] = {**proto, "ansible_host": f"10.20.{i // 250}.{i % 250 + 1}",
+                                "pdops_data_addr": f"10.30.{i // 250}.{i % 250 + 1}"}
+    where.mkdir(parents=True, exist_ok=True)
+    if profile is not None:
+        (where / "profile.yml").write_text(yaml.safe_dump(profile))
+        doc["all"]["vars"]["pdops_profile"] = "profile.yml"
+    (where / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return where

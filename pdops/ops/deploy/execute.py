@@ -50,6 +50,8 @@ def do_render(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_deliver(ctx: RunContext, step: Step) -> Outcome:
+    if not step.params["files"]:  # a change whose every file goes out with its own wave
+        return Outcome.noop("no file to deliver before the waves: each replaced instance's files go out in its wave")
     ctx.say(f"  delivering {len(step.params['files'])} rendered files with Ansible")
     return Outcome(evidence=deliver(ctx.inv, step.params["placement"], step.params["files"], ctx.get(step, "build"),
                                     None, ctx.say))

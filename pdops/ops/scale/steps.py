@@ -46,6 +46,17 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     out = [connect_step(plan.hosts)] + first + [preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
     out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
     if plan.replaced:
+        # the build holds every file; the replaced instances' own files go out in their waves, so the
+        # processes not yet replaced keep running from the files on disk (and a halted change leaves
+        # no process beside files it was not started from); a host whose other files are all as the
+        # current revision recorded them is not touched before its wave
+        from pdops.model.render import manifest
+
+        held = set(wave_files(plan, [i.id for i in plan.replaced])["files"])
+        rest = [f for f in plan.files if f not in held]
+        new_mf, old_mf = manifest(rest), cur.manifest or {}
+        changed = {h for h, entries in new_mf.items() if any((old_mf.get(h) or {}).get(p) != e for p, e in entries.items())}
+        out[-1].params["files"] = [f for f in rest if f.host in changed]
         out[-1].params["hold"] = [i.id for i in plan.replaced]
         out[-1].description += (f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
                                 "own files in its wave, after its old process stopped")

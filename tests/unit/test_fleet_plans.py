@@ -1,0 +1,84 @@
+"""Plans at fleet size (issue #35): a deploy's and a rolling change's steps grow linearly with the
+instances, so no per-host work hides inside a per-instance loop. Pure planning on the reference
+fleet's inventory grown to N hosts (addresses off this machine: nothing is contacted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdops.lab import grown_fleet
+from pdops.model.inventory import load_inventory
+from pdops.model.placement import place
+from pdops.model.render import manifest, render_files
+from pdops.model.topology import parse_topology
+from pdops.ops import deploy as dep
+from pdops.record.local import StateDir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def grown(tmp_path: Path, n: int, mem_fraction: float | None = None):
+    """inventory/rtx6000d with n hosts; its profile's mem_fraction_static set when given."""
+    prof = None
+    if mem_fraction is not None:
+        prof = yaml.safe_load((REPO / "pdops/profiles/deepseek-flash-160k.yml").read_text())
+        prof["bundle"]["mem_fraction_static"] = mem_fraction
+    return load_inventory(grown_fleet(tmp_path / f"fleet{n}-{mem_fraction}", n, prof))
+
+
+def topology(n: int):
+    return parse_topology(f"{n - n // 4}p{n // 4}d")
+
+
+def deploy_steps(tmp_path: Path, n: int) -> int:
+    plan = dep.plan_deploy(grown(tmp_path, n), topology(n), StateDir("fleet", tmp_path / f"s{n}"))
+    return len(plan.steps)
+
+
+def change_steps(tmp_path: Path, n: int) -> int:
+    """Steps of a rolling change of every instance (the profile's mem_fraction_static), 2 per wave."""
+    inv = grown(tmp_path, n)
+    state = StateDir("fleet", tmp_path / f"c{n}")
+    pl = place(inv, topology(n))
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(render_files(inv, pl)),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
+                               outcome="deployed")
+    state.set_current(rev.number)
+    plan = dep.plan_deploy(grown(tmp_path, n, 0.77), topology(n), state, max_unavailable=2)
+    assert plan.change is not None and len(plan.change.replaced) == n
+    return len(list(plan.change.plan.all_steps()))
+
+
+@pytest.mark.parametrize("count", [deploy_steps, change_steps], ids=["deploy", "rolling change"])
+def test_a_plans_steps_grow_linearly_with_the_fleet(tmp_path, count):
+    """Steps at 16, 32 and 64 hosts lie on one line: each added host adds the same steps."""
+    s16, s32, s64 = (count(tmp_path, n) for n in (16, 32, 64))
+    assert s64 - s32 == 2 * (s32 - s16), (s16, s32, s64)
+    assert (s32 - s16) / 16 <= 20, f"{(s32 - s16) / 16} steps per added host"
+
+
+def test_a_rolling_changes_first_delivery_leaves_the_replaced_instances_files_to_their_waves(tmp_path):
+    """The first `deliver` of a change that replaces every instance sends no engine's file: each goes out
+    in its wave, after the old process stopped, so a process not yet replaced never runs beside files it
+    was not started from; and a host whose other files are as recorded is not touched by it (here: the
+    profile changes only the engines' files, so the first delivery has nothing to send)."""
+    inv = grown(tmp_path, 16)
+    state = StateDir("fleet", tmp_path / "s")
+    pl = place(inv, topology(16))
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(render_files(inv, pl)),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
+                               outcome="deployed")
+    state.set_current(rev.number)
+    change = dep.plan_deploy(grown(tmp_path, 16, 0.77), topology(16), state, max_unavailable=2).change
+    steps = list(change.plan.all_steps())
+    first = next(s for s in steps if s.kind == "deliver")
+    waves = [s for s in steps if s.kind == "deliver-wave"]
+    engine_files = {(f.host, f.path) for f in change.files if "pdops-p" in f.path or "pdops-d" in f.path}
+    assert engine_files and not engine_files & {(f.host, f.path) for f in first.params["files"]}
+    assert {(f.host, f.path) for w in waves for f in w.params["files"]} >= engine_files
+    assert first.params["files"] == []
