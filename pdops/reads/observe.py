@@ -266,11 +266,19 @@ class Seen:
         return not self.not_serving and not self.gateways_down
 
 
-def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways) -> Observation:
-    """Read systemd on every host of the revision, each gateway's /workers and start-up list."""
+def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *,
+            units_of: frozenset[str] | None = None) -> Observation:
+    """Read systemd on every host of the revision, each gateway's /workers and start-up list.
+
+    `units_of`: read systemd only for these instances' units (and the gateways'): what one instance's
+    operation needs (a drain: its own units; the others of its role serve when a gateway that answers
+    routes to them, which its health check proved within its interval), so that its cost does not grow
+    with the fleet. The others' units are then absent (`InstanceObservation.units` empty): never down."""
     pl = Placement.from_dict(rev.placement)
     by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     for inst in pl.instances:
+        if units_of is not None and inst.id not in units_of:
+            continue
         for h, u in inst.units:
             by_host.setdefault(h, []).append(u)
     unit_res = run_parallel(list(by_host), lambda h: with_configs(pool, h, by_host[h]))
@@ -317,11 +325,14 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways) -
     for inst in pl.instances:
         rec = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
         url = inst.url.rstrip("/")
+        read = units_of is None or inst.id in units_of
         obs.instances.append(InstanceObservation(
-            inst, {f"{h}:{u}": state_of(h, u) for h, u in inst.units}, {k: int(v) for k, v in rec.items() if v},
+            inst, {f"{h}:{u}": state_of(h, u) for h, u in inst.units} if read else {},
+            {k: int(v) for k, v in rec.items() if v},
             {g.host: next((w for w in g.workers if w.url.rstrip("/") == url), None) for g in answered},
             {g.host: None if g.start_list is None else inst.id in g.start_list for g in gws},
-            running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()},
+            running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()}
+            if read else {},
             expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected}))
     return obs
 
