@@ -16,8 +16,8 @@ seconds are those of the operator's whole process tree: pdops, `ansible-playbook
 ssh, and ssh's ControlPersist masters that outlive the command (ended by PID from that cgroup once
 read). The lab hosts' processes run in the lab's own cgroups: their CPU is printed apart, read from
 the same accounting. Marginal cost per host: (X(N) - X(4)) / (N - 4). A change's CPU is also given
-per replaced instance. Where a goal is missed, the command's slowest steps (wall and operator CPU,
-from its journal: the runner records both per step) are printed.
+per replaced instance. Where the operator's CPU went is printed per step for the largest size (wall
+and operator CPU from the command's journal: the runner records both per batch of steps).
 
 Goals (operator CPU, marginal per host, on this machine; issue #35): deploy < 0.3 CPU-s; a rolling
 change < 0.3 CPU-s per replaced instance; `inv status` < 0.05 CPU-s and < 3 s wall on 64 hosts;
@@ -34,6 +34,7 @@ import argparse
 import fcntl
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -161,17 +162,29 @@ def set_mem_fraction(inv_dir: Path, value: float) -> None:
     p.write_text(yaml.safe_dump(prof))
 
 
-def slowest_steps(inv_dir: Path, k: int = 6) -> list[dict]:
-    """The newest operation's steps, slowest first: wall and operator CPU (the runner's evidence)."""
+def step_costs(inv_dir: Path, k: int = 8) -> list[dict]:
+    """The newest operation's steps grouped by what they do (instance ids and wave members folded:
+    "replace p07: stop" -> "replace X: stop"), summed: wall s, operator CPU s (the runner's evidence:
+    a parallel batch's CPU counted once), how many; the k costliest by CPU."""
     j = open_record(load_inventory(inv_dir)).journal()
     op = operations(j)[-1]["op_id"]
-    rows = []
+    groups: dict[str, dict] = {}
+    seen_batches: set = set()
     for s in j.read(op):
         ev = s.get("evidence") or {}
-        if "seconds" in ev:
-            rows.append({"step": s.get("step"), "wall_s": ev["seconds"],
-                         "cpu_s": ev.get("operator_cpu_s", ev.get("batch_operator_cpu_s"))})
-    return sorted(rows, key=lambda r: -(r["cpu_s"] or 0))[:k]
+        if "seconds" not in ev:
+            continue
+        name = re.sub(r"\b[pd]\d+(\+[pd]\d+)*\b", "X", str(s.get("step")))
+        cpu = ev.get("operator_cpu_s")
+        if cpu is None and "batch_operator_cpu_s" in ev:  # a parallel batch: once per batch
+            key = (ev["batch_operator_cpu_s"], name)
+            cpu = 0.0 if key in seen_batches else ev["batch_operator_cpu_s"]
+            seen_batches.add(key)
+        g = groups.setdefault(name, {"step": name, "wall_s": 0.0, "cpu_s": 0.0, "n": 0})
+        g["wall_s"] += ev["seconds"]
+        g["cpu_s"] += cpu or 0.0
+        g["n"] += 1
+    return sorted(groups.values(), key=lambda g: -g["cpu_s"])[:k]
 
 
 def measure(n: int, runs: int, work: Path) -> dict:
@@ -187,7 +200,7 @@ def measure(n: int, runs: int, work: Path) -> dict:
         r = run_op(inv_dir, *args)
         r["hosts_cpu_s"] = round(hosts_cpu_s(n) - h0, 2)
         if breakdown:
-            r["steps"] = slowest_steps(inv_dir)
+            r["steps"] = step_costs(inv_dir)
         print(f"  {n:3d} hosts  {name:<7} wall {r['wall_s']:7.2f} s   operator CPU {r['cpu_s']:7.2f} s   "
               f"hosts' CPU {r['hosts_cpu_s']:7.2f} s", flush=True)
         return r
@@ -237,11 +250,11 @@ def report(res: dict) -> str:
         for n in sizes[1:]:
             r = by[n]["drain"]["wall_s"] / d4
             lines.append(f"  drain p01 on {n} hosts / on 4: {r:.2f} (goal within 10%: {ok(abs(r - 1) <= 0.10)})")
-    lines.append("slowest steps by operator CPU (wall s / CPU s) on the largest size:")
+    lines.append(f"where the operator's CPU went on {sizes[-1]} hosts, by step (x how many: wall s / CPU s, summed):")
     big = by[sizes[-1]]
     for c in ("deploy", "change", "drain"):
-        steps = ", ".join(f"{s['step']} {s['wall_s']:.1f}/{(s['cpu_s'] or 0):.2f}" for s in big[c].get("steps", []))
-        lines.append(f"  {c}: {steps}")
+        steps = ", ".join(f"{s['step']} x{s['n']} {s['wall_s']:.1f}/{s['cpu_s']:.2f}" for s in big[c].get("steps", []))
+        lines.append(f"  {c} ({big[c]['cpu_s']:.2f} CPU-s in all): {steps}")
     return "\n".join(lines)
 
 
