@@ -22,6 +22,7 @@ from pdops.model.placement import Instance, Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.fanout import run_parallel
 from pdops.record.local import Revision
+from pdops.reads.identity import RankIdentity
 
 
 @dataclass
@@ -187,6 +188,10 @@ class Observation:
     instances: list[InstanceObservation] = field(default_factory=list)
     # what HAProxy (each admission host) does not do as deployed: a gateway not UP or not at its weight
     front_door: list[str] = field(default_factory=list)
+    # with `cgroups=True` (inv status): "host:unit" -> its identity now (MainPID, its cgroup's processes
+    # with their process-table entries), and host -> why its cgroups could not be read
+    identities: dict[str, RankIdentity] = field(default_factory=dict)
+    identity_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def gateway_down(self) -> bool:
@@ -267,13 +272,14 @@ class Seen:
 
 
 def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *,
-            units_of: frozenset[str] | None = None) -> Observation:
+            units_of: frozenset[str] | None = None, cgroups: bool = False) -> Observation:
     """Read systemd on every host of the revision, each gateway's /workers and start-up list.
 
     `units_of`: read systemd only for these instances' units (and the gateways'): what one instance's
     operation needs (a drain: its own units; the others of its role serve when a gateway that answers
     routes to them, which its health check proved within its interval), so that its cost does not grow
-    with the fleet. The others' units are then absent (`InstanceObservation.units` empty): never down."""
+    with the fleet. The others' units are then absent (`InstanceObservation.units` empty): never down.
+    `cgroups`: also each unit's cgroup processes in the same round trip (`Observation.identities`)."""
     pl = Placement.from_dict(rev.placement)
     by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     for inst in pl.instances:
@@ -281,7 +287,8 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
             continue
         for h, u in inst.units:
             by_host.setdefault(h, []).append(u)
-    unit_res = run_parallel(list(by_host), lambda h: with_configs(pool, h, by_host[h]))
+    host_res = run_parallel(list(by_host), lambda h: read_host(pool, h, by_host[h], cgroups=cgroups))
+    unit_res = {h: r if isinstance(r, Exception) else (r.states, r.configs) for h, r in host_res.items()}
 
     def state_of(host: str, unit: str) -> UnitState | str:
         r = unit_res.get(host)
@@ -321,6 +328,13 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
                               several=len(inv.gateway.hosts) > 1)
            for h in inv.gateway.hosts]
     obs = Observation(rev.number, gws, front_door=_front_door(inv, pool))
+    for h, r in host_res.items() if cgroups else ():
+        if isinstance(r, Exception):
+            obs.identity_errors[h] = getattr(r, "message", str(r))
+        elif r.cgroups_error:
+            obs.identity_errors[h] = r.cgroups_error
+        else:
+            obs.identities.update({f"{h}:{u}": ident for u, ident in r.identities.items()})
     answered = [g for g in gws if g.error is None]
     for inst in pl.instances:
         rec = (rev.instances.get(inst.id) or {}).get("main_pids") or {}
@@ -350,21 +364,56 @@ def _front_door(inv: Inventory, pool: HostPool) -> list[str]:
     return out
 
 
-def with_configs(pool: HostPool, host: str, units: list[str]) -> tuple[dict[str, UnitState], dict[str, str | None]]:
+@dataclass
+class HostRead:
+    """One host's reads in one SSH round trip: its units' states, the config id each running one's
+    MainPID carries, and with `cgroups` each unit's identity (its cgroup's processes)."""
+
+    states: dict[str, UnitState]
+    configs: dict[str, str | None]
+    identities: dict[str, RankIdentity] = field(default_factory=dict)
+    cgroups_error: str | None = None
+
+
+def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = False) -> HostRead:
     """Units' states and, for each running one, the config id its MainPID carries: one SSH round trip
     for every unit of the host (the config notes are read beside `systemctl show`, and count only where
-    their PID is the MainPID that show reports)."""
+    their PID is the MainPID that show reports); `cgroups`: each unit's cgroup processes and their
+    process-table entries in the same round trip (strays: pdops.reads.identity)."""
     from pdops.errors import Unverified
+    from pdops.facts import cgroup as cg_facts
+    from pdops.facts import procs as proc_facts
 
     if not units:
-        return {}, {}
-    raw = pool.read_sections(host, {"units": systemd_facts.command(*units), "configs": config_notes_command(units)})
+        return HostRead({}, {})
+    sections = {"units": systemd_facts.command(*units), "configs": config_notes_command(units)}
+    if cgroups:
+        sections["cgroups"] = cg_facts.units_procs_command(units, proc_facts.command())
+    raw = pool.read_sections(host, sections)
     rc, text = raw.get("units", (-1, ""))
     if rc != 0:
         raise Unverified(f"{host}: `systemctl show` of {', '.join(units)} exited {rc}", evidence=text[-800:])
     states = systemd_facts.parse_by_id(text)
     pids = {u: s.main_pid for u, s in states.items() if s.active_state == "active" and s.main_pid}
-    return states, parse_config_notes(raw.get("configs", (0, ""))[1], pids)
+    out = HostRead(states, parse_config_notes(raw.get("configs", (0, ""))[1], pids))
+    if cgroups:
+        rc, text = raw.get("cgroups", (-1, ""))
+        try:
+            if rc != 0:
+                raise Unverified(f"the cgroup reader exited {rc}", evidence=text[-800:])
+            by_unit, tree_text = cg_facts.parse_units_procs(text)
+            tree = proc_facts.parse(tree_text)
+            out.identities = {u: RankIdentity.of(host, states[u], sorted(p.pids), tree)
+                              for u, p in by_unit.items() if u in states}
+        except PdopsError as exc:
+            out.cgroups_error = exc.message
+    return out
+
+
+def with_configs(pool: HostPool, host: str, units: list[str]) -> tuple[dict[str, UnitState], dict[str, str | None]]:
+    """:func:`read_host`'s unit states and config ids."""
+    r = read_host(pool, host, units)
+    return r.states, r.configs
 
 
 def config_notes_command(units: list[str]) -> str:

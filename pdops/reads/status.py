@@ -31,7 +31,6 @@ from pdops.errors import PdopsError
 from pdops.facts import engine as engine_facts
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, http_json
-from pdops.reads.identity import record_identities
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_parallel
 from pdops.record.local import local_dir
@@ -191,18 +190,21 @@ def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _strays(pool: HostPool, host: str, units: list[str]) -> list[str]:
-    """Processes in a running unit's cgroup (of those on `host`) that are not its MainPID or MainPID's
-    descendants; two SSH round trips for the host, whatever its number of units."""
-    return [f"{host}:{u} {s}" for u, ident in record_identities(pool, host, units).items() for s in ident.strays]
-
-
-def _instance_strays(o, by_host: dict) -> list[str] | Exception:
-    """The strays of one instance's units out of the per-host reads, or the first host's failure."""
-    hosts = dict.fromkeys(k.split(":", 1)[0] for k in o.units)
-    reads = [by_host[h] for h in hosts if h in by_host]
-    failed = next((r for r in reads if isinstance(r, Exception)), None)
-    return failed if failed is not None else [x for r in reads for x in r if x.split(" ", 1)[0] in o.units]
+def _instance_strays(o, obs) -> list[str] | str:
+    """Processes in the instance's running units' cgroups that are not their MainPID or MainPID's
+    descendants (read with the observation, one round trip per host), or why they could not be read."""
+    out = []
+    for key, st in o.units.items():
+        host = key.split(":", 1)[0]
+        if getattr(st, "active_state", None) != "active":
+            continue
+        if host in obs.identity_errors:
+            return obs.identity_errors[host]
+        ident = obs.identities.get(key)
+        if ident is None:
+            return f"{key} not in the cgroup read"
+        out += [f"{key} {s}" for s in ident.strays]
+    return out
 
 
 def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
@@ -223,13 +225,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
         return {"cluster": inv.cluster, "revision": None, "instances": [], "gateways": [], "record": record,
                 "note": "nothing deployed yet (no current revision)", "ok": True}, None
     with HostPool(inv) as pool:
-        obs = observe(inv, rev, pool, Gateways.of(inv))
-        running: dict[str, list[str]] = {}  # host -> its running units (of the revision's instances)
-        for o in obs.instances:
-            for key, st in o.units.items():
-                if getattr(st, "active_state", None) == "active":
-                    running.setdefault(key.split(":", 1)[0], []).append(key.split(":", 1)[1])
-        stray_res = run_parallel(list(running), lambda h: _strays(pool, h, running[h]))
+        obs = observe(inv, rev, pool, Gateways.of(inv), cgroups=True)
         reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
         # orphaned halves wait in a prefill's bootstrap (or KV-sending) queue: its request log is read
         # only where those are not empty, or where its queues could not be read
@@ -268,12 +264,12 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                     q[name] = r[0].total(name)
                 except Exception:  # noqa: BLE001 - a field this engine does not report
                     q[name] = None
-        sr = _instance_strays(o, stray_res)
+        sr = _instance_strays(o, obs)
         strays = sr if isinstance(sr, list) else []
         h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
                   strays=strays, orphans=orphaned.orphans.get(o.id, []))
         if not isinstance(sr, list):
-            why = f"its cgroup could not be read: {getattr(sr, 'message', sr)}"
+            why = f"its cgroup could not be read: {sr}"
             h = InstanceHealth("unknown", [why], f"check SSH to {o.instance.head.host}, then `inv status` again") \
                 if h.state == "ok" else InstanceHealth(h.state, h.reasons + [why], h.action)
         inst, w = o.instance, o.worker

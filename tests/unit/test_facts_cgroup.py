@@ -121,3 +121,33 @@ def test_parse_procs_rejects_output_without_header():
         cgroup.parse_procs("")
     with pytest.raises(Unverified):
         cgroup.parse_procs("PDOPS-CGROUP present /x\nPermission denied\n")
+
+
+@pytest.mark.parametrize("sample, roots", [("mountinfo_unified.txt", ["/sys/fs/cgroup"]),
+                                           ("mountinfo_hybrid.txt", ["/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd"])])
+def test_the_host_side_reader_finds_the_cgroup2_and_name_systemd_mounts(sample, roots):
+    awk = cgroup._ROOTS_AWK.replace("/proc/self/mountinfo", str(DATA / sample))
+    got = subprocess.run(["bash", "-c", awk], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(got) == sorted(roots)
+
+
+def test_units_cgroup_processes_and_their_table_are_read_in_one_command(tmp_path):
+    """Each unit's cgroup found on the host (its ControlGroup from systemd under every root), a unit
+    without one (not running, or a ControlGroup that is not its own) read as gone, and the process table
+    asked for exactly the PIDs found (plus the 0 that keeps the list from meaning "every process")."""
+    own = tmp_path / "u" / "pdops.slice" / "pdops-p01.service"
+    (own / "sub").mkdir(parents=True)
+    (own / "cgroup.procs").write_text("140\n141\n")
+    (own / "sub" / "cgroup.procs").write_text("150\n")
+    (tmp_path / "u" / "x").mkdir()
+    (tmp_path / "u" / "x" / "cgroup.procs").write_text("999\n")  # what `/pdops.slice/../x` would reach
+    cmd = cgroup.units_procs_command(["pdops-p01.service", "pdops-d01.service", "bad.service"], "echo TREE-ARGS")
+    cmd = cmd.replace(cgroup._ROOTS_AWK, f"echo {tmp_path}/u {tmp_path}/s")
+    fake = ('systemctl() { case "$5" in pdops-p01.service) echo /pdops.slice/pdops-p01.service ;; '
+            'bad.service) echo /pdops.slice/../x ;; *) echo ;; esac; }; ')
+    out = subprocess.run(["bash", "-c", fake + cmd], capture_output=True, text=True, check=True).stdout
+    by_unit, tree = cgroup.parse_units_procs(out)
+    assert by_unit["pdops-p01.service"].pids == {140, 141, 150}
+    assert by_unit["pdops-p01.service"].present == (str(own),)
+    assert by_unit["pdops-d01.service"].pids == frozenset() and by_unit["bad.service"].pids == frozenset()
+    assert sorted(tree.split()[1:]) == ["0", "140", "141", "150"]
