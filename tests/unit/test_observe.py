@@ -279,3 +279,21 @@ def test_execute_deploy_refuses_a_deploy_that_is_a_rolling_change(live):
     assert p.change is not None
     with pytest.raises(PdopsError, match="rolling change"):
         dep.execute_deploy(p, pool=None, gateways=None)
+
+
+def test_status_names_a_process_in_a_units_cgroup_that_is_not_under_its_main_pid():
+    """The cgroup read of `inv status` (one round trip per host): MainPID 140 and its child 141 are the
+    engine; 150, in the same cgroup with another parent (a double fork), is a stray, named with its
+    command line; a unit with no strays names none."""
+    from pdops.facts import procs, systemd
+    from pdops.reads.identity import RankIdentity
+
+    header = '{"header": 1, "btime": 1796033638, "clk_tck": 100, "boot_id": "b"}\n'
+    rows = [(140, 1, ["python", "-m", "sglang.launch_server"]), (141, 140, ["sglang::scheduler"]),
+            (150, 1, ["sglang::stray"])]
+    tree = procs.parse(header + "".join(json.dumps({"pid": p, "ppid": pp, "start": 5, "comm": a[0][:15], "argv": a}) + "\n"
+                                        for p, pp, a in rows))
+    st = systemd.parse_by_id(show("pdops-d01.service", pid=140))["pdops-d01.service"]
+    ident = RankIdentity.of("lab02", st, [140, 141, 150], tree)
+    assert ident.strays == ["PID 150 (sglang::stray)"]
+    assert RankIdentity.of("lab02", st, [140, 141], tree).strays == []
