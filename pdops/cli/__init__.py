@@ -7,11 +7,17 @@ a traceback, as an operator at 3 a.m. needs.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import time
 
 from invoke.exceptions import Exit
 
 from pdops.errors import InvalidInput, PdopsError
+
+_STARTED = time.monotonic()  # the command's start, as near as the CLI sees it
+# Busier than this share of its cores on average, this machine (not the fleet) held the operation back.
+BOTTLENECK_SHARE = 0.8
 
 
 def seconds(value, flag: str) -> float | None:
@@ -36,6 +42,23 @@ def print_verdict(headline: str, verdict: dict) -> None:
         print(f"  not verified: {item}")
     for item in verdict.get("notes", ()):
         print(f"  note: {item}")
+    print(f"  {machine_cost()}")
+
+
+def machine_cost(cpu_s: float | None = None, wall_s: float | None = None, cores: int | None = None) -> str:
+    """What the operation cost the machine it ran on: its CPU seconds (this process and the children
+    it waited for: ansible-playbook and its forks, ssh) over the command's wall time, as cores busy on
+    average; named the bottleneck past BOTTLENECK_SHARE of its cores (bench/fleet_cost.py)."""
+    from pdops.runner import operator_cpu_s
+
+    cpu_s = operator_cpu_s() if cpu_s is None else cpu_s
+    wall_s = time.monotonic() - _STARTED if wall_s is None else wall_s
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    busy = cpu_s / wall_s if wall_s > 0 else 0.0
+    line = f"this machine: {cpu_s:.1f} CPU-s in {wall_s:.1f} s, {busy:.2f} of its {cores} core(s) busy on average"
+    if busy > BOTTLENECK_SHARE * cores:
+        line += " (this machine, not the fleet, held the operation back: run it from a machine with more cores)"
+    return line
 
 
 def cli_errors(fn):

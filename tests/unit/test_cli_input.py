@@ -50,3 +50,15 @@ def test_bad_option_values_are_refused_without_a_traceback(args, needle):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr and "fix:" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_every_verdict_says_what_the_operation_cost_this_machine_and_when_it_was_the_bottleneck():
+    """The last verdict line: CPU seconds over the command's wall time as cores busy; past 80% of the
+    machine's cores it says the machine, not the fleet, held the operation back (issue #35)."""
+    from pdops.cli import machine_cost
+
+    calm = machine_cost(16.9, 45.4, 2)
+    assert calm == "this machine: 16.9 CPU-s in 45.4 s, 0.37 of its 2 core(s) busy on average"
+    busy = machine_cost(30.0, 18.0, 2)
+    assert "1.67 of its 2 core(s)" in busy and "not the fleet, held the operation back" in busy
+    assert "held" not in machine_cost(1.5, 1.0, 2)  # 0.75 of 2 cores: not past 80%
