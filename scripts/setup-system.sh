@@ -6,8 +6,10 @@ set -euo pipefail
 # of 128 stops a lab at 32 hosts (docs/lab.md). Raised now, and kept for the machine's next boot.
 want=1024
 if [ "$(id -u)" = 0 ] && [ "$(cat /proc/sys/fs/inotify/max_user_instances)" -lt "$want" ]; then
-  echo "fs.inotify.max_user_instances = $want" > /etc/sysctl.d/60-pdops-lab.conf
-  sysctl -q -w fs.inotify.max_user_instances="$want"
+  echo "fs.inotify.max_user_instances = $want" > /etc/sysctl.d/60-pdops-lab.conf ||
+    echo "setup-system: warning: could not write /etc/sysctl.d/60-pdops-lab.conf" >&2
+  sysctl -q -w fs.inotify.max_user_instances="$want" ||
+    echo "setup-system: warning: could not raise fs.inotify.max_user_instances (lab.up says how many hosts fit)" >&2
 fi
 need=()
 for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived; do

@@ -15,7 +15,6 @@ from invoke.exceptions import Exit
 
 from pdops.errors import InvalidInput, PdopsError
 
-_STARTED = time.monotonic()  # the command's start, as near as the CLI sees it
 # Busier than this share of its cores on average, this machine (not the fleet) held the operation back.
 BOTTLENECK_SHARE = 0.8
 
@@ -46,13 +45,16 @@ def print_verdict(headline: str, verdict: dict) -> None:
 
 
 def machine_cost(cpu_s: float | None = None, wall_s: float | None = None, cores: int | None = None) -> str:
-    """What the operation cost the machine it ran on: its CPU seconds (this process and the children
-    it waited for: ansible-playbook and its forks, ssh) over the command's wall time, as cores busy on
-    average; named the bottleneck past BOTTLENECK_SHARE of its cores (bench/fleet_cost.py)."""
+    """What the operation cost the machine it ran on: its CPU seconds since the process started (this
+    process and the children it waited for: ansible-playbook and its forks; not ssh's ControlPersist
+    masters, which outlive the command: bench/fleet_cost.py counts those) over the process's wall time,
+    as cores busy on average; named the bottleneck past BOTTLENECK_SHARE of its cores."""
+    import psutil
+
     from pdops.runner import operator_cpu_s
 
     cpu_s = operator_cpu_s() if cpu_s is None else cpu_s
-    wall_s = time.monotonic() - _STARTED if wall_s is None else wall_s
+    wall_s = time.time() - psutil.Process().create_time() if wall_s is None else wall_s
     cores = (os.cpu_count() or 1) if cores is None else cores
     busy = cpu_s / wall_s if wall_s > 0 else 0.0
     line = f"this machine: {cpu_s:.1f} CPU-s in {wall_s:.1f} s, {busy:.2f} of its {cores} core(s) busy on average"

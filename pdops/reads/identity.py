@@ -22,14 +22,14 @@ class RankIdentity:
     tree: dict  # pid -> Proc (the cgroup's processes and MainPID's descendants)
 
     @classmethod
-    def of(cls, host: str, state, cgroup_pids: list[int], tree: dict) -> "RankIdentity":
-        """From a unit's state, its cgroup's PIDs and a process table holding at least those (the layout
-        is not kept: a read that found the cgroup on the host itself)."""
+    def of(cls, host: str, state, cgroup_pids: list[int], tree: dict, layout=None) -> "RankIdentity":
+        """From a unit's state, its cgroup's PIDs and a process table holding at least those (`layout`
+        None: a read that found the cgroup on the host itself)."""
         keep = set(cgroup_pids)
         if state.main_pid:
             keep.add(state.main_pid)
             keep |= {p.pid for p in proc_facts.descendants(tree, state.main_pid)}
-        return cls(host, state.id, state.main_pid, state.control_group, None, cgroup_pids,
+        return cls(host, state.id, state.main_pid, state.control_group, layout, cgroup_pids,
                    {pid: tree[pid] for pid in keep if pid in tree})
 
     @property
@@ -50,10 +50,4 @@ def record_identity(pool: HostPool, host: str, unit: str) -> RankIdentity:
     if st.control_group:
         pids = sorted(cg_facts.parse_procs(pool.run(host, cg_facts.procs_command(layout, st.control_group)).stdout).pids)
     tree = proc_facts.parse(pool.run(host, proc_facts.command()).stdout)
-    keep = set(pids)
-    if st.main_pid:
-        keep.add(st.main_pid)
-        keep |= {p.pid for p in proc_facts.descendants(tree, st.main_pid)}
-    return RankIdentity(host, unit, st.main_pid, st.control_group, layout, pids,
-                        {pid: tree[pid] for pid in keep if pid in tree})
-
+    return RankIdentity.of(host, st, pids, tree, layout)

@@ -192,6 +192,8 @@ class Observation:
     # with their process-table entries), and host -> why its cgroups could not be read
     identities: dict[str, RankIdentity] = field(default_factory=dict)
     identity_errors: dict[str, str] = field(default_factory=dict)
+    # the instances whose units were read (`units_of`); None: every instance's
+    units_read: frozenset[str] | None = None
 
     @property
     def gateway_down(self) -> bool:
@@ -233,6 +235,7 @@ class Seen:
     down: frozenset[str] = frozenset()  # of those, the ones whose units are not active: nothing to drain
     gateways_down: dict[str, str] = field(default_factory=dict)  # gateway host -> why it does not answer
     gateways_active: frozenset[str] = frozenset()  # of those, the ones whose unit is active (hung): restarted
+    basis: str = ""  # what it was read from, when not every instance's units were read (a plan prints it)
 
     @classmethod
     def of(cls, obs: Observation) -> "Seen":
@@ -255,7 +258,12 @@ class Seen:
                  for g in obs.gateways if g.down}
         active = frozenset(g.host for g in obs.gateways if g.down and isinstance(g.unit, UnitState)
                            and g.unit.active_state == "active")
-        return cls(not_serving, frozenset(down), gdown, active)
+        basis = ""
+        if obs.units_read is not None:
+            basis = (f"systemd read for {', '.join(sorted(obs.units_read))}; each other instance counted as serving "
+                     "where a gateway that answers routes to it (its units not read: the gateway's health check "
+                     "stands for them)")
+        return cls(not_serving, frozenset(down), gdown, active, basis)
 
     @property
     def gateway(self) -> str | None:
@@ -327,7 +335,7 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
            GatewayObservation(h, state_of(h, GATEWAY_UNIT), str(gw_res[h]), [], None, str(gw_res[h]),
                               several=len(inv.gateway.hosts) > 1)
            for h in inv.gateway.hosts]
-    obs = Observation(rev.number, gws, front_door=_front_door(inv, pool))
+    obs = Observation(rev.number, gws, front_door=_front_door(inv, pool), units_read=units_of)
     for h, r in host_res.items() if cgroups else ():
         if isinstance(r, Exception):
             obs.identity_errors[h] = getattr(r, "message", str(r))
@@ -395,7 +403,9 @@ def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = Fa
         raise Unverified(f"{host}: `systemctl show` of {', '.join(units)} exited {rc}", evidence=text[-800:])
     states = systemd_facts.parse_by_id(text)
     pids = {u: s.main_pid for u, s in states.items() if s.active_state == "active" and s.main_pid}
-    out = HostRead(states, parse_config_notes(raw.get("configs", (0, ""))[1], pids))
+    if "configs" not in raw:  # the batch stopped early: no config id is "none", it is unread
+        raise Unverified(f"{host}: the read of the config notes did not run", evidence=str(raw)[-800:])
+    out = HostRead(states, parse_config_notes(raw["configs"][1], pids))
     if cgroups:
         rc, text = raw.get("cgroups", (-1, ""))
         try:
@@ -439,4 +449,3 @@ def parse_config_notes(out: str, pids: dict[str, int]) -> dict[str, str | None]:
         elif parts and parts[0] in pids:
             seen.setdefault(parts[0], None)
     return {u: seen.get(u) for u in pids}
-

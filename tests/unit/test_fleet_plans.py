@@ -82,3 +82,44 @@ def test_a_rolling_changes_first_delivery_leaves_the_replaced_instances_files_to
     assert engine_files and not engine_files & {(f.host, f.path) for f in first.params["files"]}
     assert {(f.host, f.path) for w in waves for f in w.params["files"]} >= engine_files
     assert first.params["files"] == []
+
+
+def test_the_first_delivery_of_a_change_still_sends_an_added_instance_and_enables_no_held_unit(tmp_path):
+    """12p4d -> 13p4d with a new profile on 17 hosts: p13 is added (its files and unit go out in the
+    first delivery, on its host), the 16 others are replaced (none of their files, none of their units
+    in the first delivery's placement: each wave enables its own)."""
+    inv = grown(tmp_path, 17)
+    state = StateDir("fleet", tmp_path / "s")
+    pl = place(inv, topology(16))
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(render_files(inv, pl)),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
+                               outcome="deployed")
+    state.set_current(rev.number)
+    change = dep.plan_deploy(grown(tmp_path, 17, 0.77), parse_topology("13p4d"), state, max_unavailable=2).change
+    assert [i.id for i in change.added] == ["p13"] and len(change.replaced) == 16
+    first = next(s for s in change.plan.all_steps() if s.kind == "deliver")
+    p13 = change.target.get("p13")
+    sent = {(f.host, f.path) for f in first.params["files"]}
+    assert {(f.host, f.path) for f in change.files if f.host == p13.head.host and "p13" in f.path} <= sent
+    assert {i.id for i in first.params["placement"].instances} == {"p13"}
+
+
+def test_a_drain_on_64_hosts_reads_the_units_of_four_instances_and_its_plan_says_so(tmp_path):
+    """What a drain observes does not grow with the fleet: its instance and three others of its role
+    (their units: one of them serving is proof for the floor); the plan names that basis."""
+    from pdops.cli.core import near
+    from pdops.ops.drain import plan_drain
+    from pdops.reads.observe import Seen
+
+    inv = grown(tmp_path, 64)
+    state = StateDir("fleet", tmp_path / "s")
+    pl = place(inv, topology(64))
+    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
+                               manifest=manifest(render_files(inv, pl)),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
+                               outcome="deployed")
+    state.set_current(rev.number)
+    assert near(rev, "p07") == {"p07", "p01", "p02", "p03"} and near(rev, "d16") == {"d16", "d01", "d02", "d03"}
+    plan = plan_drain(inv, state, "p07", seen=Seen(basis="systemd read for p01, p02, p03, p07; each other ..."))
+    assert "observed: systemd read for p01, p02, p03, p07" in plan.render()

@@ -165,7 +165,7 @@ class Pool:
         return text
 
     def read_sections(self, host, commands):
-        return {"units": (0, self.show(host, commands["units"].split()[4:])), "configs": (0, "")}
+        return {"units": (0, self.show(host, commands["units"].split()[5:])), "configs": (0, "")}
 
     def run(self, host, command, timeout=60):
         import json

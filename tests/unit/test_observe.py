@@ -26,8 +26,9 @@ def show(unit, active="active", sub="running", pid=100, restarts=0):
 
 
 class Pool:
-    def __init__(self, units, start_list):
+    def __init__(self, units, start_list, extra=None):
         self.units, self.start_list, self.commands = units, start_list, []
+        self.extra = extra or {}  # (host, unit) -> [(pid, ppid)] more processes in its cgroup
 
     def unit_states(self, host, units):
         from pdops.facts import systemd
@@ -38,7 +39,21 @@ class Pool:
         return "".join(show(u, *self.units.get((host, u), ())) for u in units)
 
     def read_sections(self, host, commands):
-        return {"units": (0, self.show(host, commands["units"].split()[4:])), "configs": (0, "")}
+        self.commands.append(commands["units"])
+        units = commands["units"].split()[5:]
+        out = {"units": (0, self.show(host, units)), "configs": (0, "")}
+        if "cgroups" in commands:  # what units_procs_command prints: each unit's cgroup, then the table
+            header = '{"header": 1, "btime": 1796033638, "clk_tck": 100, "boot_id": "b"}\n'
+            text, rows = "", []
+            for u in units:
+                pid = (self.units.get((host, u)) or ("active", "running", 100))[2:3] or (100,)
+                text += f"PDOPS-UNIT {u}\nPDOPS-CGROUP present /sys/fs/cgroup/pdops.slice/{u}\n{pid[0]}\n"
+                rows.append(json.dumps({"pid": pid[0], "ppid": 1, "start": 5, "comm": "python", "argv": ["python"]}))
+                for extra, ppid in self.extra.get((host, u), ()):
+                    text += f"{extra}\n"
+                    rows.append(json.dumps({"pid": extra, "ppid": ppid, "start": 6, "comm": "x", "argv": [f"stray-{extra}"]}))
+            out["cgroups"] = (0, text + "PDOPS-TREE\n" + header + "\n".join(rows) + "\n")
+        return out
 
     def run(self, host, command, timeout=60):
         self.commands.append(command)
@@ -297,3 +312,41 @@ def test_status_names_a_process_in_a_units_cgroup_that_is_not_under_its_main_pid
     ident = RankIdentity.of("lab02", st, [140, 141, 150], tree)
     assert ident.strays == ["PID 150 (sglang::stray)"]
     assert RankIdentity.of("lab02", st, [140, 141], tree).strays == []
+
+
+def test_status_reads_strays_with_the_observation_and_names_them_per_instance(live):
+    """observe(cgroups=True) carries each running unit's identity by "host:unit" (one round trip per
+    host); status names, per instance, the processes in its cgroup that are not under its MainPID: a
+    child of MainPID is family, a process whose parent is outside is a stray."""
+    from pdops.reads.status import _instance_strays
+
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    (h, u), = pl.get("d01").units
+    pid = units[(h, u)][2]
+    pool = Pool(units, start_list, extra={(h, u): [(pid + 50, pid), (pid + 60, 1)]})
+    obs = observe(inv, state.current_revision(), pool, Gateway(workers), cgroups=True)
+    assert set(obs.identities) >= {f"{hh}:{uu}" for i in pl.instances for hh, uu in i.units}
+    by_id = {o.id: o for o in obs.instances}
+    assert _instance_strays(by_id["d01"], obs) == [f"{h}:{u} PID {pid + 60} (stray-{pid + 60})"]
+    assert _instance_strays(by_id["p01"], obs) == []
+    obs.identity_errors[h] = "the cgroup reader exited 1"
+    assert _instance_strays(by_id["d01"], obs) == "the cgroup reader exited 1"
+
+
+def test_an_observation_of_one_instances_units_counts_the_others_by_the_gateway_and_says_so(live):
+    """units_of: systemd is read for d01 only (its unit down: it does not serve); p01 and d02, unread,
+    serve where the gateway routes to them, d02 not listed there does not; the basis is stated."""
+    from pdops.reads.observe import Seen
+
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    (h, u), = pl.get("d01").units
+    units[(h, u)] = ("inactive", "dead")
+    workers = [w for w in workers if w.id != "w-d02"]
+    pool = Pool(units, start_list)
+    seen = Seen.of(observe(inv, state.current_revision(), pool, Gateway(workers), units_of=frozenset({"d01"})))
+    assert set(seen.not_serving) == {"d01", "d02"} and seen.down == {"d01"}
+    assert seen.basis.startswith("systemd read for d01; each other instance counted as serving where a gateway")
+    read = [c for c in pool.commands if c.startswith("systemctl show")]
+    assert any("pdops-d01" in c for c in read) and not any("pdops-p01" in c or "pdops-d02" in c for c in read)

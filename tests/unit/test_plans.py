@@ -78,7 +78,7 @@ def observed_world(inv, pl: Placement, observed: dict):
 
     class Pool:
         def read_sections(self, host, commands):
-            return {"units": (0, self.show(host, commands["units"].split()[4:])), "configs": (0, "")}
+            return {"units": (0, self.show(host, commands["units"].split()[5:])), "configs": (0, "")}
 
         def unit_states(self, host, units):
             return systemd.parse_by_id(self.show(host, units))

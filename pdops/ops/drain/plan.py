@@ -75,7 +75,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     down = seen is not None and inst.id in seen.down
     steps = drain_steps(inv, inst, worker, wait_s=wait_s, interval_s=interval_s, force_after=force_after,
                         gateway=not skip_gateway, wait=not down)
-    notes = []
+    notes = [f"observed: {seen.basis}"] if seen is not None and seen.basis else []
     if inst.id in ns:
         notes.append(f"observed: {inst.id} does not serve ({ns[inst.id]})" + (
             "; nothing runs to wait for: " + ("the verified stop reads what is left of it" if skip_gateway else

@@ -46,10 +46,11 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     out = [connect_step(plan.hosts)] + first + [preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
     out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
     if plan.replaced:
-        # the build holds every file; the replaced instances' own files go out in their waves, so the
-        # processes not yet replaced keep running from the files on disk (and a halted change leaves
-        # no process beside files it was not started from); a host whose other files are all as the
-        # current revision recorded them is not touched before its wave
+        # the build holds every file; the replaced instances' own files go out in their waves, so an
+        # engine not yet replaced keeps running beside the files it was started from (the gateway's
+        # and the admission layer's changed files still go out here, for their restart or reload at
+        # the end); a host whose other files are all as the current revision recorded them is not
+        # touched before its wave (files on disk that differ from the record: `inv verify`)
         from pdops.model.render import manifest
 
         held = set(wave_files(plan, [i.id for i in plan.replaced])["files"])
@@ -57,6 +58,8 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         new_mf, old_mf = manifest(rest), cur.manifest or {}
         changed = {h for h, entries in new_mf.items() if any((old_mf.get(h) or {}).get(p) != e for p, e in entries.items())}
         out[-1].params["files"] = [f for f in rest if f.host in changed]
+        held_ids = {i.id for i in plan.replaced}  # nor are their units verified and enabled before their waves
+        out[-1].params["placement"] = Placement(tgt.topology, tuple(i for i in tgt.instances if i.id not in held_ids))
         out[-1].params["hold"] = [i.id for i in plan.replaced]
         out[-1].description += (f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
                                 "own files in its wave, after its old process stopped")
