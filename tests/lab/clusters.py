@@ -197,8 +197,10 @@ class Load:
     def refused(self) -> list:
         """Requests turned away before anything was served: the connection refused, or an HTTP 503
         with no token (the gateway restarting, or not yet routing to its workers)."""
+        # a gateway exiting for its restart may also reset a connection it had just accepted
+        # (ECONNRESET, nothing sent back): turned away too, as long as no engine received the request
         turned_away = ("connect call failed", "cannot connect", "can not write request body", "refused",
-                       "server disconnected")
+                       "server disconnected", "connection reset by peer")
         return [r for r in self.rows if not r.ok and r.first_token is None and
                 (r.http_status == 503 or (r.http_status is None and
                                           any(t in str(r.error or "").lower() for t in turned_away)))]
