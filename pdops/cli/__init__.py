@@ -11,9 +11,11 @@ import os
 import sys
 import time
 
+import psutil
 from invoke.exceptions import Exit
 
 from pdops.errors import InvalidInput, PdopsError
+from pdops.runner import operator_cpu_s
 
 # Busier than this share of its cores on average, this machine (not the fleet) held the operation back.
 BOTTLENECK_SHARE = 0.8
@@ -49,10 +51,6 @@ def machine_cost(cpu_s: float | None = None, wall_s: float | None = None, cores:
     process and the children it waited for: ansible-playbook and its forks; not ssh's ControlPersist
     masters, which outlive the command: bench/fleet_cost.py counts those) over the process's wall time,
     as cores busy on average; named the bottleneck past BOTTLENECK_SHARE of its cores."""
-    import psutil
-
-    from pdops.runner import operator_cpu_s
-
     cpu_s = operator_cpu_s() if cpu_s is None else cpu_s
     wall_s = time.time() - psutil.Process().create_time() if wall_s is None else wall_s
     cores = (os.cpu_count() or 1) if cores is None else cores

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdops.model import membership
-from pdops.errors import PdopsError
+from pdops.errors import PdopsError, Unverified
+from pdops.facts import cgroup as cg_facts
+from pdops.facts import procs as proc_facts
 from pdops.facts.gateway import DRAINING, Worker
 from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
@@ -388,10 +390,6 @@ def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = Fa
     for every unit of the host (the config notes are read beside `systemctl show`, and count only where
     their PID is the MainPID that show reports); `cgroups`: each unit's cgroup processes and their
     process-table entries in the same round trip (strays: pdops.reads.identity)."""
-    from pdops.errors import Unverified
-    from pdops.facts import cgroup as cg_facts
-    from pdops.facts import procs as proc_facts
-
     if not units:
         return HostRead({}, {})
     sections = {"units": systemd_facts.command(*units), "configs": config_notes_command(units)}

@@ -12,6 +12,7 @@ import urllib.request
 from fabric import Config, Connection
 
 from pdops.errors import Unreachable
+from pdops.facts import batch_command, split_sections
 from pdops.facts import systemd as systemd_facts
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_remote
@@ -50,8 +51,6 @@ class HostPool:
     def read_sections(self, host: str, commands: dict[str, str], timeout: float | None = 60) -> dict[str, tuple[int, str]]:
         """Several reads in one SSH round trip: {name: (exit code, output)} of each command (the batch
         protocol of pdops.facts; a command that did not run is absent)."""
-        from pdops.facts import batch_command, split_sections
-
         return split_sections(self.run(host, batch_command(commands), timeout=timeout).stdout)
 
     def unit_states(self, host: str, units: list[str]) -> dict[str, systemd_facts.UnitState]:

@@ -11,11 +11,10 @@ import yaml
 
 from pdops.lab import grown_fleet
 from pdops.model.inventory import load_inventory
-from pdops.model.placement import place
-from pdops.model.render import manifest, render_files
 from pdops.model.topology import parse_topology
 from pdops.ops import deploy as dep
 from pdops.record.local import StateDir
+from tests.unit.test_scale_plan import deployed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,12 +41,7 @@ def change_steps(tmp_path: Path, n: int) -> int:
     """Steps of a rolling change of every instance (the profile's mem_fraction_static), 2 per wave."""
     inv = grown(tmp_path, n)
     state = StateDir("fleet", tmp_path / f"c{n}")
-    pl = place(inv, topology(n))
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed")
-    state.set_current(rev.number)
+    deployed(inv, state, str(topology(n)))
     plan = dep.plan_deploy(grown(tmp_path, n, 0.77), topology(n), state, max_unavailable=2)
     assert plan.change is not None and len(plan.change.replaced) == n
     return len(list(plan.change.plan.all_steps()))
@@ -68,12 +62,7 @@ def test_a_rolling_changes_first_delivery_leaves_the_replaced_instances_files_to
     profile changes only the engines' files, so the first delivery has nothing to send)."""
     inv = grown(tmp_path, 16)
     state = StateDir("fleet", tmp_path / "s")
-    pl = place(inv, topology(16))
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed")
-    state.set_current(rev.number)
+    deployed(inv, state, str(topology(16)))
     change = dep.plan_deploy(grown(tmp_path, 16, 0.77), topology(16), state, max_unavailable=2).change
     steps = list(change.plan.all_steps())
     first = next(s for s in steps if s.kind == "deliver")
@@ -90,12 +79,7 @@ def test_the_first_delivery_of_a_change_still_sends_an_added_instance_and_enable
     in the first delivery's placement: each wave enables its own)."""
     inv = grown(tmp_path, 17)
     state = StateDir("fleet", tmp_path / "s")
-    pl = place(inv, topology(16))
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed")
-    state.set_current(rev.number)
+    deployed(inv, state, str(topology(16)))
     change = dep.plan_deploy(grown(tmp_path, 17, 0.77), parse_topology("13p4d"), state, max_unavailable=2).change
     assert [i.id for i in change.added] == ["p13"] and len(change.replaced) == 16
     first = next(s for s in change.plan.all_steps() if s.kind == "deliver")
@@ -114,12 +98,7 @@ def test_a_drain_on_64_hosts_reads_the_units_of_four_instances_and_its_plan_says
 
     inv = grown(tmp_path, 64)
     state = StateDir("fleet", tmp_path / "s")
-    pl = place(inv, topology(64))
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed")
-    state.set_current(rev.number)
+    rev = deployed(inv, state, str(topology(64)))
     assert near(rev, "p07") == {"p07", "p01", "p02", "p03"} and near(rev, "d16") == {"d16", "d01", "d02", "d03"}
     plan = plan_drain(inv, state, "p07", seen=Seen(basis="systemd read for p01, p02, p03, p07; each other ..."))
     assert "observed: systemd read for p01, p02, p03, p07" in plan.render()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.reads import orphans
 from pdops.model.inventory import Inventory
-from pdops.model.render import GATEWAY_UNIT
+from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
 from pdops.model.topology import Topology
@@ -51,8 +51,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         # and the admission layer's changed files still go out here, for their restart or reload at
         # the end); a host whose other files are all as the current revision recorded them is not
         # touched before its wave (files on disk that differ from the record: `inv verify`)
-        from pdops.model.render import manifest
-
         held = set(wave_files(plan, [i.id for i in plan.replaced])["files"])
         rest = [f for f in plan.files if f not in held]
         new_mf, old_mf = manifest(rest), cur.manifest or {}
@@ -196,8 +194,6 @@ def gateway_start_steps(plan: ScalePlan) -> list[Step]:
 
 def wave_files(plan: ScalePlan, ids: list[str]) -> dict:
     """The own files of a wave's instances and their placement (what its deliver-wave step delivers)."""
-    from pdops.model.render import manifest
-
     mf = manifest(plan.files)
     own = set()
     for i in ids:
