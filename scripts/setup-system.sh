@@ -12,7 +12,7 @@ if [ "$(id -u)" = 0 ] && [ "$(cat /proc/sys/fs/inotify/max_user_instances)" -lt 
     echo "setup-system: warning: could not raise fs.inotify.max_user_instances (lab.up says how many hosts fit)" >&2
 fi
 need=()
-for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived; do
+for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived etcd-server etcd-client; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 [ ${#need[@]} -eq 0 ] && exit 0
@@ -32,12 +32,13 @@ trap '[ $made_policy = 1 ] && rm -f /usr/sbin/policy-rc.d' EXIT
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends "${need[@]}"
-# Prometheus and keepalived are only tools here (the lab test starts its own Prometheus on a
-# loopback port; keepalived's parser checks the VRRP config pdops renders): the packages' own
-# services stay disabled, so no boot (a lab host's included) starts them. keepalived must never
-# run on this machine: it would put a virtual address on a real interface.
-for svc in prometheus keepalived; do
-  if printf '%s\n' "${need[@]}" | grep -qx "$svc"; then
+# Prometheus, keepalived and etcd are only tools here (the lab test starts its own Prometheus on a
+# loopback port; keepalived's parser checks the VRRP config pdops renders; the lab's etcd members
+# run from units pdops renders on three lab hosts): the packages' own services stay disabled, so
+# no boot (a lab host's included) starts them. keepalived must never run on this machine: it
+# would put a virtual address on a real interface.
+for svc in prometheus keepalived etcd; do
+  if printf '%s\n' "${need[@]}" | grep -qx "$svc\(-server\)\?"; then
     systemctl disable "$svc.service" >/dev/null 2>&1 ||
       rm -f "/etc/systemd/system/multi-user.target.wants/$svc.service"
   fi

@@ -42,11 +42,11 @@ def local_record(tmp_path, monkeypatch):
     """`pdops.record.open_record` answering with a shared record whose state host is this machine
     (the real host script, run locally), its state dir and operator dir under tmp_path."""
     import pdops.record as rec
-    from pdops.record import LocalTransport, SharedRecord
+    from pdops.record import HostStore, LocalTransport, SharedRecord
 
     def open_record(inv, **kw):
-        return SharedRecord(inv.cluster, tmp_path / "operator", "localhost", str(tmp_path / "shared"),
-                            LocalTransport(), **kw)
+        return SharedRecord(inv.cluster, tmp_path / "operator",
+                            HostStore(inv.cluster, "localhost", str(tmp_path / "shared"), LocalTransport()), **kw)
 
     monkeypatch.setattr(rec, "open_record", open_record)
     return open_record

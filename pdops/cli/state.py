@@ -44,12 +44,12 @@ def journal(c, inventory=None, op=None, last="20", json=False):
             print(f"{s.get('ts')}  {s.get('status'):<11} {s.get('step')}  {ev[:400]}")
         return
     n = int(last)
-    rows = operations(j)[-n:]
+    rows = operations(j, last=n)[-n:]
     if json:
         print(_json.dumps(rows, indent=2))
         return
     print(format_table(rows) if rows else "no operation journalled yet")
-    print(f"(journal: {state.location}/journal.jsonl)")
+    print(f"(journal: {state.location}, the last {n} operations)")
 
 
 @task(help={"inventory": "inventory dir or file", "force": "take the lock over (needs --reason)",

@@ -13,12 +13,17 @@
 #                                that never released, it is the evidence of an interrupted operation
 #
 #   snapshot --dir D --cluster C [--journal]        the record, read-only (creates nothing)
+#   revision-snapshot --dir D --cluster C --number N  one revision's snapshot.json, read-only
+#   journal  --dir D --cluster C [--op ID] [--last-ops N] [--contains S ...]
+#            the journal lines asked for, read-only, filtered here so that only they travel (see
+#            query_journal): one operation's, the last N operations' (read backwards from the end of
+#            the file, however long it is), those containing every S; options combine as AND
 #   hold     --dir D --cluster C --holder JSON --lease S
 #            takes the lock or answers who holds it; then serves JSON requests, one per line on
-#            stdin (ping, journal, put-revision, set-current, snapshot, journal-of, release) until
-#            release, end of input (the operator's session ended: laptop gone, SSH cut, process
-#            killed) or S seconds without a word (lease expired). The kernel frees the flock when
-#            this process ends, however it ends.
+#            stdin (ping, journal, put-revision, snapshot-of, set-current, snapshot, journal-of,
+#            journal-query {op_id, last_ops, contains}, release) until release, end of input (the
+#            operator's session ended: laptop gone, SSH cut, process killed) or S seconds without
+#            a word (lease expired). The kernel frees the flock when this process ends, however it ends.
 #   unlock   --dir D --cluster C --by JSON --reason R --op-id ID
 #            ends a live holder process (by its recorded PID and start time, never by name),
 #            removes the lock file and journals who did it and why.
@@ -192,6 +197,109 @@ def journal_lines(d, op_id=None):
     return [ln for ln in lines if ('"op_id": %s' % json.dumps(op_id)) in ln]
 
 
+JOURNAL_BLOCK = 65536  # bytes read at a time when reading the journal backwards
+
+
+def _forward_lines(f):
+    """The lines of the binary file `f`, first first, without their newline: one line in memory at a time."""
+    for raw in f:
+        yield raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def _backward_lines(fd, block=JOURNAL_BLOCK):
+    """The lines of the file open at `fd`, last first, as bytes without their newline, read in blocks of
+    `block` bytes from its end: the caller stops when it has enough, and the rest is never read. A line
+    (or a UTF-8 character) cut by a block boundary is joined before it is given."""
+    pos = os.fstat(fd).st_size
+    pieces = []  # the end of the line being read, its last piece first
+    while pos > 0:
+        n = min(block, pos)
+        pos -= n
+        chunk = os.pread(fd, n, pos)
+        parts = chunk.split(b"\n")
+        if len(parts) == 1:
+            pieces.append(chunk)
+            continue
+        pieces.append(parts[-1])
+        yield b"".join(reversed(pieces))
+        for part in reversed(parts[1:-1]):
+            yield part
+        pieces = [parts[0]]
+    yield b"".join(reversed(pieces))
+
+
+def _record(raw):
+    """(line, record) of a journal line, or None when it is not a JSON object (a torn line)."""
+    try:
+        line = raw.decode("utf-8")
+        rec = json.loads(line)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        return None
+    return (line, rec) if isinstance(rec, dict) else None
+
+
+def _op_key(op):
+    return op if op is None or isinstance(op, str) else json.dumps(op, sort_keys=True)
+
+
+def _last_ops(fd, n):
+    """(line, record) of the last `n` operations, in file order: lines are read backwards until one of an
+    (n+1)-th operation (distinct op_id) comes. Torn lines are skipped."""
+    seen, out = set(), []
+    if n <= 0:
+        return out
+    for raw in _backward_lines(fd):
+        got = _record(raw)
+        if got is None:
+            continue
+        key = _op_key(got[1].get("op_id"))
+        if key not in seen:
+            if len(seen) == n:
+                break
+            seen.add(key)
+        out.append(got)
+    out.reverse()
+    return out
+
+
+def query_journal(d, op_id=None, last_ops=None, contains=()):
+    """The journal lines (raw strings, in file order) that pass every filter given: `op_id` (the lines of
+    that operation), `last_ops` (those of the last N operations, found reading backwards from the end of
+    the file: the time does not grow with its length) and `contains` (those containing every string
+    given). Torn lines (not JSON) are skipped by `op_id` and `last_ops`. With no filter: every line, as
+    journal_lines."""
+    if last_ops is not None and (isinstance(last_ops, bool) or not isinstance(last_ops, int) or last_ops < 0):
+        raise Refusal("request", "last_ops must be a number of operations (0 or more), not %r" % (last_ops,))
+    if isinstance(contains, str) or not all(isinstance(c, str) for c in contains):
+        raise Refusal("request", "contains must be a list of strings, not %r" % (contains,))
+    if op_id is None and last_ops is None and not contains:
+        return journal_lines(d)
+    needles = [c.encode("utf-8") for c in contains]
+    path = os.path.join(d, "journal.jsonl")
+    try:
+        with open(path, "rb") as f:
+            if last_ops is not None:
+                return [line for line, rec in _last_ops(f.fileno(), last_ops)
+                        if (op_id is None or rec.get("op_id") == op_id) and all(c in line for c in contains)]
+            if op_id is not None:
+                needles.append(('"op_id": %s' % json.dumps(op_id)).encode("utf-8"))
+            out = []
+            for raw in _forward_lines(f):
+                if not all(c in raw for c in needles):
+                    continue
+                if op_id is None:
+                    out.append(raw.decode("utf-8", "replace"))
+                    continue
+                got = _record(raw)
+                if got is not None and got[1].get("op_id") == op_id:
+                    out.append(got[0])
+            return out
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise Refusal("journal", "cannot read %s: %s" % (path, e))
+
+
 def append_journal(d, line):
     if "\n" in line:
         raise Refusal("journal", "a journal record must be one line")
@@ -303,6 +411,9 @@ def hold(a):
                     reply(snapshot(d))
                 elif op == "journal-of":
                     reply({"ok": True, "lines": journal_lines(d, req["op_id"])})
+                elif op == "journal-query":
+                    reply({"ok": True, "lines": query_journal(d, req.get("op_id"), req.get("last_ops"),
+                                                              req.get("contains") or ())})
                 elif op == "release":
                     os.unlink(lock_path)
                     reply({"ok": True, "released": True})
@@ -358,7 +469,7 @@ def unlock(a):
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("snapshot", "hold", "unlock", "revision-snapshot"):
+    for name in ("snapshot", "hold", "unlock", "revision-snapshot", "journal"):
         s = sub.add_parser(name)
         s.add_argument("--dir", required=True)
         s.add_argument("--cluster", required=True)
@@ -366,6 +477,10 @@ def main():
             s.add_argument("--number", type=int, required=True)
         if name == "snapshot":
             s.add_argument("--journal", action="store_true")
+        if name == "journal":
+            s.add_argument("--op")
+            s.add_argument("--last-ops", type=int)
+            s.add_argument("--contains", action="append", default=[])
         if name == "hold":
             s.add_argument("--holder", required=True)
             s.add_argument("--lease", type=float, default=60.0)
@@ -388,6 +503,12 @@ def main():
                 return
             check_format(a.dir, a.cluster, write=False)
             reply({"ok": True, "snapshot": read_snapshot(a.dir, a.number)})
+        elif a.cmd == "journal":
+            if not check_dir(a.dir, create=False):
+                reply({"ok": True, "lines": [], "total_lines": None})
+                return
+            check_format(a.dir, a.cluster, write=False)
+            reply({"ok": True, "lines": query_journal(a.dir, a.op, a.last_ops, a.contains)})
         elif a.cmd == "hold":
             hold(a)
         else:

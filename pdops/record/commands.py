@@ -104,22 +104,23 @@ def unlock(record: SharedRecord, *, force: bool, reason: str | None, say: Say = 
                       evidence=json.dumps(holder, indent=2, sort_keys=True))
     by = {"operator": default_operator(), "machine": default_machine(), "at": now_iso()}
     op = new_op_id("unlock")
-    ans = record.answer(record.transport.call(record.args("unlock", "--by", json.dumps(by), "--reason", reason,
-                                                          "--op-id", op)))
+    ans = record.answer(record.store.unlock(by, reason, op))
     was, ended = ans.get("was"), ans.get("ended")
     if not was:
         msg = f"cluster '{record.cluster}' was not locked; the forced unlock is journalled ({op})"
     else:
-        msg = (f"took the lock of cluster '{record.cluster}' over from {describe_holder(was)}"
-               + (f", ending its lock process {ended['pid']} on {record.host}" if ended else "")
+        how = ("" if not ended else f", revoking its lease {ended['lease']} in etcd (its next write fails)"
+               if "lease" in ended else f", ending its lock process {ended['pid']} on {record.store.host}")
+        msg = (f"took the lock of cluster '{record.cluster}' over from {describe_holder(was)}{how}"
                + f", and released it; journalled as {op} with your reason")
     return {"locked": bool(was), "was": was, "ended": ended, "op_id": op, "message": msg}
 
 
-def operations(journal: Journal) -> list[dict]:
-    """One row per operation in the journal: when, what, who (operator and machine), how it ended."""
+def operations(journal: Journal, last: int | None = None) -> list[dict]:
+    """One row per operation in the journal (its last `last` operations, read alone where the
+    store allows): when, what, who (operator and machine), how it ended."""
     rows: dict[str, dict] = {}
-    for r in journal.records():
+    for r in (journal.records() if last is None else journal.last_operations(last)):
         op = r.get("op_id") or "-"
         row = rows.setdefault(op, {"op_id": op, "started": r.get("ts"), "operation": op.split("-")[0],
                                    "operator": "-", "machine": "-", "steps": 0, "verdict": "no verdict"})

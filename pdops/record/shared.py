@@ -12,7 +12,8 @@ from pdops import __version__
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.runner import Say
 from pdops.record.local import (
-    Journal, RecordReads, Revision, StateDir, atomic_write, default_machine, default_operator, new_op_id, now_iso,
+    Journal, RecordReads, Revision, StateDir, atomic_write, default_machine, default_operator, journal_tags,
+    last_operations, new_op_id, now_iso, parse_lines,
 )
 
 from pdops.record.transport import LEASE_S, Session
@@ -31,8 +32,10 @@ def lock_line(h: dict | None) -> str:
 def describe_holder(h: dict) -> str:
     alive = h.get("holder_alive")
     seen = h.get("last_seen_s")
-    state = ("" if alive is None else "; its lock process on the state host is alive" if alive
-             else "; its lock process on the state host is gone (the operation did not finish)")
+    what = f"its lease {h['lease']} in etcd" if h.get("lease") else "its lock process on the state host"
+    state = ("" if alive is None else f"; {what} is alive" if alive
+             else (f"; {what} is gone" if h.get("lease") else f"; {what} is gone")
+             + " (the operation did not finish)")
     return (f"{h.get('operator')} on {h.get('machine')} running '{h.get('operation')}' ({h.get('op_id')}) since "
             f"{h.get('since')}" + (f", last heard from {seen} s ago" if seen is not None else "") + state)
 
@@ -43,51 +46,56 @@ def revision_docs(revs: dict) -> dict[int, dict]:
 
 
 class SharedRecord(RecordReads):
-    """The record on the state host, read and written through the host script.
+    """The cluster's record in its store: a state host (pdops.record.hoststore) or etcd
+    (pdops.record.etcdstore), both answering the same reads and serving the same requests under
+    the lock.
 
     ``path`` is this operator machine's own dir (builds, bench runs, the cache), never the record.
     Reads come from one snapshot per process (refreshed when the lock is taken); writes need the
     lock, and go through its session.
     """
 
-    def __init__(self, cluster: str, local: str | os.PathLike, host: str, dir: str, transport, *,
-                 cached_ok: bool = False):
+    def __init__(self, cluster: str, local: str | os.PathLike, store, *, cached_ok: bool = False):
         self.cluster = cluster
         self.path = Path(local)
-        self.host, self.dir = host, dir
-        self.transport = transport
+        self.store = store
         self.cached_ok = cached_ok
         self.cached: dict | None = None  # {fetched_at, reason} when reads come from the local cache
         self._snap: dict | None = None
         self._session: Session | None = None
         self._check_local_record = True
         self.cache_error: str | None = None
-        weakref.finalize(self, transport.close)  # the state host's own connection goes with the record
+        weakref.finalize(self, store.close)  # the store's own connection goes with the record
 
     @property
     def location(self) -> str:
-        return f"{self.host}:{self.dir}"
+        return self.store.location
 
     @property
     def cache_file(self) -> Path:
         return self.path / "cache" / "record.json"
 
-    def args(self, cmd: str, *more: str) -> list[str]:
-        return [cmd, "--dir", self.dir, "--cluster", self.cluster, *more]
+    @property
+    def snapshot_cache(self) -> Path:
+        return self.path / "cache" / "snapshot.json"
 
     def answer(self, doc: dict) -> dict:
-        """An answer of the host script, or the one clear error it stands for."""
+        """An answer of the store, or the one clear error it stands for."""
         if doc.get("ok"):
             return doc
         code, msg = doc.get("error"), doc.get("message")
+        field = "pdops_state.etcd.prefix" if self.store.kind == "etcd" else "pdops_state.dir"
         if code == "dir":
-            raise InvalidInput("pdops_state.dir", f"on {self.host}: {msg}",
+            raise InvalidInput("pdops_state.dir", f"on {self.store.host}: {msg}",
                                fix="use a directory only root can write (pdops creates it 0700)")
         if code == "newer":
             raise Refused(f"{self.location}: {msg}", fix="run the pdops version that wrote it; nothing was changed")
         if code == "cluster":
-            raise InvalidInput("pdops_state.dir", f"on {self.host}: {msg}",
-                               fix="give each cluster its own state dir")
+            raise InvalidInput(field, f"{self.location}: {msg}", fix="give each cluster its own record")
+        if code == "moved":
+            raise Refused(f"{self.location}: {msg}; no change runs on this copy",
+                          fix="point pdops_state at where the record is now (docs/runbooks/record-to-etcd.md); "
+                              "nothing was changed")
         if code == "locked":
             h = doc.get("holder") or {}
             raise Refused(f"cluster '{self.cluster}' is locked by {describe_holder(h)}",
@@ -108,12 +116,12 @@ class SharedRecord(RecordReads):
 
     def _fetch(self) -> dict:
         try:
-            doc = self.answer(self.transport.call(self.args("snapshot")))
+            doc = self.answer(self.store.read())
         except Unreachable as e:
             if self.cached_ok:
                 return self._from_cache(e.message)
             raise Unreachable(f"the cluster's record is on {self.location}, and {e.message.rstrip('.')}",
-                              fix="bring the state host back (or fix SSH to it); no change runs from this machine's "
+                              fix=f"bring {self.store.name} back; no change runs from this machine's "
                                   "cached copy. Nothing was changed") from None
         self._write_cache(doc)
         if self._check_local_record:
@@ -138,15 +146,15 @@ class SharedRecord(RecordReads):
             doc = json.loads(self.cache_file.read_text(encoding="utf-8"))
         except (FileNotFoundError, json.JSONDecodeError):
             raise Unreachable(f"the cluster's record is on {self.location}, and {reason}; this machine has no "
-                              "cached copy of it", fix="bring the state host back (or fix SSH to it)") from None
+                              "cached copy of it", fix=f"bring {self.store.name} back") from None
         self.cached = {"fetched_at": doc.get("fetched_at"), "reason": reason}
         return doc["snapshot"]
 
     def cache_banner(self) -> str | None:
         if self.cached is None:
             return None
-        return (f"READ-ONLY CACHED COPY of the record, fetched {self.cached['fetched_at']}: the state host "
-                f"{self.host} cannot be reached ({self.cached['reason']}); no change can run until it can")
+        return (f"READ-ONLY CACHED COPY of the record, fetched {self.cached['fetched_at']}: "
+                f"{self.store.name} cannot be reached ({self.cached['reason']}); no change can run until it can")
 
     def current(self) -> int | None:
         cur = self.snapshot().get("current")
@@ -171,7 +179,17 @@ class SharedRecord(RecordReads):
         """The files and inventory recorded with revision `n` (None: recorded before snapshots)."""
         if self._session is not None:
             return self._session.request({"op": "snapshot-of", "number": int(n)}).get("snapshot")
-        return self.answer(self.transport.call(self.args("revision-snapshot", "--number", str(int(n))))).get("snapshot")
+        return self.answer(self.store.revision_snapshot(n)).get("snapshot")
+
+    def cache_snapshot(self, n: int, snapshot: dict) -> None:
+        """Keep the newest revision's rollback snapshot on this machine too (0600), so that
+        `inv state.restore --from-cache` can rebuild that revision whole. Best effort."""
+        try:
+            self.snapshot_cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.snapshot_cache, json.dumps({"number": int(n), "snapshot": snapshot}, sort_keys=True))
+            os.chmod(self.snapshot_cache, 0o600)
+        except OSError as e:
+            self.cache_error = f"{self.snapshot_cache}: {e.strerror}"
 
     # -- the operator machine's record from before the shared one
     def local_record(self) -> StateDir:
@@ -220,6 +238,8 @@ class SharedRecord(RecordReads):
             req["snapshot"] = snapshot
         rev.number = sess.request(req)["number"]
         self._snap["revisions"][str(rev.number)] = asdict(rev)
+        if snapshot is not None:
+            self.cache_snapshot(rev.number, snapshot)
         return rev
 
     def set_outcome(self, n: int, outcome: str) -> Revision:
@@ -242,7 +262,7 @@ class SharedRecord(RecordReads):
         return SharedLock(self, operation, op_id=op_id, operator=operator, say=say)
 
     def close(self) -> None:
-        self.transport.close()
+        self.store.close()
 
 
 def record_summary(where: str, docs: dict[int, dict], current) -> str:
@@ -254,18 +274,34 @@ def record_summary(where: str, docs: dict[int, dict], current) -> str:
 
 
 class SharedJournal(Journal):
-    """The journal in the record: appended through the lock's session, read with one call."""
+    """The journal in the record: appended through the lock's session; read in pages where the
+    record is (one operation, the last N operations, the lines of a tag), or whole."""
 
     def __init__(self, record: SharedRecord):
-        super().__init__(Path(record.dir) / "journal.jsonl")
+        super().__init__(Path(record.path) / "journal.jsonl")  # not used: every line goes to the store
         self.record = record
 
-    def _append(self, line: str) -> None:
+    def _append(self, line: str, tags: list[str] = ()) -> None:
         self.record._held("writing the journal").request({"op": "journal", "line": line})
 
-    def _lines(self) -> list[str]:
+    def _query(self, **what) -> list[str]:
         rec = self.record
-        return rec.answer(rec.transport.call(rec.args("snapshot", "--journal"))).get("journal", [])
+        if rec._session is not None:
+            return rec._session.request(rec.store.journal_request(**what)).get("lines", [])
+        return rec.answer(rec.store.journal(**what)).get("lines", [])
+
+    def _lines(self) -> list[str]:
+        return self._query(everything=True) if self.record._session is None else \
+            self.record.answer(self.record.store.journal(everything=True)).get("lines", [])
+
+    def read(self, op_id: str) -> list[dict]:
+        return [r for r in parse_lines(self._query(op_id=op_id)) if r.get("op_id") == op_id]
+
+    def last_operations(self, n: int) -> list[dict]:
+        return last_operations(parse_lines(self._query(last_ops=int(n))), int(n))
+
+    def tagged(self, tag: str) -> list[dict]:
+        return [r for r in parse_lines(self._query(tag=tag)) if tag in journal_tags(r)]
 
 
 class SharedLock:
@@ -285,11 +321,11 @@ class SharedLock:
     def acquire(self) -> "SharedLock":
         rec = self.record
         if rec.cached is not None:
-            raise Unreachable(f"the state host {rec.host} cannot be reached ({rec.cached['reason']}): no change runs "
-                              "from the cached copy of the record", fix="bring the state host back; nothing was changed")
+            raise Unreachable(f"{rec.store.name} cannot be reached ({rec.cached['reason']}): no change runs "
+                              "from the cached copy of the record", fix=f"bring {rec.store.name} back; nothing was changed")
         me = {"operator": self.operator, "machine": default_machine(), "operation": self.operation,
               "op_id": self.op_id, "client_pid": os.getpid(), "since": now_iso(), "pdops": __version__}
-        sess = rec.transport.open_session(rec.args("hold", "--holder", json.dumps(me), "--lease", str(LEASE_S)))
+        sess = rec.store.hold(me, LEASE_S)
         try:
             first = rec.answer(sess.first())
         except BaseException:
@@ -311,7 +347,7 @@ class SharedLock:
         prev = first.get("interrupted")
         if prev:
             self.interrupted = prev
-            steps = [json.loads(x) for x in sess.request({"op": "journal-of", "op_id": prev.get("op_id")})["lines"]]
+            steps = parse_lines(sess.request(rec.store.journal_request(op_id=prev.get("op_id")))["lines"])
             last = steps[-1] if steps else {}
             j.step(self.op_id, "lock.interrupted", "note",
                    {"previous_holder": prev, "last_step": last.get("step"), "last_status": last.get("status"),

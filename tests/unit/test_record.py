@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable
-from pdops.record import SCRIPT, LocalTransport, SharedRecord, lock_line, operations, push_local, unlock
+from pdops.record import SCRIPT, HostStore, LocalTransport, SharedRecord, lock_line, operations, push_local, unlock
 from pdops.record.local import StateDir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def rec(tmp_path, who: str, **kw) -> SharedRecord:
     """The record as operator `who` reads it: its own operator dir, the one shared state dir."""
-    return SharedRecord("lab", tmp_path / who, "localhost", str(tmp_path / "shared"), LocalTransport(), **kw)
+    return SharedRecord("lab", tmp_path / who, HostStore("lab", "localhost", str(tmp_path / "shared"), LocalTransport()), **kw)
 
 
 def deploy(r: SharedRecord, topology="1p1d", op="deploy") -> int:
@@ -111,8 +111,8 @@ def test_a_plan_made_before_another_operation_is_refused_under_the_lock(tmp_path
 
 HOLDER = """
 import sys, time
-from pdops.record import LocalTransport, SharedRecord
-r = SharedRecord("lab", sys.argv[1], "localhost", sys.argv[2], LocalTransport())
+from pdops.record import HostStore, LocalTransport, SharedRecord
+r = SharedRecord("lab", sys.argv[1], HostStore("lab", "localhost", sys.argv[2], LocalTransport()))
 lk = r.lock("drain", say=lambda s: None).acquire()
 r.journal().step(lk.op_id, "wait-empty", "running", {"instance": "d02"})
 print(lk.op_id, flush=True)
@@ -233,15 +233,15 @@ class Down(LocalTransport):
 def test_state_host_unreachable_changes_refused_reads_from_the_marked_cache(tmp_path):
     deploy(rec(tmp_path, "alice"))
     assert rec(tmp_path, "alice").current() == 1  # a read: the cache now holds revision 1
-    down = SharedRecord("lab", tmp_path / "alice", "localhost", str(tmp_path / "shared"), Down())
+    down = SharedRecord("lab", tmp_path / "alice", HostStore("lab", "localhost", str(tmp_path / "shared"), Down()))
     with pytest.raises(Unreachable, match="cannot be reached") as e:
         down.current()
     assert e.value.exit_code == 3 and "no change runs from this machine's cached copy" in e.value.fix
-    cached = SharedRecord("lab", tmp_path / "alice", "localhost", str(tmp_path / "shared"), Down(), cached_ok=True)
+    cached = SharedRecord("lab", tmp_path / "alice", HostStore("lab", "localhost", str(tmp_path / "shared"), Down()), cached_ok=True)
     assert cached.current() == 1 and "READ-ONLY CACHED COPY" in cached.cache_banner()
     with pytest.raises(Unreachable, match="no change runs from the cached copy"):
         cached.lock("drain").acquire()
-    nobody = SharedRecord("lab", tmp_path / "bob", "localhost", str(tmp_path / "shared"), Down(), cached_ok=True)
+    nobody = SharedRecord("lab", tmp_path / "bob", HostStore("lab", "localhost", str(tmp_path / "shared"), Down()), cached_ok=True)
     with pytest.raises(Unreachable, match="no cached copy"):
         nobody.current()
 

@@ -161,12 +161,35 @@ class Gateway:
 DEFAULT_STATE_DIR = "/var/lib/pdops/state"
 
 
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+
+
+@dataclass(frozen=True)
+class EtcdSetting:
+    """An etcd cluster that holds the record (`pdops_state.etcd`): its client URLs, the key prefix
+    of this cluster's record, TLS files on the operator machine (optional), and, when pdops runs
+    the members itself (`members`), the inventory hosts they run on (`inv state.etcd-up`)."""
+
+    endpoints: tuple[str, ...]
+    prefix: str
+    members: tuple[str, ...] = ()
+    member_addrs: tuple[str, ...] = ()
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
 @dataclass(frozen=True)
 class StateLocation:
-    """Where the cluster's record and lock live (`pdops_state`): a host of the inventory and a dir."""
+    """Where the cluster's record and lock live (`pdops_state`): `backend` "host" (a host of the
+    inventory and a dir, reached over SSH; the default) or "etcd" (`etcd`). The host and dir are
+    kept for `inv state.migrate`, which copies between the two."""
 
     host: str
     dir: str = DEFAULT_STATE_DIR
+    backend: str = "host"
+    etcd: EtcdSetting | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from pdops.model.admission import parse_admission
 from pdops.errors import InvalidInput, one_of
 from pdops.model.prometheus_setting import parse_prometheus
 
-from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
+from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, ETCD_CLIENT_PORT, EtcdSetting, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
                                    Profile, StateLocation, max_slots)
 from pdops.model.inventory.parse import (cluster_vars, load_profile, parse_host, port_number, required, resolve_engine_python,
                                    resolve_gateway_python)
@@ -66,7 +67,7 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
         python=resolve_gateway_python(str(gv.get("python", "/opt/pdops/gateway-venv/bin/python"))), **policies,
     )
     _check_port_plan(hosts, ports, gateway, prof)
-    state = _state_location(all_vars.get("pdops_state"), names, gw_hosts[0])
+    state = _state_location(all_vars.get("pdops_state"), names, gw_hosts[0], cluster)
 
     drain = all_vars.get("pdops_drain") or {}
     budget = drain.get("budget_s", 1800)
@@ -118,14 +119,15 @@ def _gateway_hosts(gv: dict, names: dict) -> list[str]:
     return list(val)
 
 
-def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:
-    """`pdops_state: {host, dir}`: default the gateway host and /var/lib/pdops/state."""
+def _state_location(val: Any, names: dict, gw_host: str, cluster: str) -> StateLocation:
+    """`pdops_state: {backend, host, dir, etcd}`: default the SSH state host (the gateway host,
+    /var/lib/pdops/state)."""
     fix = f"e.g. pdops_state: {{host: {gw_host}, dir: {DEFAULT_STATE_DIR}}}"
     if val is None:
         return StateLocation(gw_host)
     if not isinstance(val, dict):
         raise InvalidInput("pdops_state", f"{val!r} is not a mapping", fix=fix)
-    unknown = sorted(set(val) - {"host", "dir"})
+    unknown = sorted(set(val) - {"host", "dir", "backend", "etcd"})
     if unknown:
         raise InvalidInput("pdops_state", f"unknown key(s) {', '.join(map(str, unknown))}", fix=fix)
     host = val.get("host", gw_host)
@@ -138,7 +140,71 @@ def _state_location(val: Any, names: dict, gw_host: str) -> StateLocation:
     if os.path.normpath(d) != d.rstrip("/") or d.rstrip("/") in ("", "/") or any(c in d for c in "\n\0"):
         raise InvalidInput("pdops_state.dir", f"{d!r} is not a plain absolute directory path",
                            fix=f"a path such as {DEFAULT_STATE_DIR}, without '..' or '//'")
-    return StateLocation(host, d.rstrip("/"))
+    backend = val.get("backend", "host")
+    if backend not in ("host", "etcd"):
+        raise InvalidInput("pdops_state.backend", f"{backend!r} is neither 'host' nor 'etcd'",
+                           fix="host: the record on pdops_state.host over SSH (default); etcd: on pdops_state.etcd")
+    etcd = None if val.get("etcd") is None else _etcd_setting(val["etcd"], names, cluster)
+    if backend == "etcd" and etcd is None:
+        raise InvalidInput("pdops_state.etcd", "missing, and pdops_state.backend is etcd",
+                           fix="e.g. etcd: {endpoints: [https://etcd1:2379, ...], ca: ..., cert: ..., key: ...}")
+    return StateLocation(host, d.rstrip("/"), backend, etcd)
+
+
+_ETCD_KEYS = {"endpoints", "members", "prefix", "ca", "cert", "key"}
+_ETCD_FIX = "e.g. etcd: {endpoints: [https://10.0.0.5:2379, https://10.0.0.6:2379, https://10.0.0.7:2379]}"
+
+
+def _etcd_setting(val: Any, names: dict, cluster: str) -> EtcdSetting:
+    """`pdops_state.etcd`: `endpoints` (client URLs of an etcd cluster) or `members` (three or five
+    inventory hosts pdops runs etcd on), a key prefix, and TLS files on this machine."""
+    if not isinstance(val, dict):
+        raise InvalidInput("pdops_state.etcd", f"{val!r} is not a mapping", fix=_ETCD_FIX)
+    unknown = sorted(set(val) - _ETCD_KEYS)
+    if unknown:
+        raise InvalidInput("pdops_state.etcd", f"unknown key(s) {', '.join(map(str, unknown))}",
+                           fix=f"known: {', '.join(sorted(_ETCD_KEYS))}")
+    members = val.get("members") or []
+    if not isinstance(members, list) or any(m not in names for m in members):
+        bad = next((m for m in members if m not in names), members) if isinstance(members, list) else members
+        raise InvalidInput("pdops_state.etcd.members", f"{bad!r} is not a host of this inventory",
+                           fix=one_of(names, str(bad)) + " (pdops runs etcd on three or five of the cluster's hosts)")
+    if members and (len(members) % 2 == 0 or len(set(members)) != len(members)):
+        raise InvalidInput("pdops_state.etcd.members", f"{members} is not an odd number of distinct hosts",
+                           fix="three members survive the loss of one, five of two")
+    endpoints = val.get("endpoints")
+    if endpoints is None:
+        endpoints = [f"{'https' if val.get('cert') else 'http'}://{names[m].ssh_addr}:{ETCD_CLIENT_PORT}"
+                     for m in members]
+    if not isinstance(endpoints, list) or not endpoints:
+        raise InvalidInput("pdops_state.etcd.endpoints", f"{endpoints!r}: no client URL (and no members)",
+                           fix=_ETCD_FIX)
+    for e in endpoints:
+        u = urllib.parse.urlsplit(str(e))
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
+            raise InvalidInput("pdops_state.etcd.endpoints", f"{e!r} is not a client URL such as https://10.0.0.5:2379",
+                               fix=_ETCD_FIX)
+    prefix = val.get("prefix", f"/pdops/{cluster}/")
+    if not isinstance(prefix, str) or not prefix.startswith("/") or any(c in prefix for c in " \n\0"):
+        raise InvalidInput("pdops_state.etcd.prefix", f"{prefix!r} is not a key prefix such as /pdops/{cluster}/",
+                           fix="one prefix per cluster, starting with /")
+    prefix = prefix if prefix.endswith("/") else prefix + "/"
+    tls = {}
+    for k in ("ca", "cert", "key"):
+        f = val.get(k)
+        if f is None:
+            continue
+        if not isinstance(f, str) or not f.startswith("/"):
+            raise InvalidInput(f"pdops_state.etcd.{k}", f"{f!r} is not an absolute path", fix="a file on this machine")
+        tls[k] = f
+    if ("cert" in tls) != ("key" in tls):
+        raise InvalidInput("pdops_state.etcd", "a client certificate needs its key (cert and key, or neither)",
+                           fix="set both cert: and key:")
+    if tls and any(str(e).startswith("http://") for e in endpoints):
+        raise InvalidInput("pdops_state.etcd.endpoints", "TLS files are set but an endpoint is http://",
+                           fix="use https:// client URLs with TLS")
+    return EtcdSetting(tuple(str(e).rstrip("/") for e in endpoints), prefix, tuple(members),
+                       tuple(names[m].ssh_addr for m in members), tls.get("ca"), tls.get("cert"), tls.get("key"))
 
 
 def _sim_faults(val: Any, engine: str) -> dict[str, str]:

@@ -310,11 +310,9 @@ def kill_command(records: list[dict]) -> str:
 def last_stop_record(j, instance: str, *, failed_only: bool = False) -> dict | None:
     """The journal's latest stop-verification record of `instance` (drain, stop, scale or
     kill-survivors); with `failed_only`, the latest one that was not verified."""
-    for r in reversed(j.records()):
-        ev = r.get("evidence") or {}
-        if ev.get("instance") == instance and isinstance(ev.get("survivors"), list):
-            if not failed_only or r.get("status") == "failed":
-                return r
+    for r in reversed(j.tagged(f"stop:{instance}")):
+        if not failed_only or r.get("status") == "failed":
+            return r
     return None
 
 

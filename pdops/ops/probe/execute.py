@@ -131,7 +131,7 @@ register_executors({"probe-canary": do_probe_canary, "probe-requests": do_probe_
 
 
 def next_probe_id(journal) -> str:
-    n = sum(1 for r in journal.records() if r.get("step") == "probe-result")
+    n = len(journal.tagged("step:probe-result"))
     return f"T{n + 1}"
 
 

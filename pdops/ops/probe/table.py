@@ -14,14 +14,12 @@ from pdops.record.local import new_op_id
 
 def probe_table(journal) -> list[dict]:
     """Every probe of the cluster, in order, with the notes operators added (latest last)."""
-    rows, notes = [], {}
-    for r in journal.records():
-        if r.get("step") == "probe-result":
-            rows.append(dict(r.get("evidence") or {}))
-        elif r.get("step") == "probe-note":
-            ev = r.get("evidence") or {}
-            notes.setdefault(ev.get("probe"), []).append({"note": ev.get("note"), "by": ev.get("operator"),
-                                                          "when": r.get("ts")})
+    rows = [dict(r.get("evidence") or {}) for r in journal.tagged("step:probe-result")]
+    notes: dict = {}
+    for r in journal.tagged("step:probe-note"):
+        ev = r.get("evidence") or {}
+        notes.setdefault(ev.get("probe"), []).append({"note": ev.get("note"), "by": ev.get("operator"),
+                                                      "when": r.get("ts")})
     for row in rows:
         row["notes"] = notes.get(row.get("probe"), [])
     return rows

@@ -1,0 +1,252 @@
+"""The record on etcd (issue #36): the same record as on a state host, through the same
+interface, on a real etcd (Debian's etcd-server, one member on 127.0.0.1 with ports of its own,
+started here and stopped by its PID). The lab's three-member cluster: tests/lab/test_record_etcd_lab.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdops.errors import InvalidInput, Refused, Unreachable
+from pdops.model.inventory.model import EtcdSetting
+from pdops.record import HostStore, LocalTransport, SharedRecord, operations, unlock
+from pdops.record.etcdstore import EtcdSession, EtcdStore
+from pdops.remote import etcd as E
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory):
+    """One etcd member on 127.0.0.1 (installed by scripts/setup-system.sh), for this module."""
+    assert os.path.exists(ETCD), "etcd is not installed: run scripts/setup-system.sh (make setup)"
+    d = tmp_path_factory.mktemp("etcd")
+    client, peer = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{client}"
+    log = open(d / "etcd.log", "w")
+    proc = subprocess.Popen([ETCD, "--name", "unit", "--data-dir", str(d / "data"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"unit=http://127.0.0.1:{peer}"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client_ = E.Etcd([url], timeout=1.0)
+        deadline = time.monotonic() + 30
+        while True:  # ready: the member answers its status with a leader
+            try:
+                if client_.status(url).get("leader"):
+                    break
+            except Unreachable:
+                pass
+            assert proc.poll() is None, (d / "etcd.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "etcd did not elect itself leader in 30 s"
+            time.sleep(0.1)
+        client_.close()
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        log.close()
+
+
+_n = iter(range(1_000_000))
+
+
+@pytest.fixture
+def setting(etcd_url):
+    """A fresh prefix (a cluster of its own) in the module's etcd, behind one dead endpoint."""
+    return EtcdSetting(("http://127.0.0.1:9", etcd_url), f"/pdops/t{os.getpid()}-{next(_n)}/")
+
+
+def rec(tmp_path: Path, who: str, setting, **kw) -> SharedRecord:
+    return SharedRecord("lab", tmp_path / who, EtcdStore("lab", setting), **kw)
+
+
+def deploy(r: SharedRecord, topology="1p1d", op="deploy", snapshot=None) -> int:
+    with r.lock(op, say=lambda s: None) as lk:
+        rev = r.write_revision(topology=topology, inventory_hash="h", placement={}, manifest={}, instances={},
+                               op_id=lk.op_id, outcome="deployed", snapshot=snapshot)
+        r.set_current(rev.number)
+        r.journal().step(lk.op_id, "verdict", "ok", {"revision": rev.number})
+    return rev.number
+
+
+@pytest.fixture(params=["host", "etcd"])
+def either(request, tmp_path):
+    """A record maker for each store: the state host's script run locally, and etcd."""
+    if request.param == "host":
+        return lambda who, **kw: SharedRecord("lab", tmp_path / who, HostStore(
+            "lab", "localhost", str(tmp_path / "shared"), LocalTransport()), **kw)
+    s = request.getfixturevalue("setting")
+    return lambda who, **kw: rec(tmp_path, who, s, **kw)
+
+
+def test_both_stores_answer_the_same_record(either):
+    """Revisions, current, the lock and the journal read the same from a second operator, on either store."""
+    alice, bob = either("alice"), either("bob")
+    assert bob.current() is None and bob.lock_holder() is None
+    n1 = deploy(alice, "1p1d")
+    n2 = deploy(alice, "2p1d")
+    bob = either("bob")
+    assert (bob.current(), bob.revision_numbers(), bob.read_revision(n2).topology) == (n2, [n1, n2], "2p1d")
+    assert bob.previous().number == n1
+    rows = operations(bob.journal(), last=1)
+    assert len(rows) == 1 and rows[0]["verdict"] == "ok" and rows[0]["operator"]
+    with alice.lock("drain", say=lambda s: None):
+        with pytest.raises(Refused, match="is locked by .* running 'drain'"):
+            either("carol").lock("scale", say=lambda s: None).acquire()
+    assert either("carol").lock_holder() is None  # released
+
+
+def test_journal_reads_only_the_operations_they_show(either):
+    """`inv journal --last N`, `--op ID` and the tag reads (probe table, kill-survivors) on either store."""
+    r = either("alice")
+    ids = []
+    for i in range(7):
+        with r.lock("drain", say=lambda s: None) as lk:
+            j = r.journal()
+            for k in range(3 + i):
+                j.step(lk.op_id, f"s{k}", "ok", {"instance": f"p0{i % 2}", "survivors": [] if k == 0 else None})
+            ids.append(lk.op_id)
+    j = either("bob").journal()
+    last = j.last_operations(2)
+    assert [r["op_id"] for r in last] == [ids[5]] * 9 + [ids[6]] * 10
+    assert [s["step"] for s in j.read(ids[3])] == ["lock.held"] + [f"s{k}" for k in range(6)]
+    assert [s["op_id"] for s in j.tagged("stop:p01")] == [ids[1], ids[3], ids[5]]
+    assert [o["op_id"] for o in operations(j, last=3)] == ids[4:]
+
+
+def test_a_16_host_snapshot_round_trips_in_parts(tmp_path, setting, monkeypatch):
+    """A revision's rollback snapshot is stored in content-addressed parts, read back whole and
+    checked against its digest. Rendered files of a 16-host 12p4d are 58 KiB (of 256 hosts, 782 KiB;
+    docs/state.md): the parts are made 16 KiB here so that this one has four."""
+    import pdops.record.etcdstore as es
+    from pdops.lab import grown_fleet
+    from pdops.model.build import render_build
+    from pdops.model.inventory import load_inventory
+    from pdops.model.placement import place
+    from pdops.model.render import snapshot_of
+    from pdops.model.topology import parse_topology
+
+    inv = load_inventory(grown_fleet(tmp_path / "fleet16", 16))
+    _, files = render_build(inv, place(inv, parse_topology("12p4d")), tmp_path / "build")
+    snap = snapshot_of(inv, files)
+    size = len(json.dumps(snap, sort_keys=True))
+    monkeypatch.setattr(es, "PART_BYTES", 16 * 1024)
+    n = deploy(rec(tmp_path, "alice", setting), "12p4d", snapshot=snap)
+    store = EtcdStore("lab", setting)
+    head = json.loads(store.etcd.range(setting.prefix + f"snap/{n:08d}").kvs[0].value)
+    assert len(head["parts"]) == -(-size // es.PART_BYTES) >= 4 and head["bytes"] == size
+    assert rec(tmp_path, "bob", setting).revision_snapshot(n) == json.loads(json.dumps(snap))
+    # a second revision with the same files adds no part: they are shared
+    before = store.etcd.range(setting.prefix + "blob/", prefix=True, count_only=True).count
+    deploy(rec(tmp_path, "alice", setting), "12p4d", snapshot=snap)
+    assert store.etcd.range(setting.prefix + "blob/", prefix=True, count_only=True).count == before
+
+
+def test_two_operators_racing_for_the_lock_exactly_one_holds_it(tmp_path, setting):
+    """Eight contenders at once, five rounds: each round exactly one acquires; the rest are refused
+    naming the holder (a compare-and-swap on the lock key, not a read then a write)."""
+    for round_ in range(5):
+        results, barrier = [], threading.Barrier(8)
+
+        def contend(i):
+            r = rec(tmp_path, f"op{i}", setting)
+            lk = r.lock(f"change{i}", say=lambda s: None)
+            barrier.wait()
+            try:
+                lk.acquire()
+                results.append(("held", lk))
+            except Refused as e:
+                results.append(("refused", str(e)))
+
+        threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        held = [x for k, x in results if k == "held"]
+        assert len(results) == 8 and len(held) == 1, results
+        held[0].release()
+
+
+def test_a_holder_whose_lease_expired_writes_nothing_and_the_next_change_reports_it(tmp_path, setting):
+    """A holder that falls silent (no keepalive) loses the lock when its lease ends; its writes, `current`
+    included, are refused; the next operation takes the lock and journals the interrupted one."""
+    r = rec(tmp_path, "alice", setting)
+    n1 = deploy(r)
+    store = EtcdStore("lab", setting)
+    sess = EtcdSession(store, {"operator": "alice", "op_id": "drain-1", "operation": "drain"}, lease_s=2)
+    first = sess.first()
+    assert first["ok"] and first["holder"]["lease"]
+    sess.request({"op": "journal", "line": json.dumps({"op_id": "drain-1", "step": "wait-empty", "status": "running"})})
+    deadline = time.monotonic() + 15
+    while store.etcd.time_to_live(sess.lease) > 0:  # no keepalive: the lease runs out (2 s, etcd's minimum)
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    while store.etcd.range(setting.prefix + "lock").kvs:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    with pytest.raises(Unreachable, match="lost the cluster lock"):
+        sess.request({"op": "set-current", "number": n1 + 5})
+    with pytest.raises(Unreachable, match="lost the cluster lock"):
+        sess.request({"op": "journal", "line": json.dumps({"op_id": "drain-1", "step": "late", "status": "ok"})})
+    bob = rec(tmp_path, "bob", setting)
+    assert bob.current() == n1 and bob.lock_holder()["holder_alive"] is False
+    said = []
+    with bob.lock("deploy", say=said.append) as lk:
+        assert lk.interrupted["op_id"] == "drain-1"
+    assert "did not finish: its last journalled step is 'wait-empty'" in said[0]
+    steps = [s["step"] for s in bob.journal().read("drain-1")]
+    assert steps == ["wait-empty"]  # the late line was never written
+
+
+def test_forced_unlock_revokes_the_lease_and_the_holders_next_write_fails(tmp_path, setting):
+    alice = rec(tmp_path, "alice", setting)
+    lk = alice.lock("drain", say=lambda s: None).acquire()
+    with pytest.raises(InvalidInput, match="--reason"):
+        unlock(rec(tmp_path, "bob", setting), force=True, reason=" ")
+    with pytest.raises(Refused, match="locked by"):
+        unlock(rec(tmp_path, "bob", setting), force=False, reason=None)
+    res = unlock(rec(tmp_path, "bob", setting), force=True, reason="alice's laptop died")
+    assert "revoking its lease" in res["message"]
+    with pytest.raises(Unreachable, match="lost the cluster lock"):
+        alice.set_current(1)
+    lk.release()
+    forced = [r for r in rec(tmp_path, "carol", setting).journal().read(res["op_id"])]
+    assert forced[0]["step"] == "lock.unlock-forced" and forced[0]["evidence"]["reason"] == "alice's laptop died"
+
+
+def test_another_clusters_prefix_or_a_newer_format_is_refused(tmp_path, setting):
+    deploy(rec(tmp_path, "alice", setting))
+    other = SharedRecord("prod-a", tmp_path / "x", EtcdStore("prod-a", setting))
+    with pytest.raises(InvalidInput, match="cluster 'lab'"):
+        other.current()
+    EtcdStore("lab", setting).etcd.txn([], [E.put(setting.prefix + "format", json.dumps({"format": 99, "cluster": "lab"}))])
+    with pytest.raises(Refused, match="newer pdops"):
+        rec(tmp_path, "bob", setting).current()
+
+
+def test_no_member_answering_refuses_changes_and_reads_come_from_the_marked_cache(tmp_path, setting):
+    deploy(rec(tmp_path, "alice", setting))
+    assert rec(tmp_path, "alice", setting).current() == 1  # cached by this read
+    down = EtcdSetting(("http://127.0.0.1:9", "http://127.0.0.2:9"), setting.prefix)
+    with pytest.raises(Unreachable, match="no etcd member answered") as e:
+        rec(tmp_path, "alice", down).lock("drain", say=lambda s: None).acquire()
+    assert e.value.exit_code == 3
+    cached = rec(tmp_path, "alice", down, cached_ok=True)
+    assert cached.current() == 1 and "READ-ONLY CACHED COPY" in cached.cache_banner()
+    assert "etcd" in cached.cache_banner()
