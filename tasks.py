@@ -13,7 +13,7 @@ for t in (bench.bench, bench.sweep, bench.capacity, preflight.preflight, scale.s
           scale.history, scale.diff, state.journal, state.unlock, probe.probe):
     ns.add_task(t)
 ns.add_collection(Collection.from_module(lab), name="lab")
-ns.add_collection(Collection(state.push, state.show), name="state")
+ns.add_collection(Collection(state.push, state.show, state.migrate, state.restore, state.etcd_up), name="state")
 ns.add_collection(Collection.from_module(audit), name="audit")
 ns.add_collection(Collection.from_module(admission), name="admission")
 ns.add_collection(Collection.from_module(prometheus), name="observe")  # the fleet's Prometheus and Grafana files

@@ -31,4 +31,6 @@ OUTPUTS: dict[str, str] = {
              "workers it dropped ({gateway, dropped})",
     "shifted": "the share of new requests (percent) a fenced rollout last gave the new generation's gateway",
     "committed": "a fenced rollout moved the whole front door to the new generation; the old pool drains (True)",
+    "source_record": "the whole record a migration copies: revisions, snapshots, current, journal lines (a dict)",
+    "etcd_running": "the etcd members already running the unit pdops renders (a list of hosts)",
 }

@@ -1,4 +1,5 @@
-"""The shared record and its lock: `inv journal`, `inv unlock`, `inv state.push`, `inv state.show`."""
+"""The shared record and its lock: `inv journal`, `inv unlock`, `inv state.push`, `inv state.show`,
+and where the record lives: `inv state.etcd-up`, `inv state.migrate`, `inv state.restore`."""
 
 from __future__ import annotations
 
@@ -82,15 +83,101 @@ def show(c, inventory=None, json=False):
 
     state = _record(inventory, cached_ok=True)
     state._check_local_record = False
-    doc = {"location": state.location, "current": state.current(), "revisions": state.revision_numbers(),
-           "lock": state.lock_holder(), "cached": state.cached, "cache_file": str(state.cache_file),
+    state.allow_moved = True
+    doc = {"location": state.location, "store": state.store.kind, "current": state.current(),
+           "revisions": state.revision_numbers(), "lock": state.lock_holder(), "moved": state.snapshot().get("moved"),
+           "cached": state.cached, "cache_file": str(state.cache_file),
            "local_record": state.local_record().revision_numbers(), "local_dir": str(state.path)}
     if json:
         print(_json.dumps(doc, indent=2, default=str))
         return
     print(f"record of {state.cluster}: {doc['location']}" + (" (READ-ONLY CACHED COPY)" if doc["cached"] else ""))
+    if doc["moved"]:
+        print(f"  MOVED to {doc['moved'].get('to')} at {doc['moved'].get('at')} by {doc['moved'].get('by')}: set "
+              f"pdops_state.backend: {doc['moved'].get('backend')}")
     print(f"  current: {doc['current']}; revisions: {', '.join(map(str, doc['revisions'])) or 'none'}")
     print(f"  {lock_line(doc['lock'])}")
     print(f"  this machine: {doc['local_dir']} (cache {doc['cache_file']})")
+    if state.cache_error:
+        print(f"  note: {state.cache_error}")
     if doc["local_record"]:
         print(f"  this machine also holds a record of its own (revisions {doc['local_record']}): `inv state.push`")
+
+
+@task(help={"inventory": "inventory dir or file", "to": "etcd, or host (back to the SSH state host)",
+            "dry_run": "say what would be copied; change nothing"})
+@cli_errors
+def migrate(c, inventory=None, to=None, dry_run=False):
+    """Copy the whole record (revisions, snapshots, current, journal) to etcd (or back to the state
+    host), prove the copy by counts and digests, and mark the source as moved. Refused while locked."""
+    from pdops.cli import print_verdict
+    from pdops.errors import InvalidInput
+    from pdops.model.inventory import load_inventory
+    from pdops.ops.record_store import migrate as do_migrate
+
+    if to not in ("etcd", "host"):
+        raise InvalidInput("--to", f"{to!r} is neither etcd nor host", fix="--to etcd (or --to host to move back)")
+    inv = load_inventory(inventory or DEFAULT_INVENTORY)
+    res = do_migrate(inv, to, rec.open_record, dry_run=dry_run)
+    print(res["plan"].render())
+    if dry_run:
+        print(res["message"])
+        return
+    print_verdict(res["message"], res["verdict"])
+
+
+@task(help={"inventory": "inventory dir or file", "from_cache": "rebuild from this machine's cached copy",
+            "dry_run": "print the plan; change nothing"})
+@cli_errors
+def restore(c, inventory=None, from_cache=False, dry_run=False):
+    """Rebuild the record in its (new, empty) store from this machine's cached copy when the state
+    host is lost for good; says what cannot be restored (the journal)."""
+    from pdops.cli import print_verdict
+    from pdops.errors import InvalidInput
+    from pdops.model.inventory import load_inventory
+    from pdops.ops.record_store import restore_from_cache
+
+    if not from_cache:
+        raise InvalidInput("--from-cache", "missing", fix="the one source pdops restores from: --from-cache")
+    inv = load_inventory(inventory or DEFAULT_INVENTORY)
+    res = restore_from_cache(inv, rec.open_record(inv), dry_run=dry_run)
+    print(res["plan"].render())
+    if dry_run:
+        print(res["message"])
+        return
+    print_verdict(res["message"], res["verdict"])
+
+
+@task(help={"inventory": "inventory dir or file", "dry_run": "print the plan; change nothing"})
+@cli_errors
+def etcd_up(c, inventory=None, dry_run=False):
+    """Run the record's etcd on the inventory's pdops_state.etcd.members: render each member's unit,
+    deliver it with Ansible, start the members, check they elect one leader."""
+    from pdops.cli import print_verdict
+    from pdops.errors import Unreachable
+    from pdops.model.inventory import load_inventory
+    from pdops.ops.record_store import etcd_up as do_etcd_up, plan_etcd_up
+    from pdops.record.local import StateDir, local_dir
+    from pdops.remote.hosts import connections
+
+    inv = load_inventory(inventory or DEFAULT_INVENTORY)
+    print(plan_etcd_up(inv).render())
+    if dry_run:
+        return
+    record = rec.open_record(inv)
+    with connections(inv) as conns:
+        try:
+            lock = record.lock("state-etcd-up").acquire()
+        except Unreachable as e:
+            if record.store.kind != "etcd":
+                raise
+            # the record is in the etcd this brings up: no lock can be taken by anyone; journalled here
+            where = StateDir(inv.cluster, local_dir(inv) / "etcd-up")
+            print(f"note: {e.message}; journalled on this machine in {where.path}")
+            res = do_etcd_up(inv, pool=conns["pool"], journal_state=where)
+        else:
+            try:
+                res = do_etcd_up(inv, pool=conns["pool"], journal_state=record)
+            finally:
+                lock.release()
+    print_verdict(f"etcd members of {inv.cluster} up (op {res['op']})", res["verdict"])

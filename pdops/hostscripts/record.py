@@ -11,6 +11,9 @@
 #   lock                         who holds it: operator, machine, operation, op id, since, and the
 #                                holder process here (PID and start time); left behind by a holder
 #                                that never released, it is the evidence of an interrupted operation
+#   moved.json                   {"to", "by", "at", "op_id"}: the record was migrated elsewhere
+#                                (`inv state.migrate`); `hold` refuses, reads still answer
+#   set-aside-<time>/            an older copy moved aside by a migration back into this dir
 #
 #   snapshot --dir D --cluster C [--journal]        the record, read-only (creates nothing)
 #   revision-snapshot --dir D --cluster C --number N  one revision's snapshot.json, read-only
@@ -18,10 +21,12 @@
 #            the journal lines asked for, read-only, filtered here so that only they travel (see
 #            query_journal): one operation's, the last N operations' (read backwards from the end of
 #            the file, however long it is), those containing every S; options combine as AND
-#   hold     --dir D --cluster C --holder JSON --lease S
-#            takes the lock or answers who holds it; then serves JSON requests, one per line on
+#   hold     --dir D --cluster C --holder JSON --lease S [--even-if-moved]
+#            takes the lock (refused when moved.json says the record moved, unless --even-if-moved:
+#            a migration back) or answers who holds it; then serves JSON requests, one per line on
 #            stdin (ping, journal, put-revision, snapshot-of, set-current, snapshot, journal-of,
-#            journal-query {op_id, last_ops, contains}, release) until release, end of input (the
+#            journal-query {op_id, last_ops, contains}, mark-moved {to}, set-aside, release) until
+#            release, end of input (the
 #            operator's session ended: laptop gone, SSH cut, process killed) or S seconds without
 #            a word (lease expired). The kernel frees the flock when this process ends, however it ends.
 #   unlock   --dir D --cluster C --by JSON --reason R --op-id ID
@@ -180,7 +185,7 @@ def snapshot(d, with_journal=False):
     except FileNotFoundError:
         cur = None
     out = {"ok": True, "exists": True, "current": int(cur) if cur and cur.isdigit() else cur, "revisions": revs,
-           "lock": lock_doc(d)}
+           "lock": lock_doc(d), "moved": read_json(os.path.join(d, "moved.json"))}
     if with_journal:
         out["journal"] = journal_lines(d)
     return out
@@ -360,10 +365,29 @@ def read_lines(fd, timeout):
         buf += chunk
 
 
+def set_aside(d):
+    """Move the record's files into set-aside-<time>/ (kept, never deleted): a migration back into
+    a dir that holds an older copy of the same record."""
+    aside = os.path.join(d, "set-aside-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    os.mkdir(aside, 0o700)
+    moved = []
+    for name in ("revisions", "current", "journal.jsonl", "moved.json"):
+        if os.path.lexists(os.path.join(d, name)):
+            os.rename(os.path.join(d, name), os.path.join(aside, name))
+            moved.append(name)
+    fsync_dir(d)
+    return aside, moved
+
+
 def hold(a):
     d = a.dir
     check_dir(d, create=True)
     check_format(d, a.cluster, write=True)
+    moved = read_json(os.path.join(d, "moved.json"))
+    if moved is not None and not a.even_if_moved:
+        reply({"ok": False, "error": "moved", "message": "the record in %s was moved to %s by %s at %s" % (
+            d, moved.get("to"), moved.get("by"), moved.get("at"))})
+        return
     fd = os.open(os.path.join(d, "lock.flock"), os.O_WRONLY | os.O_CREAT, 0o600)
     # The holder takes the flock, then writes who it is: a contender in between would name nobody.
     # So a contender waits (up to 2 s) for a live holder's record, trying the flock again meanwhile
@@ -414,6 +438,12 @@ def hold(a):
                 elif op == "journal-query":
                     reply({"ok": True, "lines": query_journal(d, req.get("op_id"), req.get("last_ops"),
                                                               req.get("contains") or ())})
+                elif op == "mark-moved":
+                    atomic_write(os.path.join(d, "moved.json"), json.dumps(req["doc"], sort_keys=True) + "\n")
+                    reply({"ok": True})
+                elif op == "set-aside":
+                    aside, names = set_aside(d)
+                    reply({"ok": True, "aside": aside, "moved": names})
                 elif op == "release":
                     os.unlink(lock_path)
                     reply({"ok": True, "released": True})
@@ -484,6 +514,7 @@ def main():
         if name == "hold":
             s.add_argument("--holder", required=True)
             s.add_argument("--lease", type=float, default=60.0)
+            s.add_argument("--even-if-moved", action="store_true")
         if name == "unlock":
             s.add_argument("--by", required=True)
             s.add_argument("--reason", required=True)

@@ -286,9 +286,18 @@ class EtcdStore:
                 raise LockLost("the lock's lease expired or was revoked: `current` was not moved")
             raise Unverified(f"{self.location}: no revision {number} to make current")
 
+    def set_aside(self, guard: list[dict]) -> dict:
+        """Delete the record's keys but the lock's and the format (a migration back into a prefix
+        whose copy is older than, and contained in, the record being copied in: checked by the caller)."""
+        p = self.p
+        names = ["current", "rev/", "snap/", "blob/", "journal/", "moved"]
+        ops = [E.delete(p + n, prefix=n.endswith("/")) for n in names]
+        self._guarded(guard, ops)
+        return {"ok": True, "aside": None, "moved": names}
+
     # -- the lock
-    def hold(self, holder: dict, lease_s: float) -> "EtcdSession":
-        return EtcdSession(self, holder, lease_s)
+    def hold(self, holder: dict, lease_s: float, *, even_if_moved: bool = False) -> "EtcdSession":
+        return EtcdSession(self, holder, lease_s, even_if_moved=even_if_moved)
 
     def unlock(self, by: dict, reason: str, op_id: str) -> dict:
         """Revoke the holder's lease (its next write fails; nothing is killed), clear the holder
@@ -331,8 +340,9 @@ class EtcdSession:
     """The lock held in etcd for one operation: a lease kept alive every PING_S seconds, and the
     same requests as the state host's lock session (pdops.record.transport.Session), served here."""
 
-    def __init__(self, store: EtcdStore, holder: dict, lease_s: float):
+    def __init__(self, store: EtcdStore, holder: dict, lease_s: float, *, even_if_moved: bool = False):
         self.store, self.holder, self.lease_s = store, dict(holder), float(lease_s)
+        self.even_if_moved = even_if_moved
         self.where = store.name
         self.broken: str | None = None
         self.lease = 0
@@ -350,7 +360,7 @@ class EtcdSession:
             if bad:
                 return bad
             moved = res.range(3).get(p + "moved")
-            if moved is not None:
+            if moved is not None and not self.even_if_moved:
                 return {"ok": False, "error": "moved", "message": f"the record under {p} was moved: "
                         f"{json.loads(moved.value).get('to')}"}
             lock, prev = res.range(1).get(p + "lock"), res.range(2).get(p + "holder")
@@ -425,6 +435,11 @@ class EtcdSession:
             return st.journal(op_id=doc["op_id"])
         if op == "journal-query":
             return st.journal(op_id=doc.get("op_id"), last_ops=doc.get("last_ops"), tag=doc.get("tag"))
+        if op == "mark-moved":
+            st._guarded(self.guard, [E.put(st.p + "moved", json.dumps(doc["doc"], sort_keys=True))])
+            return {"ok": True}
+        if op == "set-aside":
+            return st.set_aside(self.guard)
         if op == "release":
             p = st.p
             res = st.txn(list(self.guard), [E.delete(p + "lock"), E.delete(p + "holder")], [], lambda: False)

@@ -55,9 +55,11 @@ class HostStore:
             raise ValueError("a journal read names what it reads (op_id, last_ops, tag) or says everything")
         return self.transport.call(self.args("journal", *more))
 
-    def hold(self, holder: dict, lease_s: float) -> Session:
-        """Take the lock: a session whose first answer is the holder and the record, or who holds it."""
-        return self.transport.open_session(self.args("hold", "--holder", json.dumps(holder), "--lease", str(lease_s)))
+    def hold(self, holder: dict, lease_s: float, *, even_if_moved: bool = False) -> Session:
+        """Take the lock: a session whose first answer is the holder and the record, or who holds it.
+        A record marked as moved (`inv state.migrate`) gives no lock unless `even_if_moved`."""
+        return self.transport.open_session(self.args("hold", "--holder", json.dumps(holder), "--lease", str(lease_s),
+                                                     *(["--even-if-moved"] if even_if_moved else [])))
 
     @staticmethod
     def journal_request(*, op_id=None, last_ops=None, tag=None) -> dict:

@@ -65,6 +65,7 @@ class SharedRecord(RecordReads):
         self._session: Session | None = None
         self._check_local_record = True
         self.cache_error: str | None = None
+        self.allow_moved = False  # `inv state.migrate` and `state.show` read a record marked as moved
         weakref.finalize(self, store.close)  # the store's own connection goes with the record
 
     @property
@@ -123,14 +124,31 @@ class SharedRecord(RecordReads):
             raise Unreachable(f"the cluster's record is on {self.location}, and {e.message.rstrip('.')}",
                               fix=f"bring {self.store.name} back; no change runs from this machine's "
                                   "cached copy. Nothing was changed") from None
+        if doc.get("moved") and not self.allow_moved:
+            m = doc["moved"]
+            raise Refused(f"the record of cluster '{self.cluster}' moved from {self.location} to {m.get('to')} "
+                          f"({m.get('at')}, by {m.get('by')}, {m.get('op_id')})",
+                          fix=f"set pdops_state.backend: {m.get('backend')} in the inventory "
+                              "(docs/runbooks/record-to-etcd.md); nothing was changed")
         self._write_cache(doc)
         if self._check_local_record:
             self._check_local(doc)
         return doc
 
     def _write_cache(self, doc: dict) -> None:
-        """Best effort: a machine that cannot keep the copy still reads and changes the record."""
+        """Best effort: a machine that cannot keep the copy still reads and changes the record. A
+        cache holding revisions is never replaced by an empty record (a state host whose disk was
+        replaced): it is what `inv state.restore --from-cache` rebuilds the record from."""
         body = {k: v for k, v in doc.items() if k != "journal"}
+        if not body.get("revisions"):
+            try:
+                old = json.loads(self.cache_file.read_text(encoding="utf-8"))
+                if (old.get("snapshot") or {}).get("revisions"):
+                    self.cache_error = (f"{self.cache_file} kept: it holds revisions, and {self.location} holds none "
+                                        "(`inv state.restore --from-cache` if the record was lost)")
+                    return
+            except (OSError, json.JSONDecodeError):
+                pass
         try:
             d = self.cache_file.parent
             d.mkdir(parents=True, exist_ok=True)
@@ -258,8 +276,10 @@ class SharedRecord(RecordReads):
         return SharedJournal(self)
 
     def lock(self, operation: str, *, op_id: str | None = None, operator: str | None = None,
-             say: Say = print) -> "SharedLock":
-        return SharedLock(self, operation, op_id=op_id, operator=operator, say=say)
+             say: Say = print, migrating: bool = False) -> "SharedLock":
+        """The cluster lock. `migrating` (`inv state.migrate`, `state.restore` only): taken on a
+        record marked as moved, and `lock.held` is journalled by the caller, after its copy."""
+        return SharedLock(self, operation, op_id=op_id, operator=operator, say=say, migrating=migrating)
 
     def close(self) -> None:
         self.store.close()
@@ -308,8 +328,9 @@ class SharedLock:
     """The cluster lock, held by a process on the state host for this operation's life."""
 
     def __init__(self, record: SharedRecord, operation: str, *, op_id: str | None = None,
-                 operator: str | None = None, say: Say = print):
+                 operator: str | None = None, say: Say = print, migrating: bool = False):
         self.record = record
+        self.migrating = migrating
         self.operation = operation
         self.op_id = op_id or new_op_id(operation)
         self.operator = operator or default_operator()
@@ -325,7 +346,7 @@ class SharedLock:
                               "from the cached copy of the record", fix=f"bring {rec.store.name} back; nothing was changed")
         me = {"operator": self.operator, "machine": default_machine(), "operation": self.operation,
               "op_id": self.op_id, "client_pid": os.getpid(), "since": now_iso(), "pdops": __version__}
-        sess = rec.store.hold(me, LEASE_S)
+        sess = rec.store.hold(me, LEASE_S, even_if_moved=self.migrating)
         try:
             first = rec.answer(sess.first())
         except BaseException:
@@ -341,6 +362,9 @@ class SharedLock:
                 raise
         sess.start_heartbeat()
         self.held, self.holder = True, first["holder"]
+        if self.migrating:
+            self.interrupted = first.get("interrupted")
+            return self
         j = rec.journal()
         j.step(self.op_id, "lock.held", "ok", {k: self.holder.get(k) for k in (
             "operator", "machine", "operation", "client_pid", "ssh_client", "state_pid", "since")})

@@ -250,3 +250,100 @@ def test_no_member_answering_refuses_changes_and_reads_come_from_the_marked_cach
     cached = rec(tmp_path, "alice", down, cached_ok=True)
     assert cached.current() == 1 and "READ-ONLY CACHED COPY" in cached.cache_banner()
     assert "etcd" in cached.cache_banner()
+
+
+# ---------------------------------------------------------------- migration and restore
+
+def _opener(tmp_path, setting, who="alice"):
+    """`pdops.record.open_record` for an inventory whose state host is this machine and whose etcd
+    is the module's: `backend` picks the store, as for `inv state.migrate`."""
+    def open_record(inv, *, cached_ok=False, backend=None):
+        store = EtcdStore("lab", setting) if (backend or inv.state.backend) == "etcd" else \
+            HostStore("lab", "localhost", str(tmp_path / "shared"), LocalTransport())
+        return SharedRecord("lab", tmp_path / who, store, cached_ok=cached_ok)
+    return open_record
+
+
+def _inv(tmp_path, setting, backend="host"):
+    from types import SimpleNamespace
+
+    from pdops.model.inventory.model import StateLocation
+
+    return SimpleNamespace(cluster="lab", state=StateLocation("localhost", str(tmp_path / "shared"), backend, setting))
+
+
+def test_migration_to_etcd_and_back_copies_everything_and_marks_the_source(tmp_path, setting):
+    from pdops.ops.record_store import digest, migrate, read_whole
+
+    open_record = _opener(tmp_path, setting)
+    host_inv, etcd_inv = _inv(tmp_path, setting, "host"), _inv(tmp_path, setting, "etcd")
+    deploy(open_record(host_inv), "1p1d", snapshot={"files": [{"host": "lab01", "path": "/x", "content": "a" * 999}]})
+    deploy(open_record(host_inv), "2p1d")
+    before = digest(read_whole(open_record(host_inv)))
+    said = []
+    dry = migrate(host_inv, "etcd", open_record, say=said.append, dry_run=True)
+    assert "would copy 2 revisions (1 snapshots), current 2" in dry["message"] and "now empty" in dry["message"]
+    assert rec(tmp_path, "x", setting).revision_numbers() == []  # a dry run wrote nothing
+    res = migrate(host_inv, "etcd", open_record, say=said.append)
+    copied = res["copied"]
+    same = ("revisions", "revisions_sha256", "snapshots", "snapshots_sha256", "current")
+    assert {k: copied[k] for k in same} == {k: before[k] for k in same}
+    lines = open_record(etcd_inv).journal().records()
+    # the journal as read by the copy: every earlier line, then the migration's own first ones
+    assert len(lines) == copied["journal_lines"] + 2 and {r["op_id"] for r in lines[before["journal_lines"]:]} == {res["op"]}
+    # the source now refuses a lock and names where the record went; etcd serves it
+    with pytest.raises(Refused, match="moved from localhost:.* to etcd"):
+        open_record(host_inv).current()
+    assert open_record(etcd_inv).current() == 2 and open_record(etcd_inv).revision_snapshot(1)["files"][0]["path"] == "/x"
+    ops = operations(open_record(etcd_inv).journal(), last=5)
+    assert ops[-1]["op_id"] == res["op"] and ops[-1]["verdict"] == "no verdict"  # its verdict is in the source
+    deploy(open_record(etcd_inv), "3p1d")  # changes run on etcd now
+    # and back: the state host's older copy is contained in etcd's, so it is set aside (kept), not refused
+    back = migrate(etcd_inv, "host", open_record, say=said.append)
+    assert back["copied"]["revisions"] == 3
+    assert open_record(host_inv).current() == 3 and open_record(host_inv).history()[-1].topology == "3p1d"
+    assert [p.name for p in (tmp_path / "shared").iterdir() if p.name.startswith("set-aside-")]
+    with pytest.raises(Refused, match="moved"):
+        open_record(etcd_inv).lock("drain", say=lambda s: None).acquire()
+
+
+def test_migration_is_refused_while_the_lock_is_held_and_into_a_different_record(tmp_path, setting):
+    from pdops.ops.record_store import migrate
+
+    open_record = _opener(tmp_path, setting)
+    host_inv = _inv(tmp_path, setting, "host")
+    deploy(open_record(host_inv))
+    with open_record(host_inv).lock("drain", say=lambda s: None):
+        with pytest.raises(Refused, match="is locked by"):
+            migrate(host_inv, "etcd", open_record, say=lambda s: None)
+    deploy(rec(tmp_path, "bob", setting), "4p4d")  # etcd holds another record already
+    with pytest.raises(Refused, match="not an earlier copy"):
+        migrate(host_inv, "etcd", open_record, say=lambda s: None)
+    assert open_record(host_inv).current() == 1  # the source is unmarked, still the record
+
+
+def test_restore_from_cache_rebuilds_the_revisions_and_says_the_journal_is_lost(tmp_path, setting):
+    from pdops.ops.record_store import restore_from_cache
+
+    shared = tmp_path / "shared"
+    alice = SharedRecord("lab", tmp_path / "alice", HostStore("lab", "localhost", str(shared), LocalTransport()))
+    deploy(alice, "1p1d")
+    deploy(SharedRecord("lab", tmp_path / "alice", HostStore("lab", "localhost", str(shared), LocalTransport())),
+           "2p1d", snapshot={"files": []})
+    shutil.rmtree(shared)  # the state host's disk is gone
+    new = SharedRecord("lab", tmp_path / "alice", HostStore("lab", "localhost", str(tmp_path / "new"), LocalTransport()))
+    assert new.current() is None  # an empty store: the cache holding revisions is kept, not overwritten
+    assert "kept" in new.cache_error
+    res = restore_from_cache(SimpleInv, SharedRecord("lab", tmp_path / "alice", HostStore(
+        "lab", "localhost", str(tmp_path / "new"), LocalTransport())), say=lambda s: None)
+    assert any("not restored: the journal" in x for x in res["verdict"]["unverified"])
+    after = SharedRecord("lab", tmp_path / "bob", HostStore("lab", "localhost", str(tmp_path / "new"), LocalTransport()))
+    assert after.current() == 2 and after.revision_numbers() == [1, 2] and after.revision_snapshot(2) == {"files": []}
+    assert after.revision_snapshot(1) is None
+    with pytest.raises(Refused, match="holds a record already"):
+        restore_from_cache(SimpleInv, SharedRecord("lab", tmp_path / "alice", HostStore(
+            "lab", "localhost", str(tmp_path / "new"), LocalTransport())), say=lambda s: None)
+
+
+class SimpleInv:
+    cluster = "lab"

@@ -13,12 +13,12 @@ The package, by concern (each module imports only those listed before it):
 """
 
 from pdops.model.inventory.load import load_inventory
-from pdops.model.inventory.model import (MOONCAKE_RPC_PORTS, Gateway, GatewayNode, Host, Inventory, Nic, Ports, Profile, StateLocation, EtcdSetting,
+from pdops.model.inventory.model import (MOONCAKE_RPC_PORTS, Gateway, GatewayNode, Host, Inventory, Nic, Ports, Profile, StateLocation, EtcdSetting, ETCD_CLIENT_PORT, ETCD_PEER_PORT,
                                    max_slots)
 from pdops.model.inventory.parse import load_profile, single_file_doc
 from pdops.model.inventory.read import ANSIBLE_CFG, inventory_files, read_with_ansible, sources_digest
 from pdops.model.inventory.validate import PREFILL_POLICIES, ROUTING_POLICIES
 
 __all__ = ["ANSIBLE_CFG", "MOONCAKE_RPC_PORTS", "PREFILL_POLICIES", "ROUTING_POLICIES", "Gateway", "GatewayNode", "Host", "Inventory",
-           "Nic", "Ports", "Profile", "StateLocation", "EtcdSetting", "inventory_files", "load_inventory", "load_profile", "max_slots",
+           "Nic", "Ports", "Profile", "StateLocation", "EtcdSetting", "ETCD_CLIENT_PORT", "ETCD_PEER_PORT", "inventory_files", "load_inventory", "load_profile", "max_slots",
            "read_with_ansible", "single_file_doc", "sources_digest"]

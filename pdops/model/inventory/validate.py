@@ -200,6 +200,9 @@ def _etcd_setting(val: Any, names: dict, cluster: str) -> EtcdSetting:
     if ("cert" in tls) != ("key" in tls):
         raise InvalidInput("pdops_state.etcd", "a client certificate needs its key (cert and key, or neither)",
                            fix="set both cert: and key:")
+    if tls and members:
+        raise InvalidInput("pdops_state.etcd", "TLS files are set with members: pdops runs its members over plain HTTP",
+                           fix="for TLS, run etcd as your site does and name its client URLs in endpoints:")
     if tls and any(str(e).startswith("http://") for e in endpoints):
         raise InvalidInput("pdops_state.etcd.endpoints", "TLS files are set but an endpoint is http://",
                            fix="use https:// client URLs with TLS")
