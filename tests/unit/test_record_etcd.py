@@ -347,3 +347,49 @@ def test_restore_from_cache_rebuilds_the_revisions_and_says_the_journal_is_lost(
 
 class SimpleInv:
     cluster = "lab"
+
+
+# ---------------------------------------------------------------- the inventory's pdops_state
+
+def _lab_inv(tmp_path, state):
+    import yaml
+
+    from pdops.model.inventory import load_inventory, single_file_doc
+
+    doc = single_file_doc(Path(__file__).resolve().parents[2] / "inventory" / "lab")
+    if state is not None:
+        doc["all"]["vars"]["pdops_state"] = state
+    d = tmp_path / f"inv{next(_n)}"
+    d.mkdir()
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return load_inventory(d)
+
+
+def test_pdops_state_names_etcd_by_members_or_endpoints_and_bad_values_are_refused(tmp_path):
+    inv = _lab_inv(tmp_path, {"backend": "etcd", "etcd": {"members": ["lab01", "lab02", "lab03"]}})
+    assert inv.state.etcd.endpoints == ("http://127.0.10.1:2379", "http://127.0.10.2:2379", "http://127.0.10.3:2379")
+    assert inv.state.etcd.prefix == "/pdops/lab/" and inv.state.backend == "etcd"
+    for state, field, words in [
+        ({"backend": "etcd"}, "pdops_state.etcd", "missing"),
+        ({"backend": "zk"}, "pdops_state.backend", "neither"),
+        ({"etcd": {"members": ["lab01", "lab02"]}}, "pdops_state.etcd.members", "odd number"),
+        ({"etcd": {"members": ["lab01", "lab09", "lab03"]}}, "pdops_state.etcd.members", "'lab09' is not a host"),
+        ({"etcd": {"endpoints": ["etcd1:2379"]}}, "pdops_state.etcd.endpoints", "not a client URL"),
+        ({"etcd": {"endpoints": ["http://e:2379"], "cert": "/c.pem"}}, "pdops_state.etcd", "needs its key"),
+        ({"etcd": {"endpoints": ["http://e:2379"], "cert": "/c", "key": "/k"}}, "pdops_state.etcd.endpoints", "http://"),
+        ({"etcd": {"members": ["lab01", "lab02", "lab03"], "ca": "/ca"}}, "pdops_state.etcd", "plain HTTP"),
+        ({"etcd": {"endpoints": ["https://e:2379"], "prefix": "pdops"}}, "pdops_state.etcd.prefix", "key prefix"),
+        ({"etcd": {"endpoint": ["https://e:2379"]}}, "pdops_state.etcd", "unknown key"),
+    ]:
+        with pytest.raises(InvalidInput) as e:
+            _lab_inv(tmp_path, state)
+        assert e.value.field == field and words in str(e.value), (state, str(e.value))
+
+
+def test_where_the_record_lives_is_not_part_of_the_inventorys_digest(tmp_path):
+    """Moving the record (another backend, another state host) changes no revision's inventory; a
+    revision recorded before, with pdops_state in its digest, still matches."""
+    host = _lab_inv(tmp_path, {"host": "lab01"})
+    moved = _lab_inv(tmp_path, {"host": "lab02", "backend": "etcd", "etcd": {"members": ["lab01", "lab02", "lab03"]}})
+    assert host.digest == moved.digest and host.legacy_digest != moved.legacy_digest
+    assert moved.matches(host.digest) and host.matches(host.legacy_digest) and not moved.matches(host.legacy_digest)

@@ -220,6 +220,7 @@ class Inventory:
     # runs any executable file in an inventory directory as a dynamic inventory script.
     files: tuple[Path, ...] = ()
     vars: dict = field(default_factory=dict, compare=False, repr=False)
+    legacy_digest: str = ""  # the digest with pdops_state, as records made before it could move hold: `matches`
     # engine sim only: {instance id: PDOPS_SIM_FAULTS value} (docs/sim.md), for lab tests
     sim_faults: dict = field(default_factory=dict, compare=False)
     # {instance id: ((flag, value or None), ...)}: SGLang flags that replace or add to the profile's
@@ -231,6 +232,11 @@ class Inventory:
     prometheus: Any = field(default=None, compare=False, repr=False)
     # where the shared record and lock live (`pdops_state`); None only for inventories built by hand
     state: StateLocation | None = field(default=None, compare=False)
+
+    def matches(self, inventory_hash: str) -> bool:
+        """This inventory is the one a revision recorded (`inventory_hash`): its digest, or, for a
+        revision recorded before the record's location left the digest, the digest with it."""
+        return inventory_hash in (self.digest, self.legacy_digest)
 
     def reserved_port_ranges(self) -> dict[str, range]:
         """The port ranges instance slots take on every host (the port plan), by the setting that owns them."""

@@ -80,12 +80,22 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise InvalidInput(k, f"{v!r} must be a positive number of seconds", fix=f"e.g. {k}: 60")
     sim_faults = _sim_faults(all_vars.get("pdops_sim_faults"), engine)
-    canonical = json.dumps({"vars": all_vars, "hosts": hostvars}, sort_keys=True, default=str)
-    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    def digest_of(vars_: dict, hosts_: dict) -> str:
+        return hashlib.sha256(json.dumps({"vars": vars_, "hosts": hosts_}, sort_keys=True, default=str)
+                              .encode()).hexdigest()
+
+    # where the record lives is not what the cluster runs: moving it (inv state.migrate, a new state
+    # host) changes no revision's inventory. Records written before it could move hold the digest with it.
+    def unrecorded(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in RECORD_VARS}
+
+    digest = digest_of(unrecorded(all_vars), {h: unrecorded(v) for h, v in hostvars.items()})
+    legacy_digest = digest_of(all_vars, hostvars)
     inv = Inventory(
         cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
         engine_python=resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
         virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
+        legacy_digest=legacy_digest,
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
         vars=all_vars, sim_faults=sim_faults, state=state,
     )
@@ -150,6 +160,8 @@ def _state_location(val: Any, names: dict, gw_host: str, cluster: str) -> StateL
                            fix="e.g. etcd: {endpoints: [https://etcd1:2379, ...], ca: ..., cert: ..., key: ...}")
     return StateLocation(host, d.rstrip("/"), backend, etcd)
 
+
+RECORD_VARS = ("pdops_state", "pdops_state_dir")  # where the record is kept: not in the inventory's digest
 
 _ETCD_KEYS = {"endpoints", "members", "prefix", "ca", "cert", "key"}
 _ETCD_FIX = "e.g. etcd: {endpoints: [https://10.0.0.5:2379, https://10.0.0.6:2379, https://10.0.0.7:2379]}"

@@ -159,7 +159,7 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
                        "stream": True, "timeout_s": timeout, "retries": 0},
         "gateway": inv.gateway.first.url, "versions": _versions(inv), "load_client": "pdops.remote.load",
         "inventory_digest": inv.digest,
-        "inventory_matches_revision": inv.digest == rev.inventory_hash,
+        "inventory_matches_revision": inv.matches(rev.inventory_hash),
         "routing": "not resolved (hook resolve_routing not wired)" if resolve_routing is None else "resolved",
     }
     what = f"{n_req} requests" if n_req is not None else f"{dur:g} s"

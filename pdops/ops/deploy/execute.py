@@ -211,7 +211,7 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
             instances[inst.id]["worker_id"] = workers[inst.id]
     # the inventory this deploy ran with renders the live files (plan_deploy compared them): it is the
     # revision's inventory from now on, with its snapshot when it is not the recorded one
-    same_inventory = ctx.inv.digest == live.inventory_hash
+    same_inventory = ctx.inv.matches(live.inventory_hash)
     rev = ctx.state.write_revision(topology=live.topology, inventory_hash=ctx.inv.digest,
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,

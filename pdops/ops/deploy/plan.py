@@ -148,7 +148,7 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     Nothing to repair or record: a no-op whose message names what was observed."""
     inv, rev, pl = plan.inv, plan.live, plan.placement
     findings = obs.findings()
-    if rev.inventory_hash != inv.digest:
+    if not inv.matches(rev.inventory_hash):
         findings.append(f"the inventory on disk (digest {inv.digest[:12]}) is not revision {rev.number}'s "
                         f"({rev.inventory_hash[:12]}) but renders the same files: recorded with it")
     if not findings:
@@ -194,7 +194,7 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
     steps.append(verify_running_step(pl, inv, plan.files))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
-                      "and topology" + ("; the inventory on disk" if rev.inventory_hash != inv.digest else "")
+                      "and topology" + ("; the inventory on disk" if not inv.matches(rev.inventory_hash) else "")
                       + "); move `current` to it", kind="record-repair",
                       params={"live": rev, "placement": pl, "files": plan.files, "findings": findings}))
     return replace(plan, steps=steps, findings=findings)

@@ -52,7 +52,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     rev = state.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to drain", fix="deploy first (inv deploy)")
-    if rev.inventory_hash != inv.digest:
+    if not inv.matches(rev.inventory_hash):
         raise Refused(f"the inventory changed since revision {rev.number} was deployed "
                       f"(digest {rev.inventory_hash[:12]} -> {inv.digest[:12]})",
                       fix=f"use the inventory of the running revision, or apply this one first: `inv deploy --topology "

@@ -299,7 +299,7 @@ def file_changes(old: dict, new: dict) -> list[str]:
 
 
 def refuse_changed_inventory(inv: Inventory, cur: Revision) -> None:
-    if cur.inventory_hash != inv.digest:
+    if not inv.matches(cur.inventory_hash):
         raise Refused(f"the inventory changed since revision {cur.number} was deployed "
                       f"(digest {cur.inventory_hash[:12]} -> {inv.digest[:12]})",
                       fix=f"restore the inventory of the running revision, or apply this one first: `inv deploy "

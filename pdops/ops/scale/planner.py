@@ -436,7 +436,7 @@ def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capac
 def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[str]:
     """What changed since `tgt` that makes returning to it unsafe (empty: the conditions hold)."""
     changed: list[str] = []
-    if tgt.inventory_hash != inv.digest:
+    if not inv.matches(tgt.inventory_hash):
         changed.append(f"inventory digest {tgt.inventory_hash[:12]} at revision {tgt.number}, "
                        f"{inv.digest[:12]} now")
     tgt_pl = Placement.from_dict(tgt.placement)
