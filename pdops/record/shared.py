@@ -311,8 +311,8 @@ class SharedJournal(Journal):
         return rec.answer(rec.store.journal(**what)).get("lines", [])
 
     def _lines(self) -> list[str]:
-        return self._query(everything=True) if self.record._session is None else \
-            self.record.answer(self.record.store.journal(everything=True)).get("lines", [])
+        """Every line (`inv state.migrate`, `state.push`): read outside the lock's session."""
+        return self.record.answer(self.record.store.journal(everything=True)).get("lines", [])
 
     def read(self, op_id: str) -> list[dict]:
         return [r for r in parse_lines(self._query(op_id=op_id)) if r.get("op_id") == op_id]

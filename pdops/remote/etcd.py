@@ -1,7 +1,7 @@
 """A small client of etcd's v3 JSON gateway (the HTTP API every etcd 3.4+ member serves on its
 client URL), over the standard library: ranges, puts, transactions, leases, member status.
 
-Why not a client library (docs/design/record.md, "The etcd client"): ``etcd3`` needs a gRPC build;
+Why not a client library (docs/state.md, "The etcd client"): ``etcd3`` needs a gRPC build;
 ``etcd3gw`` 2.7 speaks the same gateway but to one endpoint only (no failover between members,
 which is the point of running three), pulls ``requests``, ``futurist`` and ``pbr``, and leaves
 transactions as raw dicts anyway. What pdops uses is eight calls of one documented API.
