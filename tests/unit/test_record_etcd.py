@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pdops.errors import InvalidInput, Refused, Unreachable
+from pdops.errors import InvalidInput, Refused, Unreachable, Unverified
 from pdops.model.inventory.model import EtcdSetting
 from pdops.record import HostStore, LocalTransport, SharedRecord, operations, unlock
 from pdops.record.etcdstore import EtcdSession, EtcdStore
@@ -393,3 +393,25 @@ def test_where_the_record_lives_is_not_part_of_the_inventorys_digest(tmp_path):
     moved = _lab_inv(tmp_path, {"host": "lab02", "backend": "etcd", "etcd": {"members": ["lab01", "lab02", "lab03"]}})
     assert host.digest == moved.digest and host.legacy_digest != moved.legacy_digest
     assert moved.matches(host.digest) and host.matches(host.legacy_digest) and not moved.matches(host.legacy_digest)
+
+
+def test_a_copy_that_does_not_read_back_equal_is_not_a_migration(tmp_path, setting, monkeypatch):
+    """The copy is proved by reading it back: one that lost a revision on the way fails the migration,
+    and the source stays the record, unmarked."""
+    import pdops.ops.record_store as rs
+
+    open_record = _opener(tmp_path, setting)
+    host_inv = _inv(tmp_path, setting, "host")
+    deploy(open_record(host_inv))
+    deploy(open_record(host_inv), "2p1d")
+    real = rs.copy_into
+
+    def lossy(session, whole, numbers=None):  # a copy that drops the newest revision
+        short = dict(whole, revisions={n: d for n, d in whole["revisions"].items() if n != max(whole["revisions"])},
+                     current=None)
+        real(session, short, numbers)
+
+    monkeypatch.setattr(rs, "copy_into", lossy)
+    with pytest.raises(Unverified, match="differs from the source's record; the source is not marked"):
+        rs.migrate(host_inv, "etcd", open_record, say=lambda s: None)
+    assert open_record(host_inv).current() == 2  # not moved: still the record
