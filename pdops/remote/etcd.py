@@ -20,6 +20,7 @@ import http.client
 import json
 import socket
 import ssl
+import threading
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -177,6 +178,8 @@ class Etcd:
             if cert:
                 self._ssl.load_cert_chain(cert, key)
         self._conns: dict[str, http.client.HTTPConnection] = {}
+        # one request at a time: an operation's thread and its lease keepalive share the connections
+        self._busy = threading.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -201,6 +204,10 @@ class Etcd:
 
     def call(self, path: str, body: dict, *, write: bool) -> dict:
         """POST `body` to /v3/`path` on the first member that answers; its decoded answer."""
+        with self._busy:
+            return self._call(path, body, write=write)
+
+    def _call(self, path: str, body: dict, *, write: bool) -> dict:
         errors = []
         n = len(self.endpoints)
         for i in range(n):
@@ -288,7 +295,7 @@ class Etcd:
     def status(self, endpoint: str) -> dict:
         """One member's own status (version, leader, db size), asked of that member only."""
         one = Etcd([endpoint], timeout=self.timeout)
-        one._ssl, one._conns = self._ssl, {}
+        one._ssl = self._ssl
         try:
             return one.call("maintenance/status", {}, write=False)
         finally:
