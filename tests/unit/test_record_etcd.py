@@ -414,3 +414,55 @@ def test_a_copy_that_does_not_read_back_equal_is_not_a_migration(tmp_path, setti
     with pytest.raises(Unverified, match="differs from the source's record; the source is not marked"):
         rs.migrate(host_inv, "etcd", open_record, say=lambda s: None)
     assert open_record(host_inv).current() == 2  # not moved: still the record
+
+
+def _certs(d: Path) -> dict:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=pdops-test-ca")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for name in ("server", "client"):
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN=pdops-{name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
+    return {k: str(d / v) for k, v in (("ca", "ca.pem"), ("cert", "client.pem"), ("key", "client.key"))}
+
+
+def test_tls_with_a_client_certificate_reads_and_locks_and_refuses_without_one(tmp_path):
+    """An etcd that asks for client certificates (--client-cert-auth): the record is read and locked
+    with the inventory's ca/cert/key; without a client certificate, no member answers."""
+    certs = _certs(tmp_path)
+    client, peer = _free_port(), _free_port()
+    url = f"https://127.0.0.1:{client}"
+    log = open(tmp_path / "etcd.log", "w")
+    proc = subprocess.Popen([ETCD, "--name", "tls", "--data-dir", str(tmp_path / "data"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"tls=http://127.0.0.1:{peer}", "--cert-file",
+                             str(tmp_path / "server.pem"), "--key-file", str(tmp_path / "server.key"),
+                             "--client-cert-auth", "--trusted-ca-file", certs["ca"]],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        s = EtcdSetting((url,), "/pdops/tls/", ca=certs["ca"], cert=certs["cert"], key=certs["key"])
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if E.Etcd([url], ca=s.ca, cert=s.cert, key=s.key, timeout=1.0).status(url).get("leader"):
+                    break
+            except Unreachable:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()[-2000:]
+            time.sleep(0.1)
+        assert deploy(rec(tmp_path, "alice", s)) == 1
+        assert rec(tmp_path, "bob", s).current() == 1
+        no_cert = EtcdSetting((url,), "/pdops/tls/", ca=certs["ca"])
+        with pytest.raises(Unreachable, match="no etcd member answered"):
+            rec(tmp_path, "carol", no_cert).current()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        log.close()
