@@ -39,6 +39,8 @@ from pdops.remote import etcd as E
 FORMAT = 1
 PART_BYTES = 512 * 1024  # < etcd's 1.5 MiB request limit once base64'd, with room for the rest
 MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+TXN_BYTES = 1024 * 1024  # values per transaction, under etcd's default --max-request-bytes of 1.5 MiB
+REF = "ref:"  # an operation's or a tag's copy of a line too big to copy: the key of the line itself
 RETRY_S = 20.0  # a write whose member died is sent again for this long (a new leader takes ~1-3 s)
 PAGE = 1000
 
@@ -135,10 +137,23 @@ class EtcdStore:
         end = E.prefix_end(key)
         while True:
             r = self.etcd.range(start, end=end, limit=PAGE)
-            out += [kv.value.decode("utf-8") for kv in r.kvs]
+            out += self._resolve([kv.value.decode("utf-8") for kv in r.kvs])
             if not r.more or not r.kvs:
                 return out
             start = r.kvs[-1].key + "\0"
+
+    def _resolve(self, values: list[str]) -> list[str]:
+        """Lines, with each copy stored as a reference (a line too big to copy) read from its key."""
+        refs = [v[len(REF):] for v in values if v.startswith(REF)]
+        if not refs:
+            return values
+        got = {}
+        for i in range(0, len(refs), MAX_TXN_OPS):
+            res = self.etcd.read(*(E.get(k) for k in refs[i:i + MAX_TXN_OPS]))
+            for j, k in enumerate(refs[i:i + MAX_TXN_OPS]):
+                kv = res.range(j).get(k)
+                got[k] = kv.value.decode("utf-8") if kv else "{}"
+        return [got[v[len(REF):]] if v.startswith(REF) else v for v in values]
 
     def journal(self, *, op_id: str | None = None, last_ops: int | None = None, tag: str | None = None,
                 everything: bool = False) -> dict:
@@ -157,7 +172,7 @@ class EtcdStore:
             for i in range(0, len(ids), MAX_TXN_OPS):
                 res = self.etcd.read(*(E.get(p + f"op/{x}/", prefix=True) for x in ids[i:i + MAX_TXN_OPS]))
                 for j in range(len(ids[i:i + MAX_TXN_OPS])):
-                    lines += [kv.value.decode("utf-8") for kv in res.range(j).kvs]
+                    lines += self._resolve([kv.value.decode("utf-8") for kv in res.range(j).kvs])
             return {"ok": True, "lines": lines}
         if not everything:
             raise ValueError("a journal read names what it reads (op_id, last_ops, tag) or says everything")
@@ -204,16 +219,26 @@ class EtcdStore:
             compare = [*guard, E.cmp_modified(p + "n", n_kv.mod_revision if n_kv else 0),
                        E.cmp_modified(p + "ops", ops_kv.mod_revision if ops_kv else 0)]
             ops: list[dict] = []
-            taken = 0
+            taken = size = 0
             for line, rec in zip(todo, recs):
                 o = rec.get("op_id") or "-"
-                mine = [E.put(p + "line/" + _seq(n + 1), line), E.put(p + f"op/{o}/" + _seq(n + 1), line)]
-                mine += [E.put(p + f"tag/{t}/" + _seq(n + 1), line) for t in journal_tags(rec)]
+                tags = journal_tags(rec)
+                size_of = len(line.encode("utf-8"))
+                if size_of > TXN_BYTES:
+                    raise Unverified(f"a journal line of {size_of} bytes ({rec.get('step')}) is over what one etcd "
+                                     f"request carries ({TXN_BYTES} bytes): not written",
+                                     fix="a pdops bug to report (its evidence should be smaller)")
+                key = p + "line/" + _seq(n + 1)
+                copy = line if size_of * (2 + len(tags)) <= TXN_BYTES // 2 else REF + key  # big: copies refer to it
+                mine = [E.put(key, line), E.put(p + f"op/{o}/" + _seq(n + 1), copy)]
+                mine += [E.put(p + f"tag/{t}/" + _seq(n + 1), copy) for t in tags]
+                mine_size = size_of + len(copy) * (1 + len(tags))
                 new_op = o not in known
                 if new_op:
                     mine += [E.put(p + f"opn/{o}", str(nops + 1)), E.put(p + "ord/" + _seq(nops + 1), o)]
-                if ops and len(ops) + len(mine) + 2 + len(compare) > MAX_TXN_OPS:
+                if ops and (len(ops) + len(mine) + 2 + len(compare) > MAX_TXN_OPS or size + mine_size > TXN_BYTES):
                     break
+                size += mine_size
                 if new_op:
                     compare.append(E.cmp_created(p + f"opn/{o}", 0))
                     known.add(o)

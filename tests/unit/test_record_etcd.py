@@ -466,3 +466,20 @@ def test_tls_with_a_client_certificate_reads_and_locks_and_refuses_without_one(t
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
         log.close()
+
+
+def test_journal_lines_too_big_to_batch_or_to_copy_are_written_within_etcds_request_limit(tmp_path, setting):
+    """etcd refuses a request over 1.5 MiB: 500 lines of 40 KB go in several transactions, and a line
+    of 700 KiB is written once, its operation's and tag's copies referring to it."""
+    r = rec(tmp_path, "alice", setting)
+    with r.lock("drain", say=lambda s: None) as lk:
+        lines = [json.dumps({"op_id": lk.op_id, "step": f"s{i}", "status": "ok", "evidence": {"x": "y" * 40_000}},
+                            sort_keys=True) for i in range(500)]
+        r._session.request({"op": "journal", "lines": lines})
+        r.journal().step(lk.op_id, "big", "ok", {"instance": "p01", "survivors": [], "x": "z" * 700_000})
+    j = rec(tmp_path, "bob", setting).journal()
+    steps = j.read(lk.op_id)
+    assert [s["step"] for s in steps] == ["lock.held"] + [f"s{i}" for i in range(500)] + ["big"]
+    assert len(steps[-1]["evidence"]["x"]) == 700_000
+    assert [s["step"] for s in j.tagged("stop:p01")] == ["big"]
+    assert len(j.last_operations(1)) == 502
