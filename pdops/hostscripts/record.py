@@ -405,6 +405,11 @@ def hold(a):
             reply({"ok": False, "error": "locked", "holder": holder})
             return
         time.sleep(0.05)
+    moved = read_json(os.path.join(d, "moved.json"))  # again, under the flock: a migration may just have marked it
+    if moved is not None and not a.even_if_moved:
+        reply({"ok": False, "error": "moved", "message": "the record in %s was moved to %s by %s at %s" % (
+            d, moved.get("to"), moved.get("by"), moved.get("at"))})
+        return
     lock_path = os.path.join(d, "lock")
     previous = read_json(lock_path)  # we hold the flock: whoever wrote it is gone without releasing
     me = dict(json.loads(a.holder))

@@ -74,10 +74,12 @@ def copy_into(session, whole: dict, numbers: list[int] | None = None) -> None:
 def plan_migrate(inv, to: str, source, target) -> Plan:
     steps = [
         Step("read-source", None, f"read every revision, its rollback snapshot, `current` and every journal line "
-             f"from {source.location}", None, kind="record-read", params={"record": source}),
-        Step("check-target", None, f"{target.location} holds no record, or an earlier copy of this one (every "
-             "revision the same, its journal a prefix): that copy is set aside (kept on a state host, its keys "
-             "deleted in etcd); anything else is refused", 120, kind="record-check-target",
+             f"from {source.location}" + ("; a line over what one etcd request carries is refused" if to == "etcd" else ""),
+             None, kind="record-read", params={"record": source, "etcd": to == "etcd"}),
+        Step("check-target", None, f"{target.location} holds no record, or an earlier copy of this one (each of its "
+             "revisions the same in the source, its current one of them): that copy is set aside (kept on a state "
+             "host, its keys deleted in etcd; journal lines only it holds are counted in this step's evidence); "
+             "anything else is refused", 120, kind="record-check-target",
              params={"record": target}),
         Step("copy", None, f"write the revisions (with snapshots), `current` and the journal lines to {target.location}, "
              "under its lock", None, kind="record-copy", params={"record": target}),
@@ -95,8 +97,21 @@ def plan_migrate(inv, to: str, source, target) -> Plan:
                 head={"from": source.location, "to": target.location, "backend": to})
 
 
+def too_big(whole: dict) -> list[str]:
+    """Journal lines etcd cannot take (one request carries at most TXN_BYTES of values)."""
+    from pdops.record.etcdstore import TXN_BYTES
+
+    return [ln for ln in whole["journal"] if len(ln.encode("utf-8")) > TXN_BYTES]
+
+
 def do_record_read(ctx: RunContext, step: Step) -> Outcome:
     whole = read_whole(step.params["record"])
+    big = too_big(whole) if step.params.get("etcd") else []
+    if big:
+        raise Refused(f"{len(big)} journal line(s) of {step.params['record'].location} are larger than one etcd "
+                      f"request carries (the largest {max(len(x) for x in big)} bytes): nothing was copied",
+                      fix="keep the record on the state host; report the operation that wrote them (a pdops bug)",
+                      evidence="\n".join(x[:300] for x in big[:3]))
     ctx.give(step, "source_record", whole)
     d = digest(whole)
     ctx.say(f"  source: {d['revisions']} revisions ({d['snapshots']} with snapshots), current {d['current']}, "
@@ -115,11 +130,14 @@ def do_record_check_target(ctx: RunContext, step: Step) -> Outcome:
                           "Nothing was changed",
                       evidence=json.dumps({"target": digest(there), "source": digest(src)}, indent=2))
     ans = target._session.request({"op": "set-aside"})
-    extra = [ln for ln in there["journal"] if ln not in set(src["journal"])]
+    known = set(src["journal"])
+    extra = [ln for ln in there["journal"] if ln not in known]
     ctx.say(f"  set aside the earlier copy in {target.location}: {ans.get('aside') or 'its keys deleted'}"
             + (f" ({len(extra)} of its journal lines are not in the source)" if extra else ""))
+    ops_only = sorted({r.get("op_id") for r in parse_lines(extra)} - {None})
     return Outcome(evidence={"earlier_copy": digest(there), "set_aside": ans.get("aside"), "moved": ans.get("moved"),
-                             "lines_only_in_earlier_copy": extra[-50:]},
+                             "lines_only_in_earlier_copy": len(extra), "their_operations": ops_only[:50],
+                             "their_sha256": hashlib.sha256("\n".join(extra).encode()).hexdigest()},
                    verified=[f"{target.location}'s earlier copy is contained in the source's record"])
 
 
@@ -173,6 +191,10 @@ def migrate(inv, to: str, open_record, say: Say = print, *, dry_run: bool = Fals
         if src["moved"]:
             raise Refused(f"{source.location} was moved already: {src['moved']}", fix="nothing to migrate")
         d = digest(src)
+        big = too_big(src) if to == "etcd" else []
+        if big:
+            raise Refused(f"{len(big)} journal line(s) of {source.location} are larger than one etcd request carries: "
+                          "the migration would be refused", fix="keep the record on the state host; nothing was changed")
         fate = ("empty" if not there["revisions"] and not there["journal"] else
                 "an earlier copy of this record: it would be set aside" if contained(there, src) else
                 "a different record: the migration would be refused")
@@ -211,6 +233,9 @@ def read_cache(record) -> dict:
         raise Refused(f"this machine has no cached copy of {record.cluster}'s record ({record.cache_file})",
                       fix="run this on an operator machine that read the record before it was lost "
                           "(`inv state.show` there names its cache); nothing was changed") from None
+    if doc.get("cluster", record.cluster) != record.cluster:
+        raise Refused(f"the cached copy in {record.cache_file} is cluster {doc.get('cluster')!r}'s, not "
+                      f"{record.cluster!r}'s", fix="run this with the inventory of that cluster; nothing was changed")
     snap = doc.get("snapshot") or {}
     revs = {int(n): d for n, d in (snap.get("revisions") or {}).items()}
     kept = None
@@ -291,7 +316,7 @@ def restore_from_cache(inv, record, say: Say = print, *, dry_run: bool = False) 
     if dry_run:
         return {"plan": plan, "message": "nothing was changed"}
     op = new_op_id("state-restore")
-    with record.lock("state-restore", op_id=op, say=say):
+    with record.lock("state-restore", op_id=op, say=say, restoring=True):
         ctx = RunContext(inv, record, op, say)
         try:
             verdict = walk(plan, ctx)

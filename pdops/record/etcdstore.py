@@ -30,6 +30,7 @@ import hashlib
 import json
 import threading
 import time
+import urllib.parse
 
 from pdops.errors import PdopsError, Unreachable, Unverified
 from pdops.record.local import journal_tags, now_iso
@@ -43,6 +44,11 @@ TXN_BYTES = 1024 * 1024  # values per transaction, under etcd's default --max-re
 REF = "ref:"  # an operation's or a tag's copy of a line too big to copy: the key of the line itself
 RETRY_S = 20.0  # a write whose member died is sent again for this long (a new leader takes ~1-3 s)
 PAGE = 1000
+
+
+def _seg(name: str) -> str:
+    """An op id or a tag as one key segment (a "/" in it would reach into another's keys)."""
+    return urllib.parse.quote(str(name), safe=":")
 
 
 def _seq(n: int) -> str:
@@ -159,9 +165,9 @@ class EtcdStore:
                 everything: bool = False) -> dict:
         p = self.p + "journal/"
         if op_id is not None:
-            return {"ok": True, "lines": self._lines_under(p + f"op/{op_id}/")}
+            return {"ok": True, "lines": self._lines_under(p + f"op/{_seg(op_id)}/")}
         if tag is not None:
-            return {"ok": True, "lines": self._lines_under(p + f"tag/{tag}/")}
+            return {"ok": True, "lines": self._lines_under(p + f"tag/{_seg(tag)}/")}
         if last_ops is not None:
             ops = self.etcd.range(p + "ops").get(p + "ops")
             total = int(ops.text) if ops else 0
@@ -170,7 +176,7 @@ class EtcdStore:
             ids = [kv.text for kv in ords]
             lines: list[str] = []
             for i in range(0, len(ids), MAX_TXN_OPS):
-                res = self.etcd.read(*(E.get(p + f"op/{x}/", prefix=True) for x in ids[i:i + MAX_TXN_OPS]))
+                res = self.etcd.read(*(E.get(p + f"op/{_seg(x)}/", prefix=True) for x in ids[i:i + MAX_TXN_OPS]))
                 for j in range(len(ids[i:i + MAX_TXN_OPS])):
                     lines += self._resolve([kv.value.decode("utf-8") for kv in res.range(j).kvs])
             return {"ok": True, "lines": lines}
@@ -188,19 +194,28 @@ class EtcdStore:
         died or lost its leader mid-request), `applied()` reads whether it took effect, and if not it
         is sent again, to another member, until RETRY_S have passed."""
         deadline = time.monotonic() + RETRY_S
+        unsure = False  # an earlier send may have been committed
         while True:
+            if unsure:
+                try:
+                    if applied():
+                        return E.TxnResult(True, 0, [])
+                except E.EtcdUnavailable:  # read again, never write without knowing
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+                    continue
             try:
-                return self.etcd.txn(compare, ops, failure)
+                res = self.etcd.txn(compare, ops, failure)
             except E.EtcdUnavailable as e:
                 if time.monotonic() > deadline:
                     raise
+                unsure = unsure or e.maybe_applied
                 time.sleep(0.2)
-                if e.maybe_applied:
-                    try:
-                        if applied():
-                            return E.TxnResult(True, 0, [])
-                    except E.EtcdUnavailable:
-                        continue
+                continue
+            if not res.succeeded and unsure and applied():
+                return E.TxnResult(True, 0, [])  # its compare failed on our own earlier, committed send
+            return res
 
     def append_journal(self, lines: list[str], guard: list[dict]) -> None:
         """Append `lines` in order, in transactions that also check `guard` (the lock, for an
@@ -211,11 +226,11 @@ class EtcdStore:
         while todo:
             recs = [json.loads(x) for x in todo]
             op_ids = list(dict.fromkeys(r.get("op_id") or "-" for r in recs))
-            res = self.etcd.read(E.get(p + "n"), E.get(p + "ops"), *(E.get(p + f"opn/{o}") for o in op_ids))
+            res = self.etcd.read(E.get(p + "n"), E.get(p + "ops"), *(E.get(p + f"opn/{_seg(o)}") for o in op_ids))
             n_kv, ops_kv = res.range(0).get(p + "n"), res.range(1).get(p + "ops")
             n, nops = (int(n_kv.text) if n_kv else 0), (int(ops_kv.text) if ops_kv else 0)
             first = n + 1
-            known = {o for i, o in enumerate(op_ids) if res.range(2 + i).get(p + f"opn/{o}") is not None}
+            known = {o for i, o in enumerate(op_ids) if res.range(2 + i).get(p + f"opn/{_seg(o)}") is not None}
             compare = [*guard, E.cmp_modified(p + "n", n_kv.mod_revision if n_kv else 0),
                        E.cmp_modified(p + "ops", ops_kv.mod_revision if ops_kv else 0)]
             ops: list[dict] = []
@@ -230,17 +245,17 @@ class EtcdStore:
                                      fix="a pdops bug to report (its evidence should be smaller)")
                 key = p + "line/" + _seq(n + 1)
                 copy = line if size_of * (2 + len(tags)) <= TXN_BYTES // 2 else REF + key  # big: copies refer to it
-                mine = [E.put(key, line), E.put(p + f"op/{o}/" + _seq(n + 1), copy)]
-                mine += [E.put(p + f"tag/{t}/" + _seq(n + 1), copy) for t in tags]
+                mine = [E.put(key, line), E.put(p + f"op/{_seg(o)}/" + _seq(n + 1), copy)]
+                mine += [E.put(p + f"tag/{_seg(t)}/" + _seq(n + 1), copy) for t in tags]
                 mine_size = size_of + len(copy) * (1 + len(tags))
                 new_op = o not in known
                 if new_op:
-                    mine += [E.put(p + f"opn/{o}", str(nops + 1)), E.put(p + "ord/" + _seq(nops + 1), o)]
+                    mine += [E.put(p + f"opn/{_seg(o)}", str(nops + 1)), E.put(p + "ord/" + _seq(nops + 1), o)]
                 if ops and (len(ops) + len(mine) + 2 + len(compare) > MAX_TXN_OPS or size + mine_size > TXN_BYTES):
                     break
                 size += mine_size
                 if new_op:
-                    compare.append(E.cmp_created(p + f"opn/{o}", 0))
+                    compare.append(E.cmp_created(p + f"opn/{_seg(o)}", 0))
                     known.add(o)
                     nops += 1
                 ops += mine
@@ -338,7 +353,13 @@ class EtcdStore:
         if lock is not None and lock.lease:
             if self.etcd.revoke(lock.lease):
                 ended = {"lease": lock.lease}
-        self.etcd.txn([], [E.delete(p + "holder"), E.delete(p + "lock")])
+        # only what was read: a next holder that took the lock since keeps it
+        cleared = self.etcd.txn([E.cmp_created(p + "lock", 0), E.cmp_modified(p + "holder", holder.mod_revision if holder
+                                                                                else 0)],
+                                [E.delete(p + "holder")], [E.get(p + "lock"), E.get(p + "holder")])
+        if not cleared.succeeded and cleared.range(0).kvs:
+            return {"ok": False, "error": "locked", "holder": self._lock_doc(cleared.range(0).kvs[0],
+                                                                             (cleared.range(1).kvs or [None])[0])}
         self.append_journal([json.dumps({"ts": now_iso(), "op_id": op_id, "step": "lock.unlock-forced",
                                          "status": "note", "evidence": {"reason": reason, "by": by,
                                                                         "previous_holder": before,
@@ -397,6 +418,8 @@ class EtcdSession:
             body = json.dumps(me, indent=2, sort_keys=True)
             ops = [E.put(p + "lock", body, lease=self.lease), E.put(p + "holder", body)]
             compare = [E.cmp_created(p + "lock", 0), E.cmp_modified(p + "holder", prev.mod_revision if prev else 0)]
+            if not self.even_if_moved:  # a migration marking it moved meanwhile: no lock on the old copy
+                compare.append(E.cmp_created(p + "moved", 0))
             if fmt is None:
                 ops.append(E.put(p + "format", json.dumps({"format": FORMAT, "cluster": st.cluster,
                                                            "created": now_iso()})))
@@ -412,12 +435,23 @@ class EtcdSession:
             if res.succeeded:
                 self.guard = [E.cmp_created(p + "lock", res.revision)]
                 self.holder = me
+                if prev is not None:  # its holder's lease ran out (or was revoked) before it released
+                    was = json.loads(prev.value)
+                    st.append_journal([json.dumps({"ts": now_iso(), "op_id": was.get("op_id"), "step": "lock.lease-expired",
+                                                   "status": "failed", "evidence": {"lease_s": was.get("lease_s"),
+                                                                                    "holder": was,
+                                                                                    "found_by": me.get("op_id")}},
+                                                  sort_keys=True)], self.guard)
                 snap = st.read()
                 return {"ok": True, "interrupted": json.loads(prev.value) if prev else None, "holder": me,
                         "snapshot": snap}
             st.etcd.revoke(self.lease)  # someone else took it in between: look again
-        lock = st.etcd.range(p + "lock").get(p + "lock")
-        return {"ok": False, "error": "locked", "holder": st._lock_doc(lock, None)}
+        res = st.etcd.read(E.get(p + "lock"), E.get(p + "holder"))
+        lock, holder = res.range(0).get(p + "lock"), res.range(1).get(p + "holder")
+        if lock is None:
+            return {"ok": False, "error": "contended", "message": "the lock changed hands three times while this "
+                    "operation tried to take it; nothing was changed: run it again"}
+        return {"ok": False, "error": "locked", "holder": st._lock_doc(lock, holder)}
 
     def request(self, doc: dict) -> dict:
         with self._lock:
@@ -473,14 +507,32 @@ class EtcdSession:
         raise Unverified(f"unknown request {op!r}")
 
     def start_heartbeat(self, every: float = PING_S) -> None:
+        """Keep the lease alive every `every` s and check the lock is still this operation's, on a
+        client of its own (never waiting behind the operation's requests). What ends it is kept in
+        `broken`: the operation's next request stops with it."""
+        st = self.store
+        mine = E.Etcd(list(st.setting.endpoints), ca=st.setting.ca, cert=st.setting.cert, key=st.setting.key)
+
         def beat():
-            while not self._stop.wait(every):
-                try:
-                    self.request({"op": "ping"})
-                except E.EtcdUnavailable:
-                    continue  # no member answered this time; the lease has 30 s
-                except PdopsError:
-                    return
+            try:
+                while not self._stop.wait(every):
+                    try:
+                        if mine.keepalive(self.lease) <= 0:
+                            self.broken = f"{self.where}: the lease {self.lease} expired (nothing was heard for " \
+                                          f"{self.lease_s:g} s)"
+                            return
+                        held = mine.txn(list(self.guard), [], [E.get(st.p + "lock")])
+                        if not held.succeeded:
+                            self.broken = (f"{self.where}: the lock is no longer this operation's (its lease was "
+                                           "revoked: `inv unlock --force`?)")
+                            return
+                    except E.EtcdUnavailable:
+                        continue  # no member answered this time; the lease has lease_s
+                    except PdopsError as e:
+                        self.broken = f"{self.where}: the lease keepalive failed: {e.message}"
+                        return
+            finally:
+                mine.close()
 
         threading.Thread(target=beat, name="pdops-lease-keepalive", daemon=True).start()
 

@@ -135,26 +135,34 @@ class SharedRecord(RecordReads):
             self._check_local(doc)
         return doc
 
+    def cached_revisions(self) -> list[int]:
+        """The revision numbers this machine's cache holds of this cluster (none: no cache, or another's)."""
+        try:
+            old = json.loads(self.cache_file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return []
+        if old.get("cluster", self.cluster) != self.cluster:
+            return []
+        return sorted(int(n) for n in ((old.get("snapshot") or {}).get("revisions") or {}))
+
     def _write_cache(self, doc: dict) -> None:
         """Best effort: a machine that cannot keep the copy still reads and changes the record. A
-        cache holding revisions is never replaced by an empty record (a state host whose disk was
-        replaced): it is what `inv state.restore --from-cache` rebuilds the record from."""
+        cache is replaced only by a record that holds every revision it holds (revisions are never
+        deleted): not by an empty one, nor by another record begun on a replaced state host. It is
+        what `inv state.restore --from-cache` rebuilds the record from."""
         body = {k: v for k, v in doc.items() if k != "journal"}
-        if not body.get("revisions"):
-            try:
-                old = json.loads(self.cache_file.read_text(encoding="utf-8"))
-                if (old.get("snapshot") or {}).get("revisions"):
-                    self.cache_error = (f"{self.cache_file} kept: it holds revisions, and {self.location} holds none "
-                                        "(`inv state.restore --from-cache` if the record was lost)")
-                    return
-            except (OSError, json.JSONDecodeError):
-                pass
+        had = self.cached_revisions()
+        if had and not set(had) <= {int(n) for n in body.get("revisions") or {}}:
+            self.cache_error = (f"{self.cache_file} kept: it holds revisions {had[0]}..{had[-1]}, which {self.location} "
+                                "does not (`inv state.restore --from-cache` if the record was lost)")
+            return
         try:
             d = self.cache_file.parent
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
             atomic_write(self.cache_file, json.dumps({"fetched_at": now_iso(), "location": self.location,
-                                                      "snapshot": body}, sort_keys=True) + "\n")
+                                                      "cluster": self.cluster, "snapshot": body},
+                                                     sort_keys=True) + "\n")
             os.chmod(self.cache_file, 0o600)
         except OSError as e:
             self.cache_error = f"{self.cache_file}: {e.strerror}"
@@ -276,10 +284,12 @@ class SharedRecord(RecordReads):
         return SharedJournal(self)
 
     def lock(self, operation: str, *, op_id: str | None = None, operator: str | None = None,
-             say: Say = print, migrating: bool = False) -> "SharedLock":
-        """The cluster lock. `migrating` (`inv state.migrate`, `state.restore` only): taken on a
-        record marked as moved, and `lock.held` is journalled by the caller, after its copy."""
-        return SharedLock(self, operation, op_id=op_id, operator=operator, say=say, migrating=migrating)
+             say: Say = print, migrating: bool = False, restoring: bool = False) -> "SharedLock":
+        """The cluster lock. `migrating` (`inv state.migrate` only): taken on a record marked as
+        moved, and `lock.held` is journalled by the caller, after its copy. `restoring` (`inv
+        state.restore` only): taken on an empty record although this machine's cache holds revisions."""
+        return SharedLock(self, operation, op_id=op_id, operator=operator, say=say, migrating=migrating,
+                          restoring=restoring)
 
     def close(self) -> None:
         self.store.close()
@@ -328,9 +338,9 @@ class SharedLock:
     """The cluster lock, held by a process on the state host for this operation's life."""
 
     def __init__(self, record: SharedRecord, operation: str, *, op_id: str | None = None,
-                 operator: str | None = None, say: Say = print, migrating: bool = False):
+                 operator: str | None = None, say: Say = print, migrating: bool = False, restoring: bool = False):
         self.record = record
-        self.migrating = migrating
+        self.migrating, self.restoring = migrating, restoring
         self.operation = operation
         self.op_id = op_id or new_op_id(operation)
         self.operator = operator or default_operator()
@@ -353,6 +363,13 @@ class SharedLock:
             sess.close()
             raise
         rec._session, rec._snap = sess, first["snapshot"]
+        had = rec.cached_revisions()
+        if had and not rec._snap.get("revisions") and not (self.migrating or self.restoring):
+            self.release()
+            raise Refused(f"the record of cluster '{rec.cluster}' in {rec.location} holds no revision, but this machine's "
+                          f"cache holds revisions {had[0]}..{had[-1]} of it ({rec.cache_file})",
+                          fix="if the record was lost: `inv state.restore --from-cache` (docs/runbooks/state-host-lost.md); "
+                              "if the cluster was rebuilt from nothing, move that file aside. Nothing was changed")
         rec._write_cache(rec._snap)
         if rec._check_local_record:
             try:
@@ -372,7 +389,9 @@ class SharedLock:
         if prev:
             self.interrupted = prev
             steps = parse_lines(sess.request(rec.store.journal_request(op_id=prev.get("op_id")))["lines"])
-            last = steps[-1] if steps else {}
+            # its own last step: the store's note that its lease ran out is not one
+            own = [x for x in steps if x.get("step") != "lock.lease-expired"]
+            last = own[-1] if own else {}
             j.step(self.op_id, "lock.interrupted", "note",
                    {"previous_holder": prev, "last_step": last.get("step"), "last_status": last.get("status"),
                     "last_ts": last.get("ts"), "steps": len(steps)})

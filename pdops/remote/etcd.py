@@ -24,7 +24,7 @@ import threading
 import urllib.parse
 from dataclasses import dataclass, field
 
-from pdops.errors import Unreachable, Unverified
+from pdops.errors import InvalidInput, Unreachable, Unverified
 
 TIMEOUT_S = 5.0  # one request to one member; a member without quorum answers "request timed out" after ~7 s
 
@@ -174,9 +174,13 @@ class Etcd:
         self._good = 0
         self._ssl: ssl.SSLContext | None = None
         if any(e.startswith("https://") for e in endpoints):
-            self._ssl = ssl.create_default_context(cafile=ca)
-            if cert:
-                self._ssl.load_cert_chain(cert, key)
+            try:
+                self._ssl = ssl.create_default_context(cafile=ca)
+                if cert:
+                    self._ssl.load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as e:  # FileNotFoundError, a key that does not match, ...
+                raise InvalidInput("pdops_state.etcd", f"the TLS files (ca {ca}, cert {cert}, key {key}) cannot be "
+                                   f"used: {e}", fix="name readable PEM files on this machine") from None
         self._conns: dict[str, http.client.HTTPConnection] = {}
         # one request at a time: an operation's thread and its lease keepalive share the connections
         self._busy = threading.Lock()
@@ -225,31 +229,36 @@ class Etcd:
                 status = resp.status
             except (OSError, http.client.HTTPException) as e:
                 self._drop(ep)
-                why = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else f"{type(e).__name__}: {e}"
+                why = ("timed out" if isinstance(e, (socket.timeout, TimeoutError)) else
+                       f"TLS: {e}" if isinstance(e, ssl.SSLError) else f"{type(e).__name__}: {e}")
                 errors.append(f"{ep}: {why}")
-                if write and sent:
+                if write and sent:  # the next try goes to another member
+                    self._good = (idx + 1) % n
                     raise EtcdUnavailable(f"etcd {path} sent to {ep} got no answer ({why}); its outcome is unknown",
                                           maybe_applied=True) from None
                 continue
             try:
                 doc = json.loads(data or b"{}")
             except json.JSONDecodeError:
-                raise Unverified(f"etcd {ep}: /v3/{path} answered HTTP {status} with no JSON",
-                                 evidence=data[-500:].decode("utf-8", "replace")) from None
+                doc = None
+            if doc is None or status in (502, 503, 504) or (doc.get("code") in _UNAVAILABLE_CODES):
+                msg = (doc or {}).get("message") or (doc or {}).get("error") or f"HTTP {status} with no JSON"
+                errors.append(f"{ep}: {msg}")
+                if write:  # a member stopping, or losing its leader, may have committed it: unknown
+                    self._good = (idx + 1) % n
+                    raise EtcdUnavailable(f"etcd {ep}: {msg}; the outcome of this {path} is unknown",
+                                          maybe_applied=True) from None
+                continue
             if status == 200 and "error" not in doc:
                 self._good = idx
                 return doc
-            code = doc.get("code")
             msg = doc.get("message") or doc.get("error") or f"HTTP {status}"
-            if code in _UNAVAILABLE_CODES or status in (502, 503, 504):
-                errors.append(f"{ep}: {msg}")
-                if write:
-                    raise EtcdUnavailable(f"etcd {ep}: {msg}; the outcome of this {path} is unknown",
-                                          maybe_applied="timed out" in msg or code == 4) from None
-                continue
             raise Unverified(f"etcd {ep}: /v3/{path} refused: {msg}", evidence=json.dumps(body)[:500])
+        tls = [e for e in errors if ": TLS: " in e]
         raise EtcdUnavailable("no etcd member answered: " + "; ".join(errors),
-                              fix="check the members (`inv state.show` names them); two of three must be up")
+                              fix=("the TLS handshake failed: check pdops_state.etcd ca, cert and key against the "
+                                   "members' certificates" if tls and len(tls) == len(errors) else
+                                   "check the members (`inv state.show` names them); two of three must be up"))
 
     # -- keys
     def range(self, key: str, *, end=None, prefix: bool = False, limit: int = 0, count_only: bool = False,

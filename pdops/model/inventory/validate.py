@@ -89,8 +89,18 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
     def unrecorded(d: dict) -> dict:
         return {k: v for k, v in d.items() if k not in RECORD_VARS}
 
+    def as_before(d: dict) -> dict:  # pdops_state as it could be written before: host and dir only
+        out = dict(d)
+        old = {k: v for k, v in (d.get("pdops_state") or {}).items() if k in ("host", "dir")} \
+            if isinstance(d.get("pdops_state"), dict) else d.get("pdops_state")
+        if old:
+            out["pdops_state"] = old
+        else:
+            out.pop("pdops_state", None)
+        return out
+
     digest = digest_of(unrecorded(all_vars), {h: unrecorded(v) for h, v in hostvars.items()})
-    legacy_digest = digest_of(all_vars, hostvars)
+    legacy_digest = digest_of(as_before(all_vars), {h: as_before(v) for h, v in hostvars.items()})
     inv = Inventory(
         cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
         engine_python=resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
