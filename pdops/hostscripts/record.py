@@ -44,6 +44,9 @@ import sys
 import time
 
 FORMAT = 1
+# A record marked as moved (`inv state.migrate`) says format 2: a pdops that does not know moved.json
+# (format 1 only) refuses it as newer instead of taking its lock; this one reads it with moved.json.
+MOVED_FORMAT = 2
 
 
 class Refusal(Exception):
@@ -152,7 +155,9 @@ def check_format(d, cluster, write):
     fmt = doc.get("format")
     if not isinstance(fmt, int):
         raise Refusal("format", "%s is not a pdops record format file" % path)
-    if fmt > FORMAT:
+    if fmt == MOVED_FORMAT and os.path.isfile(os.path.join(d, "moved.json")):
+        pass
+    elif fmt > FORMAT:
         raise Refusal("newer", "the record in %s was written by a newer pdops (record format %d; this pdops "
                       "reads format %d)" % (d, fmt, FORMAT), format=fmt)
     if doc.get("cluster") != cluster:
@@ -371,6 +376,8 @@ def set_aside(d):
     aside = os.path.join(d, "set-aside-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     os.mkdir(aside, 0o700)
     moved = []
+    fmt = read_json(os.path.join(d, "format.json")) or {}
+    atomic_write(os.path.join(d, "format.json"), json.dumps(dict(fmt, format=FORMAT)) + "\n")  # no longer moved
     for name in ("revisions", "current", "journal.jsonl", "moved.json"):
         if os.path.lexists(os.path.join(d, name)):
             os.rename(os.path.join(d, name), os.path.join(aside, name))
@@ -445,6 +452,8 @@ def hold(a):
                                                               req.get("contains") or ())})
                 elif op == "mark-moved":
                     atomic_write(os.path.join(d, "moved.json"), json.dumps(req["doc"], sort_keys=True) + "\n")
+                    fmt = read_json(os.path.join(d, "format.json")) or {}
+                    atomic_write(os.path.join(d, "format.json"), json.dumps(dict(fmt, format=MOVED_FORMAT)) + "\n")
                     reply({"ok": True})
                 elif op == "set-aside":
                     aside, names = set_aside(d)

@@ -38,6 +38,7 @@ from pdops.record.transport import PING_S
 from pdops.remote import etcd as E
 
 FORMAT = 1
+MOVED_FORMAT = 2  # P/format of a record marked as moved: a pdops that does not know P/moved refuses it
 PART_BYTES = 512 * 1024  # < etcd's 1.5 MiB request limit once base64'd, with room for the rest
 MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
 TXN_BYTES = 1024 * 1024  # values per transaction, under etcd's default --max-request-bytes of 1.5 MiB
@@ -79,13 +80,15 @@ class EtcdStore:
         return f"etcd ({len(self.setting.endpoints)} endpoints)"
 
     # -- reading
-    def _check_format(self, kv: E.KV | None) -> dict | None:
+    def _check_format(self, kv: E.KV | None, moved: E.KV | None = None) -> dict | None:
         if kv is None:
             return None
         doc = json.loads(kv.value)
         if not isinstance(doc.get("format"), int):
             return {"ok": False, "error": "format", "message": f"{self.p}format is not a pdops record format key"}
-        if doc["format"] > FORMAT:
+        if doc["format"] == MOVED_FORMAT and moved is not None:
+            pass
+        elif doc["format"] > FORMAT:
             return {"ok": False, "error": "newer", "message": f"the record under {self.p} was written by a newer "
                     f"pdops (record format {doc['format']}; this pdops reads format {FORMAT})"}
         if doc.get("cluster") != self.cluster:
@@ -112,7 +115,7 @@ class EtcdStore:
         res = self.etcd.read(E.get(p + "format"), E.get(p + "lock"), E.get(p + "holder"), E.get(p + "current"),
                              E.get(p + "rev/", prefix=True), E.get(p + "moved"))
         fmt = res.range(0).get(p + "format")
-        bad = self._check_format(fmt)
+        bad = self._check_format(fmt, res.range(5).get(p + "moved"))
         if bad:
             return bad
         cur = res.range(3).get(p + "current")
@@ -332,6 +335,8 @@ class EtcdStore:
         p = self.p
         names = ["current", "rev/", "snap/", "blob/", "journal/", "moved"]
         ops = [E.delete(p + n, prefix=n.endswith("/")) for n in names]
+        fmt = json.loads(self.etcd.range(p + "format").get(p + "format").value)
+        ops.append(E.put(p + "format", json.dumps(dict(fmt, format=FORMAT))))  # no longer moved
         self._guarded(guard, ops)
         return {"ok": True, "aside": None, "moved": names}
 
@@ -343,8 +348,8 @@ class EtcdStore:
         """Revoke the holder's lease (its next write fails; nothing is killed), clear the holder
         record, journal who did it and why."""
         p = self.p
-        res = self.etcd.read(E.get(p + "format"), E.get(p + "lock"), E.get(p + "holder"))
-        bad = self._check_format(res.range(0).get(p + "format"))
+        res = self.etcd.read(E.get(p + "format"), E.get(p + "lock"), E.get(p + "holder"), E.get(p + "moved"))
+        bad = self._check_format(res.range(0).get(p + "format"), res.range(3).get(p + "moved"))
         if bad:
             return bad
         lock, holder = res.range(1).get(p + "lock"), res.range(2).get(p + "holder")
@@ -402,10 +407,10 @@ class EtcdSession:
         for _ in range(3):
             res = st.etcd.read(E.get(p + "format"), E.get(p + "lock"), E.get(p + "holder"), E.get(p + "moved"))
             fmt = res.range(0).get(p + "format")
-            bad = st._check_format(fmt)
+            moved = res.range(3).get(p + "moved")
+            bad = st._check_format(fmt, moved)
             if bad:
                 return bad
-            moved = res.range(3).get(p + "moved")
             if moved is not None and not self.even_if_moved:
                 return {"ok": False, "error": "moved", "message": f"the record under {p} was moved: "
                         f"{json.loads(moved.value).get('to')}"}
@@ -495,7 +500,9 @@ class EtcdSession:
         if op == "journal-query":
             return st.journal(op_id=doc.get("op_id"), last_ops=doc.get("last_ops"), tag=doc.get("tag"))
         if op == "mark-moved":
-            st._guarded(self.guard, [E.put(st.p + "moved", json.dumps(doc["doc"], sort_keys=True))])
+            fmt = json.loads(st.etcd.range(st.p + "format").get(st.p + "format").value)
+            st._guarded(self.guard, [E.put(st.p + "moved", json.dumps(doc["doc"], sort_keys=True)),
+                                     E.put(st.p + "format", json.dumps(dict(fmt, format=MOVED_FORMAT)))])
             return {"ok": True}
         if op == "set-aside":
             return st.set_aside(self.guard)

@@ -294,6 +294,8 @@ def test_migration_to_etcd_and_back_copies_everything_and_marks_the_source(tmp_p
     # the source now refuses a lock and names where the record went; etcd serves it
     with pytest.raises(Refused, match="moved from localhost:.* to etcd"):
         open_record(host_inv).current()
+    # a pdops that does not know the moved mark (record format 1 only) refuses the old copy as newer
+    assert json.loads((tmp_path / "shared" / "format.json").read_text())["format"] == 2
     assert open_record(etcd_inv).current() == 2 and open_record(etcd_inv).revision_snapshot(1)["files"][0]["path"] == "/x"
     ops = operations(open_record(etcd_inv).journal(), last=5)
     assert ops[-1]["op_id"] == res["op"] and ops[-1]["verdict"] == "no verdict"  # its verdict is in the source
@@ -303,6 +305,9 @@ def test_migration_to_etcd_and_back_copies_everything_and_marks_the_source(tmp_p
     assert back["copied"]["revisions"] == 3
     assert open_record(host_inv).current() == 3 and open_record(host_inv).history()[-1].topology == "3p1d"
     assert [p.name for p in (tmp_path / "shared").iterdir() if p.name.startswith("set-aside-")]
+    assert json.loads((tmp_path / "shared" / "format.json").read_text())["format"] == 1
+    fmt = EtcdStore("lab", setting).etcd.range(setting.prefix + "format").kvs[0]
+    assert json.loads(fmt.value)["format"] == 2
     with pytest.raises(Refused, match="moved"):
         open_record(etcd_inv).lock("drain", say=lambda s: None).acquire()
 
