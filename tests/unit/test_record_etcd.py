@@ -575,3 +575,22 @@ def test_a_member_answering_unavailable_to_a_write_leaves_its_outcome_unknown_an
             c.range("/k")
     finally:
         srv.shutdown()
+
+
+def test_a_hung_member_costs_one_timeout_then_every_request_goes_to_a_member_that_answers(tmp_path, setting):
+    """The first endpoint accepts connections and never answers (a member whose disk stalled): the lock,
+    a journal line, a revision and `current` go through, the write that timed out read back first."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # accepts (the kernel does), answers nothing
+    try:
+        eps = (f"http://127.0.0.1:{hung.getsockname()[1]}",) + setting.endpoints[1:]
+        s = EtcdSetting(eps, setting.prefix)
+        r = SharedRecord("lab", tmp_path / "alice", EtcdStore("lab", s, E.Etcd(list(eps), timeout=1.0)))
+        t0 = time.monotonic()
+        n = deploy(r)
+        assert time.monotonic() - t0 < 15
+        bob = rec(tmp_path, "bob", setting)
+        assert bob.current() == n == 1 and [x["step"] for x in bob.journal().last_operations(1)] == ["lock.held", "verdict"]
+    finally:
+        hung.close()
