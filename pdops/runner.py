@@ -389,6 +389,16 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     return verdict
 
 
+def walk_journalled(plan: Plan, ctx: RunContext) -> dict:
+    """:func:`walk`, with a failure journalled as the operation's failed verdict before it is raised
+    (the caller journals the verdict of a walk that passed, with what it adds)."""
+    try:
+        return walk(plan, ctx)
+    except PdopsError as exc:
+        ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render()})
+        raise
+
+
 def run_rescue(steps: list[Step], ctx: RunContext, *, label: str = "rescue") -> dict:
     """A failed walk's rescue steps (or any walk's `always` steps), each journalled by its id (ok, noop
     or failed); one that fails is journalled and said, and the next one still runs: the walk's own

@@ -17,11 +17,11 @@ import time
 
 from pdops.remote import ansible
 from pdops.model.admission import KEYS_MAP_PATH, UNIT, AdmissionConfig, key_id, keys_map
-from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
+from pdops.errors import InvalidInput, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk_journalled
 from pdops.record.local import new_op_id
 
 PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)
@@ -198,11 +198,7 @@ def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.
     op = new_op_id("admission-keys")
     with state.lock("admission-keys", op_id=op):
         ctx = RunContext(inv, state, op, say, pool, gateways)
-        try:
-            verdict = walk(plan, ctx)
-        except PdopsError as exc:
-            ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
-            raise
+        verdict = walk_journalled(plan, ctx)
         cfg = inv.admission
         verdict.update(keys=len(cfg.keys), map_sha256=plan.head["map_sha256"])
         ctx.journal.step(op, "verdict", "ok", verdict)

@@ -16,7 +16,7 @@ from pdops.model.etcd_member import DATA_ROOT, UNIT, UNIT_PATH, member_units
 from pdops.record.local import default_machine, default_operator, new_op_id, now_iso, parse_lines
 from pdops.remote import ansible
 from pdops.remote import etcd as E
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk_journalled
 
 OTHER = {"etcd": "host", "host": "etcd"}
 
@@ -205,11 +205,7 @@ def migrate(inv, to: str, open_record, say: Say = print, *, dry_run: bool = Fals
     with source.lock("state-migrate", op_id=op, say=say):
         with target.lock("state-migrate", op_id=op, say=say, migrating=True) as tlk:
             ctx = RunContext(inv, source, op, say)
-            try:
-                verdict = walk(plan, ctx)
-            except PdopsError as exc:
-                ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
-                raise
+            verdict = walk_journalled(plan, ctx)
             got = digest(ctx.output("source_record"))
             target.journal().step(op, "lock.held", "ok", {k: tlk.holder.get(k) for k in (
                 "operator", "machine", "operation", "client_pid", "since")})
@@ -318,11 +314,7 @@ def restore_from_cache(inv, record, say: Say = print, *, dry_run: bool = False) 
     op = new_op_id("state-restore")
     with record.lock("state-restore", op_id=op, say=say, restoring=True):
         ctx = RunContext(inv, record, op, say)
-        try:
-            verdict = walk(plan, ctx)
-        except PdopsError as exc:
-            ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
-            raise
+        verdict = walk_journalled(plan, ctx)
         verdict.setdefault("unverified", []).extend(f"not restored: {x}" for x in plan.head["not_restored"])
         verdict["unverified"].append("that the hosts run the restored revision: run `inv verify`")
         ctx.journal.step(op, "state.restored", "ok", {"from_cache": str(record.cache_file), **{
@@ -438,11 +430,7 @@ def etcd_up(inv, say: Say = print, *, pool, journal_state) -> dict:
     plan = plan_etcd_up(inv)
     op = new_op_id("state-etcd-up")
     ctx = RunContext(inv, journal_state, op, say, pool)
-    try:
-        verdict = walk(plan, ctx)
-    except PdopsError as exc:
-        ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
-        raise
+    verdict = walk_journalled(plan, ctx)
     ctx.journal.step(op, "verdict", "ok", verdict)
     return {"op": op, "plan": plan, "verdict": verdict}
 

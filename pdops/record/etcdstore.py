@@ -34,7 +34,7 @@ import urllib.parse
 
 from pdops.errors import PdopsError, Unreachable, Unverified
 from pdops.record.local import journal_tags, now_iso
-from pdops.record.transport import PING_S
+from pdops.record.transport import PING_S, lock_lost
 from pdops.remote import etcd as E
 
 FORMAT = 1
@@ -461,9 +461,7 @@ class EtcdSession:
     def request(self, doc: dict) -> dict:
         with self._lock:
             if self.broken:
-                raise Unreachable(f"lost the cluster lock: {self.broken}",
-                                  fix="the operation stopped here; its journal says how far it got. Check "
-                                      "`inv status` and `inv journal`, then run it again")
+                raise lock_lost(self.broken)
             try:
                 return self._serve(doc)
             except LockLost as e:

@@ -29,6 +29,13 @@ PING_S = 5.0  # how often the operator's process says it is alive
 REPLY_S = 60.0  # longest wait for one answer of the state host
 
 
+def lock_lost(why: str) -> Unreachable:
+    """The error of an operation whose lock session broke (`why`): its next request stops with it."""
+    return Unreachable(f"lost the cluster lock: {why}",
+                       fix="the operation stopped here; its journal says how far it got. Check "
+                           "`inv status` and `inv journal`, then run it again")
+
+
 class _Lines:
     """Lines from a byte source read in chunks with a timeout (paramiko channel or pipe)."""
 
@@ -72,9 +79,7 @@ class Session:
     def request(self, doc: dict) -> dict:
         with self._lock:
             if self.broken:
-                raise Unreachable(f"lost the cluster lock: {self.broken}",
-                                  fix="the operation stopped here; its journal says how far it got. Check "
-                                      "`inv status` and `inv journal`, then run it again")
+                raise lock_lost(self.broken)
             try:
                 self._send((json.dumps(doc) + "\n").encode("utf-8"))
                 line = self._lines.readline(REPLY_S)

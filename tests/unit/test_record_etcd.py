@@ -4,6 +4,7 @@ started here and stopped by its PID). The lab's three-member cluster: tests/lab/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,37 +32,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory):
-    """One etcd member on 127.0.0.1 (installed by scripts/setup-system.sh), for this module."""
-    assert os.path.exists(ETCD), "etcd is not installed: run scripts/setup-system.sh (make setup)"
-    d = tmp_path_factory.mktemp("etcd")
+@contextlib.contextmanager
+def running_etcd(d: Path, *, tls: dict | None = None):
+    """One etcd member on 127.0.0.1 (installed by scripts/setup-system.sh) with its data in `d`, until
+    the block ends (stopped by its PID). `tls`: the server's files, and client certificates required."""
+    assert os.path.exists(ETCD), "etcd is not installed: run scripts/setup-system.sh (make env)"
     client, peer = _free_port(), _free_port()
-    url = f"http://127.0.0.1:{client}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{client}"
+    extra = ["--cert-file", tls["server_cert"], "--key-file", tls["server_key"], "--client-cert-auth",
+             "--trusted-ca-file", tls["ca"]] if tls else []
     log = open(d / "etcd.log", "w")
     proc = subprocess.Popen([ETCD, "--name", "unit", "--data-dir", str(d / "data"), "--listen-client-urls", url,
                              "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"unit=http://127.0.0.1:{peer}"],
+                             "--initial-cluster", f"unit=http://127.0.0.1:{peer}", *extra],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        client_ = E.Etcd([url], timeout=1.0)
+        probe = E.Etcd([url], timeout=1.0, **({k: tls[k] for k in ("ca", "cert", "key")} if tls else {}))
         deadline = time.monotonic() + 30
         while True:  # ready: the member answers its status with a leader
             try:
-                if client_.status(url).get("leader"):
+                if probe.status(url).get("leader"):
                     break
             except Unreachable:
                 pass
             assert proc.poll() is None, (d / "etcd.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "etcd did not elect itself leader in 30 s"
             time.sleep(0.1)
-        client_.close()
+        probe.close()
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory):
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as url:
+        yield url
 
 
 _n = iter(range(1_000_000))
@@ -446,36 +455,14 @@ def test_tls_with_a_client_certificate_reads_and_locks_and_refuses_without_one(t
     """An etcd that asks for client certificates (--client-cert-auth): the record is read and locked
     with the inventory's ca/cert/key; without a client certificate, no member answers."""
     certs = _certs(tmp_path)
-    client, peer = _free_port(), _free_port()
-    url = f"https://127.0.0.1:{client}"
-    log = open(tmp_path / "etcd.log", "w")
-    proc = subprocess.Popen([ETCD, "--name", "tls", "--data-dir", str(tmp_path / "data"), "--listen-client-urls", url,
-                             "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"tls=http://127.0.0.1:{peer}", "--cert-file",
-                             str(tmp_path / "server.pem"), "--key-file", str(tmp_path / "server.key"),
-                             "--client-cert-auth", "--trusted-ca-file", certs["ca"]],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    server = {"server_cert": str(tmp_path / "server.pem"), "server_key": str(tmp_path / "server.key"), **certs}
+    with running_etcd(tmp_path, tls=server) as url:
         s = EtcdSetting((url,), "/pdops/tls/", ca=certs["ca"], cert=certs["cert"], key=certs["key"])
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if E.Etcd([url], ca=s.ca, cert=s.cert, key=s.key, timeout=1.0).status(url).get("leader"):
-                    break
-            except Unreachable:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()[-2000:]
-            time.sleep(0.1)
         assert deploy(rec(tmp_path, "alice", s)) == 1
         assert rec(tmp_path, "bob", s).current() == 1
         no_cert = EtcdSetting((url,), "/pdops/tls/", ca=certs["ca"])
         with pytest.raises(Unreachable, match="no etcd member answered"):
             rec(tmp_path, "carol", no_cert).current()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
-        log.close()
 
 
 def test_journal_lines_too_big_to_batch_or_to_copy_are_written_within_etcds_request_limit(tmp_path, setting):

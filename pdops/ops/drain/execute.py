@@ -15,7 +15,7 @@ from pdops.remote.gateway import Gateways, deadline_in
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, Placement
 from pdops.model.render import SLICE_UNIT, UNIT_DIR
-from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk, walk_journalled
 from pdops.record.local import StateDir, new_op_id
 
 from pdops.ops.drain.plan import DrainPlan, GONE_WAIT_S, KillPlan
@@ -78,11 +78,7 @@ def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *,
     with state.lock("stop", op_id=op):
         state.check_basis(plan.rev.number)
         ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=Placement.from_dict(plan.rev.placement))
-        try:
-            verdict = walk(plan.plan, ctx)
-        except PdopsError as exc:
-            ctx.journal.step(op, "verdict", "failed", {"error": exc.render()})
-            raise
+        verdict = walk_journalled(plan.plan, ctx)
         verdict["instance"] = plan.instance.id
         verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
                                 f"{plan.instance.id}` resumes the drain and records it")
