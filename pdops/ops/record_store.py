@@ -13,6 +13,7 @@ import time
 from pdops.errors import InvalidInput, PdopsError, Refused, Unverified
 from pdops.facts import q
 from pdops.model.etcd_member import DATA_ROOT, UNIT, UNIT_PATH, member_units
+from pdops.record.etcdstore import TXN_BYTES
 from pdops.record.local import default_machine, default_operator, new_op_id, now_iso, parse_lines
 from pdops.remote import ansible
 from pdops.remote import etcd as E
@@ -99,8 +100,6 @@ def plan_migrate(inv, to: str, source, target) -> Plan:
 
 def too_big(whole: dict) -> list[str]:
     """Journal lines etcd cannot take (one request carries at most TXN_BYTES of values)."""
-    from pdops.record.etcdstore import TXN_BYTES
-
     return [ln for ln in whole["journal"] if len(ln.encode("utf-8")) > TXN_BYTES]
 
 
@@ -180,8 +179,8 @@ def migrate(inv, to: str, open_record, say: Say = print, *, dry_run: bool = Fals
     """`inv state.migrate --to etcd|host`: copy the whole record to the other store and prove it."""
     if to not in OTHER:
         raise InvalidInput("--to", f"{to!r} is neither etcd nor host", fix="--to etcd, or --to host to move back")
-    if to == "etcd" and (inv.state is None or inv.state.etcd is None):
-        raise InvalidInput("pdops_state.etcd", "missing: there is no etcd to migrate to",
+    if inv.state is None or inv.state.etcd is None:  # either way, one side is etcd
+        raise InvalidInput("pdops_state.etcd", f"missing: there is no etcd to migrate {'to' if to == 'etcd' else 'from'}",
                            fix="name it (docs/runbooks/record-to-etcd.md) and run `inv state.etcd-up` if pdops runs it")
     source, target = open_record(inv, backend=OTHER[to]), open_record(inv, backend=to)
     source.allow_moved = target.allow_moved = True
@@ -346,7 +345,10 @@ def plan_etcd_up(inv) -> Plan:
              params={"endpoints": list(inv.state.etcd.endpoints)}),
     ]
     return Plan("state-etcd-up", f"plan: run the record's etcd ({len(hosts)} members) on {', '.join(hosts)}", steps,
-                notes=["touches only the etcd members' unit and data dir; no engine or gateway"])
+                notes=["touches only the etcd members' unit and data dir; no engine or gateway",
+                       "if a step fails, nothing is undone (what was delivered or started stays); running it "
+                       "again repeats nothing done: Ansible changes only what differs, and running members are not "
+                       "started again"])
 
 
 def do_etcd_check_members(ctx: RunContext, step: Step) -> Outcome:

@@ -29,8 +29,12 @@ and :func:`open_record`, the record of an inventory's cluster. Callers reach it 
 one place; an operation takes the record it is given, it never opens one itself.
 """
 
+from pdops.errors import InvalidInput
+from pdops.model.inventory import StateLocation
 from pdops.record.commands import operations, push_local, unlock
+from pdops.record.etcdstore import EtcdStore
 from pdops.record.hoststore import HostStore
+from pdops.record.local import local_dir
 from pdops.record.shared import SharedJournal, SharedLock, SharedRecord, describe_holder, lock_line
 from pdops.record.transport import LEASE_S, PING_S, SCRIPT, LocalTransport, Session, SSHTransport
 
@@ -41,18 +45,15 @@ __all__ = ["LEASE_S", "PING_S", "SCRIPT", "HostStore", "LocalTransport", "SSHTra
 
 def host_store(inv) -> HostStore:
     """The inventory's SSH state host (`pdops_state.host` and `dir`), whichever backend is in use."""
-    from pdops.model.inventory import StateLocation
-
     where = inv.state or StateLocation(inv.gateway.first.host)
     return HostStore(inv.cluster, where.host, where.dir, SSHTransport(inv, where.host))
 
 
-def etcd_store(inv):
-    """The inventory's etcd record (`pdops_state.etcd`); None when it names none."""
-    from pdops.record.etcdstore import EtcdStore
-
+def etcd_store(inv) -> EtcdStore:
+    """The inventory's etcd record (`pdops_state.etcd`); an input error when it names none."""
     if inv.state is None or inv.state.etcd is None:
-        return None
+        raise InvalidInput("pdops_state.etcd", "missing: this inventory names no etcd",
+                           fix="name it (docs/state.md, \"The record on etcd\"; docs/runbooks/record-to-etcd.md)")
     return EtcdStore(inv.cluster, inv.state.etcd)
 
 
@@ -66,6 +67,4 @@ def open_record(inv, *, cached_ok: bool = False, backend: str | None = None) -> 
     """The cluster's record, in its store (`pdops_state`: the state host, default the gateway
     host, or etcd). `cached_ok`: a read-only command may fall back to this machine's cached copy
     when the store cannot be reached."""
-    from pdops.record.local import local_dir
-
     return SharedRecord(inv.cluster, local_dir(inv), store_of(inv, backend), cached_ok=cached_ok)

@@ -581,3 +581,16 @@ def test_a_hung_member_costs_one_timeout_then_every_request_goes_to_a_member_tha
         assert bob.current() == n == 1 and [x["step"] for x in bob.journal().last_operations(1)] == ["lock.held", "verdict"]
     finally:
         hung.close()
+
+
+def test_a_migration_with_no_etcd_named_is_an_input_error_either_way(tmp_path):
+    from types import SimpleNamespace
+
+    from pdops.model.inventory.model import StateLocation
+    from pdops.ops.record_store import migrate
+
+    inv = SimpleNamespace(cluster="lab", state=StateLocation("localhost", str(tmp_path / "shared")))
+    for to in ("etcd", "host"):
+        with pytest.raises(InvalidInput, match="no etcd to migrate") as e:
+            migrate(inv, to, _opener(tmp_path, None), say=lambda s: None)
+        assert e.value.field == "pdops_state.etcd"
