@@ -118,8 +118,7 @@ def migrate(c, inventory=None, to=None, dry_run=False):
     if to not in ("etcd", "host"):
         raise InvalidInput("--to", f"{to!r} is neither etcd nor host", fix="--to etcd (or --to host to move back)")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
-    res = do_migrate(inv, to, rec.open_record, dry_run=dry_run)
-    print(res["plan"].render())
+    res = do_migrate(inv, to, rec.open_record, dry_run=dry_run)  # prints its plan first
     if dry_run:
         print(res["message"])
         return
@@ -140,8 +139,7 @@ def restore(c, inventory=None, from_cache=False, dry_run=False):
     if not from_cache:
         raise InvalidInput("--from-cache", "missing", fix="the one source pdops restores from: --from-cache")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
-    res = restore_from_cache(inv, rec.open_record(inv), dry_run=dry_run)
-    print(res["plan"].render())
+    res = restore_from_cache(inv, rec.open_record(inv), dry_run=dry_run)  # prints its plan first
     if dry_run:
         print(res["message"])
         return

@@ -185,6 +185,7 @@ def migrate(inv, to: str, open_record, say: Say = print, *, dry_run: bool = Fals
     source, target = open_record(inv, backend=OTHER[to]), open_record(inv, backend=to)
     source.allow_moved = target.allow_moved = True
     plan = plan_migrate(inv, to, source, target)
+    say(plan.render())  # before anything is read or written
     if dry_run:
         src, there = read_whole(source), read_whole(target)
         if src["moved"]:
@@ -308,6 +309,7 @@ def restore_from_cache(inv, record, say: Say = print, *, dry_run: bool = False) 
     if not cache["revisions"]:
         raise Refused(f"the cached copy in {record.cache_file} holds no revision", fix="nothing to restore")
     plan = plan_restore(inv, record, cache)
+    say(plan.render())
     if dry_run:
         return {"plan": plan, "message": "nothing was changed"}
     op = new_op_id("state-restore")

@@ -292,6 +292,7 @@ def test_migration_to_etcd_and_back_copies_everything_and_marks_the_source(tmp_p
     said = []
     dry = migrate(host_inv, "etcd", open_record, say=said.append, dry_run=True)
     assert "would copy 2 revisions (1 snapshots), current 2" in dry["message"] and "now empty" in dry["message"]
+    assert said[0].startswith("plan: move the record of lab from localhost:") and "mark-moved" in said[0]
     assert rec(tmp_path, "x", setting).revision_numbers() == []  # a dry run wrote nothing
     res = migrate(host_inv, "etcd", open_record, say=said.append)
     copied = res["copied"]
