@@ -156,10 +156,16 @@ def test_key_reload_during_10_streams_drops_none(cluster, tmp_path):
 
 
 class _Gateway:
-    """A stand-in gateway for HAProxy's backend: 200 to anything, stopped and started again on one port."""
+    """A stand-in gateway for HAProxy's backend: 200 to anything, stopped and started again on one port.
+    `served` counts the POSTs it answered (clients' requests), not HAProxy's health checks (GETs of
+    /readiness, which arrive on HAProxy's own timer and would make a count depend on timing)."""
 
     def __init__(self, port: int):
-        self.port, self.server, self.served = port, None, 0
+        self.port, self.server, self.posts = port, None, []
+
+    @property
+    def served(self) -> int:
+        return len(self.posts)
 
     def start(self) -> None:
         import http.server
@@ -170,7 +176,8 @@ class _Gateway:
         class Handler(http.server.BaseHTTPRequestHandler):
             def _ok(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                owner.served += 1
+                if self.command == "POST":
+                    owner.posts.append(self.path)
                 body = b'{"text": "ok"}'
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
