@@ -5,7 +5,9 @@ Operations and faults, drawn with `random.Random(seed)`:
 - drain: `inv drain --instance X` (a role's last instance is skipped), then `inv deploy` back;
 - scale: `inv scale --topology 3p1d --allow-capacity-dip`, then back;
 - change: the bundle's `max_running_requests` flipped, `inv deploy` (a rolling change);
-- rollback: `inv rollback`;
+- rollback: `inv rollback`; when the revision it returns to had another bundle, the soak's change
+  is taken out of its inventory too (runbook bundle-change.md: fix the candidate before deploying
+  it again), as an operator would;
 - maintenance: `inv drain --host H`, `inv uncordon --host H`, `inv deploy`;
 - engine-kill (fault): SIGKILL of an instance's MainPID (read from systemd), `inv repair`;
 - gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy` (it
@@ -15,8 +17,10 @@ Operations and faults, drawn with `random.Random(seed)`:
 - halted-change: a change whose new processes fail to start (no room for the KV pool) halts; the
   flag is taken out and `inv deploy` applies the inventory;
 - host-add: lab05 (a fifth lab host, not in the soak's inventory) added to the inventory,
-  `inv scale --topology 3p2d` (p03 starts there), `inv scale --topology 2p2d`, lab05 taken out of
-  the inventory again and `inv deploy` (the inventory without it recorded). Skipped on a lab of
+  `inv scale --topology 3p2d` (p03 starts there, or another instance when a drained one's slot
+  was free), `inv scale --topology 2p2d`, `inv drain --host lab05` when an instance is still there
+  (what pdops's refusal to lose a host that carries one names), lab05 taken out of the inventory
+  again and `inv deploy` (the inventory without it recorded). Skipped on a lab of
   four hosts (`make soak` boots five; `make test`'s lab has four).
 
 Every command must exit with its documented status (0; 1 for `inv status` of a cluster that does
@@ -79,6 +83,7 @@ class Soak:
         self.lab, self.inv_dir, self.rng, self.say = lab, inv_dir, random.Random(seed), say
         self.done: list[Done] = []
         self.bundle = 64
+        self.bundle_at: dict[int, int] = {}  # revision number -> the inventory's max_running_requests it recorded
         self.unexpected: list[str] = []
         self.spare = _hosts(single_file_doc(Path(lab.inventory))).get(SPARE)  # its inventory entry, or None
 
@@ -172,8 +177,18 @@ class Soak:
         return f"max_running_requests -> {self.bundle} (rolling)"
 
     def op_rollback(self, cmds):
-        self.cli(cmds, "rollback")
-        return "to the previous deployed revision"
+        if self.cli(cmds, "rollback").returncode != 0:
+            return "to the previous deployed revision: refused"
+        # `inv rollback` returns to the recorded files, not the inventory (runbook bundle-change.md:
+        # fix the candidate before deploying it again): the soak takes its change out of the inventory
+        # too, as an operator would, or every later command would carry the candidate back in
+        back_to = (record(self.inv_dir).current_revision().extra or {}).get("rollback_of")
+        was = self.bundle_at.get(back_to, self.bundle)
+        if was != self.bundle:
+            self.bundle = was
+            self.set_profile(max_running_requests=was)
+            return f"to the previous deployed revision ({back_to}); the inventory back to max_running_requests {was}"
+        return f"to the previous deployed revision ({back_to})"
 
     def op_maintenance(self, cmds):
         pl = self.placement()
@@ -226,9 +241,16 @@ class Soak:
         added = {i.id: i for i in self.placement().instances}.get("p03")
         where = "/".join(added.hosts) if added else "nowhere"
         self.cli(cmds, "scale", "--topology", BASE)
+        # placement may have put another instance on the new host (a decode re-added there after a
+        # drain or a rollback to a drained revision left its old slot free); the way to retire a host
+        # that carries one is the one pdops's refusal names: drain the host first, then remove it
+        moved = [i.id for i in self.placement().instances if SPARE in i.hosts]
+        if moved:
+            self.cli(cmds, "drain", "--host", SPARE)
         self.set_spare(False)
         self.cli(cmds, "deploy", "--topology", BASE)
-        return f"{SPARE} added, p03 started on {where}, scaled back, {SPARE} retired"
+        return (f"{SPARE} added, p03 started on {where}, scaled back, "
+                + (f"{', '.join(moved)} moved off it, " if moved else "") + f"{SPARE} retired")
 
     def op_halted_change(self, cmds):
         # a bundle whose new processes exit at start (no room for the KV pool, as SGLang fails); a flag
@@ -248,6 +270,7 @@ class Soak:
         sequence = ops or [self.rng.choice(kinds) for _ in range(n_ops)]
         with Load(inv.gateway.first.url) as load:
             for n, op in enumerate(sequence, 1):
+                self.note_revisions()
                 before, cmds, t0 = self.ops_seen(), [], time.time()
                 self.unexpected = []
                 try:
@@ -267,6 +290,13 @@ class Soak:
                 self.say(f"soak {n:3d}/{len(sequence)} {op:14s} {'serving' if serving else 'NOT SERVING'} "
                          f"{t1 - t0:6.1f}s  {detail}; {'; '.join(cmds)}")
         return self.judge(load.rows)
+
+    def note_revisions(self) -> None:
+        """The inventory's bundle for every revision recorded since the last note (the bundle changes
+        only between operations: op_change, op_rollback)."""
+        cur = record(self.inv_dir).current_revision().number
+        for n in range(max(self.bundle_at, default=0) + 1, cur + 1):
+            self.bundle_at[n] = self.bundle
 
     def judge(self, rows) -> dict:
         named = {r for d in self.done for r in d.named_lost}
