@@ -30,12 +30,10 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	$(GATEWAY_VENV)/bin/python -m pip install -q $(SMG)
 	touch $(STAMP)
 
-# Three pytest-xdist workers, a test file each at a time (module fixtures stay whole); each worker
-# that reaches a lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot, so
-# slots 0-2; run your own lab beside it in slot 3 or above). The lab waits mostly on timers
-# (drains, health checks): on 2 cores two workers took 19-20 min, three 16.5 min with the CPUs
-# about 80% busy (docs/bench.md "make test's workers").
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers, a test file each at a time (module fixtures stay whole); each worker
+# that reaches a lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot).
+# The lab waits mostly on timers (drains, health checks), so two fit this machine's two cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not fleet" tests
 

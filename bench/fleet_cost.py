@@ -25,7 +25,7 @@ change < 0.3 CPU-s per replaced instance; `inv status` < 0.05 CPU-s and < 3 s wa
 
 Uses the lab of $PDOPS_LAB_SLOT, takes `<lab dir>.lock` and powers the lab off at the end, whatever
 happens. Raw figures: <lab dir>/bench-fleet/<time>/result.json.
-Usage: PDOPS_LAB_SLOT=4 .venv/bin/python bench/fleet_cost.py [--sizes 4,16,32,64] [--runs 3]
+Usage: PDOPS_LAB_SLOT=2 .venv/bin/python bench/fleet_cost.py [--sizes 4,16,32,64] [--runs 3]
 """
 
 from __future__ import annotations
