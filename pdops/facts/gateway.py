@@ -7,17 +7,58 @@ Shape observed from the real binary (tests/data/facts/smg_*.json, gateway.source
 ``status`` is smg's worker state: ``ready`` (routable), ``not_ready`` (failing health checks),
 ``draining`` (removal accepted: no new request is routed to it; gone after its settle time) and
 ``pending`` (queued, not yet reachable: shown by ``GET /workers/{id}`` only).
+
+smg routes a request to a worker only when it is healthy **and** its circuit breaker lets traffic
+through; ``/workers`` has no breaker field. The breaker's state is read from the gateway's
+``/metrics`` (``smg_worker_cb_state{worker=<url>}``: 0 closed, 1 open, 2 half-open, -1 removed;
+``smg_worker_cb_consecutive_failures``), observed on the real smg 1.13.0
+(tests/data/facts/smg_metrics_cb_open.txt, docs/gateway.md "Circuit breakers").
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdops.errors import Unverified
+from pdops.facts.engine import parse_metrics
 
 READY = "ready"
 DRAINING = "draining"
+
+# smg_worker_cb_state's values (smg 1.13 metrics.rs) and the words pdops says for them
+CLOSED, OPEN, HALF_OPEN, REMOVED = "closed", "open", "half-open", "removed"
+CB_STATES = {0: CLOSED, 1: OPEN, 2: HALF_OPEN, -1: REMOVED}
+# what a worker's breaker is when it could not be read: never counted as closed
+NOT_EXPORTED = "not exported"  # the gateway's /metrics answered without a series for the URL
+UNREAD = "unread"  # the gateway's /metrics did not answer
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """One worker's circuit breaker in one gateway, from its /metrics."""
+
+    state: str  # closed | open | half-open | removed | not exported | unread
+    consecutive_failures: int = 0
+    opened: int = 0  # closed->open and half-open->open transitions since the gateway started
+    error: str | None = None  # why it is unread
+
+
+def parse_breakers(text: str) -> dict[str, Breaker]:
+    """{worker URL (no trailing /): its breaker} from smg's /metrics text."""
+    m = parse_metrics(text)
+    fails = {lb.get("worker", "").rstrip("/"): int(v) for lb, v in m.get("smg_worker_cb_consecutive_failures", [])}
+    opened: dict[str, int] = {}
+    for lb, v in m.get("smg_worker_cb_transitions_total", []):
+        if lb.get("to") == "open":
+            u = lb.get("worker", "").rstrip("/")
+            opened[u] = opened.get(u, 0) + int(v)
+    out = {}
+    for lb, v in m.get("smg_worker_cb_state", []):
+        url = lb.get("worker", "").rstrip("/")
+        if url:
+            out[url] = Breaker(CB_STATES.get(int(v), f"state {v:g}"), fails.get(url, 0), opened.get(url, 0))
+    return out
 
 
 @dataclass(frozen=True)
@@ -31,14 +72,41 @@ class Worker:
     model_id: str | None = None
     status: str | None = None  # ready | not_ready | draining | pending
     metadata: dict = field(default_factory=dict, compare=False)
+    # its breaker in this gateway; None only from a client given no metrics address (a test's or a
+    # bench's look at /workers alone): every product read goes through pdops.remote.gateway.Gateways
+    breaker: Breaker | None = field(default=None, compare=False)
 
     @property
     def routable(self) -> bool:
-        """The gateway routes new requests to it: healthy and ``ready``."""
-        return self.is_healthy and self.status == READY
+        """A request sent now could be routed to it: healthy, ``ready``, and (where read) its breaker
+        closed. Half-open lets only trial requests through: not routable."""
+        return self.is_healthy and self.status == READY and (self.breaker is None or self.breaker.state == CLOSED)
+
+    @property
+    def breaker_problem(self) -> str | None:
+        """Why its breaker keeps requests from it, or None (closed, or not read)."""
+        b = self.breaker
+        if b is None or b.state == CLOSED:
+            return None
+        if b.state == UNREAD:
+            return f"its circuit breaker could not be read ({b.error})"
+        if b.state == NOT_EXPORTED:
+            return "its circuit breaker is not in the gateway's /metrics yet"
+        return (f"circuit {b.state}" + (f" after {b.consecutive_failures} consecutive failures"
+                                        if b.consecutive_failures else ""))
 
     def describe(self) -> str:
-        return f"{self.url} ({self.worker_type}, {self.status or '?'}, {'healthy' if self.is_healthy else 'unhealthy'})"
+        cb = f", circuit {self.breaker.state}" if self.breaker is not None else ""
+        return (f"{self.url} ({self.worker_type}, {self.status or '?'}, "
+                f"{'healthy' if self.is_healthy else 'unhealthy'}{cb})")
+
+    def with_breaker(self, breakers: dict[str, Breaker] | None, error: str | None = None) -> "Worker":
+        """This worker with its breaker from `breakers` (parse_breakers); None: /metrics unread (`error`)."""
+        if breakers is None:
+            b = Breaker(UNREAD, error=error)
+        else:
+            b = breakers.get(self.url.rstrip("/")) or Breaker(NOT_EXPORTED)
+        return replace(self, breaker=b)
 
 
 def _worker(d: dict) -> Worker:

@@ -185,6 +185,13 @@ def gateway_args(inv: Inventory, node: GatewayNode) -> list[str]:
         "--max-concurrent-requests", str(gw.max_concurrent_requests),
         "--queue-size", str(gw.queue_size),
         "--health-check-interval-secs", str(gw.health_check_interval_secs),
+        "--health-failure-threshold", str(gw.health_failure_threshold),
+        # A breaker opened by failures (a dead engine, or its PD peer's) half-opens after this long:
+        # the health detection window (threshold x interval), so a worker that stays dead is out by
+        # its health first and gets no trial request (docs/gateway.md "Circuit breakers", measured).
+        "--cb-failure-threshold", str(gw.cb_failure_threshold),
+        "--cb-success-threshold", str(gw.cb_success_threshold),
+        "--cb-timeout-duration-secs", str(gw.cb_timeout_secs),
         # A worker queued before its engine answers (after a reboot) is probed again this often,
         # not every 30 s (smg's default), until --worker-startup-timeout-secs.
         "--worker-startup-check-interval", "2",

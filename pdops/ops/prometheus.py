@@ -130,6 +130,8 @@ def recording_rules() -> list[dict]:
 
 def alert_rules(inv) -> list[dict]:
     ttft = ttft_threshold_s(inv)
+    # open longer than smg's breaker timeout plus a scrape: it did not half-open and close by itself
+    cb_open_for = f"{inv.gateway.cb_timeout_secs + 30}s"
 
     def alert(name, expr, for_, severity, summary, **extra):
         return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
@@ -170,6 +172,10 @@ def alert_rules(inv) -> list[dict]:
               f'increase(haproxy_frontend_http_responses_total{{job="{JOB_ADMISSION}",proxy="admission",code="4xx"}}[5m]) > 0',
               "2m", "ticket", "{{ $labels.cluster }}: the admission queue is in use and requests are refused",
               runbook="docs/admission.md"),
+        alert("PdopsGatewayCircuitOpen", f'smg_worker_cb_state{{job="{JOB_GATEWAY}"}} == 1', cb_open_for, "page",
+              "{{ $labels.cluster }}: gateway {{ $labels.host }} keeps the circuit of {{ $labels.worker }} open longer "
+              f"than its timeout ({inv.gateway.cb_timeout_secs}s): it routes nothing there",
+              runbook="docs/gateway.md", action="inv status; inv deploy --topology <the current one> (registers it again)"),
         alert("PdopsNoServingRole",
               f'count by (cluster, role) (up{{{ENGINE}}}) unless on (cluster, role) '
               f'(sum by (cluster, role) (up{{{ENGINE}}}) > 0)', "1m", "page",

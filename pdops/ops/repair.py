@@ -103,6 +103,7 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
     plan.repair = {"instance": iid, "state": row["state"], "reasons": list(row["reasons"]),
                    "down": row["state"] == "down", "force_after": bool(force_after), "since": _epoch(rev.created),
                    "wait_s": wait_s}
+    plan.force = bool(force)  # the repair's own floor check above; --force: no serving guard at leave-gateway
     sc.compile_steps(plan)
     plan.state = state
     return plan

@@ -14,7 +14,7 @@ from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
 from pdops.facts import cgroup as cg_facts
 from pdops.facts import procs as proc_facts
-from pdops.facts.gateway import DRAINING, Worker
+from pdops.facts.gateway import DRAINING, READY, Worker
 from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
 from pdops.remote.gateway import Gateways
@@ -90,8 +90,17 @@ class InstanceObservation:
             if w is None:
                 out[host] = "not in its /workers"
             elif not w.routable:
-                out[host] = f"listed {w.status or 'unknown'}, {'healthy' if w.is_healthy else 'unhealthy'}"
+                out[host] = (f"listed {w.status or 'unknown'}, {'healthy' if w.is_healthy else 'unhealthy'}"
+                             if not (w.is_healthy and w.status == READY) else f"{w.breaker_problem} on gateway {host}")
         return out
+
+    @property
+    def breaker_only(self) -> bool:
+        """What keeps a gateway from routing to it is only an open (or unread) circuit breaker: its
+        engine answers health checks; registering it again closes the breaker, no restart needed."""
+        ws = [w for w in self.workers.values() if w is not None and not w.routable]
+        return bool(ws) and len(ws) == len(self.gateway_problems()) and all(
+            w.is_healthy and w.status == READY and w.breaker_problem for w in ws)
 
     @property
     def gateway_problem(self) -> str | None:
@@ -99,8 +108,11 @@ class InstanceObservation:
         if not probs:
             return None
         if len(self.workers) == 1:
+            why = next(iter(probs.values()))
+            if self.breaker_only:
+                return why.rsplit(" on gateway ", 1)[0] + " in the gateway (it routes nothing to it)"
             return {"not in its /workers": "not in the gateway's /workers"}.get(
-                next(iter(probs.values())), "in the gateway but " + next(iter(probs.values())).removeprefix("listed "))
+                why, "in the gateway but " + why.removeprefix("listed "))
         return "; ".join(f"gateway {h}: {why}" for h, why in sorted(probs.items()))
 
     def findings(self) -> list[str]:

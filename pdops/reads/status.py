@@ -9,7 +9,8 @@ compared with the identity the current revision recorded:
 - ``restarted``: a unit's MainPID is not the recorded one: the process pdops started and
   verified is gone, systemd started another (its peers and the gateway may hold stale state);
 - ``not registered``: the gateway does not list it (or the gateway is down);
-- ``degraded``: it runs and is registered, but the gateway marks it unhealthy or not ready, its
+- ``degraded``: it runs and is registered, but the gateway marks it unhealthy or not ready or its
+  circuit breaker is open (a request sent now would not be routed there), its
   PD failure counters rose since the last look, its process runs other files than the
   revision's, a process in its cgroup is not under MainPID, or its engine does not answer;
 - ``unknown``: systemd on one of its hosts could not be read (SSH): nothing is concluded;
@@ -92,6 +93,10 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
     if loads_error:
         reasons.append(f"engine does not answer /v1/loads: {loads_error}")
     if reasons:
+        if o.breaker_only and len(reasons) == 1 and not orphans:
+            # its engine is healthy: a new registration closes the breaker (smg has no other way)
+            return InstanceHealth("degraded", reasons, "inv deploy --topology <the current one> (registers it "
+                                  "again: a closed circuit, no restart)")
         return InstanceHealth("degraded", reasons + orphan_reasons(orphans), repair)
     if orphans:
         return InstanceHealth("degraded", orphan_reasons(orphans),
@@ -288,6 +293,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
             "worker_id": w.id if w else None, "registered": w is not None,
             "healthy": bool(o.workers) and not probs, "gateway_status": w.status if w else None,
             "gateways": {h: (x.status if x else None) for h, x in o.workers.items()},
+            "breakers": {h: x.breaker.state for h, x in o.workers.items() if x is not None and x.breaker is not None},
             "recorded_worker_id": (rev.instances.get(inst.id) or {}).get("worker_id"),
             "queues": q, "loads_error": loads_error,
             "failures": (seen.get(inst.id) or {}).get("counters", {}), "failures_since_last_look": deltas.get(inst.id, {}),
@@ -413,6 +419,7 @@ def format_status(doc: dict) -> str:
             "mainpid": ",".join(str(u["main_pid"]) for u in r["units"]),
             "restarts": ",".join(str(u.get("n_restarts", "?")) for u in r["units"]),
             "worker": (r["worker_id"] or "-")[:12], "gw_health": "healthy" if r["healthy"] else
+            next((f"circuit {b}" for b in (r.get("breakers") or {}).values() if b != "closed"), None) or
             (r.get("gateway_status") or "unhealthy" if r["registered"] else "-"),
             "run": q.get("running", "?"), "wait": q.get("waiting", "?"),
             "kv_in_flight": (q.get("prefill_inflight") or 0) + (q.get("decode_transfer") or 0) if q else "?",

@@ -9,6 +9,13 @@ healthy and ``ready`` or the deadline passes. Removal is by id (``DELETE /worker
 already on it go on) and is gone after smg's settle time (about 5 s);
 :meth:`wait_worker_out` returns at the first, :meth:`wait_worker_gone` at the second.
 
+A worker is routable only when smg lists it healthy and ready **and** its circuit breaker is
+closed, which only the gateway's ``/metrics`` says (pdops.facts.gateway): a client given
+``metrics_url`` (every client :class:`Gateways` makes) reads both on every :meth:`list_workers`.
+smg keeps a worker's breaker through a restart of its engine (the breaker belongs to the URL) and
+has no call that closes one: :meth:`GatewayClient.reregister` removes the worker and adds it again,
+which gives it a new, closed breaker (and a new id).
+
 Deadlines are absolute ``time.monotonic()`` values (see :func:`deadline_in`).
 The API key is read from a file and sent as a bearer token; it is never logged or
 put into an error message.
@@ -23,7 +30,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from pdops.errors import InvalidInput, Unreachable, Unverified
+from pdops.errors import InvalidInput, PdopsError, Unreachable, Unverified
 from pdops.facts import gateway as gw_facts
 from pdops.facts.gateway import Worker
 
@@ -47,8 +54,9 @@ def _id_in(message: str) -> str | None:
 
 class GatewayClient:
     def __init__(self, base_url: str, *, api_key_file: str | None = None, timeout: float = 5.0,
-                 poll_interval: float = 0.25):
+                 poll_interval: float = 0.25, metrics_url: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.metrics_url = metrics_url
         self.timeout = timeout
         self.poll_interval = poll_interval
         self._api_key: str | None = None
@@ -111,7 +119,30 @@ class GatewayClient:
         return body
 
     def list_workers(self) -> list[Worker]:
-        return gw_facts.parse(self._json("GET", "/workers"))
+        """``GET /workers``, each worker with its breaker from ``/metrics`` when this client has its address
+        (a /metrics that does not answer leaves every breaker "unread": not routable)."""
+        workers = gw_facts.parse(self._json("GET", "/workers"))
+        if self.metrics_url is None:
+            return workers
+        try:
+            breakers, error = self.breakers(), None
+        except PdopsError as exc:
+            breakers, error = None, exc.message
+        return [w.with_breaker(breakers, error) for w in workers]
+
+    def breakers(self) -> dict[str, gw_facts.Breaker]:
+        """{worker URL: its breaker}, from the gateway's Prometheus endpoint."""
+        if self.metrics_url is None:
+            raise InvalidInput("metrics_url", "this gateway client has no metrics address")
+        req = urllib.request.Request(self.metrics_url, method="GET")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                text = resp.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            raise Unverified(f"gateway metrics {self.metrics_url} answered HTTP {e.code}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise Unreachable(f"gateway metrics {self.metrics_url}: {getattr(e, 'reason', e)}") from None
+        return gw_facts.parse_breakers(text)
 
     def get_worker(self, worker_id: str) -> Worker | None:
         """One worker by id, or None when the gateway does not know it (404)."""
@@ -153,7 +184,8 @@ class GatewayClient:
             healthy = [w for w in matches if w.routable]
             if healthy:
                 return healthy[0]
-            state = f"listed, {', '.join(w.status or 'unhealthy' for w in matches)}" if matches else "not listed"
+            state = (f"listed, {', '.join((w.status or 'unhealthy') + (f', {w.breaker_problem}' if w.breaker_problem else '') for w in matches)}"
+                     if matches else "not listed")
             if progress and state != last:
                 progress(f"worker {url}: {state}")
             last = state
@@ -165,6 +197,15 @@ class GatewayClient:
                     evidence=json.dumps([w.__dict__ for w in matches], default=str)[-1000:] or None,
                 )
             time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def reregister(self, worker: Worker, deadline: float) -> Worker:
+        """Close `worker`'s breaker the only way smg 1.13 has: remove it (it drains: requests on it go
+        on), wait until it is gone, add it again (a new worker with a new, closed breaker), and wait
+        until it is routable. Returns the new worker (its breaker read, when this client reads them)."""
+        self.remove_worker(worker.id)
+        self.wait_worker_gone(worker.id, deadline)
+        self.add_worker(worker.url, worker.worker_type, worker.bootstrap_port)
+        return self.wait_worker_healthy(worker.url, deadline)
 
     def remove_worker(self, worker_id: str) -> None:
         """Ask the gateway to drop a worker (by id). Confirm with :meth:`wait_worker_gone`."""
@@ -206,7 +247,8 @@ class Gateways:
             raise InvalidInput("pdops_gateway", "no gateway named", fix="name at least one gateway host")
         self.nodes = tuple(nodes)
         self.clients: dict[str, GatewayClient] = {
-            n.host: GatewayClient(n.url, api_key_file=api_key_file, timeout=timeout, poll_interval=poll_interval)
+            n.host: GatewayClient(n.url, api_key_file=api_key_file, timeout=timeout, poll_interval=poll_interval,
+                                  metrics_url=n.metrics_url)
             for n in self.nodes}
 
     @classmethod

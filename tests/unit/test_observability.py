@@ -165,6 +165,14 @@ CASES = {
           {"series": f'haproxy_frontend_http_responses_total{{job="{obs.JOB_ADMISSION}",cluster="lab",proxy="admission",code="4xx"}}',
            "values": "0+5x30"}], "4m", None),
     ],
+    "PdopsGatewayCircuitOpen": [
+        ([{"series": f'smg_worker_cb_state{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",worker="http://127.0.10.2:30001"}}',
+           "values": "0 1x40"}], "3m",
+         {"job": obs.JOB_GATEWAY, "cluster": "lab", "host": "lab01", "worker": "http://127.0.10.2:30001"}),
+        # open, then half-open and closed within the timeout: no page
+        ([{"series": f'smg_worker_cb_state{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",worker="http://127.0.10.2:30001"}}',
+           "values": "0 1 1 1 2 0x40"}], "3m", None),
+    ],
     "PdopsNoServingRole": [
         ([_series("up", "1 0x12", **D01), _series("up", "1 0x12", **D02), _series("up", "1x12", **P01)], "3m",
          {"cluster": "lab", "role": "decode"}),

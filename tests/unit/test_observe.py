@@ -124,7 +124,7 @@ def test_a_down_unit_a_restarted_engine_and_a_missing_worker_are_each_repaired(l
     ids = [s.name for s in p.steps]
     # d01 (a decode) was down: the halves it left on the prefill are ended before the record
     assert ids == ["connect", "start d01", "canary", "register d01", "register d02", "gateway-list", "end-orphans",
-                   "verify-running", "record"]
+                   "close-breakers", "verify-running", "record"]
     canary = next(s for s in p.steps if s.name == "canary")
     assert canary.params["pairs"] == [("p01", "d01"), ("p01", "d02")]  # every pair of p01 (restarted), d01 (started)
     assert "plan: repair revision 1 (1p2d)" in p.render()
@@ -149,7 +149,7 @@ def test_an_unknown_worker_and_a_list_that_lacks_one_are_findings(live):
     p = plan(inv, state, units, workers, start_list)
     assert "d02: not in the gateway's start-up list" in p.findings
     assert any("http://127.0.0.9:1234" in f and "does not know" in f for f in p.findings)
-    assert [s.name for s in p.steps] == ["connect", "register d02", "gateway-list d02", "verify-running", "record"]
+    assert [s.name for s in p.steps] == ["connect", "register d02", "gateway-list d02", "close-breakers", "verify-running", "record"]
 
 
 def test_a_worker_the_gateway_still_drains_after_a_drain_is_no_difference(live):

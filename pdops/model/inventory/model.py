@@ -118,6 +118,12 @@ class Gateway:
     max_concurrent_requests: int
     queue_size: int
     health_check_interval_secs: int
+    # smg's circuit breaker and health thresholds (docs/gateway.md "Circuit breakers": chosen from
+    # measurement on smg 1.13.0, why each value)
+    cb_failure_threshold: int = 10
+    cb_success_threshold: int = 3
+    cb_timeout_secs: int = 15
+    health_failure_threshold: int = 3
     # The python of the gateway's own environment (smg installed, no torch); smg sits beside it
     python: str = "/opt/pdops/gateway-venv/bin/python"
     # Routing (smg --policy / --prefill-policy / --decode-policy); None: the gateway's default

@@ -57,13 +57,21 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
     if key_file is not None and not str(key_file).startswith("/"):
         raise InvalidInput("pdops_gateway.api_key_file", f"{key_file!r} is not an absolute path", fix="use an absolute path")
     policies = {k: _routing_policy(gv, k) for k in ("policy", "prefill_policy", "decode_policy")}
+    breaker = {}
+    for k, default in (("cb_failure_threshold", 10), ("cb_success_threshold", 3), ("cb_timeout_secs", 15),
+                       ("health_failure_threshold", 3), ("health_check_interval_secs", 5)):
+        v = gv.get(k, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidInput(f"pdops_gateway.{k}", f"{v!r} must be a whole number, at least 1",
+                               fix=f"e.g. {k}: {default} (docs/gateway.md \"Circuit breakers\")")
+        breaker[k] = v
     gw_port = port_number(gv.get("port"), "pdops_gateway.port")
     gw_prom = port_number(gv.get("prometheus_port"), "pdops_gateway.prometheus_port")
     gateway = Gateway(
         nodes=tuple(GatewayNode(h, names[h].data_addr, gw_port, gw_prom) for h in gw_hosts),
         port=gw_port, prometheus_port=gw_prom,
         api_key_file=key_file, max_concurrent_requests=mcr, queue_size=qs,
-        health_check_interval_secs=int(gv.get("health_check_interval_secs", 5)),
+        **breaker,
         python=resolve_gateway_python(str(gv.get("python", "/opt/pdops/gateway-venv/bin/python"))), **policies,
     )
     _check_port_plan(hosts, ports, gateway, prof)

@@ -166,8 +166,13 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
 
 
 def register(gateways: Gateways, inst: Instance, say: Say, timeout_s: float = 60) -> dict[str, str]:
-    """Register the instance with every gateway and wait until each lists it healthy and ready:
-    {gateway host: worker id}. Unverified names the gateway that did not."""
+    """Register the instance with every gateway and wait until each lists it healthy and ready with
+    its circuit breaker closed: {gateway host: worker id}. Unverified names the gateway that did not."""
+    return {h: w.id for h, w in register_workers(gateways, inst, say, timeout_s).items()}
+
+
+def register_workers(gateways: Gateways, inst: Instance, say: Say, timeout_s: float = 60) -> dict:
+    """:func:`register`, returning {gateway host: its routable worker (with its breaker as read)}."""
     deadline = deadline_in(timeout_s)
     out = {}
     for host, client in gateways.items():
@@ -178,20 +183,28 @@ def register(gateways: Gateways, inst: Instance, say: Say, timeout_s: float = 60
     return out
 
 
-def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: float) -> str:
-    """POST the instance to one gateway and wait until its /workers lists it healthy. A worker still
-    draining at this URL (the previous process at this address, drained moments ago: smg keeps it
-    about 5 s) is waited out first: a POST now would answer 409 with that worker, which then goes."""
-    from pdops.facts.gateway import DRAINING
+def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: float):
+    """POST the instance to one gateway and wait until its /workers lists it healthy, with its breaker
+    closed where the client reads breakers; returns that worker. A worker still draining at this URL
+    (the previous process at this address, drained moments ago: smg keeps it about 5 s) is waited out
+    first: a POST now would answer 409 with that worker, which then goes. A worker listed at this URL
+    whose breaker is not closed (its engine failed requests before a restart: smg keeps the breaker
+    of a URL through it) is removed first, so that the POST gives it a new, closed breaker."""
+    from pdops.facts.gateway import CLOSED, DRAINING
 
     try:
-        stale = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")
-                 and w.status == DRAINING]
+        listed = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")]
     except PdopsError:
-        stale = []  # the POST below says what is wrong with the gateway
-    for w in stale:
-        say(f"  {inst.id}: {client.base_url} still drains worker {w.id} at {inst.url}; waiting until it is gone")
-        client.wait_worker_gone(w.id, deadline)
+        listed = []  # the POST below says what is wrong with the gateway
+    for w in listed:
+        if w.status == DRAINING:
+            say(f"  {inst.id}: {client.base_url} still drains worker {w.id} at {inst.url}; waiting until it is gone")
+            client.wait_worker_gone(w.id, deadline)
+        elif w.breaker is not None and w.breaker.state != CLOSED:
+            say(f"  {inst.id}: {client.base_url} lists worker {w.id} with {w.breaker_problem}: removing it and "
+                "adding it again (a new registration is smg's only way to close a breaker)")
+            client.remove_worker(w.id)
+            client.wait_worker_gone(w.id, deadline)
     for w in other_identity(client.list_workers(), inst):
         # the same URL under another bootstrap port: an earlier process of it (a registration the
         # gateway retried in the background); requests routed there would fail at the bootstrap
@@ -206,8 +219,9 @@ def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: floa
         raise Unverified(f"{inst.id}: the gateway lists worker {w.id} at {inst.url} with bootstrap port "
                          f"{w.bootstrap_port}, not {inst.bootstrap_port}: requests routed to it would fail at the "
                          "bootstrap", fix="run the operation again: it removes the stale worker first")
-    say(f"  {inst.id} registered with {client.base_url}: worker {w.id} healthy")
-    return w.id or worker_id
+    cb = f", circuit {w.breaker.state}" if w.breaker is not None else ""
+    say(f"  {inst.id} registered with {client.base_url}: worker {w.id or worker_id} healthy{cb}")
+    return w
 
 
 def other_identity(workers, inst: Instance) -> list:

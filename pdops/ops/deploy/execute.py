@@ -3,6 +3,7 @@ deploy and of a repair, and the walk under the lock."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from pdops.model import membership
@@ -14,7 +15,7 @@ from pdops.model.render import GATEWAY_UNIT, manifest, snapshot_of, write_build
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
-from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, gateway_pid_of, preflight_unverified, register,
+from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, gateway_pid_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations)
 from pdops.ops.deploy.plan import DeployPlan
 
@@ -148,19 +149,64 @@ def do_register(ctx: RunContext, step: Step) -> Outcome:
     inst = _inst(ctx, step)
     ctx.give(step, "posted", {inst.id})
     try:
-        wids = register(ctx.gateways.subset(step.params.get("gateways")), inst, ctx.say, step.deadline)
+        workers = register_workers(ctx.gateways.subset(step.params.get("gateways")), inst, ctx.say, step.deadline)
     except PdopsError as exc:
         raise DeployFailed(f"{inst.id} not registered healthy: {exc.message}", evidence=exc.evidence,
                            fix="read the instance's journal (`journalctl -u <unit>` on its host) and the "
                                "gateway's; fix the cause and deploy again") from None
     # the revision records the first gateway's worker id (each gateway has its own ids; a drain finds
     # the worker in each by its URL)
+    wids = {h: w.id for h, w in workers.items()}
     wid = next(wids[h] for h in ctx.inv.gateway.hosts if h in wids)
     ctx.give(step, "workers", {inst.id: wid})
     where = "the gateway's /workers" if len(wids) == 1 else f"the /workers of each of the {len(wids)} gateways"
-    return Outcome(evidence={"worker_id": wid, "worker_ids": wids},
+    breakers = {h: w.breaker.state for h, w in workers.items() if w.breaker is not None}
+    return Outcome(evidence={"worker_id": wid, "worker_ids": wids, "breakers": breakers},
                    verified=[f"{inst.id} registered (worker {', '.join(wids.values())}), listed healthy and ready "
-                             f"by {where}"])
+                             f"by {where}" + (", its circuit breaker closed there (smg_worker_cb_state 0)"
+                                              if breakers else "")])
+
+
+def do_close_breakers(ctx: RunContext, step: Step) -> Outcome:
+    """Each gateway routes to every instance of the step with its breaker closed: a worker listed healthy
+    and ready whose breaker is open or half-open (its engine, or its PD peer, failed requests before a
+    restart) is registered again; one that is not healthy is its engine's matter, named, not verified."""
+    from pdops.facts.gateway import CLOSED, DRAINING
+
+    insts = [ctx.placement.get(i) for i in step.params["instances"]]
+    deadline = ctx.deadline(step)
+    reset: dict[str, list[str]] = {}
+    states: dict[str, dict[str, str]] = {}
+    not_routable: list[str] = []
+    for host, client in ctx.gateways.items():
+        by_url = {}
+        for w in client.list_workers():
+            if w.status != DRAINING:
+                by_url[w.url.rstrip("/")] = w
+        for inst in insts:
+            w = by_url.get(inst.url.rstrip("/"))
+            if w is not None and w.is_healthy and w.status == "ready" and w.breaker is not None \
+                    and w.breaker.state != CLOSED:
+                ctx.say(f"  {inst.id} on gateway {host}: {w.breaker_problem}; registering it again")
+                reset.setdefault(host, []).append(f"{inst.id} ({w.breaker_problem})")
+                w = client.reregister(w, deadline)  # its start-up list entry is unchanged (same URL, role, port)
+            states.setdefault(host, {})[inst.id] = (w.breaker.state if w is not None and w.breaker is not None
+                                                    else "not listed" if w is None else "not read")
+            if w is None or not w.routable:
+                not_routable.append(f"{inst.id} on gateway {host}: " + ("not listed" if w is None else w.describe()))
+    ev = {"breakers": states, "registered_again": reset}
+    if not_routable:
+        exc = Unverified("not every instance is routable after the restart: " + "; ".join(not_routable),
+                         fix="`inv status` says why each is not (its engine, or the gateway); `inv deploy --topology "
+                             "<the current one>` repairs what it observes", evidence=json.dumps(ev))
+        exc.journal_evidence = ev
+        raise exc
+    where = "the gateway" if len(states) == 1 else f"each of the {len(states)} gateways"
+    return Outcome(evidence=ev, verified=[f"{where} routes to every instance ({', '.join(i.id for i in insts)}): "
+                                          "healthy, ready, circuit breaker closed (smg_worker_cb_state 0)"
+                                          + (f"; registered again to close its breaker: "
+                                             f"{'; '.join(f'{h}: ' + ', '.join(v) for h, v in reset.items())}"
+                                             if reset else "")])
 
 
 def do_gateway_list(ctx: RunContext, step: Step) -> Outcome:
@@ -260,7 +306,7 @@ def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
 # the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
 register_executors({"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
           "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
-          "register": do_register, "gateway-list": do_gateway_list, "record-deploy": do_record_deploy,
+          "register": do_register, "gateway-list": do_gateway_list, "close-breakers": do_close_breakers, "record-deploy": do_record_deploy,
           "record-repair": do_record_repair, "verify-running": do_verify_running,
           "undo-register": do_undo_register, "front-door-ready": do_front_door_ready,
           "front-door-set": do_front_door_set},

@@ -21,7 +21,8 @@ from pdops.model.topology import Topology
 if TYPE_CHECKING:
     from pdops.reads.observe import Observation
 
-from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, front_door_step, gateway_steps, preflight_step,
+from pdops.ops.deploy.steps import (canary_step, close_breakers_step, connect_step, delivery_steps, front_door_step,
+                                  gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
 
@@ -192,6 +193,9 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
+    if touched or need:
+        steps.append(close_breakers_step(inv, pl, "engines started again at their URLs, or workers the gateway did "
+                                                  "not route to"))
     steps.append(verify_running_step(pl, inv, plan.files))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
                       "and topology" + ("; the inventory on disk" if not inv.matches(rev.inventory_hash) else "")

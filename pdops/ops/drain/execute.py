@@ -124,8 +124,74 @@ def _instance(ctx: RunContext, step: Step) -> Instance:
     return ctx.placement.get(step.instance)
 
 
+def routable_others(gateways: Gateways, inst: Instance, peers: list[Instance]) -> tuple[bool, dict[str, str]]:
+    """(is `inst` routable on some gateway now, {peer id: "routable on <gw>" or why it is not on any})."""
+    urls = {p.url.rstrip("/"): p.id for p in peers}
+    mine = inst.url.rstrip("/")
+    inst_routable = False
+    why: dict[str, list[str]] = {p.id: [] for p in peers}
+    ok: dict[str, str] = {}
+    for host, client in gateways.items():
+        try:
+            listed = client.list_workers()
+        except PdopsError as exc:
+            for p in peers:
+                why[p.id].append(f"gateway {host} unreadable ({exc.message})")
+            continue
+        seen = set()
+        for w in listed:
+            u = w.url.rstrip("/")
+            if u == mine and w.routable:
+                inst_routable = True
+            if u in urls:
+                seen.add(u)
+                if w.routable:
+                    ok.setdefault(urls[u], f"routable on {host}")
+                else:
+                    why[urls[u]].append(f"{host}: " + (w.breaker_problem or f"{w.status}, "
+                                                       f"{'healthy' if w.is_healthy else 'unhealthy'}"))
+        for u, pid in urls.items():
+            if u not in seen:
+                why[pid].append(f"{host}: not listed")
+    return inst_routable, {pid: ok.get(pid) or "; ".join(why[pid]) for pid in why}
+
+
+def guard_serving(ctx: RunContext, step: Step, inst: Instance) -> dict:
+    """Before a routable instance leaves the gateways: wait (up to the step's `guard_s`) until another
+    instance of its role is routable on a gateway; refuse, nothing changed, when none gets there."""
+    budget = float(step.params.get("guard_s") or 0)
+    pl = ctx.old_placement if step.params.get("old") and ctx.old_placement is not None else ctx.placement
+    peers = [i for i in pl.role(inst.role) if i.id != inst.id]
+    if budget <= 0 or not peers:
+        return {}
+    t0 = time.monotonic()
+    said = None
+    while True:
+        mine, others = routable_others(ctx.gateways, inst, peers)
+        serving = sorted(p for p, v in others.items() if v.startswith("routable on"))
+        if not mine:
+            return {"guard": f"{inst.id} is not routable now: taking it out takes nothing away", "peers": others}
+        if serving:
+            waited = round(time.monotonic() - t0, 1)
+            if waited:
+                ctx.say(f"  waited {waited}s for another routable {inst.role}: {', '.join(serving)}")
+            return {"guard": f"another {inst.role} routable: {', '.join(serving)}", "waited_s": waited, "peers": others}
+        if time.monotonic() - t0 >= budget:
+            raise Refused(f"{inst.id} is the only routable {inst.role}: no other {inst.role} became routable within "
+                          f"{budget:g}s (" + "; ".join(f"{p}: {v}" for p, v in sorted(others.items())) + "); "
+                          f"{inst.id} was not taken out of any gateway",
+                          fix="`inv status` says why each is not routable; `inv deploy --topology <the current one>` "
+                              "registers again a worker whose circuit is open; or --force to take it out anyway")
+        line = "; ".join(f"{p}: {v}" for p, v in sorted(others.items()))
+        if line != said:
+            ctx.say(f"  {inst.id} is the only routable {inst.role} now ({line}); waiting up to {budget:g}s")
+            said = line
+        time.sleep(0.5)
+
+
 def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
     inst = _instance(ctx, step)
+    guarded = guard_serving(ctx, step, inst)
     _drain_state(ctx, inst, step)
     if step.params.get("in_change"):  # out of service from now on: a halted change's rescue reads this
         ctx.give(step, "left_gateway", [inst.id])
@@ -136,15 +202,17 @@ def do_leave_gateway(ctx: RunContext, step: Step) -> Outcome:
                if (ids := leave_gateway(c, inst, step.params.get("worker_id"), deadline_s=step.deadline))}
     where = "the gateway" if len(ctx.gateways) == 1 else f"each of the {len(ctx.gateways)} gateways"
     if not removed:
-        return Outcome("noop", {"already_removed": step.params.get("worker_id"),
+        return Outcome("noop", {"already_removed": step.params.get("worker_id"), **guarded,
                                 "gateway_list": membership.listed_ids(left)},
                        verified=[f"{inst.id} is not in the /workers of {where}"],
                        reason=f"{inst.id} is not in the /workers of {where} (already removed)")
     ids = [i for v in removed.values() for i in v]
     ctx.say(f"  {inst.id} left {where}: worker {', '.join(ids)} removed, draining (no new request routed to it)")
-    return Outcome(evidence={"removed": ids, "removed_by_gateway": removed, "gateway_list": membership.listed_ids(left)},
+    return Outcome(evidence={"removed": ids, "removed_by_gateway": removed, "gateway_list": membership.listed_ids(left),
+                             **guarded},
                    verified=[f"{inst.id} out of the start-up list of {where} and draining or gone in each (no new "
-                             "request routed to it)"])
+                             "request routed to it)"] + ([f"before it left: {guarded['guard']}"]
+                                                         if guarded.get("guard") else []))
 
 
 def _resumed_without_checks(ctx: RunContext, step: Step, inst: Instance) -> Outcome | None:

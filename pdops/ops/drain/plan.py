@@ -74,7 +74,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
     worker = (rev.instances.get(inst.id) or {}).get("worker_id")
     down = seen is not None and inst.id in seen.down
     steps = drain_steps(inv, inst, worker, wait_s=wait_s, interval_s=interval_s, force_after=force_after,
-                        gateway=not skip_gateway, wait=not down)
+                        gateway=not skip_gateway, wait=not down, guard=not force)
     notes = [f"observed: {seen.basis}"] if seen is not None and seen.basis else []
     if inst.id in ns:
         notes.append(f"observed: {inst.id} does not serve ({ns[inst.id]})" + (
@@ -92,6 +92,13 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
                      persist=not skip_gateway, notes=notes)
 
 
+def serving_wait_s(inv: Inventory) -> float:
+    """How long a disruptive step waits for another instance of the role to be routable
+    (`pdops_serving_wait_s`, default 30 s: smg re-admits a recovered worker within its health interval,
+    and a breaker pdops closes by registering again takes about 6 s; longer means it is not coming)."""
+    return float(inv.vars.get("pdops_serving_wait_s", 30))
+
+
 # How long a drain's verify-stop waits for the gateway to drop the removed worker (smg: ~5 s).
 GONE_WAIT_S = 30.0
 
@@ -99,24 +106,29 @@ GONE_WAIT_S = 30.0
 def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s: float, interval_s: float,
                 force_after: bool = False, gateway: bool = True, prefix: str = "", in_change: bool = False,
                 check_ports: bool = True, resume: bool = True, extra: dict | None = None,
-                wait: bool = True) -> list[Step]:
+                wait: bool = True, guard: bool = False) -> list[Step]:
     """Rule 4 for one instance as steps: the one drain sub-plan that drain, scale and rollback
     embed (`prefix` names the instance in the step ids when an operation has several drains).
     `gateway=False`: the verified stop alone (`inv stop`); `check_ports=False` for an instance
     that never listened (its port may be someone else's); `resume=False` (undoing an add): always
     stop, never accept units found stopped as the work of an earlier drain. `wait=False` (repairing
     an instance observed down: nothing of it runs to wait for): leave the gateway, then the verified
-    stop, without the wait and the empty checks."""
+    stop, without the wait and the empty checks. `guard` (not with --force): while the instance is
+    routable, it leaves the gateway only once another instance of its role is routable on a gateway
+    (serving as smg routes: healthy, ready, circuit closed), waiting up to `serving_wait_s(inv)`."""
     p = {"instance": inst.id, "in_change": in_change, "check_ports": check_ports, "resume": resume, **(extra or {})}
     steps = []
     if gateway:
         steps.append(
-            Step(f"{prefix}leave-gateway", inv.gateway.step_host, f"out of the gateway's start-up worker list, then DELETE "
+            Step(f"{prefix}leave-gateway", inv.gateway.step_host, (
+                 f"while {inst.id} is routable, first wait (up to {serving_wait_s(inv):g}s, else refuse, nothing "
+                 f"changed) until another {inst.role} is routable on a gateway (healthy, ready, circuit closed); "
+                 if guard else "") + "out of the gateway's start-up worker list, then DELETE "
                  f"/workers/{worker_id}{inv.gateway.on_each()}; verify "
                  + ("the gateway lists" if len(inv.gateway.nodes) == 1 else "each gateway lists")
                  + " it draining (no new request) or not at all; requests already routed to it keep running",
-                 30 * len(inv.gateway.nodes), kind="leave-gateway",
-                 params={**p, "worker_id": worker_id}))
+                 30 * len(inv.gateway.nodes) + (serving_wait_s(inv) if guard else 0), kind="leave-gateway",
+                 params={**p, "worker_id": worker_id, "guard_s": serving_wait_s(inv) if guard else 0}))
     if gateway and wait:
         steps += [
             Step(f"{prefix}wait-empty", inst.head.host, "until no request ID is open in its request log and every "

@@ -110,6 +110,7 @@ class ScalePlan:
     how: str = ""  # how the planner rolls the change (waves, or fenced) and why
     # a fenced rollout (pdops.ops.scale.fenced): {gateway, others, shifts, hold_s, shrink, admission_host}
     fence: dict | None = None
+    force: bool = False  # the operator accepted a role with no serving instance (--force): no serving guard
 
     @property
     def start_capacity(self) -> tuple[int, int]:

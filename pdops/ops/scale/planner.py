@@ -270,7 +270,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
                      retired_gateways=retired,
                      base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
-                     generation=gen, how=_waves_why(gen))
+                     generation=gen, how=_waves_why(gen), force=force)
     compile_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",

@@ -98,7 +98,8 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         i += 1
         wid = (cur.instances.get(s.instance.id) or {}).get("worker_id")
         out += drain_steps(inv, s.instance, wid, wait_s=float(inv.drain_budget_s), interval_s=interval,
-                           prefix=f"drain {s.instance.id}: ", in_change=True, wait=s.instance.id not in down)
+                           prefix=f"drain {s.instance.id}: ", in_change=True, wait=s.instance.id not in down,
+                           guard=not plan.force)
         live.discard(s.instance.id)
     from pdops.ops.deploy import verify_running_step
 
@@ -124,6 +125,11 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if rep and plan.current_placement.get(rep["instance"]).role == "decode":
         # the halves the ended decode process left on the prefills wait for a side that is gone
         out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
+    if plan.replaced:
+        from pdops.ops.deploy.steps import close_breakers_step
+
+        out.append(close_breakers_step(inv, tgt, f"{', '.join(i.id for i in plan.replaced)} started again at "
+                                                 "unchanged URLs"))
     out.append(verify_running_step(tgt, inv, plan.files))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
                     kind="record-scale", params={"change": change_facts(plan)}))
@@ -219,7 +225,7 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     subs = [drain_steps(inv, old[i.id], (cur.instances.get(i.id) or {}).get("worker_id"),
                         wait_s=float(rep.get("wait_s") or inv.drain_budget_s), interval_s=interval,
                         prefix=f"replace {i.id}: ", in_change=True, extra={"old": True},
-                        force_after=bool(rep.get("force_after")),
+                        force_after=bool(rep.get("force_after")), guard=not plan.force,
                         wait=not (rep.get("down") and rep.get("instance") == i.id) and i.id not in down) for i in wave]
     out: list[Step] = []
     for i in wave:
