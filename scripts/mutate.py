@@ -98,6 +98,14 @@ MUTATIONS = (
     Mutation("front door: every gateway taken as UP in HAProxy without reading it", "wait_gateways_up",
              ("tests/lab/test_gateways_lab.py::test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it",),
              body="return {}"),
+    Mutation("serving: a worker taken as routable whatever its circuit breaker", "Worker.routable",
+             ("tests/unit/test_breakers.py", "tests/sim/test_sim_breakers.py",
+              "tests/lab/test_repair.py::test_a_decode_killed_under_load_and_repaired_leaves_no_circuit_open"),
+             body='return self.is_healthy and self.status == READY'),
+    Mutation("close-breakers: an open breaker left as it is", "do_close_breakers",
+             ("tests/lab/test_repair.py::test_a_decode_killed_under_load_and_repaired_leaves_no_circuit_open",
+              "tests/lab/test_repair.py::test_the_only_decode_killed_opens_the_prefills_circuit_and_its_repair_closes_both"),
+             old="w = client.reregister(w, deadline)", new="pass"),
 )
 
 

@@ -143,7 +143,29 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence=ev, verified=verified)
 
 
-register_executors({"lost-work": do_lost_work}, gives={"lost-work": ("lost_work",)})
+def baseline_step(instance_id: str) -> Step:
+    return Step("status-baseline", None, f"every instance routable again: the PD failure counters read now become "
+                f"`inv status`'s last look; what rose since the previous look fell inside the fault this repair of "
+                f"{instance_id} named, and is named here with it (`inv status` then reports only failures after it)",
+                60, kind="status-baseline", params={"instance": instance_id})
+
+
+def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
+    from pdops.reads.status import move_baseline
+
+    absorbed = move_baseline(ctx.inv, ctx.pool, ctx.placement)
+    if absorbed:
+        ctx.say("  failures inside the fault of " + step.params["instance"] + ": " + "; ".join(
+            f"{k} " + ", ".join(f"{c} +{d}" for c, d in v.items()) for k, v in sorted(absorbed.items())))
+    return Outcome(evidence={"fault_of": step.params["instance"], "failures_in_fault": absorbed},
+                   verified=["`inv status`'s baseline moved past the fault"
+                             + (": " + "; ".join(f"{k} " + ", ".join(f"{c} +{d}" for c, d in v.items())
+                                                 for k, v in sorted(absorbed.items())) + " reported with it"
+                                if absorbed else " (no failure counter rose)")])
+
+
+register_executors({"lost-work": do_lost_work, "status-baseline": do_status_baseline},
+                   gives={"lost-work": ("lost_work",)})
 
 
 def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:

@@ -35,6 +35,7 @@ from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_parallel
 from pdops.record.local import local_dir
+from pdops.model.render import GATEWAY_UNIT
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
 FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
@@ -168,6 +169,42 @@ def _gateway_counters(node) -> dict[str, float]:
         raise RuntimeError(f"HTTP {status}")
     metrics = engine_facts.parse_metrics(text)
     return {k: engine_facts.counter(metrics, name) for k, name in GATEWAY_COUNTERS.items() if name in metrics}
+
+
+def move_baseline(inv: Inventory, pool, placement) -> dict[str, dict[str, int]]:
+    """After an operation verified every instance routable again (`inv repair`): the PD failure counters
+    read now become the last look of `inv status` (and the one `inv repair` decides from), so failures
+    that fell inside the fault the operation named are reported with it, not as new. Returns what it
+    absorbed: {instance or gateway: {counter: increase since the last look}}."""
+    seen: dict[str, dict] = {}
+    now = time.time()
+    reads = run_parallel(list(placement.instances), _engine_reads)
+    for inst in placement.instances:
+        r = reads.get(inst)
+        if not (isinstance(r, tuple) and r[1]):
+            continue
+        host, unit = inst.head.host, inst.units[0][1]
+        pid = pool.unit_states(host, [unit])[unit].main_pid
+        seen[inst.id] = {"pid": pid, "counters": r[1], "at": now}
+    counters = run_parallel(list(inv.gateway.nodes), _gateway_counters)
+    for node in inv.gateway.nodes:
+        c = counters.get(node)
+        if isinstance(c, dict) and c:
+            pid = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
+            seen[gateway_key(inv, node.host)] = {"pid": pid, "counters": c, "at": now}
+    absorbed = _counter_deltas(inv, seen, write=True)
+    # the look before this one is no baseline either: `inv repair` decides from the previous look
+    path = _look_path(inv)
+    try:
+        doc = json.loads(path.read_text())
+        for k in seen:
+            doc[k]["prev"] = {x: v for x, v in doc[k].items() if x != "prev"}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
+    except (OSError, ValueError, KeyError):
+        pass
+    return {k: {c: d for c, d in v.items() if d > 0} for k, v in absorbed.items() if any(d > 0 for d in v.values())}
 
 
 def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:

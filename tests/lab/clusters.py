@@ -164,8 +164,14 @@ class Load:
     request is counted in its ledger row."""
 
     def __init__(self, url: str, headers: dict | None = None, *, prefix: str = "scale-load", requests: int = 6,
-                 concurrency: int = 3, max_new_tokens: int = 8):
+                 concurrency: int = 3, max_new_tokens: int = 8, distinct_prompts: bool = False):
         self.url = url
+        # distinct prompts: a cache-aware policy spreads them over the workers instead of keeping one
+        self.prompt_for = None
+        if distinct_prompts:
+            from pdops.sim.tokens import make_prompt
+
+            self.prompt_for = lambda i: make_prompt(20, i + 1000 * len(self.rows))
         self.headers = headers
         self.prefix, self.batch = prefix, {"requests": requests, "concurrency": concurrency,
                                            "max_new_tokens": max_new_tokens}
@@ -181,7 +187,7 @@ class Load:
         try:
             while not self._stop.is_set():
                 self.rows += send(self.url, **self.batch, stream_every=2, rid_prefix=f"{self.prefix}-{n}", timeout=60,
-                                  headers=self.headers)
+                                  headers=self.headers, prompt_for=self.prompt_for)
                 n += 1
         except Exception as exc:  # noqa: BLE001 - reported by stop()
             self._error = exc

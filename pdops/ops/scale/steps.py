@@ -131,6 +131,10 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         out.append(close_breakers_step(inv, tgt, f"{', '.join(i.id for i in plan.replaced)} started again at "
                                                  "unchanged URLs"))
     out.append(verify_running_step(tgt, inv, plan.files))
+    if rep:
+        from pdops.ops.repair import baseline_step
+
+        out.append(baseline_step(rep["instance"]))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
                     kind="record-scale", params={"change": change_facts(plan)}))
     return out
