@@ -50,8 +50,8 @@ def gateway_server(host: str) -> str:
     """A gateway's server in HAProxy's runtime API (host names are [A-Za-z0-9.-])."""
     return f"{GATEWAYS_BACKEND}/gw-{host}"
 # A connection the gateway refused carried nothing, so HAProxy tries it again, min(timeout
-# connect, 1 s) apart: this many tries cover a planned gateway restart of up to ~10 s while
-# the change has paused the server's health check (`health_pause_command`).
+# connect, 1 s) apart, on another gateway when there is one (a gateway that died, before its
+# health check marks it DOWN).
 CONN_RETRIES = 10
 # The health check of each gateway (smg's /readiness): every 2 s; 3 failures mark it DOWN, 2
 # successes UP again. A gateway that dies is marked DOWN within inter x fall = 6 s (plus one
@@ -75,12 +75,9 @@ def runtime_command(command: str, socket_path: str = STATS_SOCKET) -> str:
     return " ".join(shlex.quote(a) for a in ("python3", "-c", _RUNTIME_SCRIPT, socket_path, command))
 
 
-def health_pause_command(host: str, paused: bool, socket_path: str = STATS_SOCKET) -> str:
-    """Pause (or resume) HAProxy's health check of one gateway. While paused, HAProxy keeps the
-    server UP whatever the check would say ("disable health": the last result is ignored), so
-    a planned restart of the only gateway is covered by the connection retries instead of HAProxy
-    marking it down and answering 503 itself."""
-    return runtime_command(f"{'disable' if paused else 'enable'} health {gateway_server(host)}", socket_path)
+def standby_server(host: str) -> str:
+    """The name a lone gateway's stand-in has among the gateways' servers, as `show stat` keys it."""
+    return f"{host}-standby"
 
 
 def server_state_command(host: str, state: str, socket_path: str = STATS_SOCKET) -> str:
@@ -174,6 +171,9 @@ class AdmissionConfig:
     vip: str | None = None
     vrrp_interface: str | None = None
     vrrp_router_id: int = 51
+    # a lone gateway's stand-in (host, address, port): a server rendered disabled (MAINT), put in
+    # service only while the gateway restarts (docs/gateway.md "Restarting the only gateway")
+    standby: tuple[str, str, int] | None = None
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -337,6 +337,8 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     return AdmissionConfig(host=host_name, listen_addr=listen, port=port, cap=cap, queue=queue,
                            queue_timeout_s=qto, overflow_status=overflow, api_keys_file=kf,
                            gateways=tuple((n.host, n.addr, n.port) for n in gw.nodes), keys=keys,
+                           standby=((gw.nodes[0].host, gw.nodes[0].addr, gw.standby(gw.nodes[0].host).port)
+                                    if len(gw.nodes) == 1 else None),
                            metrics_port=mport, others=tuple(zip(host_names[1:], listens[1:])), vip=vip,
                            vrrp_interface=iface, vrrp_router_id=vrid)
 

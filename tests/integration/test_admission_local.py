@@ -3,6 +3,7 @@ the real gateway (`smg`) and sims. No lab: every process is started here and kil
 its PID in a finally block. Streams are made long with PDOPS_SIM_DECODE_STEP_MS."""
 
 import asyncio
+from dataclasses import replace
 import shutil
 import signal
 import time
@@ -268,62 +269,70 @@ def test_reloads_under_back_to_back_requests_turn_none_away(tmp_path):
     assert set(answers) == {"200 b'{\"text\": \"ok\"}'"}, dict(answers)
 
 
-def test_a_paused_health_check_keeps_the_only_gateway_in_service_through_a_restart(tmp_path):
-    """What a change's gateway-restart does behind the admission layer, on real HAProxy: with the
-    health check paused (the exact command pdops sends over SSH), the gateway down for longer than
-    HAProxy's check needs to mark it DOWN (3 checks 2 s apart) stays UP in HAProxy's eyes, and a
-    request that arrives meanwhile is retried (connection refused: nothing was sent) and served when
-    the gateway is back. With the check running, the same outage is marked DOWN and HAProxy answers
-    "model gateway down" itself, which is what a crash (not a planned restart) must give."""
+def test_the_only_gateways_stand_in_takes_over_while_the_gateway_is_out_and_no_check_is_paused(tmp_path):
+    """What a change's gateway-restart does with one gateway behind the admission layer, on real
+    HAProxy, with the exact runtime commands pdops sends: the rendered stand-in server starts in
+    MAINT (disabled); set ready, HAProxy's own check brings it UP; the gateway set to drain then
+    takes no new request while the stand-in serves them all, even with the gateway stopped (its
+    check keeps running: DOWN, and nobody minds); back ready and UP, the stand-in drained and put in
+    MAINT again. At no point is a health check paused, and every request is served."""
     import subprocess
-    import threading
 
-    from pdops.model.admission import health_pause_command
+    from pdops.model.admission import server_state_command, standby_server
+    from pdops.remote.haproxy import gateway_stats
 
-    port = free_port()
-    gw = _Gateway(port)
+    port, sport = free_port(), free_port()
+    gw, standby = _Gateway(port), _Gateway(sport)
     gw.start()
-    cfg = _cfg(port, cap=4, queue=4)
+    cfg = replace(_cfg(port, cap=4, queue=4), standby=("gw1", "127.0.0.1", sport))
     sock = tmp_path / "admin.sock"
     hx = start_haproxy(cfg, tmp_path / "haproxy", stats_socket=str(sock))
     auth = {"Authorization": f"Bearer {KEY_A}"}
 
-    def api(paused: bool) -> str:
-        return subprocess.run(health_pause_command("gw1", paused, str(sock)), shell=True, capture_output=True, text=True,
-                              check=True).stdout.strip()
+    class Local:  # the admission host's shell, here
+        def run(self, host, command, timeout=15):
+            return subprocess.run(command.replace("/run/pdops-admission/admin.sock", str(sock)), shell=True,
+                                  capture_output=True, text=True, check=True, timeout=timeout)
+
+    def stats():
+        return gateway_stats(Local(), "local")
+
+    def send(n):
+        return [http("POST", cfg.url + "/generate", {"text": "hi"}, timeout=30, headers=auth)[0] for _ in range(n)]
+
+    def api(host, state):
+        return Local().run("local", server_state_command(host, state)).stdout.strip()
 
     try:
-        wait_until(lambda: _gw_status(sock).startswith("UP"), 15, "HAProxy to see the gateway UP")
-        assert api(paused=True) == ""  # HAProxy's answer to a command it carried out
-        gw.stop()
-        down_since = time.monotonic()
-        # longer than the check needs to mark it DOWN: 3 failed checks, 2 s apart (+1 s of margin)
-        time.sleep(7)
-        # "no check": in service, its last check result ignored (HAProxy's word while paused)
-        assert _gw_status(sock) == "no check", _gw_status(sock)
-        answer: dict = {}
-        t = threading.Thread(target=lambda: answer.update(r=http("POST", cfg.url + "/generate", {"text": "hi"},
-                                                                    timeout=30, headers=auth)))
-        t.start()
-        time.sleep(1.5)  # the request is being retried against the closed port meanwhile
+        wait_until(lambda: stats()["gw1"].up, 15, "HAProxy to see the gateway UP")
+        assert stats()[standby_server("gw1")].status == "MAINT"  # rendered disabled
+        assert send(3) == [200] * 3 and standby.served == 0
+        standby.start()
+        assert api(standby_server("gw1"), "ready") == ""
+        wait_until(lambda: stats()[standby_server("gw1")].up, 15, "HAProxy to see the stand-in UP")
+        assert api("gw1", "drain") == ""
+        before = gw.served
+        gw.stop()  # the restart: its check keeps running and fails; the stand-in carries the requests
+        assert send(6) == [200] * 6 and standby.served == 6 and gw.served == before
+        wait_until(lambda: stats()["gw1"].status in ("DOWN", "DRAIN (DOWN)") or "DOWN" in stats()["gw1"].status,
+                   20, "HAProxy's running check to see the stopped gateway")
+        assert send(2) == [200] * 2
         gw.start()
-        t.join(30)
-        print(f"gateway down {time.monotonic() - down_since:.1f} s; the request got {answer.get('r')}")
-        assert answer["r"][0] == 200, answer
-        assert api(paused=False) == ""
-
-        # the control: a crash with the check running is marked DOWN and answered by HAProxy itself
-        gw.stop()
-        wait_until(lambda: _gw_status(sock).startswith("DOWN"), 20, "HAProxy to mark the stopped gateway DOWN")
-        status, doc = http("POST", cfg.url + "/generate", {"text": "hi"}, timeout=10, headers=auth)
-        assert status == 503 and "model gateway down" in str(doc), (status, doc)
+        assert api("gw1", "ready") == ""
+        wait_until(lambda: stats()["gw1"].up, 15, "the gateway UP again")
+        assert api(standby_server("gw1"), "drain") == ""
+        served = standby.served
+        assert send(4) == [200] * 4 and standby.served == served  # the drained stand-in takes none
+        assert api(standby_server("gw1"), "maint") == ""
+        assert stats()[standby_server("gw1")].status == "MAINT"
     finally:
         hx.kill_all()
-        if gw.server is not None:
-            try:
-                gw.stop()
-            except Exception:  # noqa: BLE001 - already stopped
-                pass
+        for g in (gw, standby):
+            if g.server is not None:
+                try:
+                    g.stop()
+                except Exception:  # noqa: BLE001 - already stopped
+                    pass
 
 
 def test_two_admission_hosts_each_route_over_both_gateways_and_survive_one_gateway_gone(tmp_path):

@@ -159,6 +159,17 @@ def deployed(lab, where: Path, topology: str | None, *, profile: dict | None = N
         stop_all(lab)
 
 
+@contextlib.contextmanager
+def cpu_hog():
+    """A busy loop on one core for the test's length (it ends itself after 10 minutes at most)."""
+    p = subprocess.Popen(["timeout", "600", "taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+    try:
+        yield p
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+
+
 class Load:
     """Requests through the gateway (every other one streamed) in small batches until stopped; every
     request is counted in its ledger row."""

@@ -232,13 +232,14 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
 
 def test_a_gateway_restart_behind_the_admission_layer_turns_no_request_away(cluster):
     """Straight at the gateway, requests that arrive while smg restarts are refused (test_change).
-    Behind the admission layer the change pauses HAProxy's health check of the gateway for the
-    restart, so HAProxy never marks the only gateway down, and a refused connection is retried
-    (`retries`, `retry-on conn-failure`: nothing was sent, so nothing is replayed): a client sees
-    none of it. A gateway setting changes under load through the admission layer; every request
-    is served. The same deploy adds a key, so it also reloads HAProxy at its end (a new worker,
-    the old one soft-stops): that handover turns none away either (docs/admission.md)."""
-    from tests.lab.clusters import Load
+    Behind the admission layer the only gateway restarts make before break: a stand-in smg from the
+    new files is admitted in HAProxy once its /readiness is 200 and it routes to every worker, the
+    gateway is drained to 0 sessions, restarted, admitted again, and the stand-in drained and stopped;
+    no health check is paused. A gateway setting changes under load through the admission layer, a
+    CPU hog on one core: every request is served, none turned away. The same deploy adds a key, so it
+    also reloads HAProxy at its end (a new worker, the old one soft-stops): that handover turns none
+    away either (docs/admission.md)."""
+    from tests.lab.clusters import Load, cpu_hog
 
     inv_dir, inv, keys, _, _ = cluster
     cfg = parse_admission(inv.vars, inv)
@@ -248,13 +249,15 @@ def test_a_gateway_restart_behind_the_admission_layer_turns_no_request_away(clus
     doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 6
     hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
     write_keys(keys, key, KEY_C)  # the load's key stays; the new one makes the deploy reload HAProxy
-    with Load(cfg.url, headers={"Authorization": f"Bearer {key}"}) as load:
+    with cpu_hog(), Load(cfg.url, headers={"Authorization": f"Bearer {key}"}) as load:
         proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "reloaded pdops-admission.service (master MainPID" in proc.stdout, proc.stdout
     assert "gateway: restarted" in proc.stdout and "gateway restarted in" in proc.stdout, proc.stdout
-    assert f"the admission layer on {cfg.host} kept the gateway in service through the restart" in proc.stdout, \
-        proc.stdout
+    sb = inv.gateway.standby(inv.gateway.hosts[0])
+    assert f"stand-in gateway {sb.url} routes to 2 worker(s), ready, UP in HAProxy" in proc.stdout, proc.stdout
+    assert f"stand-in {sb.url} drained, out of HAProxy, stopped" in proc.stdout, proc.stdout
+    assert f"the admission layer on {cfg.host} sent every request to a stand-in smg" in proc.stdout, proc.stdout
     refused = load.refused()
     print(f"gateway restart behind the admission layer: {len(load.rows)} requests, {len(refused)} turned away")
     assert not refused, [r.to_dict() for r in refused[:3]]

@@ -24,24 +24,13 @@ from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import REPO, Load, cli, deployed, never_twice, record
+from tests.lab.clusters import REPO, Load, cli, cpu_hog, deployed, never_twice, record
 from tests.lab.test_gateway_lab import _run
 
 pytestmark = pytest.mark.lab
 
 KEY = "pdops-lab-key-G-" + "g" * 16
 GATEWAYS = ["lab03", "lab04"]
-
-
-@contextlib.contextmanager
-def cpu_hog():
-    """A busy loop on one core for the test's length (it ends itself after 10 minutes at most)."""
-    p = subprocess.Popen(["timeout", "600", "taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
-    try:
-        yield p
-    finally:
-        p.terminate()
-        p.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -565,8 +565,9 @@ def test_max_unavailable_0_surges_every_replacement_through_one_free_slot(lab_in
 
 def test_a_gateway_restart_behind_the_admission_layer_keeps_the_gateway_in_service_in_its_plan(state, tmp_path,
                                                                                                repo):
-    """The dry run says what the restart does to the admission layer, and the step carries the host
-    whose HAProxy it tells (nothing decided at run time)."""
+    """The dry run says what the restart does to the admission layer (the only gateway: a stand-in first,
+    make before break, no health check paused), and the step carries the host whose HAProxy it tells
+    (nothing decided at run time)."""
     kf = tmp_path / "keys"
     kf.write_text("pdops-key-one-0123456789\n")
     kf.chmod(0o600)
@@ -580,21 +581,9 @@ def test_a_gateway_restart_behind_the_admission_layer_keeps_the_gateway_in_servi
     plan = sc.plan_apply(variant(repo, tmp_path, with_admission(7), name="changed"), parse_topology("2p1d"), state)
     step = {s.name: s for s in plan.plan.steps}["gateway-restart"]
     assert step.params["admission_hosts"] == [base.admission.host]
-    assert "health check of it paused through the runtime API until the new gateway lists every worker healthy, " \
-           "resumed whatever the outcome" in step.description
-
-
-def test_the_health_pause_sends_one_quoted_runtime_api_command():
-    from pdops.model.admission import STATS_SOCKET, health_pause_command
-
-    import shlex
-    argv = shlex.split(health_pause_command("lab01", True))
-    assert argv[0] == "python3" and argv[-2:] == [STATS_SOCKET, "disable health gateways/gw-lab01"]
-    assert shlex.split(health_pause_command("lab01", False, "/x y/admin.sock"))[-2:] == [
-        "/x y/admin.sock", "enable health gateways/gw-lab01"]
-
-
-# ---------------------------------------------------------------- planning from what serves now
+    assert "make before break" in step.description and "No health check is paused" in step.description
+    assert f"stand-in smg from the new files on {base.gateway.standby(base.gateway.hosts[0]).url}" in step.description
+    assert base.gateway.standby(base.gateway.hosts[0]).port == base.gateway.port - 1
 
 
 def test_a_floor_already_broken_is_said_not_refused(lab_inv, state):

@@ -124,6 +124,11 @@ class Gateway:
     cb_success_threshold: int = 3
     cb_timeout_secs: int = 15
     health_failure_threshold: int = 3
+    # Where a lone gateway's stand-in listens while the gateway restarts behind the admission layer
+    # (make before break: docs/gateway.md "Restarting the only gateway"); 0: port - 1 and
+    # prometheus_port - 1
+    standby_port: int = 0
+    standby_prometheus_port: int = 0
     # The python of the gateway's own environment (smg installed, no torch); smg sits beside it
     python: str = "/opt/pdops/gateway-venv/bin/python"
     # Routing (smg --policy / --prefill-policy / --decode-policy); None: the gateway's default
@@ -155,6 +160,12 @@ class Gateway:
         """How a step says where: "" for one gateway, " on each of the N gateways (a, b)" for several."""
         n = len(self.nodes)
         return "" if n == 1 else f" on each of the {n} gateways ({', '.join(self.hosts)})"
+
+    def standby(self, host: str) -> GatewayNode:
+        """The stand-in smg of a lone gateway: same host and address, its own ports."""
+        n = self.node(host)
+        return GatewayNode(n.host, n.addr, self.standby_port or n.port - 1,
+                           self.standby_prometheus_port or n.prometheus_port - 1)
 
     def node(self, host: str) -> GatewayNode:
         for n in self.nodes:

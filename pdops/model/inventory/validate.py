@@ -67,6 +67,9 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
         breaker[k] = v
     gw_port = port_number(gv.get("port"), "pdops_gateway.port")
     gw_prom = port_number(gv.get("prometheus_port"), "pdops_gateway.prometheus_port")
+    breaker["standby_port"] = port_number(gv.get("standby_port", gw_port - 1), "pdops_gateway.standby_port")
+    breaker["standby_prometheus_port"] = port_number(gv.get("standby_prometheus_port", gw_prom - 1),
+                                                     "pdops_gateway.standby_prometheus_port")
     gateway = Gateway(
         nodes=tuple(GatewayNode(h, names[h].data_addr, gw_port, gw_prom) for h in gw_hosts),
         port=gw_port, prometheus_port=gw_prom,
@@ -312,10 +315,14 @@ def _check_port_plan(hosts: tuple[Host, ...], ports: Ports, gateway: Gateway, pr
         # SGLang takes a few ports above the dist-init port for its own sockets.
         "pdops_ports.dist_init_base": range(ports.dist_init_base, ports.dist_init_base + span + ports.stride - 1),
     }
-    singles = {"pdops_gateway.port": gateway.port, "pdops_gateway.prometheus_port": gateway.prometheus_port}
-    if gateway.port == gateway.prometheus_port:
-        raise InvalidInput("pdops_gateway.prometheus_port", f"port {gateway.port} is also pdops_gateway.port",
-                           fix="give Prometheus its own port")
+    singles = {"pdops_gateway.port": gateway.port, "pdops_gateway.prometheus_port": gateway.prometheus_port,
+               "pdops_gateway.standby_port": gateway.standby_port,
+               "pdops_gateway.standby_prometheus_port": gateway.standby_prometheus_port}
+    seen_ports: dict[int, str] = {}
+    for name, p in singles.items():
+        if p in seen_ports:
+            raise InvalidInput(name, f"port {p} is also {seen_ports[p]}", fix="give each gateway listener its own port")
+        seen_ports[p] = name
     names = list(ranges)
     for i, a in enumerate(names):
         ra = ranges[a]

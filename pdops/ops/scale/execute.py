@@ -22,13 +22,17 @@ from pdops.record.local import Revision, StateDir, new_op_id
 from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
 
 
+STANDBY_UNIT = "pdops-gateway-standby.service"
+
+
 def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
-    """Restart one gateway on its new files; every instance of the target back in its /workers.
-    Behind the admission layer it stays out of HAProxy's way meanwhile: with other gateways, its
-    server is set to `drain` (no new request; those on it finish) and back to `ready` after; alone,
-    its health check is paused (the connection retries cover the seconds it refuses)."""
+    """Restart one gateway on its new files; every instance of the target back in its /workers,
+    routable (healthy, ready, circuit closed). Behind the admission layer no health check is ever
+    paused: with other gateways, its server is set to `drain` (no new request; those on it finish)
+    and back to `ready` after; alone, a stand-in smg is started beside it first (make before
+    break: :func:`standby_cover`)."""
     from pdops.facts import q
-    from pdops.model.admission import health_pause_command, server_state_command
+    from pdops.model.admission import server_state_command
     from pdops.remote.gateway import deadline_in
     from pdops.model.render import GATEWAY_UNIT
 
@@ -39,23 +43,27 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     adm_hosts = list(step.params.get("admission_hosts") or [])
     where = ", ".join(adm_hosts)
     others = [h for h in inv.gateway.hosts if h != node.host]
+    insts = [ctx.placement.get(i) for i in step.params["instances"]]
     up: list[str] = []
+    cover = None
+    t0 = time.monotonic()
     if adm_hosts and others:
         up = require_another_up(pool, adm_hosts, others, node.host, "taking out")
-        out_cmd, back_cmd = server_state_command(node.host, "drain"), server_state_command(node.host, "ready")
-        out_what, back_what = "drain the gateway's server", "set the gateway's server ready"
-    else:
-        out_cmd, back_cmd = health_pause_command(node.host, True), health_pause_command(node.host, False)
-        out_what, back_what = "pause its health check of the gateway", "resume its health check of the gateway"
+    elif adm_hosts:
+        cover = standby_cover(ctx, node, adm_hosts, insts, deadline_in(step.deadline))
+
+    def out_of_service() -> None:
+        for a in adm_hosts:
+            runtime(pool, a, server_state_command(node.host, "drain"), "drain the gateway's server")
+        wait_sessions_zero(pool, adm_hosts, node.host, deadline_in(float(inv.drain_budget_s) + 30))
 
     def back() -> None:
         for a in adm_hosts:
-            runtime(pool, a, back_cmd, back_what)
+            runtime(pool, a, server_state_command(node.host, "ready"), "set the gateway's server ready")
 
-    t0 = time.monotonic()
     try:
-        for a in adm_hosts:
-            runtime(pool, a, out_cmd, out_what)
+        if adm_hosts:
+            out_of_service()
         pool.run(node.host, f"systemctl restart {q(GATEWAY_UNIT)}", timeout=step.deadline)
         restarted_s = round(time.monotonic() - t0, 2)
         st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
@@ -64,33 +72,168 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
                              f"{st.main_pid}, was {old_pid}) after the restart",
                              evidence=pool.journal_tail(node.host, GATEWAY_UNIT))
         deadline = deadline_in(max(step.deadline - (time.monotonic() - t0), 30))
-        for iid in step.params["instances"]:
-            client.wait_worker_healthy(ctx.placement.get(iid).url, deadline)
+        for inst in insts:
+            client.wait_worker_healthy(inst.url, deadline)
+        if adm_hosts:
+            back()
+            for a in adm_hosts:  # in the front door again before the next gateway (or the stand-in) leaves it
+                wait_gateways_up(pool, a, [node.host], 30)
     except BaseException:
         try:  # back whatever the restart did: HAProxy's own check judges a gateway really down
-            back()
+            if adm_hosts:
+                back()
         except PdopsError as exc:
             ctx.say(f"  also: {exc.message}; fix: {exc.fix}")
+        if cover is not None:
+            cover.keep_or_retire(ctx)
         raise
-    back()  # once the new gateway serves: a check in its start-up would mark it DOWN
-    if adm_hosts and others:  # in the front door again before the next gateway leaves it
-        for a in adm_hosts:
-            wait_gateways_up(pool, a, [node.host], 30)
+    if cover is not None:
+        cover.retire(ctx)
     ctx.say(f"  gateway{'' if not others else ' on ' + node.host} restarted in {restarted_s}s (MainPID {old_pid} -> "
-            f"{st.main_pid}); "
-            f"{len(step.params['instances'])} worker(s) healthy and ready again")
+            f"{st.main_pid}); {len(insts)} worker(s) routable again")
     held = []
     if adm_hosts and others:
         held = [f"the admission layer on {where} sent no new request to {node.host} during its restart (server "
-                f"drained, then ready: both acknowledged; {', '.join(up)} UP meanwhile)"]
-    elif adm_hosts:
-        held = [f"the admission layer on {where} kept the gateway in service through the restart (HAProxy's "
-                "health check of it paused, then resumed: both acknowledged)"]
+                f"drained to 0 sessions, then ready and UP: {', '.join(up)} UP meanwhile)"]
+    elif cover is not None:
+        held = [f"the admission layer on {where} sent every request to a stand-in smg ({cover.node.url}, "
+                f"transient unit {STANDBY_UNIT}) while the gateway restarted: the stand-in was admitted only once "
+                "its /readiness answered 200 and its /workers listed every instance routable; the gateway was "
+                "drained to 0 sessions before its restart and UP again before the stand-in was drained to 0 "
+                "sessions and stopped; no health check was paused"]
     return Outcome(evidence={"gateway": node.host, "old_main_pid": old_pid, "main_pid": st.main_pid,
                              "restart_s": restarted_s, "ready_s": round(time.monotonic() - t0, 2),
-                             **({"admission": f"{out_what}, then {back_what}, on {where}"} if adm_hosts else {})},
+                             **({"standby": cover.evidence} if cover is not None else {})},
                    verified=[f"gateway on {node.host} restarted from the new files (MainPID {st.main_pid}); every "
-                             "instance listed healthy and ready by its /workers again"] + held)
+                             "instance listed routable by its /workers again (healthy, ready, circuit closed)"]
+                   + held)
+
+
+def wait_sessions_zero(pool, adm_hosts, host: str, deadline: float) -> None:
+    """Until HAProxy on every admission host carries no request on `host`'s server."""
+    from pdops.remote.haproxy import gateway_stats
+
+    while True:
+        left = {a: gateway_stats(pool, a).get(host) for a in adm_hosts}
+        busy = {a: st.sessions for a, st in left.items() if st is not None and st.sessions > 0}
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise Unverified(f"gateway server {host} still carries requests in HAProxy at the deadline: "
+                             + ", ".join(f"{a}: {n}" for a, n in busy.items()))
+        time.sleep(0.25)
+
+
+class Standby:
+    """A lone gateway's stand-in while it restarts: a second smg from the same (new) launch script on
+    the stand-in's ports, as the transient unit STANDBY_UNIT, in HAProxy as the server rendered for it."""
+
+    def __init__(self, node, host: str, adm_hosts: list[str]):
+        self.node, self.host, self.adm_hosts = node, host, adm_hosts
+        self.evidence: dict = {"url": node.url, "unit": STANDBY_UNIT}
+
+    def retire(self, ctx: RunContext) -> None:
+        """Out of HAProxy (drained to 0 sessions, then MAINT as rendered), then its unit stopped."""
+        from pdops.facts import q
+        from pdops.model.admission import server_state_command, standby_server
+        from pdops.remote.gateway import deadline_in
+
+        name = standby_server(self.host)
+        for a in self.adm_hosts:
+            runtime(ctx.pool, a, server_state_command(name, "drain"), "drain the stand-in's server")
+        wait_sessions_zero(ctx.pool, self.adm_hosts, name, deadline_in(float(ctx.inv.drain_budget_s) + 30))
+        for a in self.adm_hosts:
+            runtime(ctx.pool, a, server_state_command(name, "maint"), "put the stand-in's server in maintenance")
+        ctx.pool.run(self.host, f"systemctl stop {q(STANDBY_UNIT)}", timeout=float(ctx.inv.drain_budget_s) + 60)
+        left = ctx.pool.run(self.host, f"systemctl is-active {q(STANDBY_UNIT)} || true").stdout.strip()
+        if left == "active":
+            raise Unverified(f"the stand-in {STANDBY_UNIT} on {self.host} still runs after its stop")
+        self.evidence["retired"] = f"drained to 0 sessions, MAINT, {STANDBY_UNIT} {left or 'gone'}"
+        ctx.say(f"  stand-in {self.node.url} drained, out of HAProxy, stopped")
+
+    def keep_or_retire(self, ctx: RunContext) -> None:
+        """After a failed restart: when the gateway is UP in HAProxy again the stand-in is retired; else it
+        is left serving, said, with the command that ends it."""
+        from pdops.remote.haproxy import gateway_stats
+
+        try:
+            stats = {a: gateway_stats(ctx.pool, a).get(self.host) for a in self.adm_hosts}
+            if all(st is not None and st.up for st in stats.values()):
+                self.retire(ctx)
+                return
+        except PdopsError as exc:
+            ctx.say(f"  also: {exc.message}")
+        ctx.say(f"  the gateway is not back in HAProxy: the stand-in {self.node.url} ({STANDBY_UNIT} on {self.host}) "
+                "is left serving; `inv deploy --topology <the current one>` once the gateway is repaired ends it")
+
+
+def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: float) -> Standby:
+    """Make before break for the only gateway: start the stand-in smg from the gateway's (new) launch
+    script on the stand-in's ports, register every instance with it (each routable: healthy, ready,
+    circuit closed), wait for its /readiness 200, and put its server in HAProxy in service (UP by
+    HAProxy's own check). Refused, nothing changed, when a stand-in already runs."""
+    from pdops.facts import q
+    from pdops.model.admission import server_state_command, standby_server
+    from pdops.model.render import BIN_DIR, ENV_DIR, SLICE_UNIT, gateway_grace_s
+    from pdops.ops.deploy.actions import register_one
+    from pdops.remote.gateway import GatewayClient
+
+    inv, pool = ctx.inv, ctx.pool
+    sb = inv.gateway.standby(node.host)
+    cover = Standby(sb, node.host, adm_hosts)
+    running = pool.run(node.host, f"systemctl is-active {q(STANDBY_UNIT)} || true").stdout.strip()
+    if running in ("active", "activating"):
+        raise Refused(f"a stand-in gateway ({STANDBY_UNIT}) already runs on {node.host}: an earlier restart did not "
+                      "finish", fix=f"`systemctl stop {STANDBY_UNIT}` on {node.host} once the gateway serves "
+                                    "(`inv status`), then run the change again")
+    pool.run(node.host, f"systemctl reset-failed {q(STANDBY_UNIT)} 2>/dev/null || true")
+    argv = ["systemd-run", f"--unit={STANDBY_UNIT}", f"--slice={SLICE_UNIT}", "--collect",
+            f"--property=EnvironmentFile={ENV_DIR}/gateway.env", "--property=KillMode=mixed",
+            f"--property=TimeoutStopSec={gateway_grace_s(inv) + 30}",
+            f"{BIN_DIR}/pdops-gateway.sh", "--port", str(sb.port), "--prometheus-port", str(sb.prometheus_port)]
+    pool.run(node.host, " ".join(q(a) for a in argv), timeout=30)
+    client = GatewayClient(sb.url, api_key_file=inv.gateway.api_key_file, metrics_url=sb.metrics_url,
+                           poll_interval=0.25)
+    try:
+        while True:
+            try:
+                client.health()
+                break
+            except PdopsError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+        workers = {i.id: register_one(client, i, lambda m: None, deadline) for i in insts}
+        while not client.readiness()["ready"]:
+            if time.monotonic() > deadline:
+                raise Unverified(f"the stand-in gateway {sb.url} lists every worker but its /readiness is not 200")
+            time.sleep(0.25)
+        name = standby_server(node.host)
+        for a in adm_hosts:
+            runtime(pool, a, server_state_command(name, "ready"), "put the stand-in's server in service")
+        for a in adm_hosts:
+            wait_gateways_up(pool, a, [name], 30)
+    except BaseException:
+        _end_standby(ctx, cover)
+        raise
+    cover.evidence.update({"workers": {i: w.id for i, w in workers.items()}, "readiness": 200,
+                           "admitted": f"UP in HAProxy on {', '.join(adm_hosts)}"})
+    ctx.say(f"  stand-in gateway {sb.url} routes to {len(workers)} worker(s), ready, UP in HAProxy: the gateway "
+            "can leave the front door")
+    return cover
+
+
+def _end_standby(ctx: RunContext, cover: Standby) -> None:
+    """A stand-in that never took a request (its start or admission failed): MAINT, stopped."""
+    from pdops.facts import q
+    from pdops.model.admission import server_state_command, standby_server
+
+    try:
+        for a in cover.adm_hosts:
+            runtime(ctx.pool, a, server_state_command(standby_server(cover.host), "maint"), "put the stand-in in MAINT")
+        ctx.pool.run(cover.host, f"systemctl stop {q(STANDBY_UNIT)} || true", timeout=60)
+    except PdopsError as exc:
+        ctx.say(f"  also: {exc.message}")
 
 
 def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:

@@ -143,8 +143,8 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
 def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
     """One gateway at a time: restart it on its new files, wait until it lists every instance.
     Behind the admission layer, with other gateways: HAProxy sends it nothing new meanwhile (its
-    server drained, ready again after); alone: its health check paused (the connection retries
-    cover the seconds it refuses)."""
+    server drained, ready again after); alone: a stand-in smg takes its place first (make before
+    break)."""
     from pdops.model.render import GATEWAY_UNIT, gateway_grace_s
 
     adm = inv.admission
@@ -158,9 +158,13 @@ def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
                     "another gateway is UP there): no new request goes to it, those on it finish; set ready "
                     "again once it lists every worker, whatever the outcome")
         elif adm:
-            held = (f"; the admission layer on {where} keeps the gateway in service meanwhile "
-                    "(HAProxy's health check of it paused through the runtime API until the new gateway "
-                    "lists every worker healthy, resumed whatever the outcome; refused connections retried)")
+            sb = inv.gateway.standby(node.host)
+            held = (f"; make before break, as the only gateway behind the admission layer on {where}: first a "
+                    f"stand-in smg from the new files on {sb.url} (transient unit pdops-gateway-standby.service), "
+                    "every instance registered with it and routable, its /readiness 200, its server in HAProxy set "
+                    "ready and seen UP; then the gateway's server drained to 0 sessions, the restart, the gateway "
+                    "ready and UP again; then the stand-in drained to 0 sessions, set MAINT and stopped. No health "
+                    "check is paused. A failed restart leaves the stand-in serving (said) unless the gateway is UP")
         out.append(Step("gateway-restart" + (f" {node.host}" if several else ""), node.host,
                         f"systemctl restart {GATEWAY_UNIT}: smg finishes what is in flight (up to "
                         f"{gateway_grace_s(inv)}s), the new process starts from the new files and registers every "
