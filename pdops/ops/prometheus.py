@@ -196,8 +196,16 @@ def rules_text(inv) -> str:
 
 # ---------------------------------------------------------------- dashboard
 
+# what a client asks the gateway to generate (smg_http_responses_total's `path`)
+GENERATE_PATHS = "/generate|/v1/completions|/v1/chat/completions"
+REQUESTS_PANEL = "Requests per second by outcome (gateway responses)"
+BREAKERS_PANEL = "Gateway circuit breakers (0 closed, 1 open, 2 half-open, -1 removed)"
+
 PANELS = [
     # (title, unit, [expr, ...]); $cluster and $revision are the dashboard's variables
+    (REQUESTS_PANEL, "reqps",
+     [f'sum by (cluster, status_code, error_code) (rate(smg_http_responses_total{{job="{JOB_GATEWAY}",'
+      f'cluster="$cluster",path=~"{GENERATE_PATHS}"}}[1m]))']),
     ("Total TPM (input + output)", "short", ["pdops:total_tpm:cluster{cluster=\"$cluster\"}"]),
     ("Output TPM per decode", "short", ["pdops:output_tpm:instance{cluster=\"$cluster\"}"]),
     ("Input TPM per prefill", "short", ["pdops:input_tpm:instance{cluster=\"$cluster\"}"]),
@@ -214,7 +222,10 @@ PANELS = [
     ("KV token usage", "percentunit", [f'sglang:token_usage{{{ENGINE},cluster="$cluster",revision=~"$revision"}}']),
     ("PD failures (bootstrap + transfer) per second", "short", ["pdops:pd_failures:rate5m{cluster=\"$cluster\"}"]),
     ("Instance health (1 = scraped)", "short", [f'up{{{ENGINE},cluster="$cluster",revision=~"$revision"}}']),
+    (BREAKERS_PANEL, "short", [f'smg_worker_cb_state{{job="{JOB_GATEWAY}",cluster="$cluster"}}']),
 ]
+# a panel's legend where it is not the instance
+PANEL_LEGENDS = {REQUESTS_PANEL: "{{status_code}} {{error_code}}", BREAKERS_PANEL: "{{worker}} ({{host}})"}
 
 
 def dashboard(inv) -> dict:
@@ -226,7 +237,8 @@ def dashboard(inv) -> dict:
             "gridPos": {"h": 8, "w": 12, "x": (n % 2) * 12, "y": (n // 2) * 8},
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "targets": [{"refId": chr(65 + k), "expr": e, "legendFormat": "{{instance}}"} for k, e in enumerate(exprs)],
+            "targets": [{"refId": chr(65 + k), "expr": e, "legendFormat": PANEL_LEGENDS.get(title, "{{instance}}")}
+                        for k, e in enumerate(exprs)],
         })
     var = lambda name, query: {  # noqa: E731
         "name": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
