@@ -151,7 +151,7 @@ def baseline_step(instance_id: str) -> Step:
 
 
 def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.reads.status import move_baseline
+    from pdops.reads.looks import move_baseline
 
     absorbed = move_baseline(ctx.inv, ctx.pool, ctx.placement)
     if absorbed:

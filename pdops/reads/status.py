@@ -23,27 +23,17 @@ machine's cache (``cache/status-look.json``); a first look at a process counts f
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdops.errors import PdopsError
-from pdops.facts import engine as engine_facts
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_parallel
-from pdops.record.local import local_dir
-from pdops.model.render import GATEWAY_UNIT
+from pdops.reads.looks import counter_deltas, engine_reads, gateway_counters, gateway_key
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
-FAILURE_COUNTERS = {"bootstrap_failed": "sglang:num_bootstrap_failed_reqs_total",
-                    "transfer_failed": "sglang:num_transfer_failed_reqs_total"}
-# the gateway's own, where its /metrics has them (smg 1.13; absent series are left out, not zero)
-GATEWAY_COUNTERS = {"bootstrap_failed": "smg_pd_bootstrap_failures_total",
-                    "transfer_failed": "smg_pd_kv_transfer_failures_total",
-                    "worker_errors": "smg_worker_errors_total"}
 QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
 
 
@@ -116,96 +106,6 @@ def orphan_reasons(orphans) -> list[str]:
             f"failed them): {', '.join(o.rid for o in orphans)}{until}"]
 
 
-def _look_path(inv: Inventory) -> Path:
-    return local_dir(inv) / "cache" / "status-look.json"
-
-
-def _counter_deltas(inv: Inventory, seen: dict[str, dict], *, write: bool = True) -> dict[str, dict[str, int]]:
-    """{instance: {counter: increase since the last look at the same MainPID (else since its start)}};
-    then (`write`) this look becomes the last one. Without `write` (`inv repair` deciding) the
-    baseline is the one the last look compared with: what that `inv status` showed still counts."""
-    path = _look_path(inv)
-    try:
-        last = json.loads(path.read_text())
-    except (OSError, ValueError):
-        last = {}
-    out = {}
-    for iid, now in seen.items():
-        before = (last.get(iid) or {}) if write else ((last.get(iid) or {}).get("prev") or {})
-        same = before.get("pid") == now["pid"]
-        out[iid] = {k: max(0, int(now["counters"][k] - (before.get("counters", {}).get(k, 0) if same else 0)))
-                    for k in now["counters"]}
-    if not write:
-        return out
-    new = {**last, **{iid: {**now, "prev": {k: v for k, v in (last.get(iid) or {}).items() if k != "prev"}}
-                      for iid, now in seen.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(new))
-        tmp.replace(path)
-    except OSError:
-        pass  # read-only use: the next look counts from the process start again
-    return out
-
-
-def _engine_reads(inst) -> tuple[engine_facts.EngineLoads, dict[str, float]]:
-    status, doc = http_json("GET", f"{inst.url}{engine_facts.LOADS_PATH}", timeout=5)
-    if status != 200:
-        raise RuntimeError(f"HTTP {status}")
-    loads = engine_facts.parse_loads(doc)
-    counters = {}
-    status, text = http_json("GET", f"{inst.url}{engine_facts.METRICS_PATH}", timeout=5)
-    if status == 200 and isinstance(text, str):
-        metrics = engine_facts.parse_metrics(text)
-        counters = {k: engine_facts.counter(metrics, name) for k, name in FAILURE_COUNTERS.items()}
-    return loads, counters
-
-
-def _gateway_counters(node) -> dict[str, float]:
-    """One gateway's PD failure counters from its Prometheus endpoint, those it exports."""
-    status, text = http_json("GET", node.metrics_url, timeout=5)
-    if status != 200 or not isinstance(text, str):
-        raise RuntimeError(f"HTTP {status}")
-    metrics = engine_facts.parse_metrics(text)
-    return {k: engine_facts.counter(metrics, name) for k, name in GATEWAY_COUNTERS.items() if name in metrics}
-
-
-def move_baseline(inv: Inventory, pool, placement) -> dict[str, dict[str, int]]:
-    """After an operation verified every instance routable again (`inv repair`): the PD failure counters
-    read now become the last look of `inv status` (and the one `inv repair` decides from), so failures
-    that fell inside the fault the operation named are reported with it, not as new. Returns what it
-    absorbed: {instance or gateway: {counter: increase since the last look}}."""
-    seen: dict[str, dict] = {}
-    now = time.time()
-    reads = run_parallel(list(placement.instances), _engine_reads)
-    for inst in placement.instances:
-        r = reads.get(inst)
-        if not (isinstance(r, tuple) and r[1]):
-            continue
-        host, unit = inst.head.host, inst.units[0][1]
-        pid = pool.unit_states(host, [unit])[unit].main_pid
-        seen[inst.id] = {"pid": pid, "counters": r[1], "at": now}
-    counters = run_parallel(list(inv.gateway.nodes), _gateway_counters)
-    for node in inv.gateway.nodes:
-        c = counters.get(node)
-        if isinstance(c, dict) and c:
-            pid = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
-            seen[gateway_key(inv, node.host)] = {"pid": pid, "counters": c, "at": now}
-    absorbed = _counter_deltas(inv, seen, write=True)
-    # the look before this one is no baseline either: `inv repair` decides from the previous look
-    path = _look_path(inv)
-    try:
-        doc = json.loads(path.read_text())
-        for k in seen:
-            doc[k]["prev"] = {x: v for x, v in doc[k].items() if x != "prev"}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(path)
-    except (OSError, ValueError, KeyError):
-        pass
-    return {k: {c: d for c, d in v.items() if d > 0} for k, v in absorbed.items() if any(d > 0 for d in v.values())}
-
 
 def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
     """{instance: {"tpm_5m", "failures_per_s_5m"}} from a Prometheus that loads pdops's rules: the last
@@ -268,7 +168,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                 "note": "nothing deployed yet (no current revision)", "ok": True}, None
     with HostPool(inv) as pool:
         obs = observe(inv, rev, pool, Gateways.of(inv), cgroups=True)
-        reads = run_parallel([o.instance for o in obs.instances], _engine_reads)
+        reads = run_parallel([o.instance for o in obs.instances], engine_reads)
         # orphaned halves wait in a prefill's bootstrap (or KV-sending) queue: its request log is read
         # only where those are not empty, or where its queues could not be read
         holding = [o.id for o in obs.instances if o.instance.role == "prefill" and (
@@ -279,7 +179,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
                         else orphans_mod.Reading())
         except PdopsError as exc:
             orphaned = orphans_mod.Reading({}, [exc.message])
-    counters = run_parallel(list(inv.gateway.nodes), _gateway_counters)
+    counters = run_parallel(list(inv.gateway.nodes), gateway_counters)
     seen = {}
     for o in obs.instances:
         r = reads.get(o.instance)
@@ -290,7 +190,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
         c = counters.get(inv.gateway.node(g.host))
         if isinstance(c, dict) and c:
             seen[gateway_key(inv, g.host)] = {"pid": getattr(g.unit, "main_pid", None), "counters": c, "at": time.time()}
-    deltas = _counter_deltas(inv, seen, write=remember)
+    deltas = counter_deltas(inv, seen, write=remember)
     # no gateway answers for its workers: /workers does not answer or systemd says so; a unit that
     # cannot be read (SSH) is not evidence of either
     gateway_down = not any(g.error is None and not (hasattr(g.unit, "active_state") and g.unit.active_state != "active")
@@ -354,11 +254,6 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
             "gateways": gateways, "front_door": list(obs.front_door), "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
             "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
-
-
-def gateway_key(inv: Inventory, host: str) -> str:
-    """The name a gateway's counters are remembered under between looks ("gateway" when it is the only one)."""
-    return "gateway" if len(inv.gateway.hosts) == 1 else f"gateway {host}"
 
 
 def front_door_warnings(inv: Inventory) -> list[str]:

@@ -168,10 +168,10 @@ def test_a_repair_refuses_an_inventory_that_renders_other_files(lab_inv, live, t
 
 
 def test_failures_count_since_the_last_look_and_repair_sees_what_that_look_showed(lab_inv, tmp_path, monkeypatch):
-    from pdops.reads import status as st
+    from pdops.reads import looks as st
 
-    monkeypatch.setattr(st, "_look_path", lambda inv: tmp_path / "look.json")
-    look = lambda n, pid=7, write=True: st._counter_deltas(  # noqa: E731
+    monkeypatch.setattr(st, "look_path", lambda inv: tmp_path / "look.json")
+    look = lambda n, pid=7, write=True: st.counter_deltas(  # noqa: E731
         lab_inv, {"d01": {"pid": pid, "counters": {"transfer_failed": n}}}, write=write)["d01"]["transfer_failed"]
     assert look(2) == 2  # first look at this process: since its start
     assert look(5) == 3 and look(5) == 0  # since the last look

@@ -16,7 +16,7 @@ from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, set
 from pdops.remote.hosts import http_json
 from pdops.ops.deploy.actions import register_one
 from pdops.ops.drain.stopping import leave_gateway
-from pdops.reads.status import FAILURE_COUNTERS, GATEWAY_COUNTERS
+from pdops.reads.looks import FAILURE_COUNTERS, GATEWAY_COUNTERS
 from pdops.runner import Outcome, RunContext, Step, register_executors
 
 
