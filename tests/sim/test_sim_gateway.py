@@ -220,7 +220,7 @@ def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
         host, port = d.url.removeprefix("http://").rsplit(":", 1)
         inst = Instance("d02", "decode", (Rank(0, "h", host, (0,)),), 0, int(port), None, None)
         said: list = []
-        new_id = register_one(client, inst, said.append, deadline_in(30))
+        new_id = register_one(client, inst, said.append, deadline_in(30)).id
         assert new_id != w.id and any("still drains" in s for s in said)
         [now] = [x for x in client.list_workers() if x.url == d.url]
         assert now.id == new_id and now.routable
@@ -258,7 +258,7 @@ def test_registering_a_prefill_the_gateway_lists_under_its_old_bootstrap_port_re
         host, port = p.url.removeprefix("http://").rsplit(":", 1)
         inst = Instance("p01", "prefill", (Rank(0, "h", host, (0,)),), 0, int(port), p.bootstrap_port, None)
         said: list = []
-        new_id = register_one(client, inst, said.append, deadline_in(30))
+        new_id = register_one(client, inst, said.append, deadline_in(30)).id
         assert any(f"with bootstrap port {p.bootstrap_port + 1}, not {p.bootstrap_port}" in s for s in said), said
         [now] = [x for x in client.list_workers() if x.url == p.url]
         assert now.id == new_id and now.bootstrap_port == p.bootstrap_port and now.routable

@@ -181,6 +181,9 @@ def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: 
     inv, pool = ctx.inv, ctx.pool
     sb = inv.gateway.standby(node.host)
     cover = Standby(sb, node.host, adm_hosts)
+    reloaded = ensure_standby_server(ctx, adm_hosts, node.host)
+    if reloaded:
+        cover.evidence["admission_reloaded_first"] = reloaded
     running = pool.run(node.host, f"systemctl is-active {q(STANDBY_UNIT)} || true").stdout.strip()
     if running in ("active", "activating"):
         raise Refused(f"a stand-in gateway ({STANDBY_UNIT}) already runs on {node.host}: an earlier restart did not "
@@ -221,6 +224,39 @@ def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: 
     ctx.say(f"  stand-in gateway {sb.url} routes to {len(workers)} worker(s), ready, UP in HAProxy: the gateway "
             "can leave the front door")
     return cover
+
+
+def ensure_standby_server(ctx: RunContext, adm_hosts: list[str], host: str) -> list[str]:
+    """The stand-in's server must be in HAProxy's running config. A config from before this revision
+    (the cluster had two gateways, or predates the stand-in) lacks it: the admission layer is reloaded
+    now, gracefully (haproxy -c, USR2: the master stays, old workers finish their streams), with the
+    files this change delivered, instead of only at the change's end. Returns the hosts reloaded."""
+    from pdops.facts import q
+    from pdops.model.admission import UNIT, standby_server
+    from pdops.remote.haproxy import gateway_stats
+
+    name, done = standby_server(host), []
+    for a in adm_hosts:
+        if name in gateway_stats(ctx.pool, a):
+            continue
+        before = ctx.pool.unit_states(a, [UNIT])[UNIT].main_pid
+        ctx.pool.run(a, f"systemctl reload {q(UNIT)}", timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            st = ctx.pool.unit_states(a, [UNIT])[UNIT]
+            if st.active_state == "active" and name in gateway_stats(ctx.pool, a):
+                break
+            if time.monotonic() > deadline:
+                raise Unverified(f"HAProxy on {a} has no stand-in server {name} after a reload of {UNIT} "
+                                 f"({st.active_state}/{st.sub_state})", evidence=ctx.pool.journal_tail(a, UNIT))
+            time.sleep(0.2)
+        if st.main_pid != before:
+            raise Unverified(f"{UNIT} on {a}: master MainPID {before} -> {st.main_pid} after the reload: not graceful",
+                             evidence=ctx.pool.journal_tail(a, UNIT))
+        ctx.say(f"  HAProxy on {a} had no server for the gateway's stand-in (its config predates this revision): "
+                f"reloaded first, gracefully (master MainPID {st.main_pid} kept)")
+        done.append(a)
+    return done
 
 
 def _end_standby(ctx: RunContext, cover: Standby) -> None:

@@ -223,7 +223,7 @@ class ScalePlan:
             adm, n = self.inv.admission, len(self.inv.gateway.nodes)
             meanwhile = ("each gateway in turn leaves HAProxy first (drained) and comes back once it lists every "
                          "worker: none is refused" if adm and n > 1 else
-                         "HAProxy keeps it in service (health check paused, refused connections retried)" if adm
+                         "a stand-in smg takes its place in HAProxy first (make before break: none is refused)" if adm
                          else "requests arriving while it restarts are refused")
             lines.append(f"  gateway: restarted after the instances ({len(self.gateway_restart)} of its files change: "
                          + "; ".join(c.split(' (sha256')[0] for c in self.gateway_restart) + "); what is in flight "

@@ -160,8 +160,9 @@ def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
         elif adm:
             sb = inv.gateway.standby(node.host)
             held = (f"; make before break, as the only gateway behind the admission layer on {where}: first a "
-                    f"stand-in smg from the new files on {sb.url} (transient unit pdops-gateway-standby.service), "
-                    "every instance registered with it and routable, its /readiness 200, its server in HAProxy set "
+                    f"stand-in smg from the new files on {sb.url} (transient unit pdops-gateway-standby.service; "
+                    "HAProxy reloaded first, gracefully, when its running config has no server for it), every "
+                    "instance registered with it and routable, its /readiness 200, its server in HAProxy set "
                     "ready and seen UP; then the gateway's server drained to 0 sessions, the restart, the gateway "
                     "ready and UP again; then the stand-in drained to 0 sessions, set MAINT and stopped. No health "
                     "check is paused. A failed restart leaves the stand-in serving (said) unless the gateway is UP")
