@@ -121,3 +121,27 @@ def gateway_key(inv: Inventory, host: str) -> str:
     return "gateway" if len(inv.gateway.hosts) == 1 else f"gateway {host}"
 
 
+
+
+def breakers_open_since(inv: Inventory, open_now: dict[str, str], *, write: bool = True) -> dict[str, float]:
+    """{"<gateway host> <worker URL>": when this operator machine's looks first saw its breaker not
+    closed} for the breakers not closed now (`open_now`: the same keys -> their state); the ones
+    closed again are forgotten. smg exports no time of opening: this is "open since, at the latest"."""
+    path = look_path(inv)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = {}
+    before = doc.get("_breakers_open") or {}
+    now = time.time()
+    since = {k: float(before.get(k) or now) for k in open_now}
+    if write and since != before:
+        doc["_breakers_open"] = since
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return since

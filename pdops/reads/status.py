@@ -31,7 +31,7 @@ from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_parallel
-from pdops.reads.looks import counter_deltas, engine_reads, gateway_counters, gateway_key
+from pdops.reads.looks import breakers_open_since, counter_deltas, engine_reads, gateway_counters, gateway_key
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
 QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
@@ -191,6 +191,9 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
         if isinstance(c, dict) and c:
             seen[gateway_key(inv, g.host)] = {"pid": getattr(g.unit, "main_pid", None), "counters": c, "at": time.time()}
     deltas = counter_deltas(inv, seen, write=remember)
+    open_now = {f"{h} {w.url.rstrip('/')}": w.breaker.state for o in obs.instances for h, w in o.workers.items()
+                if w is not None and w.breaker is not None and w.breaker.state != "closed"}
+    since = breakers_open_since(inv, open_now, write=remember)
     # no gateway answers for its workers: /workers does not answer or systemd says so; a unit that
     # cannot be read (SSH) is not evidence of either
     gateway_down = not any(g.error is None and not (hasattr(g.unit, "active_state") and g.unit.active_state != "active")
@@ -210,6 +213,12 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
         strays = sr if isinstance(sr, list) else []
         h = judge(o, gateway_down=gateway_down, loads_error=loads_error, failures=deltas.get(o.id, {}),
                   strays=strays, orphans=orphaned.orphans.get(o.id, []))
+        url = o.instance.url.rstrip("/")
+        first = [f"{gw} since {time.strftime('%H:%M:%S', time.localtime(since[f'{gw} {url}']))}"
+                 for gw in sorted(o.workers) if f"{gw} {url}" in since]
+        if first:
+            h = InstanceHealth(h.state, h.reasons + [f"circuit not closed on gateway {', '.join(first)} (first seen by "
+                                                     "`inv status`; smg exports no time of opening)"], h.action)
         if not isinstance(sr, list):
             why = f"its cgroup could not be read: {sr}"
             h = InstanceHealth("unknown", [why], f"check SSH to {o.instance.head.host}, then `inv status` again") \

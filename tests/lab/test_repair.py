@@ -274,6 +274,7 @@ def test_a_decode_killed_under_load_and_repaired_leaves_no_circuit_open(lab, liv
                  "systemd's restart of d02")
         r = row(status(live)[1], "d02")
         assert r["state"] == "restarted" and not r["healthy"] and r["breakers"] == {"lab01": "open"}, r
+        assert any(x.startswith("circuit not closed on gateway lab01 since ") for x in r["reasons"]), r
         repaired(live, "d02")  # every row ok at the first look, every circuit closed
         t_repaired = time.time()
         recs, _ = last_repair(live)

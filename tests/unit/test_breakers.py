@@ -100,3 +100,20 @@ def test_a_drain_of_the_last_routable_decode_is_refused_with_the_reason(pl, lab_
     ok = plan_drain(lab_inv, state, "d01", seen=Seen())
     leave = next(s for s in ok.steps if s.kind == "leave-gateway")
     assert leave.params["guard_s"] == 30 and "until another decode is routable" in leave.description
+
+
+def test_an_open_circuit_is_dated_from_the_first_look_that_saw_it(lab_inv, tmp_path, monkeypatch):
+    """smg exports no time of opening: `inv status` says since when its own looks have seen it open, keeps
+    that time across looks, forgets it once closed, and a read-only look (`inv repair` deciding) keeps none."""
+    import time as _time
+
+    from pdops.reads import looks
+
+    monkeypatch.setattr(looks, "look_path", lambda inv: tmp_path / "look.json")
+    k = "lab01 http://127.0.10.3:30001"
+    assert looks.breakers_open_since(lab_inv, {k: "open"}, write=False) and not (tmp_path / "look.json").exists()
+    first = looks.breakers_open_since(lab_inv, {k: "open"})[k]
+    _time.sleep(0.01)
+    assert looks.breakers_open_since(lab_inv, {k: "half-open"})[k] == first  # still not closed: same start
+    assert looks.breakers_open_since(lab_inv, {}) == {}  # closed: forgotten
+    assert looks.breakers_open_since(lab_inv, {k: "open"})[k] > first  # opened again: a new start
