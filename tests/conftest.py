@@ -57,6 +57,7 @@ def local_record(tmp_path, monkeypatch):
 AREAS = ("unit", "contract", "integration", "sim", "lab")
 _area_seconds: dict[str, float] = {}
 _area_tests: dict[str, int] = {}
+_lab_module_seconds: dict[str, float] = {}
 
 
 def _area(nodeid: str) -> str:
@@ -69,6 +70,9 @@ def pytest_runtest_logreport(report):
     cluster is charged to the test that first asked for it, as pytest measures it)."""
     area = _area(report.nodeid)
     _area_seconds[area] = _area_seconds.get(area, 0.0) + report.duration
+    if area == "lab":
+        module = report.nodeid.split("::", 1)[0]
+        _lab_module_seconds[module] = _lab_module_seconds.get(module, 0.0) + report.duration
     if report.when == "call":
         _area_tests[area] = _area_tests.get(area, 0) + 1
 
@@ -84,3 +88,7 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{area:<12} {_area_tests.get(area, 0):>5} tests  {s:8.1f} s  ({s / 60:5.1f} min)")
     total = sum(_area_seconds.values())
     tr.write_line(f"{'all':<12} {sum(_area_tests.values()):>5} tests  {total:8.1f} s  ({total / 60:5.1f} min)")
+    if _lab_module_seconds:
+        tr.section("lab worker-minutes per module (setup + call + teardown; the module's cluster included)")
+        for module, sec in sorted(_lab_module_seconds.items(), key=lambda kv: -kv[1]):
+            tr.write_line(f"{sec / 60:6.2f} min  {module}")
