@@ -117,7 +117,7 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
     m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, state), run_cell=run_cell, state=state, op=op, inv=inv)
     print(sw.render_matrix(m))
     print(f"sweep folder: {folder} (matrix.txt, matrix.csv, matrix.json, runs/<cell>/ledger.*, plots); "
-          f"journal: `inv journal --op {op}`")
+          f"journal: `inv journal --op {op}`; its page: `inv report --op {op}`")
 
 
 def _live_scale_to(inv, state):

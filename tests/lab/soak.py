@@ -315,6 +315,19 @@ class Soak:
                 "ledger": [r.to_dict() for r in rows]}
 
 
+def write_page(result: dict, path: Path, seed: int) -> Path:
+    """Every operation of the soak on one timeline beside the requests ok and not ok each second
+    (pdops.ops.report.runs), its fault windows shaded."""
+    from pdops.ops.report.runs import Span, runs_page
+
+    spans = [Span(f"{d['n']} {d['op']}", d["start"], d["end"], ok=d["ok"] and d["serving_after"] and not d["unexpected"],
+                  detail=d["detail"], fault_window=tuple(d["fault_window"]) if d["fault_window"] else None)
+             for d in result["operations"]]
+    page, _ = runs_page(f"soak, seed {seed}", spans, result["ledger"], summary=result["summary"])
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
 def replays(lab, pl: Placement) -> list[str]:
     """Request IDs received twice by prefills or twice by decodes, in every engine unit's journal on
     every lab host (all invocations)."""
@@ -369,7 +382,8 @@ def test_soak(lab, tmp_path):
     ledger = Path(os.environ.get("SOAK_LEDGER") or lab.lab_dir / "soak-ledger.json")
     ledger.write_text(json.dumps(result, indent=1, default=str))
     s = result["summary"]
-    print(f"soak summary (seed {seed}): " + json.dumps(s) + f"\nledger: {ledger}")
+    page = write_page(result, ledger.with_suffix(".html"), seed)
+    print(f"soak summary (seed {seed}): " + json.dumps(s) + f"\nledger: {ledger}\npage: {page}")
     stop_all(lab)
     assert not s["lost_outside_fault_windows"] and not s["replayed"] and not s["left_not_serving"], s
     assert not s["operation_errors"] and not s["unexpected_exits"], s

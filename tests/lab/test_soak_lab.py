@@ -13,11 +13,13 @@ prefills or two decodes.
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import stop_all
+from tests.lab.clusters import REPO, stop_all
 from tests.lab.soak import OPS, Soak, soak_cluster
 
 pytestmark = pytest.mark.lab
@@ -45,3 +47,18 @@ def test_ten_operations_and_faults_in_a_seeded_order_leave_the_cluster_serving_a
     assert not s["lost_outside_fault_windows"], s
     assert not s["replayed"], s
     assert s["requests"] > 100, "the closed loop hardly ran"
+    # the soak's page: every operation on one timeline beside the requests ok and not ok each second
+    from pdops.ops.report import embedded_data
+    from tests.lab.soak import write_page
+
+    page = write_page(result, tmp_path / "soak.html", SEED)
+    data = embedded_data(page.read_text())
+    assert [x["label"] for x in data["spans"]] == [f"{d['n']} {d['op']}" for d in result["operations"]]
+    assert sum(data["per_second"]["ok"]) + sum(data["per_second"]["not_ok"]) == s["requests"]
+    assert sum(data["per_second"]["not_ok"]) == s["not_ok"]
+    assert [x["fault_window"] is not None for x in data["spans"]] == [d["fault_window"] is not None
+                                                                      for d in result["operations"]]
+    art = Path(os.environ.get("PDOPS_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
+    art.mkdir(parents=True, exist_ok=True)
+    (art / "soak-lab.html").write_text(page.read_text())
+    print(f"soak page: {art / 'soak-lab.html'}")

@@ -238,6 +238,13 @@ def test_run_bench_records_ledger_and_manifest(tmp_path, lab_inv):
     rows, _ = b.read_ledger(tmp_path / "run")
     assert len(rows) == 8 and len({r.rid for r in rows}) == 8
     assert "all 8 requests succeeded" in b.format_result(res)
+    # the run's page (pdops.ops.report.runs): its span beside the requests each second, all 8 counted ok
+    from pdops.ops.report import embedded_data
+
+    assert f"page: {tmp_path / 'run' / 'report.html'}" in b.format_result(res)
+    page = embedded_data((tmp_path / "run" / "report.html").read_text())
+    assert sum(page["per_second"]["ok"]) == 8 and sum(page["per_second"]["not_ok"]) == 0
+    assert [s["label"] for s in page["spans"]] == ["bench C4"]
 
 
 def test_run_bench_marks_the_run_invalid_when_the_revision_changes_mid_run(tmp_path, lab_inv):

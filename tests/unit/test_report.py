@@ -339,3 +339,27 @@ def test_inv_report_writes_the_page_and_refuses_an_unknown_operation(tmp_path, m
         report(Context(), op="scale-20991231T000000Z-ffffff", inventory="inventory/lab", out=str(out))
     assert e.value.code == 2
     assert "--op: no operation 'scale-20991231T000000Z-ffffff' in the journal" in capsys.readouterr().err
+
+
+def test_a_run_page_puts_every_operation_on_a_timeline_beside_the_requests_per_second():
+    """`make soak` and `inv bench` write this page (pdops.ops.report.runs): each operation a span, its
+    fault window kept, and the clients' requests counted by the second they ended, ok and not ok."""
+    from pdops.ops.report import embedded_data
+    from pdops.ops.report.runs import Span, runs_page
+    from pdops.ops.report.zone import Zone
+    import datetime as _dt
+
+    t = 1_796_000_000.0
+    spans = [Span("1 drain", t, t + 5), Span("2 engine-kill", t + 6, t + 9, ok=False, detail="x<y",
+                                                     fault_window=(t + 6, t + 11))]
+    rows = [{"start": t + 0.1, "end": t + 0.5, "ok": True}, {"start": t + 6.2, "end": t + 6.4, "ok": False},
+            {"start": t + 7.0, "end": None, "ok": False, "status": "timeout"}, {"start": t + 8.0, "end": t + 8.9, "ok": True}]
+    page, data = runs_page("soak, seed 3", spans, rows, summary={"lost_outside_fault_windows": []},
+                           zone=Zone(_dt.timezone.utc, "Etc/UTC", "TZ"))
+    assert embedded_data(page) == json.loads(json.dumps(data, sort_keys=True, default=str))
+    assert [s["label"] for s in data["spans"]] == ["1 drain", "2 engine-kill"]
+    assert data["spans"][1]["fault_window"] == [t + 6, t + 11] or data["spans"][1]["fault_window"] == (t + 6, t + 11)
+    assert sum(data["per_second"]["ok"]) == 2 and sum(data["per_second"]["not_ok"]) == 2
+    assert data["per_second"]["not_ok"][6] == 1 and data["per_second"]["not_ok"][7] == 1  # unended: its start
+    assert "x&lt;y" in page and "x<y" not in page.split('id="pdops-report-data"')[0]
+    assert page.count('src="data:image/png;base64,') == 2 and "Etc/UTC" in page

@@ -184,7 +184,27 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
     figs = compute_figures(rows, gpus=gpus, invalid=invalid)
     manifest["figures"] = figs.to_dict()
     write_ledger(run_dir, rows, manifest)
+    write_page(run_dir, rows, manifest)
     return BenchResult(run_dir, manifest, rows, figs)
+
+
+PAGE = "report.html"
+
+
+def write_page(run_dir: Path, rows: list[LedgerRow], manifest: dict) -> Path:
+    """The run as one page (pdops.ops.report.runs): its span on a timeline beside the requests that
+    ended ok and not ok each second, the figures below."""
+    from pdops.ops.report.runs import Span, runs_page
+
+    ledger = [r.to_dict() for r in rows]
+    starts = [r.start for r in rows] + [r.end for r in rows if r.end]
+    spans = [Span(f"bench C{manifest['parameters']['concurrency']}", min(starts), max(starts),
+                  ok=not manifest.get("invalid"), detail=f"{len(rows)} requests")] if starts else []
+    page, _ = runs_page(f"bench {manifest.get('run_id', run_dir.name)} ({manifest.get('topology', '?')})", spans,
+                        ledger, summary={"figures": manifest.get("figures"), "parameters": manifest.get("parameters")})
+    path = run_dir / PAGE
+    path.write_text(page, encoding="utf-8")
+    return path
 
 
 def format_result(res: BenchResult) -> str:
@@ -197,7 +217,8 @@ def format_result(res: BenchResult) -> str:
                      f"{m['parameters']['input_tokens']} tokens; the figures use the reported counts")
     if not m.get("inventory_matches_revision", True):
         lines.append("note: the inventory on disk differs from the one the revision was deployed with")
-    lines.append(f"ledger: {res.run_dir / LEDGER_CSV}, {res.run_dir / LEDGER_JSONL}; manifest: {res.run_dir / MANIFEST}")
+    lines.append(f"ledger: {res.run_dir / LEDGER_CSV}, {res.run_dir / LEDGER_JSONL}; manifest: {res.run_dir / MANIFEST}; "
+                 f"page: {res.run_dir / PAGE}")
     if m.get("invalid"):
         lines.append(f"verdict: INVALID run: {m['invalid']}")
     elif res.figures.any_failure:

@@ -23,7 +23,7 @@ WAVE_COLORS = ("#1f77b4", "#ff7f0e", "#9467bd", "#17becf", "#bcbd22", "#8c564b")
 CB_STATES = {-1: "removed", 0: "closed", 1: "open", 2: "half-open"}
 
 
-def _figure(height_in: float):
+def figure(height_in: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -32,23 +32,23 @@ def _figure(height_in: float):
     return fig
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
     return buf.getvalue()
 
 
-def _num(t: _dt.datetime) -> float:
+def num(t: _dt.datetime) -> float:
     from matplotlib import dates as mdates
 
     return mdates.date2num(t)
 
 
-def _time_axis(ax, zone: Zone, start: _dt.datetime, end: _dt.datetime, *, xlabel: bool = True) -> None:
+def time_axis(ax, zone: Zone, start: _dt.datetime, end: _dt.datetime, *, xlabel: bool = True) -> None:
     """The shared axis: [start, end], local time below, UTC above."""
     from matplotlib import dates as mdates
 
-    ax.set_xlim(_num(start), _num(end))
+    ax.set_xlim(num(start), num(end))
     ax.xaxis.set_major_locator(mdates.AutoDateLocator(tz=zone.tz, minticks=5, maxticks=12))
     ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S", tz=zone.tz))
     ax.tick_params(axis="x", labelsize=8)
@@ -66,9 +66,9 @@ def _operation_marks(ax, tl: Timeline) -> None:
     """Where the operation began and ended, and each wave's span, on any chart."""
     for w in tl.waves:
         if w.start and w.end:
-            ax.axvspan(_num(w.start), _num(w.end), color=WAVE_COLORS[(w.n - 1) % len(WAVE_COLORS)], alpha=0.08, lw=0)
+            ax.axvspan(num(w.start), num(w.end), color=WAVE_COLORS[(w.n - 1) % len(WAVE_COLORS)], alpha=0.08, lw=0)
     for t in (tl.start, tl.end):
-        ax.axvline(_num(t), color="#333333", linestyle="--", linewidth=0.8)
+        ax.axvline(num(t), color="#333333", linestyle="--", linewidth=0.8)
 
 
 def _row_label(b: Bar) -> str:
@@ -86,19 +86,19 @@ def timeline_png(tl: Timeline, zone: Zone, start: _dt.datetime, end: _dt.datetim
 
     n = max(len(tl.bars), 1)
     height = 1.6 + 0.19 * n
-    fig = _figure(height)
+    fig = figure(height)
     fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.75 / height, bottom=0.75 / height)
     ax = fig.add_subplot(1, 1, 1)
-    _time_axis(ax, zone, start, end)
+    time_axis(ax, zone, start, end)
     _operation_marks(ax, tl)
     span = max((end - start).total_seconds(), 1.0) / 86400.0
     for y, b in enumerate(tl.bars):
         color = STATUS_COLORS.get(b.status, OTHER_COLOR)
         if b.point:
-            ax.plot([_num(b.end)], [y], marker="D", markersize=5, color=color, linestyle="none")
+            ax.plot([num(b.end)], [y], marker="D", markersize=5, color=color, linestyle="none")
         else:
             width = max((b.end - b.start).total_seconds() / 86400.0, span * 0.002)
-            ax.barh(y, width, left=_num(b.start), height=0.7, color=color, edgecolor="#222222" if b.phase != "main"
+            ax.barh(y, width, left=num(b.start), height=0.7, color=color, edgecolor="#222222" if b.phase != "main"
                     else color, hatch=PHASE_HATCH.get(b.phase), linewidth=0.5)
         right = " · ".join(x for x in (b.instance, f"wave {b.wave}" if b.wave else None, b.host) if x)
         if right:
@@ -113,7 +113,7 @@ def timeline_png(tl: Timeline, zone: Zone, start: _dt.datetime, end: _dt.datetim
     for w in tl.waves:
         if w.start and w.end:
             # staggered: the labels of short waves side by side would overlap
-            ax.annotate(w.label, xy=(_num(w.start), 0), xycoords=("data", "axes fraction"),
+            ax.annotate(w.label, xy=(num(w.start), 0), xycoords=("data", "axes fraction"),
                         xytext=(2, 3 + 10 * ((w.n - 1) % 3)), textcoords="offset points", fontsize=7, va="bottom",
                         color=WAVE_COLORS[(w.n - 1) % len(WAVE_COLORS)], fontweight="bold")
     seen = sorted({b.status for b in tl.bars})
@@ -123,7 +123,7 @@ def timeline_png(tl: Timeline, zone: Zone, start: _dt.datetime, end: _dt.datetim
     if handles:
         fig.legend(handles=handles, loc="lower right", fontsize=7, frameon=False, ncol=len(handles),
                    bbox_to_anchor=(0.995, 0.0))
-    return _png(fig)
+    return png(fig)
 
 
 def _unit_axis(ax, unit: str) -> None:
@@ -163,10 +163,10 @@ def panel_png(panel: Panel, tl: Timeline, zone: Zone, start: _dt.datetime, end: 
     import matplotlib
 
     height = 2.9
-    fig = _figure(height)
+    fig = figure(height)
     fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.7 / height, bottom=0.55 / height)
     ax = fig.add_subplot(1, 1, 1)
-    _time_axis(ax, zone, start, end)
+    time_axis(ax, zone, start, end)
     _operation_marks(ax, tl)
     drawn = []
     breaker = any(CB_METRIC in q for q in panel.queries)
@@ -183,7 +183,7 @@ def panel_png(panel: Panel, tl: Timeline, zone: Zone, start: _dt.datetime, end: 
             # colour per instance, the older revision dotted
             name = f"{name} (rev {s.labels['revision']})"
         xs, ys = _with_gaps(s.points, step)
-        ax.plot([_num(x) for x in xs], ys, linewidth=1.2, label=name, color=colour, linestyle=":" if older else "-",
+        ax.plot([num(x) for x in xs], ys, linewidth=1.2, label=name, color=colour, linestyle=":" if older else "-",
                 drawstyle="steps-post" if breaker else "default")
         fin = [v for _, v in s.points if math.isfinite(v)]
         drawn.append({"label": name, "query": s.query, "points": len(fin), "min": min(fin), "max": max(fin),
@@ -199,4 +199,4 @@ def panel_png(panel: Panel, tl: Timeline, zone: Zone, start: _dt.datetime, end: 
     if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=6.5, frameon=False,
                   ncol=1 if len(drawn) <= 10 else 2)
-    return _png(fig), drawn
+    return png(fig), drawn
