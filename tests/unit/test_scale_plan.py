@@ -689,3 +689,39 @@ def test_a_stop_plans_from_what_it_observes_too(lab_inv, state):
     assert [s.name for s in plan.steps] == ["record-identity", "stop", "verify-stop"]
     note = next(n for n in plan.notes if n.startswith("observed: d01 does not serve"))
     assert "the verified stop reads what is left of it" in note and "leave the gateway" not in note
+
+
+def test_a_rollback_records_every_file_the_cluster_runs_the_admission_layers_too(state, tmp_path, repo):
+    """A snapshot keeps no admission file (its key map holds keys). A rollback's files once came from the
+    snapshot alone, so its revision's manifest lacked HAProxy's files and a later deploy compared against
+    a record that was not the truth. Every file a deploy delivers is in the rollback's plan."""
+    from pdops.model.render import snapshot_of
+
+    kf = tmp_path / "keys"
+    kf.write_text("pdops-key-one-0123456789\n")
+    kf.chmod(0o600)
+
+    def with_admission(bundle):
+        return lambda doc, d: (doc["all"]["vars"].update(pdops_admission={"api_keys_file": str(kf)}),
+                               with_bundle(max_running_requests=bundle)(doc, d))
+
+    old = variant(repo, tmp_path, with_admission(64), name="old")
+    pl = place(old, parse_topology("2p1d"))
+    files = render_files(old, pl)
+    rev = state.write_revision(topology="2p1d", inventory_hash=old.digest, placement=pl.to_dict(),
+                               manifest=manifest(files), outcome="deployed", snapshot=snapshot_of(old, files),
+                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances})
+    state.set_current(rev.number)
+    assert any(p.endswith("pdops-admission.cfg") for f in files for p in [f.path])
+    new = variant(repo, tmp_path, with_admission(32), name="new")
+    pl2 = place(new, parse_topology("2p1d"))
+    files2 = render_files(new, pl2)
+    rev2 = state.write_revision(topology="2p1d", inventory_hash=new.digest, placement=pl2.to_dict(),
+                                manifest=manifest(files2), outcome="deployed", snapshot=snapshot_of(new, files2),
+                                instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl2.instances})
+    state.set_current(rev2.number)
+    plan = sc.plan_rollback(new, state, force=True)  # the lone decode's replacement is not the point here
+    delivered = {(f.host, f.path) for f in files}
+    planned = {(f.host, f.path) for f in plan.files}
+    assert delivered - planned == set(), sorted(delivered - planned)
+    assert delivered == planned

@@ -10,7 +10,7 @@ from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.errors import InvalidInput, Refused
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement, gpu_slots, make_instance
-from pdops.model.render import files_of, manifest, render_files
+from pdops.model.render import files_of, manifest, render_admission_files, render_files
 from pdops.record.local import Revision, StateDir
 from pdops.model.topology import Topology
 
@@ -71,6 +71,13 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     # a rollback returns to the files recorded with its target (its snapshot), not to what the
     # inventory on disk renders now
     files = files_of(snapshot) if snapshot is not None else render_files(inv, target_pl)
+    if snapshot is not None and inv.admission is not None:
+        # a snapshot keeps no admission file (its key map holds keys): the front door is the inventory's
+        # now, rendered, so the revision records every file the cluster runs (a later deploy compares
+        # against the truth)
+        adm = render_admission_files(inv, inv.admission)
+        held = {(f.host, f.path) for f in adm}
+        files = [f for f in files if (f.host, f.path) not in held] + adm
     gen = generation_change(cur_snapshot, cur_pl, files, target_pl)
     if gen is not None and gen.changes and not unfenced:
         return plan_fenced(inv, cur, target_pl.topology, gen, skip_checks=skip_checks, seen=seen,
@@ -98,8 +105,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
 
     adm_paths = set()
     if inv.admission is not None:
-        from pdops.model.render import render_admission_files
-
         adm_paths = {f"{f.host}:{f.path}" for f in render_admission_files(inv, inv.admission)}
     adm_changes = [c for c in shared if c.split(" ", 1)[0] in adm_paths]
     unit_changes = [c for c in adm_changes if ADMISSION_UNIT in c]
