@@ -29,9 +29,11 @@ DRAINING = "draining"
 # smg_worker_cb_state's values (smg 1.13 metrics.rs) and the words pdops says for them
 CLOSED, OPEN, HALF_OPEN, REMOVED = "closed", "open", "half-open", "removed"
 CB_STATES = {0: CLOSED, 1: OPEN, 2: HALF_OPEN, -1: REMOVED}
-# what a worker's breaker is when it could not be read: never counted as closed
+# what a worker's breaker is when it could not be read: never said to be closed, never acted on
 NOT_EXPORTED = "not exported"  # the gateway's /metrics answered without a series for the URL
 UNREAD = "unread"  # the gateway's /metrics did not answer
+# the states in which smg routes no new request to the worker (half-open: trial requests only)
+BLOCKING = (OPEN, HALF_OPEN, REMOVED)
 
 
 @dataclass(frozen=True)
@@ -78,22 +80,31 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        """A request sent now could be routed to it: healthy, ``ready``, and (where read) its breaker
-        closed. Half-open lets only trial requests through: not routable."""
-        return self.is_healthy and self.status == READY and (self.breaker is None or self.breaker.state == CLOSED)
+        """A request sent now could be routed to it: healthy, ``ready``, and its breaker not open,
+        half-open or removed. A breaker that could not be read is not taken as open (nothing is done
+        on it) nor as closed (never said to be): :attr:`breaker_unknown` says so, and the gateway's
+        observation makes it a finding (pdops.reads.observe)."""
+        return self.is_healthy and self.status == READY and (self.breaker is None
+                                                             or self.breaker.state not in BLOCKING)
 
     @property
     def breaker_problem(self) -> str | None:
-        """Why its breaker keeps requests from it, or None (closed, or not read)."""
+        """Why its breaker keeps requests from it (open, half-open, removed), or None."""
         b = self.breaker
-        if b is None or b.state == CLOSED:
+        if b is None or b.state not in BLOCKING:
+            return None
+        return (f"circuit {b.state}" + (f" after {b.consecutive_failures} consecutive failures"
+                                        if b.consecutive_failures else ""))
+
+    @property
+    def breaker_unknown(self) -> str | None:
+        """Why its breaker's state is not known (its gateway's /metrics unread, or no series for it yet)."""
+        b = self.breaker
+        if b is None or b.state not in (UNREAD, NOT_EXPORTED):
             return None
         if b.state == UNREAD:
             return f"its circuit breaker could not be read ({b.error})"
-        if b.state == NOT_EXPORTED:
-            return "its circuit breaker is not in the gateway's /metrics yet"
-        return (f"circuit {b.state}" + (f" after {b.consecutive_failures} consecutive failures"
-                                        if b.consecutive_failures else ""))
+        return "its circuit breaker is not in the gateway's /metrics yet"
 
     def describe(self) -> str:
         cb = f", circuit {self.breaker.state}" if self.breaker is not None else ""

@@ -318,6 +318,10 @@ def parse_admission(all_vars: dict, inv) -> AdmissionConfig | None:
     if set(host_names) & set(gw.hosts):
         taken["pdops_gateway.port"] = range(gw.port, gw.port + 1)
         taken["pdops_gateway.prometheus_port"] = range(gw.prometheus_port, gw.prometheus_port + 1)
+        if len(gw.nodes) == 1:  # the only gateway's stand-in listens there while it restarts
+            taken["pdops_gateway.standby_port"] = range(gw.standby_port, gw.standby_port + 1)
+            taken["pdops_gateway.standby_prometheus_port"] = range(gw.standby_prometheus_port,
+                                                                   gw.standby_prometheus_port + 1)
     taken.update(inv.reserved_port_ranges())
     for name, r in taken.items():
         if port in r:

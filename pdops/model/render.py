@@ -31,6 +31,8 @@ UNIT_DIR = "/etc/systemd/system"
 ENV_DIR = "/etc/pdops"
 BIN_DIR = "/opt/pdops/bin"
 GATEWAY_UNIT = "pdops-gateway.service"
+# the only gateway's stand-in while it restarts behind the admission layer: a transient unit, never enabled
+STANDBY_UNIT = "pdops-gateway-standby.service"
 SLICE_UNIT = "pdops.slice"
 
 

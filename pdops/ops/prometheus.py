@@ -172,7 +172,10 @@ def alert_rules(inv) -> list[dict]:
               f'increase(haproxy_frontend_http_responses_total{{job="{JOB_ADMISSION}",proxy="admission",code="4xx"}}[5m]) > 0',
               "2m", "ticket", "{{ $labels.cluster }}: the admission queue is in use and requests are refused",
               runbook="docs/admission.md"),
-        alert("PdopsGatewayCircuitOpen", f'smg_worker_cb_state{{job="{JOB_GATEWAY}"}} == 1', cb_open_for, "page",
+        # while requests flow: smg half-opens a breaker only when it routes a request, so on a quiet gateway an
+        # open breaker is harmless and stays open (the next request is its trial)
+        alert("PdopsGatewayCircuitOpen", f'smg_worker_cb_state{{job="{JOB_GATEWAY}"}} == 1 and on (cluster, host) '
+              f'sum by (cluster, host) (rate(smg_http_requests_total{{job="{JOB_GATEWAY}"}}[2m])) > 0', cb_open_for, "page",
               "{{ $labels.cluster }}: gateway {{ $labels.host }} keeps the circuit of {{ $labels.worker }} open longer "
               f"than its timeout ({inv.gateway.cb_timeout_secs}s): it routes nothing there",
               runbook="docs/gateway.md", action="inv status; inv deploy --topology <the current one> (registers it again)"),

@@ -151,9 +151,17 @@ def baseline_step(instance_id: str) -> Step:
 
 
 def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
+    """After the record: a baseline that cannot be read is said, never a failed repair (the repair is
+    verified and recorded by then; `inv status` then counts the fault's failures as new)."""
     from pdops.reads.looks import move_baseline
 
-    absorbed = move_baseline(ctx.inv, ctx.pool, ctx.placement)
+    try:
+        absorbed = move_baseline(ctx.inv, ctx.pool, ctx.placement)
+    except (PdopsError, KeyError, OSError) as exc:
+        why = getattr(exc, "message", None) or str(exc)
+        return Outcome("noop", {"error": why}, unverified=[f"`inv status`'s baseline not moved ({why}): the "
+                                                           "failures of the fault may show as new at the next look"],
+                       reason=f"the failure counters could not be read: {why}")
     if absorbed:
         ctx.say("  failures inside the fault of " + step.params["instance"] + ": " + "; ".join(
             f"{k} " + ", ".join(f"{c} +{d}" for c, d in v.items()) for k, v in sorted(absorbed.items())))

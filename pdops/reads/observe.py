@@ -14,7 +14,7 @@ from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
 from pdops.facts import cgroup as cg_facts
 from pdops.facts import procs as proc_facts
-from pdops.facts.gateway import DRAINING, READY, Worker
+from pdops.facts.gateway import DRAINING, READY, UNREAD, Worker
 from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
 from pdops.remote.gateway import Gateways
@@ -189,6 +189,10 @@ class GatewayObservation:
         if self.start_list_error:
             out.append(f"the gateway's start-up list {membership.PATH}" + (f" on {self.host}" if self.several else "")
                        + f" unreadable: {self.start_list_error}")
+        unread = sorted({w.breaker_unknown for w in self.workers if w.breaker is not None and w.breaker.state == UNREAD})
+        if unread and not self.down:
+            out.append(f"{self.label}: {unread[0].removeprefix('its ')}: whether it routes to its workers is not known "
+                       "(their breakers are neither taken as open nor said to be closed)")
         out += [f"{'gateway' if not self.several else self.label} routes to {w.describe()}, which revision "
                 f"{revision} does not know"
                 for w in self.unknown_workers(instances)]

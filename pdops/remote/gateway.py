@@ -177,14 +177,17 @@ class GatewayClient:
 
     def wait_worker_healthy(self, url: str, deadline: float,
                             progress: Callable[[str], None] | None = None) -> Worker:
-        """Poll /workers until ``url`` is listed healthy and ``ready``; Unverified at the deadline."""
+        """Poll /workers until ``url`` is listed routable (healthy, ``ready``, its breaker not open or
+        half-open, and exported where /metrics answers); Unverified at the deadline."""
         last = "not listed yet"
         while True:
             matches = gw_facts.by_url(self.list_workers(), url)
-            healthy = [w for w in matches if w.routable]
+            # routable, and its breaker exported (a new registration's series appears a moment after it is
+            # listed); a /metrics that does not answer is not waited for: it is said (Worker.breaker_unknown)
+            healthy = [w for w in matches if w.routable and (w.breaker is None or w.breaker.state != gw_facts.NOT_EXPORTED)]
             if healthy:
                 return healthy[0]
-            state = (f"listed, {', '.join((w.status or 'unhealthy') + (f', {w.breaker_problem}' if w.breaker_problem else '') for w in matches)}"
+            state = (f"listed, {', '.join((w.status or 'unhealthy') + (f', {w.breaker_problem or w.breaker_unknown}' if w.breaker_problem or w.breaker_unknown else '') for w in matches)}"
                      if matches else "not listed")
             if progress and state != last:
                 progress(f"worker {url}: {state}")

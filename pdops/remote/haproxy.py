@@ -8,7 +8,7 @@ import time
 
 from pdops.errors import InvalidInput, Unverified
 from pdops.model.admission import (FULL_WEIGHT, UNIT, ServerStat, parse_gateway_stats, server_state_command, server_weight_command,
-                                   stat_command)
+                                   standby_server, stat_command)
 
 
 def gateway_stats(pool, adm_host: str) -> dict[str, ServerStat]:
@@ -78,6 +78,10 @@ def front_door_problems(pool, adm_host: str, gateways) -> list[str]:
         elif not st.up or st.weight != FULL_WEIGHT:
             out.append(f"HAProxy on {adm_host}: gateway {h} is {st.status}, weight {st.weight} (deployed: UP, "
                        f"weight {FULL_WEIGHT})")
+        sb = stats.get(standby_server(h))
+        if sb is not None and sb.status != "MAINT":
+            out.append(f"HAProxy on {adm_host}: the stand-in of gateway {h} is {sb.status} (deployed: MAINT): a restart "
+                       "did not finish; `inv deploy --topology <the current one>` retires it once the gateway serves")
     return out
 
 

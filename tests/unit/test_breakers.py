@@ -37,11 +37,13 @@ def test_a_worker_routes_only_with_its_breaker_closed():
     assert closed.routable and closed.breaker_problem is None
     for state in (gw.OPEN, gw.HALF_OPEN, gw.REMOVED):
         x = w.with_breaker({"http://127.0.10.2:30001": Breaker(state, consecutive_failures=10)})
-        assert not x.routable and x.breaker_problem.startswith(f"circuit {state}")
-    # nothing assumed: a series not exported, or a /metrics that did not answer, is not "closed"
-    assert not w.with_breaker({}).routable
+        assert not x.routable and x.breaker_problem.startswith(f"circuit {state}") and x.breaker_unknown is None
+    # nothing assumed either way: a series not exported, or a /metrics that did not answer, is never said
+    # to be closed, and never taken as open (nothing is removed or re-registered on it): it is said
+    assert w.with_breaker({}).breaker_unknown == "its circuit breaker is not in the gateway's /metrics yet"
     unread = w.with_breaker(None, "connection refused")
-    assert not unread.routable and "could not be read (connection refused)" in unread.breaker_problem
+    assert unread.breaker_problem is None and "could not be read (connection refused)" in unread.breaker_unknown
+    assert closed.breaker_unknown is None
 
 
 @pytest.fixture
@@ -117,3 +119,15 @@ def test_an_open_circuit_is_dated_from_the_first_look_that_saw_it(lab_inv, tmp_p
     assert looks.breakers_open_since(lab_inv, {k: "half-open"})[k] == first  # still not closed: same start
     assert looks.breakers_open_since(lab_inv, {}) == {}  # closed: forgotten
     assert looks.breakers_open_since(lab_inv, {k: "open"})[k] > first  # opened again: a new start
+
+
+def test_a_gateway_whose_metrics_do_not_answer_is_a_finding_and_no_worker_is_taken_as_open(pl):
+    d01 = pl.get("d01")
+    o = obs(d01)
+    w = o.workers["lab01"].with_breaker(None, "connection refused")
+    g = GatewayObservation("lab01", unit(), None, [w], ["d01"])
+    assert any("circuit breaker could not be read (connection refused): whether it routes to its workers is not known"
+               in f for f in g.findings(1, []))
+    o2 = replace(o, workers={"lab01": w})
+    assert o2.gateway_problem is None and not o2.breaker_only  # not "circuit open": no re-registration offered
+    assert "d01" not in Seen.of(Observation(1, [g], [o2])).not_serving  # no restart planned on a guess

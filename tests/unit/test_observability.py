@@ -115,6 +115,9 @@ D02 = {"instance": "d02", "role": "decode", "host": "lab03"}
 P01 = {"instance": "p01", "role": "prefill", "host": "lab01"}
 BASE = {"job": obs.JOB_ENGINE, "cluster": "lab", "revision": "3"}
 
+_GW_TRAFFIC = {"series": f'smg_http_requests_total{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",path="/generate"}}',
+               "values": "0+30x40"}
+
 # alert -> (input series, eval time, labels of the firing alert or None for "does not fire")
 CASES = {
     "PdopsInstanceDown": [
@@ -167,11 +170,16 @@ CASES = {
     ],
     "PdopsGatewayCircuitOpen": [
         ([{"series": f'smg_worker_cb_state{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",worker="http://127.0.10.2:30001"}}',
-           "values": "0 1x40"}], "3m",
+           "values": "0 1x40"}, _GW_TRAFFIC], "3m",
          {"job": obs.JOB_GATEWAY, "cluster": "lab", "host": "lab01", "worker": "http://127.0.10.2:30001"}),
         # open, then half-open and closed within the timeout: no page
         ([{"series": f'smg_worker_cb_state{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",worker="http://127.0.10.2:30001"}}',
-           "values": "0 1 1 1 2 0x40"}], "3m", None),
+           "values": "0 1 1 1 2 0x40"}, _GW_TRAFFIC], "3m", None),
+        # open on a quiet gateway: smg half-opens it at the next request; no page
+        ([{"series": f'smg_worker_cb_state{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",worker="http://127.0.10.2:30001"}}',
+           "values": "0 1x40"},
+          {"series": f'smg_http_requests_total{{job="{obs.JOB_GATEWAY}",cluster="lab",host="lab01",path="/generate"}}',
+           "values": "100x40"}], "3m", None),
     ],
     "PdopsNoServingRole": [
         ([_series("up", "1 0x12", **D01), _series("up", "1 0x12", **D02), _series("up", "1x12", **P01)], "3m",

@@ -190,7 +190,7 @@ def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: floa
     first: a POST now would answer 409 with that worker, which then goes. A worker listed at this URL
     whose breaker is not closed (its engine failed requests before a restart: smg keeps the breaker
     of a URL through it) is removed first, so that the POST gives it a new, closed breaker."""
-    from pdops.facts.gateway import CLOSED, DRAINING
+    from pdops.facts.gateway import BLOCKING, DRAINING
 
     try:
         listed = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")]
@@ -200,7 +200,7 @@ def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: floa
         if w.status == DRAINING:
             say(f"  {inst.id}: {client.base_url} still drains worker {w.id} at {inst.url}; waiting until it is gone")
             client.wait_worker_gone(w.id, deadline)
-        elif w.breaker is not None and w.breaker.state != CLOSED:
+        elif w.breaker is not None and w.breaker.state in BLOCKING:
             say(f"  {inst.id}: {client.base_url} lists worker {w.id} with {w.breaker_problem}: removing it and "
                 "adding it again (a new registration is smg's only way to close a breaker)")
             client.remove_worker(w.id)

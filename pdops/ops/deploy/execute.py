@@ -11,7 +11,7 @@ from pdops.errors import DeployFailed, PdopsError, Refused, Unverified
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, last_bootstrap_ports
-from pdops.model.render import GATEWAY_UNIT, manifest, snapshot_of, write_build
+from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of, write_build
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
@@ -104,8 +104,39 @@ def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
     up = list(step.params.get("ready", ()))
     for a in adms if up else ():
         wait_gateways_up(ctx.pool, a, up, max(ctx.deadline(step) - time.monotonic(), 5))
-    return Outcome(evidence={"set": done}, verified=[f"HAProxy: {'; '.join(done)}"]
-                   + ([f"{', '.join(up)} UP"] if up else []))
+    retired = retire_standbys(ctx, adms, step.params.get("standbys", ()))
+    return Outcome(evidence={"set": done, "standbys_retired": retired}, verified=[f"HAProxy: {'; '.join(done)}"]
+                   + ([f"{', '.join(up)} UP"] if up else [])
+                   + [f"the stand-in of gateway {h} drained to 0 sessions, MAINT, {STANDBY_UNIT} stopped"
+                      for h in retired])
+
+
+def retire_standbys(ctx: RunContext, adms, hosts) -> list[str]:
+    """A stand-in a restart left in service (its gateway serves again, UP above): drained in HAProxy to
+    0 sessions, MAINT as rendered, its transient unit stopped by name."""
+    from pdops.facts import q
+    from pdops.model.admission import server_state_command, standby_server
+    from pdops.remote.haproxy import gateway_stats, runtime
+
+    out = []
+    for h in hosts:
+        name = standby_server(h)
+        for a in adms:
+            runtime(ctx.pool, a, server_state_command(name, "drain"), "drain the stand-in's server")
+        deadline = time.monotonic() + float(ctx.inv.drain_budget_s) + 30
+        def carrying() -> int:
+            return sum(st.sessions for a in adms if (st := gateway_stats(ctx.pool, a).get(name)) is not None)
+
+        while carrying():
+            if time.monotonic() > deadline:
+                raise Unverified(f"the stand-in of gateway {h} still carries requests in HAProxy at the deadline")
+            time.sleep(0.25)
+        for a in adms:
+            runtime(ctx.pool, a, server_state_command(name, "maint"), "put the stand-in's server in MAINT")
+        ctx.pool.run(h, f"systemctl stop {q(STANDBY_UNIT)} || true", timeout=float(ctx.inv.drain_budget_s) + 60)
+        ctx.say(f"  the stand-in of gateway {h} retired: drained, MAINT, {STANDBY_UNIT} stopped")
+        out.append(h)
+    return out
 
 
 def do_admission(ctx: RunContext, step: Step) -> Outcome:
@@ -161,17 +192,20 @@ def do_register(ctx: RunContext, step: Step) -> Outcome:
     ctx.give(step, "workers", {inst.id: wid})
     where = "the gateway's /workers" if len(wids) == 1 else f"the /workers of each of the {len(wids)} gateways"
     breakers = {h: w.breaker.state for h, w in workers.items() if w.breaker is not None}
+    closed = bool(breakers) and set(breakers.values()) == {"closed"}
     return Outcome(evidence={"worker_id": wid, "worker_ids": wids, "breakers": breakers},
                    verified=[f"{inst.id} registered (worker {', '.join(wids.values())}), listed healthy and ready "
                              f"by {where}" + (", its circuit breaker closed there (smg_worker_cb_state 0)"
-                                              if breakers else "")])
+                                              if closed else "")],
+                   unverified=[f"{inst.id}: {w.breaker_unknown} on gateway {h}" for h, w in workers.items()
+                               if w.breaker_unknown])
 
 
 def do_close_breakers(ctx: RunContext, step: Step) -> Outcome:
     """Each gateway routes to every instance of the step with its breaker closed: a worker listed healthy
     and ready whose breaker is open or half-open (its engine, or its PD peer, failed requests before a
     restart) is registered again; one that is not healthy is its engine's matter, named, not verified."""
-    from pdops.facts.gateway import CLOSED, DRAINING
+    from pdops.facts.gateway import BLOCKING, DRAINING
 
     insts = [ctx.placement.get(i) for i in step.params["instances"]]
     deadline = ctx.deadline(step)
@@ -187,7 +221,7 @@ def do_close_breakers(ctx: RunContext, step: Step) -> Outcome:
         for inst in insts:
             w = by_url.get(inst.url.rstrip("/"))
             if w is not None and w.is_healthy and w.status == "ready" and w.breaker is not None \
-                    and w.breaker.state != CLOSED:
+                    and w.breaker.state in BLOCKING:
                 ctx.say(f"  {inst.id} on gateway {host}: {w.breaker_problem}; registering it again")
                 reset.setdefault(host, []).append(f"{inst.id} ({w.breaker_problem})")
                 w = client.reregister(w, deadline)  # its start-up list entry is unchanged (same URL, role, port)
@@ -195,6 +229,8 @@ def do_close_breakers(ctx: RunContext, step: Step) -> Outcome:
                                                     else "not listed" if w is None else "not read")
             if w is not None and w.is_healthy and w.status == "ready" and not w.routable:
                 still_open.append(f"{inst.id} on gateway {host}: {w.describe()}")
+            elif w is not None and w.breaker_unknown:
+                not_routable.append(f"{inst.id} on gateway {host}: {w.breaker_unknown}")
             elif w is None or not w.routable:
                 # not this step's to fix: an engine the operation did not start (observed down, left as it
                 # was), or one the gateway does not list; said, never counted as verified

@@ -182,20 +182,24 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     if obs.front_door and inv.admission is not None:  # a stopped change left a gateway drained or weighted
         from pdops.model.admission import FULL_WEIGHT
 
+        standbys = sorted({h for h in inv.gateway.hosts for f in obs.front_door if f"the stand-in of gateway {h} " in f})
         steps.append(Step("front-door open", inv.admission.hosts[0] if len(inv.admission.hosts) == 1 else None,
                           f"observed: {'; '.join(obs.front_door)}; HAProxy on {', '.join(inv.admission.hosts)}: "
-                          f"every gateway ready at weight {FULL_WEIGHT}", 60, kind="front-door-set",
+                          f"every gateway ready at weight {FULL_WEIGHT}"
+                          + (f"; then the stand-in of {', '.join(standbys)} drained to 0 sessions, MAINT, its unit "
+                             "stopped" if standbys else ""), 60 + (float(inv.drain_budget_s) + 60) * len(standbys),
+                          kind="front-door-set",
                           params={"admission_hosts": list(inv.admission.hosts),
                                   "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},
-                                  "ready": list(inv.gateway.hosts)}))
+                                  "ready": list(inv.gateway.hosts), "standbys": standbys}))
     if down_gws or need or obs.front_door:
         steps += front_door_step(inv)
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
         steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
     if touched or need:
-        steps.append(close_breakers_step(inv, pl, "engines started again at their URLs, or workers the gateway did "
-                                                  "not route to"))
+        steps.append(close_breakers_step(inv, pl, sorted(touched | {i.id for i in need}),
+                                         "engines started again at their URLs, or workers the gateway did not route to"))
     steps.append(verify_running_step(pl, inv, plan.files))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
                       "and topology" + ("; the inventory on disk" if not inv.matches(rev.inventory_hash) else "")

@@ -97,16 +97,18 @@ def register_steps(inv: Inventory, insts, *, group: str | None, gateways: list[s
     return out
 
 
-def close_breakers_step(inv: Inventory, pl: Placement, why: str) -> Step:
-    """After engines restarted at unchanged URLs: every gateway routes to each instance of `pl` whose
-    engine is healthy, with its circuit breaker closed (pdops.ops.deploy.execute.do_close_breakers)."""
+def close_breakers_step(inv: Inventory, pl: Placement, restarted: list[str], why: str) -> Step:
+    """After engines restarted at unchanged URLs: every gateway routes to each of them and to each of
+    their PD peers (the other role: a request that failed at a decode opened its prefill's breaker too)
+    whose engine is healthy, with its circuit breaker closed (pdops.ops.deploy.execute.do_close_breakers)."""
+    roles = {pl.get(i).role for i in restarted}
+    ids = [i.id for i in pl.instances if i.id in restarted or ({"prefill", "decode"} - {i.role}) & roles]
     return Step("close-breakers", inv.gateway.step_host, f"{why}: on {inv.gateway.on_each().strip() or 'the gateway'}, "
-                "read each worker's circuit breaker (smg_worker_cb_state on the gateway's /metrics); a healthy worker "
-                "whose breaker is open or half-open is removed and added again (smg's only way to close one; it "
-                "carried no request while open); verify every instance of the revision routable with its breaker "
-                "closed (0)", 30 + 15 * len(pl.instances), kind="close-breakers",
-                params={"instances": [i.id for i in pl.instances]},
-                verifies="the gateways route to every instance: healthy, ready, circuit closed")
+                f"read the circuit breaker of {', '.join(ids)} (the restarted and their PD peers; smg_worker_cb_state "
+                "on the gateway's /metrics); a healthy worker whose breaker is open or half-open is removed and added "
+                "again (smg's only way to close one; it carried no request while open); verify each routable with its "
+                "breaker closed (0)", 30 + 15 * len(ids), kind="close-breakers", params={"instances": ids},
+                verifies="the gateways route to the restarted instances and their peers: healthy, ready, circuit closed")
 
 
 def verify_running_step(pl: Placement, inv: Inventory, files: list[RenderedFile]) -> Step:

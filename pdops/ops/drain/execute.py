@@ -130,6 +130,7 @@ def routable_others(gateways: Gateways, inst: Instance, peers: list[Instance]) -
     mine = inst.url.rstrip("/")
     inst_routable = False
     why: dict[str, list[str]] = {p.id: [] for p in peers}
+    urls.pop(mine, None)  # a peer at this very address (a replacement on its slot) is not another instance
     ok: dict[str, str] = {}
     for host, client in gateways.items():
         try:
@@ -150,18 +151,20 @@ def routable_others(gateways: Gateways, inst: Instance, peers: list[Instance]) -
                 else:
                     why[urls[u]].append(f"{host}: " + (w.breaker_problem or f"{w.status}, "
                                                        f"{'healthy' if w.is_healthy else 'unhealthy'}"))
-        for u, pid in urls.items():
-            if u not in seen:
+        for pid in set(urls.values()):
+            if not any(u in seen for u, i in urls.items() if i == pid):
                 why[pid].append(f"{host}: not listed")
-    return inst_routable, {pid: ok.get(pid) or "; ".join(why[pid]) for pid in why}
+    return inst_routable, {pid: ok.get(pid) or "; ".join(why[pid]) or "not listed" for pid in why}
 
 
 def guard_serving(ctx: RunContext, step: Step, inst: Instance) -> dict:
     """Before a routable instance leaves the gateways: wait (up to the step's `guard_s`) until another
     instance of its role is routable on a gateway; refuse, nothing changed, when none gets there."""
     budget = float(step.params.get("guard_s") or 0)
-    pl = ctx.old_placement if step.params.get("old") and ctx.old_placement is not None else ctx.placement
-    peers = [i for i in pl.role(inst.role) if i.id != inst.id]
+    # its role's other instances as they run now: a change's placements both (one replaced in an earlier
+    # wave runs at its new address, one added or surged is only in the target), by id, either address
+    peers = [i for pl in (ctx.placement, ctx.old_placement) if pl is not None for i in pl.role(inst.role)
+             if i.id != inst.id]
     if budget <= 0 or not peers:
         return {}
     t0 = time.monotonic()

@@ -15,14 +15,13 @@ from pdops.remote.gateway import Gateways
 from pdops.remote.haproxy import require_another_up, runtime, wait_gateways_up
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
-from pdops.model.render import manifest, snapshot_of
+from pdops.model.render import STANDBY_UNIT, manifest, snapshot_of
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
 from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
 
 
-STANDBY_UNIT = "pdops-gateway-standby.service"
 
 
 def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
@@ -157,14 +156,18 @@ class Standby:
         from pdops.remote.haproxy import gateway_stats
 
         try:
+            # HAProxy's last check may still say UP for a gateway that just failed (it takes `fall` checks to
+            # mark it DOWN): the gateway's own readiness decides, then HAProxy's view
+            ready = ctx.gateways.client(self.host).readiness()["ready"]
             stats = {a: gateway_stats(ctx.pool, a).get(self.host) for a in self.adm_hosts}
-            if all(st is not None and st.up for st in stats.values()):
+            if ready and all(st is not None and st.up for st in stats.values()):
                 self.retire(ctx)
                 return
         except PdopsError as exc:
             ctx.say(f"  also: {exc.message}")
-        ctx.say(f"  the gateway is not back in HAProxy: the stand-in {self.node.url} ({STANDBY_UNIT} on {self.host}) "
-                "is left serving; `inv deploy --topology <the current one>` once the gateway is repaired ends it")
+        ctx.say(f"  the gateway is not back: the stand-in {self.node.url} ({STANDBY_UNIT} on {self.host}) is left "
+                "serving through HAProxy; `inv status` names it, and `inv deploy --topology <the current one>` retires "
+                "it (drained, MAINT, stopped) once the gateway serves again")
 
 
 def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: float) -> Standby:
@@ -192,12 +195,12 @@ def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: 
     pool.run(node.host, f"systemctl reset-failed {q(STANDBY_UNIT)} 2>/dev/null || true")
     argv = ["systemd-run", f"--unit={STANDBY_UNIT}", f"--slice={SLICE_UNIT}", "--collect",
             f"--property=EnvironmentFile={ENV_DIR}/gateway.env", "--property=KillMode=mixed",
-            f"--property=TimeoutStopSec={gateway_grace_s(inv) + 30}",
+            f"--property=TimeoutStopSec={gateway_grace_s(inv) + 30}", "--property=LimitNOFILE=1048576",
             f"{BIN_DIR}/pdops-gateway.sh", "--port", str(sb.port), "--prometheus-port", str(sb.prometheus_port)]
-    pool.run(node.host, " ".join(q(a) for a in argv), timeout=30)
     client = GatewayClient(sb.url, api_key_file=inv.gateway.api_key_file, metrics_url=sb.metrics_url,
                            poll_interval=0.25)
     try:
+        pool.run(node.host, " ".join(q(a) for a in argv), timeout=30)
         while True:
             try:
                 client.health()
@@ -260,16 +263,22 @@ def ensure_standby_server(ctx: RunContext, adm_hosts: list[str], host: str) -> l
 
 
 def _end_standby(ctx: RunContext, cover: Standby) -> None:
-    """A stand-in that never took a request (its start or admission failed): MAINT, stopped."""
+    """A stand-in whose start or admission failed (it may have been set ready on some admission host):
+    MAINT on each, then its unit stopped, each part tried whatever the other did."""
     from pdops.facts import q
     from pdops.model.admission import server_state_command, standby_server
 
-    try:
-        for a in cover.adm_hosts:
+    for a in cover.adm_hosts:
+        try:
             runtime(ctx.pool, a, server_state_command(standby_server(cover.host), "maint"), "put the stand-in in MAINT")
-        ctx.pool.run(cover.host, f"systemctl stop {q(STANDBY_UNIT)} || true", timeout=60)
+        except PdopsError as exc:
+            ctx.say(f"  also: {exc.message}")
+    try:  # whatever HAProxy answered: a stand-in that HAProxy may still hold is stopped gracefully (smg's grace)
+        ctx.pool.run(cover.host, f"systemctl stop {q(STANDBY_UNIT)} || true",
+                     timeout=float(ctx.inv.drain_budget_s) + 60)
     except PdopsError as exc:
-        ctx.say(f"  also: {exc.message}")
+        ctx.say(f"  also: the stand-in {STANDBY_UNIT} on {cover.host} was not stopped: {exc.message}; stop it there: "
+                f"`systemctl stop {STANDBY_UNIT}`")
 
 
 def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:

@@ -412,10 +412,28 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
         raise Refused(f"draining {host} ({', '.join(i.id for i in leaving)}) would leave no serving "
                       f"{' and no '.join(zero)} instance, and no free slot off the cordoned hosts takes its place",
                       fix="add a host (or uncordon one) so the instance moves there first, or --force")
+    refuse_generation_change(inv, state, cur, target, f"drain --host {host}")
     plan = plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
-                       allow_capacity_dip=True, seen=seen)
+                       allow_capacity_dip=True, seen=seen, cur_snapshot=state.revision_snapshot(cur.number))
     plan.surge = moved
     return plan
+
+
+def refuse_generation_change(inv: Inventory, state: StateDir, cur, target: Placement, what: str) -> None:
+    """Host maintenance moves instances; it does not carry a change of generation (model, page size, KV
+    dtype, SGLang pin) that the inventory on disk holds and no deploy has applied: rolled in waves, its
+    instances would be paired with the old generation's. Refused, naming the fields and the command
+    that fences it (docs/changes.md)."""
+    snap = state.revision_snapshot(cur.number)
+    if snap is None:
+        return  # a revision recorded before snapshots: its generation is not known (the plan says so)
+    gen = generation_change(snap, Placement.from_dict(cur.placement), render_files(inv, target), target)
+    if gen is not None and gen.changes:
+        raise Refused(f"`inv {what}` would start instances of another generation than revision {cur.number}'s "
+                      f"({'; '.join(gen.diff) or 'the engines differ'}): the inventory on disk holds a change no deploy "
+                      "has applied, and host maintenance does not fence one; nothing was changed",
+                      fix=f"apply it first, fenced (blue/green): `inv deploy --topology {cur.topology}` (docs/changes.md), "
+                          f"then `inv {what}`; or restore the inventory of revision {cur.number}")
 
 
 def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
@@ -426,7 +444,10 @@ def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
     if host not in was:
         raise Refused(f"{host} is not cordoned in revision {cur.number} (cordoned: {', '.join(was) or 'none'})",
                       fix="`inv status` shows the cordoned hosts")
-    return plan_change(inv, cur, Placement.from_dict(cur.placement), cordoned=[h for h in was if h != host])
+    pl = Placement.from_dict(cur.placement)
+    refuse_generation_change(inv, state, cur, pl, f"uncordon --host {host}")
+    return plan_change(inv, cur, pl, cordoned=[h for h in was if h != host],
+                       cur_snapshot=state.revision_snapshot(cur.number))
 
 
 def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,

@@ -128,15 +128,15 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if plan.replaced:
         from pdops.ops.deploy.steps import close_breakers_step
 
-        out.append(close_breakers_step(inv, tgt, f"{', '.join(i.id for i in plan.replaced)} started again at "
-                                                 "unchanged URLs"))
+        out.append(close_breakers_step(inv, tgt, [i.id for i in plan.replaced],
+                                       f"{', '.join(i.id for i in plan.replaced)} started again at unchanged URLs"))
     out.append(verify_running_step(tgt, inv, plan.files))
+    out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
+                    kind="record-scale", params={"change": change_facts(plan)}))
     if rep:
         from pdops.ops.repair import baseline_step
 
         out.append(baseline_step(rep["instance"]))
-    out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
-                    kind="record-scale", params={"change": change_facts(plan)}))
     return out
 
 
@@ -170,7 +170,8 @@ def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
                         f"systemctl restart {GATEWAY_UNIT}: smg finishes what is in flight (up to "
                         f"{gateway_grace_s(inv)}s), the new process starts from the new files and registers every "
                         f"worker of its start-up list; wait until /workers lists each healthy and ready" + held,
-                        gateway_grace_s(inv) + 120, kind="gateway-restart",
+                        gateway_grace_s(inv) + 120 + (2 * (float(inv.drain_budget_s) + 30) + 60 if adm else 0),
+                        kind="gateway-restart",
                         params={"gateway": node.host, "instances": list(instances),
                                 "admission_hosts": list(adm.hosts) if adm else []}))
     return out
