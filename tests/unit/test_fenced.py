@@ -165,3 +165,22 @@ def test_the_new_pool_never_lands_on_gpus_the_old_pool_holds(tmp_path, state):
     old = {(r.host, g) for i in plan.removed for r in i.ranks for g in r.gpus}
     assert all(not ({(r.host, g) for r in i.ranks for g in r.gpus} & old) for i in plan.added), \
         [(i.id, i.hosts, i.head.gpus) for i in plan.added]
+
+
+def test_host_maintenance_refuses_a_pending_change_of_generation_naming_it_and_the_command_that_fences_it(
+        tmp_path, state):
+    """`inv drain --host` and `inv uncordon` move instances; with an inventory edit that changes the page
+    size pending, they once rolled the new generation in waves (its canary failed `generation mismatch`,
+    and the fix line blamed the NICs). Now refused, nothing changed, the fields and `inv deploy` named."""
+    from pdops.errors import Refused
+
+    rev = recorded(inventory(tmp_path, "old"), state, "2p1d")
+    new = inventory(tmp_path, "new", page_size=32)
+    with pytest.raises(Refused) as e:
+        sc.plan_drain_host(new, state, "lab02")
+    assert "another generation" in e.value.message and "page size unset -> 32" in e.value.message
+    assert f"inv deploy --topology {rev.topology}" in e.value.fix and "nothing was changed" in e.value.message
+    # the same inventory as the revision: host maintenance plans as before
+    plan = sc.plan_drain_host(inventory(tmp_path, "same"), state, "lab02")
+    assert plan.cordoned == ["lab02"]
+    assert state.current_revision().number == rev.number
