@@ -127,6 +127,13 @@ def test_too_few_free_slots_shrink_the_old_pool_only_with_a_capacity_dip(tmp_pat
     names = [s.name for s in plan.run]
     assert names.index("shrink p02: verify-stop") < names.index("fence") < names.index("start p03")
     assert plan.fence["shrink"] == ["p02"]
+    # preflight checks the new pool on the slots free now; the one on p02's slot is checked by the shrink's
+    # verified stop (p02 holds its ports by design until then: once refused there, `port ... is taken`)
+    pre = next(s for s in plan.run if s.name == "preflight")
+    p02 = plan.current_placement.get("p02")
+    on_p02 = [i.id for i in plan.target.instances if (i.hosts, i.slot) == (p02.hosts, p02.slot)]
+    assert on_p02 and not set(on_p02) & {i.id for i in pre.params["placement"].instances}
+    assert f"not yet {', '.join(on_p02)}" in pre.description
 
 
 def test_no_room_even_at_the_floor_is_refused(tmp_path, state):

@@ -183,7 +183,16 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
                                in_change=True)
         return out
 
-    out = [connect_step(plan.hosts), preflight_step(plan.skip_checks, tgt, plan.current_placement)]
+    # a new instance on a slot the shrink frees is checked by that drain's verified stop (its ports closed,
+    # its GPUs free), not now, while the old instance holds them by design: preflight checks the others
+    freed = {slot_key(i) for i in shrink}
+    pre = tuple(i for i in tgt.instances if slot_key(i) not in freed)
+    pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
+    out = [connect_step(plan.hosts), preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
+    if freed:
+        later = [i.id for i in tgt.instances if slot_key(i) in freed]
+        out[-1].description += (f"; not yet {', '.join(later)}: their slots are {', '.join(i.id for i in shrink)}'s "
+                                "until the shrink's verified stop (ports closed, GPUs free) frees them")
     out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number, "fenced": True})
     out += drains(shrink, "shrink")
     out.append(Step("fence", g, f"take gateway {g} out of the front door: HAProxy on {adm} sets its server to drain "
