@@ -29,15 +29,32 @@ def look_path(inv: Inventory) -> Path:
     return local_dir(inv) / "cache" / "status-look.json"
 
 
+def read_looks(inv: Inventory) -> dict:
+    """The last looks this operator machine remembers ({} when there are none, or they are unreadable)."""
+    try:
+        return json.loads(look_path(inv).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_looks(inv: Inventory, doc: dict) -> None:
+    """Replace the remembered looks at once (a write that fails leaves the old ones: the next look counts
+    from the processes' start, or from the older look, again)."""
+    path = look_path(inv)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def counter_deltas(inv: Inventory, seen: dict[str, dict], *, write: bool = True) -> dict[str, dict[str, int]]:
     """{instance: {counter: increase since the last look at the same MainPID (else since its start)}};
     then (`write`) this look becomes the last one. Without `write` (`inv repair` deciding) the
     baseline is the one the last look compared with: what that `inv status` showed still counts."""
-    path = look_path(inv)
-    try:
-        last = json.loads(path.read_text())
-    except (OSError, ValueError):
-        last = {}
+    last = read_looks(inv)
     out = {}
     for iid, now in seen.items():
         before = (last.get(iid) or {}) if write else ((last.get(iid) or {}).get("prev") or {})
@@ -46,15 +63,8 @@ def counter_deltas(inv: Inventory, seen: dict[str, dict], *, write: bool = True)
                     for k in now["counters"]}
     if not write:
         return out
-    new = {**last, **{iid: {**now, "prev": {k: v for k, v in (last.get(iid) or {}).items() if k != "prev"}}
-                      for iid, now in seen.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(new))
-        tmp.replace(path)
-    except OSError:
-        pass  # read-only use: the next look counts from the process start again
+    write_looks(inv, {**last, **{iid: {**now, "prev": {k: v for k, v in (last.get(iid) or {}).items() if k != "prev"}}
+                                 for iid, now in seen.items()}})
     return out
 
 
@@ -102,17 +112,8 @@ def move_baseline(inv: Inventory, pool, placement) -> dict[str, dict[str, int]]:
             pid = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT].main_pid
             seen[gateway_key(inv, node.host)] = {"pid": pid, "counters": c, "at": now}
     absorbed = counter_deltas(inv, seen, write=True)
-    # the look before this one is no baseline either: `inv repair` decides from the previous look
-    path = look_path(inv)
-    try:
-        doc = json.loads(path.read_text())
-        for k in seen:
-            doc[k]["prev"] = {x: v for x, v in doc[k].items() if x != "prev"}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(path)
-    except (OSError, ValueError, KeyError):
-        pass
+    # this look is the last one and, since `inv repair` decides from the look before the last, that one too
+    write_looks(inv, {**read_looks(inv), **{k: {**v, "prev": dict(v)} for k, v in seen.items()}})
     return {k: {c: d for c, d in v.items() if d > 0} for k, v in absorbed.items() if any(d > 0 for d in v.values())}
 
 
@@ -121,27 +122,14 @@ def gateway_key(inv: Inventory, host: str) -> str:
     return "gateway" if len(inv.gateway.hosts) == 1 else f"gateway {host}"
 
 
-
-
 def breakers_open_since(inv: Inventory, open_now: dict[str, str], *, write: bool = True) -> dict[str, float]:
     """{"<gateway host> <worker URL>": when this operator machine's looks first saw its breaker not
     closed} for the breakers not closed now (`open_now`: the same keys -> their state); the ones
     closed again are forgotten. smg exports no time of opening: this is "open since, at the latest"."""
-    path = look_path(inv)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        doc = {}
+    doc = read_looks(inv)
     before = doc.get("_breakers_open") or {}
     now = time.time()
     since = {k: float(before.get(k) or now) for k in open_now}
     if write and since != before:
-        doc["_breakers_open"] = since
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(doc))
-            tmp.replace(path)
-        except OSError:
-            pass
+        write_looks(inv, {**doc, "_breakers_open": since})
     return since

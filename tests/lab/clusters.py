@@ -7,6 +7,9 @@ from __future__ import annotations
 import re
 
 import contextlib
+import json
+import urllib.parse
+import urllib.request
 import subprocess
 import sys
 import threading
@@ -157,6 +160,56 @@ def deployed(lab, where: Path, topology: str | None, *, profile: dict | None = N
         yield Deployed(inv_dir, proc)
     finally:
         stop_all(lab)
+
+
+@contextlib.contextmanager
+def running_prometheus(inv_dir: Path, root: Path, port: int) -> Iterator[str]:
+    """Debian's Prometheus on 127.0.0.1:`port`, scraping the cluster of `inv_dir` every second from the
+    file_sd targets pdops wrote (its publish-targets step) with pdops's rules loaded; yields its URL once
+    /-/ready answers 200, and stops it by its PID on leaving."""
+    from pdops.model.inventory import load_inventory
+    from pdops.ops import prometheus as obs
+
+    inv = load_inventory(inv_dir)
+    targets_file = obs.local_targets_path(inv)
+    (root / "rules.yml").write_text(obs.rules_text(inv))
+    job = obs.scrape_config(inv, str(targets_file))["scrape_configs"][0]
+    job["file_sd_configs"][0]["refresh_interval"] = "1s"
+    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+           "rule_files": [str(root / "rules.yml")], "scrape_configs": [job]}
+    (root / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    base = f"http://127.0.0.1:{port}"
+    log = open(root / "prometheus.log", "w")
+    proc = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(ready, 60, "prometheus ready")
+        yield base
+    finally:
+        proc.terminate()  # by its PID: the process this helper started
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def prometheus_api(base: str, path: str, **params):
+    """One Prometheus HTTP API call; its `data` (the call must have succeeded)."""
+    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        doc = json.loads(r.read())
+    assert doc["status"] == "success", doc
+    return doc["data"]
 
 
 @contextlib.contextmanager

@@ -10,17 +10,13 @@ import json
 import os
 import math
 import shutil
-import socket
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.lab.clusters import deployed, inv_cmd, queue, record, wait_for
+from pdops.sim.testing import free_port
+from tests.lab.clusters import deployed, inv_cmd, prometheus_api, queue, record, running_prometheus, wait_for
 
 from pdops.ops import prometheus as obs
 from pdops.model.inventory import load_inventory
@@ -35,18 +31,7 @@ def cli(inv_dir: Path, *args, timeout=600):
     return inv_cmd(*args, "-i", str(inv_dir), timeout=timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def api(base: str, path: str, **params):
-    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
-    with urllib.request.urlopen(url, timeout=10) as r:
-        doc = json.loads(r.read())
-    assert doc["status"] == "success", doc
-    return doc["data"]
+api = prometheus_api
 
 
 @pytest.fixture(scope="module")
@@ -60,39 +45,10 @@ def cluster(lab, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(cluster):
     inv_dir, root = cluster
-    inv = load_inventory(inv_dir)
-    targets_file = obs.local_targets_path(inv)
+    targets_file = obs.local_targets_path(load_inventory(inv_dir))
     assert targets_file.is_file()  # written by the plan's publish-targets step (an `always` step, run last)
-    (root / "rules.yml").write_text(obs.rules_text(inv))
-    job = obs.scrape_config(inv, str(targets_file))["scrape_configs"][0]
-    job["file_sd_configs"][0]["refresh_interval"] = "1s"
-    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-           "rule_files": [str(root / "rules.yml")], "scrape_configs": [job]}
-    (root / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    port = free_port()
-    log = open(root / "prometheus.log", "w")
-    proc = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _ready(base), 60, "prometheus ready")
+    with running_prometheus(inv_dir, root, free_port()) as base:
         yield base, inv_dir, targets_file
-    finally:
-        proc.terminate()  # by its PID: the process this fixture started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
-def _ready(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def active(base: str) -> dict[str, str]:

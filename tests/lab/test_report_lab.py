@@ -6,21 +6,18 @@ screenshot is kept: under pytest's tmp dir, and copied to the path the test prin
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, Load, deployed, inv_cmd, record, wait_for
+from pdops.sim.testing import free_port
+from tests.lab.clusters import REPO, Load, deployed, inv_cmd, prometheus_api, record, running_prometheus, wait_for
 
 from pdops.ops import prometheus as obs
 from pdops.ops.report import embedded_data
@@ -40,30 +37,11 @@ WARMUP_S = float(os.environ.get("PDOPS_REPORT_LAB_WARMUP_S") or 0)
 ARTIFACTS = Path(os.environ.get("PDOPS_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def api(base: str, path: str, **params):
-    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
-    with urllib.request.urlopen(url, timeout=10) as r:
-        doc = json.loads(r.read())
-    assert doc["status"] == "success", doc
-    return doc["data"]
+api = prometheus_api
 
 
 def query(base: str, expr: str) -> list[dict]:
     return api(base, "/api/v1/query", query=expr)["result"]
-
-
-def _ready(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -81,28 +59,8 @@ def cluster(lab, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(cluster):
     inv_dir, root, base = cluster
-    inv = load_inventory(inv_dir)
-    targets_file = obs.local_targets_path(inv)  # written by the deploy's publish-targets step
-    (root / "rules.yml").write_text(obs.rules_text(inv))
-    job = obs.scrape_config(inv, str(targets_file))["scrape_configs"][0]
-    job["file_sd_configs"][0]["refresh_interval"] = "1s"
-    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-           "rule_files": [str(root / "rules.yml")], "scrape_configs": [job]}
-    (root / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    log = open(root / "prometheus.log", "w")
-    proc = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address={base.split('//')[1]}"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: _ready(base), 60, "prometheus ready")
+    with running_prometheus(inv_dir, root, int(base.rsplit(":", 1)[1])):
         yield base, inv_dir
-    finally:
-        proc.terminate()  # by its PID: the process this fixture started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def set_bundle(inv_dir: Path, **bundle) -> None:

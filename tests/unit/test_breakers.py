@@ -131,3 +131,23 @@ def test_a_gateway_whose_metrics_do_not_answer_is_a_finding_and_no_worker_is_tak
     o2 = replace(o, workers={"lab01": w})
     assert o2.gateway_problem is None and not o2.breaker_only  # not "circuit open": no re-registration offered
     assert "d01" not in Seen.of(Observation(1, [g], [o2])).not_serving  # no restart planned on a guess
+
+
+def test_a_repair_moves_the_status_baseline_past_the_fault_it_named(lab_inv, pl, tmp_path, monkeypatch):
+    """`move_baseline` (the repair's status-baseline step): what rose since the last look is returned (named
+    with the fault), and both the last look and the one `inv repair` decides from become the counters now."""
+    import types
+
+    from pdops.reads import looks
+
+    monkeypatch.setattr(looks, "look_path", lambda inv: tmp_path / "look.json")
+    counters = {"d01": 1, "d02": 0, "p01": 0}
+    monkeypatch.setattr(looks, "engine_reads", lambda inst: (None, {"bootstrap_failed": counters[inst.id]}))
+    monkeypatch.setattr(looks, "gateway_counters", lambda node: {})
+    pool = types.SimpleNamespace(unit_states=lambda host, units: {u: types.SimpleNamespace(main_pid=7) for u in units})
+    looks.counter_deltas(lab_inv, {i: {"pid": 7, "counters": {"bootstrap_failed": 0}} for i in counters})  # a look
+    counters["d02"] = 1  # the fault raised d02's counter
+    assert looks.move_baseline(lab_inv, pool, pl) == {"d02": {"bootstrap_failed": 1}, "d01": {"bootstrap_failed": 1}}
+    seen = {i: {"pid": 7, "counters": {"bootstrap_failed": counters[i]}} for i in counters}
+    assert looks.counter_deltas(lab_inv, seen, write=False)["d02"] == {"bootstrap_failed": 0}  # repair's baseline
+    assert looks.counter_deltas(lab_inv, seen)["d02"] == {"bootstrap_failed": 0}  # status's

@@ -705,21 +705,19 @@ def test_a_rollback_records_every_file_the_cluster_runs_the_admission_layers_too
         return lambda doc, d: (doc["all"]["vars"].update(pdops_admission={"api_keys_file": str(kf)}),
                                with_bundle(max_running_requests=bundle)(doc, d))
 
-    old = variant(repo, tmp_path, with_admission(64), name="old")
-    pl = place(old, parse_topology("2p1d"))
-    files = render_files(old, pl)
-    rev = state.write_revision(topology="2p1d", inventory_hash=old.digest, placement=pl.to_dict(),
-                               manifest=manifest(files), outcome="deployed", snapshot=snapshot_of(old, files),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances})
-    state.set_current(rev.number)
-    assert any(p.endswith("pdops-admission.cfg") for f in files for p in [f.path])
+    def recorded(inv):
+        pl = place(inv, parse_topology("2p1d"))
+        files = render_files(inv, pl)
+        rev = state.write_revision(topology="2p1d", inventory_hash=inv.digest, placement=pl.to_dict(),
+                                   manifest=manifest(files), outcome="deployed", snapshot=snapshot_of(inv, files),
+                                   instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances})
+        state.set_current(rev.number)
+        return files
+
+    files = recorded(variant(repo, tmp_path, with_admission(64), name="old"))
+    assert any(f.path.endswith("pdops-admission.cfg") for f in files)
     new = variant(repo, tmp_path, with_admission(32), name="new")
-    pl2 = place(new, parse_topology("2p1d"))
-    files2 = render_files(new, pl2)
-    rev2 = state.write_revision(topology="2p1d", inventory_hash=new.digest, placement=pl2.to_dict(),
-                                manifest=manifest(files2), outcome="deployed", snapshot=snapshot_of(new, files2),
-                                instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl2.instances})
-    state.set_current(rev2.number)
+    recorded(new)
     plan = sc.plan_rollback(new, state, force=True)  # the lone decode's replacement is not the point here
     delivered = {(f.host, f.path) for f in files}
     planned = {(f.host, f.path) for f in plan.files}
