@@ -228,7 +228,8 @@ class Load:
     request is counted in its ledger row."""
 
     def __init__(self, url: str, headers: dict | None = None, *, prefix: str = "scale-load", requests: int = 6,
-                 concurrency: int = 3, max_new_tokens: int = 8, distinct_prompts: bool = False):
+                 concurrency: int = 3, max_new_tokens: int = 8, distinct_prompts: bool = False,
+                 stream_every: int = 2):
         self.url = url
         # distinct prompts: a cache-aware policy spreads them over the workers instead of keeping one
         self.prompt_for = None
@@ -238,7 +239,7 @@ class Load:
             self.prompt_for = lambda i: make_prompt(20, i + 1000 * len(self.rows))
         self.headers = headers
         self.prefix, self.batch = prefix, {"requests": requests, "concurrency": concurrency,
-                                           "max_new_tokens": max_new_tokens}
+                                           "max_new_tokens": max_new_tokens, "stream_every": stream_every}
         self.rows = []
         self._stop = threading.Event()
         self._error = None
@@ -250,7 +251,7 @@ class Load:
         n = 0
         try:
             while not self._stop.is_set():
-                self.rows += send(self.url, **self.batch, stream_every=2, rid_prefix=f"{self.prefix}-{n}", timeout=60,
+                self.rows += send(self.url, **self.batch, rid_prefix=f"{self.prefix}-{n}", timeout=60,
                                   headers=self.headers, prompt_for=self.prompt_for)
                 n += 1
         except Exception as exc:  # noqa: BLE001 - reported by stop()

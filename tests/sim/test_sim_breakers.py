@@ -50,3 +50,50 @@ def test_an_open_breaker_is_not_routable_and_a_new_registration_closes_it():
         for h in (d2, g, p):
             if h is not None:
                 h.stop()
+
+
+def _running(sim) -> float:
+    """The engine's running requests, from its /metrics."""
+    from pdops.facts.engine import parse_metrics
+
+    status, text = http("GET", sim.url + "/metrics", timeout=3)
+    return sum(v for _, v in parse_metrics(text).get("sglang:num_running_reqs", [])) if status == 200 else 0
+
+
+def test_a_stream_cut_after_its_head_counts_against_the_decode_alone():
+    """Observed on smg 1.13.0: a streamed request whose decode dies after the 200 head is one failure
+    for the decode's breaker and none for the prefill's; each request after that (502) counts against
+    both. So under streams a dead decode's breaker can open one request before its prefill's, which
+    then stays closed with nothing routed to it (why the lab's kill tests send no streams)."""
+    import signal
+    import threading
+    import time
+
+    from pdops.remote.load import send
+
+    p = start_sim(["--disaggregation-mode", "prefill", "--enable-metrics"])
+    d = start_sim(["--disaggregation-mode", "decode", "--enable-metrics"], env={"PDOPS_SIM_DECODE_STEP_MS": "20"})
+    g = start_gateway([p], [d], ["--health-check-interval-secs", "60"])
+    try:
+        client = GatewayClient(g.url, timeout=3, poll_interval=0.1,
+                               metrics_url=f"http://{g.host}:{g.prometheus_port}/metrics")
+
+        def failures():
+            return {w.worker_type: w.breaker.consecutive_failures for w in client.list_workers()}
+
+        rows: list = []
+        t = threading.Thread(target=lambda: rows.extend(send(g.url, requests=1, concurrency=1, max_new_tokens=2000,
+                                                             stream_every=1, rid_prefix="cut", timeout=30)))
+        t.start()
+        deadline = deadline_in(20)
+        while not _running(d) and time.monotonic() < deadline:  # the stream is in the decode
+            time.sleep(0.05)
+        d.proc.signal(signal.SIGKILL)
+        t.join(30)
+        assert rows and rows[0].http_status == 200 and not rows[0].ok, [r.to_dict() for r in rows]
+        assert failures() == {"decode": 1, "prefill": 0}
+        assert [_generate(g, i) for i in range(3)] == [502] * 3
+        assert failures() == {"decode": 4, "prefill": 3}
+    finally:
+        for h in (g, p, d):
+            h.stop()
