@@ -21,6 +21,7 @@ from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
+from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT
 from pdops.fanout import run_parallel
 from pdops.record.local import Revision
@@ -206,6 +207,8 @@ class Observation:
     instances: list[InstanceObservation] = field(default_factory=list)
     # what HAProxy (each admission host) does not do as deployed: a gateway not UP or not at its weight
     front_door: list[str] = field(default_factory=list)
+    # admission host -> why its HAProxy unit is not running (after a reboot: nothing started it)
+    admission_down: dict[str, str] = field(default_factory=dict)
     # with `cgroups=True` (inv status): "host:unit" -> its identity now (MainPID, its cgroup's processes
     # with their process-table entries), and host -> why its cgroups could not be read
     identities: dict[str, RankIdentity] = field(default_factory=dict)
@@ -226,8 +229,13 @@ class Observation:
     def serving_gateways(self) -> list[GatewayObservation]:
         return [g for g in self.gateways if not g.down]
 
+    def admission_findings(self) -> list[str]:
+        return [f"the admission layer ({ADMISSION_UNIT}) on {h} is not running ({why}): the front door there turns "
+                f"every request away" for h, why in sorted(self.admission_down.items())]
+
     def findings(self) -> list[str]:
         out = [f for g in self.gateways for f in g.findings(self.revision, self.instances)] + list(self.front_door)
+        out += self.admission_findings()
         for o in self.instances:
             out += [f"{o.id}: {f}" for f in o.findings()]
         return out
@@ -308,6 +316,9 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
     `cgroups`: also each unit's cgroup processes in the same round trip (`Observation.identities`)."""
     pl = Placement.from_dict(rev.placement)
     by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
+    adm_hosts = list(inv.admission.hosts) if inv.admission is not None else []
+    for h in adm_hosts:  # the front door's unit, read in the same round trip as the host's others
+        by_host.setdefault(h, []).append(ADMISSION_UNIT)
     for inst in pl.instances:
         if units_of is not None and inst.id not in units_of:
             continue
@@ -353,7 +364,9 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
            GatewayObservation(h, state_of(h, GATEWAY_UNIT), str(gw_res[h]), [], None, str(gw_res[h]),
                               several=len(inv.gateway.hosts) > 1)
            for h in inv.gateway.hosts]
-    obs = Observation(rev.number, gws, front_door=_front_door(inv, pool), units_read=units_of)
+    admission_down = {h: why for h in adm_hosts if (why := _unit_down(state_of(h, ADMISSION_UNIT)))}
+    obs = Observation(rev.number, gws, front_door=_front_door(inv, pool, admission_down), units_read=units_of,
+                      admission_down=admission_down)
     for h, r in host_res.items() if cgroups else ():
         if isinstance(r, Exception):
             obs.identity_errors[h] = getattr(r, "message", str(r))
@@ -377,12 +390,24 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
     return obs
 
 
-def _front_door(inv: Inventory, pool: HostPool) -> list[str]:
-    """HAProxy's runtime state of each gateway, on each admission host (none without the layer)."""
+def _unit_down(st: UnitState | str) -> str | None:
+    """Why a unit that must run does not (None: active), from what systemd reported."""
+    if isinstance(st, str):
+        return st
+    if st.active_state == "active":
+        return None
+    return f"{st.active_state}/{st.sub_state}"
+
+
+def _front_door(inv: Inventory, pool: HostPool, down: dict[str, str]) -> list[str]:
+    """HAProxy's runtime state of each gateway, on each admission host (none without the layer); an
+    admission host whose unit is not running (`down`: host -> its state) is not read."""
     from pdops.remote.haproxy import front_door_problems
 
     out: list[str] = []
     for a in inv.admission.hosts if inv.admission is not None else ():
+        if a in down:  # no runtime API to read: named by Observation.admission_findings
+            continue
         try:
             out += front_door_problems(pool, a, inv.gateway.hosts)
         except PdopsError as exc:

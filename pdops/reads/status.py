@@ -259,9 +259,11 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
             r["prometheus"] = rates.get(r["instance"], {})
         for g in gateways:
             g["prometheus_error"] = perr
-    ok = all(g["state"] == "ok" for g in gateways) and all(r["state"] == "ok" for r in rows) and not obs.front_door
+    ok = (all(g["state"] == "ok" for g in gateways) and all(r["state"] == "ok" for r in rows) and not obs.front_door
+          and not obs.admission_down)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
-            "gateways": gateways, "front_door": list(obs.front_door), "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
+            "gateways": gateways, "front_door": list(obs.front_door), "admission_down": obs.admission_findings(),
+            "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
             "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
 
 
@@ -393,6 +395,8 @@ def format_status(doc: dict) -> str:
     for f in doc.get("front_door", []):
         lines.append(f"front door not as deployed: {f}\n  -> inv deploy --topology {doc['topology']} (sets every "
                      "gateway ready at its weight)")
+    for f in doc.get("admission_down", []):
+        lines.append(f"front door closed: {f}\n  -> inv deploy --topology {doc['topology']} (starts it)")
     lines += [f"warning: {w}" for w in doc.get("warnings", [])]
     if (doc.get("record") or {}).get("lock"):
         lines.append("note: a change holds the cluster lock (above): what differs from the current revision may be "
@@ -402,7 +406,7 @@ def format_status(doc: dict) -> str:
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
     bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + [
         f"gateway {g['host']}" if len(gws) > 1 else "gateway" for g in gws if g["state"] != "ok"] + (
-        ["front door"] if doc.get("front_door") else [])
+        ["front door"] if doc.get("front_door") or doc.get("admission_down") else [])
     tail += f"; not ok: {', '.join(bad)}" if bad else "; all ok"
     if doc.get("cordoned"):
         tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"

@@ -69,7 +69,8 @@ class EtcdStore:
         self.cluster = cluster
         self.setting = setting
         self.p = setting.prefix
-        self.etcd = client or E.Etcd(list(setting.endpoints), ca=setting.ca, cert=setting.cert, key=setting.key)
+        self.etcd = client or E.Etcd(list(setting.endpoints), ca=setting.ca, cert=setting.cert, key=setting.key,
+                                     down_fix=self.bring_back if setting.members else None)
 
     @property
     def location(self) -> str:
@@ -78,6 +79,15 @@ class EtcdStore:
     @property
     def name(self) -> str:
         return f"etcd ({len(self.setting.endpoints)} endpoints)"
+
+    @property
+    def bring_back(self) -> str:
+        """What a fix line tells the operator to do when no member answers: where pdops runs the members
+        (`members`), the command that starts them (after a reboot of their hosts nothing else does)."""
+        if self.setting.members:
+            return (f"start the etcd members pdops runs on {', '.join(self.setting.members)}: `inv state.etcd-up` "
+                    f"(after a reboot nothing else starts them), then run this again")
+        return f"bring {self.name} back"
 
     # -- reading
     def _check_format(self, kv: E.KV | None, moved: E.KV | None = None) -> dict | None:

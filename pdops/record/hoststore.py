@@ -29,6 +29,11 @@ class HostStore:
         """What a message names when the store cannot be reached."""
         return f"the state host {self.host}"
 
+    @property
+    def bring_back(self) -> str:
+        """What a fix line tells the operator to do when the store cannot be reached."""
+        return f"bring {self.name} back"
+
     def args(self, cmd: str, *more: str) -> list[str]:
         return [cmd, "--dir", self.dir, "--cluster", self.cluster, *more]
 

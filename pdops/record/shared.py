@@ -122,7 +122,7 @@ class SharedRecord(RecordReads):
             if self.cached_ok:
                 return self._from_cache(e.message)
             raise Unreachable(f"the cluster's record is on {self.location}, and {e.message.rstrip('.')}",
-                              fix=f"bring {self.store.name} back; no change runs from this machine's "
+                              fix=f"{self.store.bring_back}; no change runs from this machine's "
                                   "cached copy. Nothing was changed") from None
         if doc.get("moved") and not self.allow_moved:
             m = doc["moved"]
@@ -172,7 +172,7 @@ class SharedRecord(RecordReads):
             doc = json.loads(self.cache_file.read_text(encoding="utf-8"))
         except (FileNotFoundError, json.JSONDecodeError):
             raise Unreachable(f"the cluster's record is on {self.location}, and {reason}; this machine has no "
-                              "cached copy of it", fix=f"bring {self.store.name} back") from None
+                              "cached copy of it", fix=self.store.bring_back) from None
         self.cached = {"fetched_at": doc.get("fetched_at"), "reason": reason}
         return doc["snapshot"]
 
@@ -353,7 +353,7 @@ class SharedLock:
         rec = self.record
         if rec.cached is not None:
             raise Unreachable(f"{rec.store.name} cannot be reached ({rec.cached['reason']}): no change runs "
-                              "from the cached copy of the record", fix=f"bring {rec.store.name} back; nothing was changed")
+                              "from the cached copy of the record", fix=f"{rec.store.bring_back}; nothing was changed")
         me = {"operator": self.operator, "machine": default_machine(), "operation": self.operation,
               "op_id": self.op_id, "client_pid": os.getpid(), "since": now_iso(), "pdops": __version__}
         sess = rec.store.hold(me, LEASE_S, even_if_moved=self.migrating)

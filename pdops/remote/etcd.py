@@ -166,10 +166,12 @@ class Etcd:
     """One etcd cluster, reached through any of its members' client URLs."""
 
     def __init__(self, endpoints: list[str], *, ca: str | None = None, cert: str | None = None,
-                 key: str | None = None, timeout: float = TIMEOUT_S):
+                 key: str | None = None, timeout: float = TIMEOUT_S, down_fix: str | None = None):
+        """`down_fix`: the fix line when no member answers (the members' owner knows the command)."""
         if not endpoints:
             raise ValueError("no etcd endpoint")
         self.endpoints = list(endpoints)
+        self.down_fix = down_fix
         self.timeout = timeout
         self._good = 0
         self._ssl: ssl.SSLContext | None = None
@@ -258,6 +260,7 @@ class Etcd:
         raise EtcdUnavailable("no etcd member answered: " + "; ".join(errors),
                               fix=("the TLS handshake failed: check pdops_state.etcd ca, cert and key against the "
                                    "members' certificates" if tls and len(tls) == len(errors) else
+                                   self.down_fix or
                                    "check the members (`inv state.show` names them); two of three must be up"))
 
     # -- keys

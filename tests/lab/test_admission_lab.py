@@ -262,3 +262,32 @@ def test_a_gateway_restart_behind_the_admission_layer_turns_no_request_away(clus
     print(f"gateway restart behind the admission layer: {len(load.rows)} requests, {len(refused)} turned away")
     assert not refused, [r.to_dict() for r in refused[:3]]
     load.assert_clean()
+
+
+def test_after_a_reboot_of_every_host_one_deploy_opens_the_front_door_again(lab, cluster):
+    """Runbook "hosts rebooted" behind the admission layer (the front-door issue, fault 1): on the lab
+    nothing pdops installed starts at boot, HAProxy included. `inv status` names the closed front door
+    and the one command; the runbook's `inv deploy --topology <live>` starts the gateway, the engines
+    and HAProxy, and waits until HAProxy sees the gateway UP: `inv verify` 0, requests through the
+    front door served. (Last in this file: it reboots the module's cluster.)"""
+    from pdops import lab as lab_api
+    from pdops.remote.load import send
+
+    inv_dir, inv, keys, _, _ = cluster
+    cfg = parse_admission(inv.vars, inv)
+    key = next(ln.strip() for ln in keys.read_text().splitlines() if ln.strip() and not ln.startswith("#"))
+    lab_api.down(lab.lab_dir)
+    lab.ensure_up()
+    st = inv_cmd("status", "-i", str(inv_dir))
+    assert st.returncode == 1, st.stdout + st.stderr
+    assert f"front door closed: the admission layer ({UNIT}) on {cfg.host} is not running (inactive/dead)" in st.stdout, \
+        st.stdout
+    assert "-> inv deploy --topology 1p1d (starts it)" in st.stdout, st.stdout
+    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"start {UNIT} in front of the gateways (observed inactive/dead" in proc.stdout, proc.stdout
+    v = inv_cmd("verify", "-i", str(inv_dir))
+    assert v.returncode == 0, v.stdout + v.stderr
+    rows = send(cfg.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after-reboot",
+                headers={"Authorization": f"Bearer {key}"})
+    assert all(r.ok for r in rows), [r.to_dict() for r in rows if not r.ok][:2]

@@ -413,3 +413,32 @@ def test_taking_a_gateway_out_with_instance_changes_is_refused(tmp_path):
     with pytest.raises(Refused) as e:
         sc.plan_scale(load_inventory(lab_with(tmp_path, "one", hosts=["lab01"])), parse_topology("2p1d"), state)
     assert "takes gateway(s) lab02 out and changes instances at once" in e.value.message
+
+
+def test_the_admission_layer_down_after_a_reboot_is_named_and_started_by_one_deploy(tmp_path):
+    """After a reboot nothing starts HAProxy (fault 1 of the front-door issue): observe reads its unit
+    beside the gateways', names it (not its runtime API, which is gone), and the deploy of the live
+    topology starts it, then waits for it to see every gateway UP; `inv status` says which command."""
+    from pdops.model.admission import UNIT as ADMISSION_UNIT
+    from pdops.reads.status import format_status
+
+    inv = load_inventory(lab_with(tmp_path, "adm-down", admission=True, hosts=["lab01", "lab02"]))
+    state = StateDir("lab", tmp_path / "s")
+    deployed(inv, state, "1p1d")
+    p0 = dep.plan_deploy(inv, parse_topology("1p1d"), state)
+    pool, gws = world(inv, p0.placement)
+    adm = inv.admission.hosts[0]
+    pool.units[(adm, ADMISSION_UNIT)] = ("inactive", 0)
+    obs = observe(inv, p0.live, pool, gws)
+    assert obs.admission_down == {adm: "inactive/failed"} and obs.front_door == []
+    assert obs.findings() == [f"the admission layer ({ADMISSION_UNIT}) on {adm} is not running (inactive/failed): "
+                              "the front door there turns every request away"]
+    plan = dep.plan_reconcile(p0, obs)
+    kinds = [(s.kind, s.host, s.params.get("restart")) for s in plan.steps if s.kind in ("admission", "front-door-ready")]
+    assert kinds == [("admission", adm, False), ("front-door-ready", adm, None)]
+    assert not [s for s in plan.steps if s.kind in ("start", "gateway")]  # nothing else was down
+    text = format_status({"cluster": "lab", "revision": 1, "topology": "1p1d", "instances": [], "gateways": [],
+                          "front_door": [],
+                          "admission_down": obs.admission_findings()})
+    assert f"front door closed: the admission layer ({ADMISSION_UNIT}) on {adm} is not running" in text
+    assert "-> inv deploy --topology 1p1d (starts it)" in text and "not ok: front door" in text

@@ -255,7 +255,15 @@ def test_no_member_answering_refuses_changes_and_reads_come_from_the_marked_cach
     down = EtcdSetting(("http://127.0.0.1:9", "http://127.0.0.2:9"), setting.prefix)
     with pytest.raises(Unreachable, match="no etcd member answered") as e:
         rec(tmp_path, "alice", down).lock("drain", say=lambda s: None).acquire()
-    assert e.value.exit_code == 3
+    assert e.value.exit_code == 3 and e.value.fix.startswith("check the members")
+    # members pdops runs (after a reboot nothing starts them on the lab): the fix names the command
+    ours = EtcdSetting(down.endpoints, setting.prefix, members=("lab01", "lab02"), member_addrs=("127.0.0.1", "127.0.0.2"))
+    with pytest.raises(Unreachable) as e:
+        rec(tmp_path, "alice", ours).lock("drain", say=lambda s: None).acquire()
+    assert e.value.fix.startswith("start the etcd members pdops runs on lab01, lab02: `inv state.etcd-up`"), e.value.fix
+    with pytest.raises(Unreachable) as e:
+        rec(tmp_path, "bob", ours).current()  # no cached copy here: the read alone refuses, with the same fix
+    assert "`inv state.etcd-up`" in e.value.fix, e.value.fix
     cached = rec(tmp_path, "alice", down, cached_ok=True)
     assert cached.current() == 1 and "READ-ONLY CACHED COPY" in cached.cache_banner()
     assert "etcd" in cached.cache_banner()

@@ -11,8 +11,7 @@ from pdops.reads import orphans
 from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.model.placement import Placement, place
-from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import RenderedFile, admission_config, manifest, render_files
+from pdops.model.render import RenderedFile, manifest, render_files
 from pdops.runner import Plan, Step
 from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
@@ -21,7 +20,7 @@ from pdops.model.topology import Topology
 if TYPE_CHECKING:
     from pdops.reads.observe import Observation
 
-from pdops.ops.deploy.steps import (canary_step, close_breakers_step, connect_step, delivery_steps, front_door_step,
+from pdops.ops.deploy.steps import (admission_steps, canary_step, close_breakers_step, connect_step, delivery_steps, front_door_step,
                                   gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
@@ -121,11 +120,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps = [connect_step(hosts), preflight_step(skip_checks, pl, previous)]
     steps += delivery_steps(inv, pl, files)
     steps += gateway_steps(inv, restart=fresh, what=" with no workers", wait="")
-    adm = admission_config(inv)
-    for h in adm.hosts if adm is not None else ():
-        steps.append(Step("admission" + (f" {h}" if len(adm.hosts) > 1 else ""), h,
-                          f"{'restart' if fresh else 'start'} {ADMISSION_UNIT} in front of the gateways, wait for "
-                          f"{adm.url_of(h)} to answer", 30, kind="admission", params={"restart": fresh, "host": h}))
+    steps += admission_steps(inv, restart=fresh)
     steps += start_steps(inv, pl.instances, restart=fresh, group="start")
     pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode")]
     steps.append(canary_step("canary", pairs, retry_once=False,
@@ -169,6 +164,8 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
         restart = {g.host: isinstance(g.unit, UnitState) and g.unit.active_state == "active" for g in down_gws}
         steps += [s for s in gateway_steps(inv, restart=restart, what=" (after each start it queues its start-up "
                                            "list itself)", wait="") if s.params["gateway"] in restart]
+    steps += admission_steps(inv, restart=False, hosts=sorted(obs.admission_down),
+                             why=lambda h: f" (observed {obs.admission_down[h]}: after a reboot nothing starts it)")
     down = [o.instance for o in obs.instances if o.down]
     restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
     steps += start_steps(inv, down, restart=False, group="start")
@@ -192,7 +189,7 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
                           params={"admission_hosts": list(inv.admission.hosts),
                                   "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},
                                   "ready": list(inv.gateway.hosts), "standbys": standbys}))
-    if down_gws or need or obs.front_door:
+    if down_gws or need or obs.front_door or obs.admission_down:
         steps += front_door_step(inv)
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named

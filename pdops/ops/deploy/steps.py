@@ -7,7 +7,8 @@ from __future__ import annotations
 from pdops.model import membership
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Placement
-from pdops.model.render import GATEWAY_UNIT, RenderedFile
+from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
 from pdops.runner import Step
 
 
@@ -59,6 +60,19 @@ def gateway_steps(inv: Inventory, *, restart: bool | dict, what: str, wait: str,
                         params={"restart": again, "gateway": node.host, **params},
                         verifies="the gateway answers /health"))
     return out
+
+
+def admission_steps(inv: Inventory, *, restart: bool, hosts: list[str] | None = None,
+                    why=lambda h: "") -> list[Step]:
+    """Start (or restart) HAProxy on each admission host (`hosts`: these only), after the gateways,
+    and wait for it to answer."""
+    adm = admission_config(inv)
+    if adm is None:
+        return []
+    return [Step("admission" + (f" {h}" if len(adm.hosts) > 1 else ""), h,
+                 f"{'restart' if restart else 'start'} {ADMISSION_UNIT} in front of the gateways{why(h)}, wait for "
+                 f"{adm.url_of(h)} to answer", 30, kind="admission", params={"restart": restart, "host": h})
+            for h in (adm.hosts if hosts is None else hosts)]
 
 
 def front_door_step(inv: Inventory) -> list[Step]:
