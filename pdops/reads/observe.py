@@ -28,6 +28,14 @@ from pdops.record.local import Revision
 from pdops.reads.identity import RankIdentity
 
 
+def other_start(st: UnitState, recorded: list | None) -> bool:
+    """The unit's main process has the recorded PID but not its recorded start: another process."""
+    if not recorded or len(recorded) != 2 or not st.exec_main_start_monotonic_us:
+        return False
+    pid, start = recorded
+    return st.main_pid == pid and st.exec_main_start_monotonic_us != start
+
+
 @dataclass
 class InstanceObservation:
     instance: Instance
@@ -41,6 +49,8 @@ class InstanceObservation:
     # none), and the one the revision rendered ({} for records older than config ids)
     running: dict[str, str | None] = field(default_factory=dict)
     expected: dict[str, str] = field(default_factory=dict)
+    # "host:unit" -> [MainPID, its start (µs, monotonic)] recorded with the revision ({}: older records)
+    recorded_starts: dict[str, list] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -60,6 +70,9 @@ class InstanceObservation:
             rec = self.recorded_pids.get(k)
             if isinstance(s, UnitState) and s.active_state == "active" and rec and s.main_pid != rec:
                 out.append(f"{k} MainPID {s.main_pid}, recorded {rec} (restarts: {s.n_restarts})")
+            elif isinstance(s, UnitState) and s.active_state == "active" and other_start(s, self.recorded_starts.get(k)):
+                out.append(f"{k} MainPID {s.main_pid} is the recorded PID of another process (it started at "
+                           f"another time: a reboot, or PIDs came round)")
         return out
 
     @property
@@ -141,6 +154,7 @@ class GatewayObservation:
     expected: str | None = None
     recorded_pid: int | None = None  # its MainPID when the revision was recorded (None: older records)
     several: bool = False  # one of several gateways: its host is named in what is said of it
+    recorded_start: list | None = None  # [MainPID, start µs] recorded with the revision (None: older records)
 
     @property
     def down(self) -> bool:
@@ -153,7 +167,12 @@ class GatewayObservation:
         again. Its registrations came back from the start-up list; the requests it was carrying did
         not, and their prefill halves wait out the bootstrap timeout (pdops.reads.orphans)."""
         u = self.unit
-        if self.down or not self.recorded_pid or not isinstance(u, UnitState) or u.main_pid == self.recorded_pid:
+        if self.down or not self.recorded_pid or not isinstance(u, UnitState):
+            return None
+        if u.main_pid == self.recorded_pid:
+            if other_start(u, self.recorded_start):
+                return (f"{self.label} restarted: MainPID {u.main_pid} is the recorded PID of another process (it "
+                        f"started at another time: a reboot, or PIDs came round)")
             return None
         return (f"{self.label} restarted: MainPID {u.main_pid}, recorded {self.recorded_pid} "
                 f"(restarts by systemd: {u.n_restarts})")
@@ -344,6 +363,7 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
     # records before several gateways kept one MainPID: the first gateway's
     recorded = extra.get("gateway_main_pids") or (
         {inv.gateway.hosts[0]: extra["gateway_main_pid"]} if extra.get("gateway_main_pid") else {})
+    starts = extra.get("main_starts") or {}
 
     def read_gateway(host: str) -> GatewayObservation:
         try:
@@ -357,7 +377,8 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
         key = f"{host}:{GATEWAY_UNIT}"
         return GatewayObservation(host, state_of(host, GATEWAY_UNIT), error, workers, start_list, list_error,
                                   running=running_of(host, [GATEWAY_UNIT]).get(key), expected=expected.get(key),
-                                  recorded_pid=recorded.get(host), several=len(inv.gateway.hosts) > 1)
+                                  recorded_pid=recorded.get(host), several=len(inv.gateway.hosts) > 1,
+                                  recorded_start=starts.get(key))
 
     gw_res = run_parallel(list(inv.gateway.hosts), read_gateway)
     gws = [gw_res[h] if not isinstance(gw_res[h], Exception) else
@@ -386,7 +407,8 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
             {g.host: None if g.start_list is None else inst.id in g.start_list for g in gws},
             running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()}
             if read else {},
-            expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected}))
+            expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected},
+            recorded_starts={f"{h}:{u}": starts[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in starts}))
     return obs
 
 

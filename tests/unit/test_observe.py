@@ -20,9 +20,10 @@ from pdops.model.topology import parse_topology
 from tests.unit.test_membership import REPO
 
 
-def show(unit, active="active", sub="running", pid=100, restarts=0):
+def show(unit, active="active", sub="running", pid=100, restarts=0, started_us=0):
     return (f"Id={unit}\nLoadState=loaded\nActiveState={active}\nSubState={sub}\nMainPID={pid if active == 'active' else 0}\n"
-            f"NRestarts={restarts}\nResult=success\nUnitFileState=enabled\n\n")
+            f"NRestarts={restarts}\nResult=success\nUnitFileState=enabled\n"
+            + (f"ExecMainStartTimestampMonotonic={started_us}\n" if started_us else "") + "\n")
 
 
 class Pool:
@@ -238,9 +239,41 @@ def test_a_gateway_systemd_restarted_is_a_finding_and_its_cut_halves_are_ended(l
 
 def test_the_gateway_main_pid_is_recorded_from_what_verify_running_read():
     inv = load_inventory(REPO / "inventory" / "lab")
-    running = {f"{inv.gateway.first.host}:{GATEWAY_UNIT}": {"main_pid": 812, "config": "c1"}}
-    assert dep.gateway_pid_of(running, inv) == {"gateway_main_pids": {inv.gateway.first.host: 812}}
-    assert dep.gateway_pid_of({}, inv) == {}
+    key = f"{inv.gateway.first.host}:{GATEWAY_UNIT}"
+    running = {key: {"main_pid": 812, "config": "c1", "started_us": 5_000_000}}
+    assert dep.processes_of(running, inv) == {"gateway_main_pids": {inv.gateway.first.host: 812},
+                                              "main_starts": {key: [812, 5_000_000]}}
+    assert dep.processes_of({}, inv) == {}
+
+
+def test_a_process_with_the_recorded_pid_that_started_at_another_time_is_not_the_recorded_one(live):
+    """PIDs are small and repeat after a reboot (a real host's, or the lab's "enabled" boot, which
+    starts units in the same order each time): the MainPID alone would take the new process for the
+    recorded one and call the cluster unchanged. The revision also records when each main process
+    started; the same PID with another start is a restart: a finding, and the deploy's repair."""
+    inv, pl, state = live
+    rev = state.current_revision()
+    (h, u), = pl.get("d01").units
+    gw = f"{inv.gateway.first.host}:{GATEWAY_UNIT}"
+    pids = {k: p for i in rev.instances.values() for k, p in (i.get("main_pids") or {}).items()}
+    d01_pid = pids[f"{h}:{u}"]
+    state.set_current(state.write_revision(
+        topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement, manifest=rev.manifest,
+        outcome="deployed", instances=rev.instances,
+        extra={**(rev.extra or {}), "gateway_main_pids": {inv.gateway.first.host: 700},
+               "main_starts": {gw: [700, 1_000], f"{h}:{u}": [d01_pid, 2_000]}}).number)
+    units, workers, start_list = healthy_world(pl)
+    units[(inv.gateway.first.host, GATEWAY_UNIT)] = ("active", "running", 700, 0, 1_000)
+    units[(h, u)] = ("active", "running", d01_pid, 0, 2_000)
+    assert plan(inv, state, units, workers, start_list).noop  # the recorded processes: no change
+    units[(inv.gateway.first.host, GATEWAY_UNIT)] = ("active", "running", 700, 0, 9_000)  # booted again
+    units[(h, u)] = ("active", "running", d01_pid, 0, 9_500)
+    p = plan(inv, state, units, workers, start_list)
+    assert (f"gateway {GATEWAY_UNIT} restarted: MainPID 700 is the recorded PID of another process (it started at "
+            "another time: a reboot, or PIDs came round)") in p.findings, p.findings
+    assert any(f.startswith(f"d01: {h}:{u} MainPID {d01_pid} is the recorded PID of another process")
+               for f in p.findings), p.findings
+    assert "end-orphans" in [s.name for s in p.steps]
 
 
 def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts_it(live, tmp_path):

@@ -14,7 +14,7 @@ The cluster's record is opened by the caller (``pdops.record.open_record``) and 
 
 from __future__ import annotations
 
-from pdops.ops.deploy.actions import (both_sides, canary_pairs, configs_of, deliver, gateway_pid_of, register,
+from pdops.ops.deploy.actions import (both_sides, canary_pairs, configs_of, deliver, processes_of, register,
                                   running_evidence, start_gateway)
 from pdops.ops.deploy.execute import do_canary, execute_deploy, walk_deploy
 from pdops.ops.deploy.plan import DeployPlan, plan_deploy, plan_reconcile
@@ -22,6 +22,6 @@ from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, p
                                 verify_running_step)
 
 __all__ = ["DeployPlan", "both_sides", "canary_pairs", "canary_step", "configs_of", "connect_step", "deliver",
-           "delivery_steps", "do_canary", "execute_deploy", "gateway_pid_of", "plan_deploy", "plan_reconcile",
+           "delivery_steps", "do_canary", "execute_deploy", "processes_of", "plan_deploy", "plan_reconcile",
            "preflight_step", "register", "register_steps", "running_evidence", "start_gateway", "start_steps",
            "verify_running_step", "walk_deploy"]

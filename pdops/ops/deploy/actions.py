@@ -383,7 +383,7 @@ def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[
             if st is None or st.active_state != "active" or not st.main_pid:
                 bad.append(f"{k} is {st.active_state + '/' + st.sub_state if st else 'not reported'}")
                 continue
-            out[k] = {"main_pid": st.main_pid, "config": configs.get(u)}
+            out[k] = {"main_pid": st.main_pid, "config": configs.get(u), "started_us": st.exec_main_start_monotonic_us}
             if k in want and configs.get(u) != want[k]:
                 bad.append(f"{k} (MainPID {st.main_pid}) runs files {configs.get(u) or 'without a config id'}, "
                            f"this revision's are {want[k]}")
@@ -397,9 +397,13 @@ def configs_of(running: dict) -> dict[str, str]:
     return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
 
 
-def gateway_pid_of(running: dict, inv: Inventory) -> dict:
-    """{"gateway_main_pids": {host: N}} from what verify-running read, for a revision's record: a
-    gateway MainPID that differs later means systemd (or someone) restarted it (pdops.reads.observe)."""
+def processes_of(running: dict, inv: Inventory) -> dict:
+    """What a revision records of the processes verify-running read: {"gateway_main_pids": {host: N}}
+    (a gateway MainPID that differs later means systemd, or someone, restarted it) and
+    {"main_starts": {"host:unit": [MainPID, start]}}: when each unit's main process started (systemd's
+    ExecMainStartTimestampMonotonic, µs), so that a process started again with the same PID (PIDs are
+    small and repeat after a reboot) is not taken for the recorded one (pdops.reads.observe)."""
     pids = {h: (running.get(f"{h}:{GATEWAY_UNIT}") or {}).get("main_pid") for h in inv.gateway.hosts}
     pids = {h: p for h, p in pids.items() if p}
-    return {"gateway_main_pids": pids} if pids else {}
+    starts = {k: [v["main_pid"], v["started_us"]] for k, v in sorted(running.items()) if v.get("started_us")}
+    return {**({"gateway_main_pids": pids} if pids else {}), **({"main_starts": starts} if starts else {})}

@@ -15,7 +15,7 @@ from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
-from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, gateway_pid_of, preflight_unverified, register_workers,
+from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations)
 from pdops.ops.deploy.plan import DeployPlan
 
@@ -274,7 +274,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                    placement=pl.to_dict(), manifest=manifest(files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"gateways": ctx.inv.gateway.urls, "build": str(ctx.get(step, "build")),
-                                          "configs": configs_of(running), **gateway_pid_of(running, ctx.inv),
+                                          "configs": configs_of(running), **processes_of(running, ctx.inv),
                                           "last_bootstrap": last_bootstrap_ports({}, pl)},
                                    snapshot=snapshot_of(ctx.inv, files))
     ctx.state.set_current(rev.number)
@@ -305,7 +305,7 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={**live.extra, "repair_of": live.number, "repaired": step.params["findings"],
-                                          **({"configs": configs_of(running), **gateway_pid_of(running, ctx.inv)}
+                                          **({"configs": configs_of(running), **processes_of(running, ctx.inv)}
                                              if running is not None else {})},
                                    snapshot=ctx.state.revision_snapshot(live.number) if same_inventory
                                    else snapshot_of(ctx.inv, files))

@@ -418,7 +418,8 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"drained": inst.id, "rollback": rollback,
                                           **{k: rev0.extra[k] for k in ("gateway", "gateways", "gateway_main_pid",
-                                                                        "gateway_main_pids") if k in rev0.extra},
+                                                                        "gateway_main_pids", "main_starts")
+                                             if k in rev0.extra},
                                           **carried},
                                    snapshot=snapshot_subset(ctx.state.revision_snapshot(rev0.number), hosts_files))
     ctx.state.set_current(rev.number)

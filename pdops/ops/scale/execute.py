@@ -393,7 +393,7 @@ def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | Non
 
 def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
                   running: dict | None = None, lost_work: dict | None = None) -> Revision:
-    from pdops.ops.deploy import configs_of, gateway_pid_of
+    from pdops.ops.deploy import configs_of, processes_of
 
     cur, tgt = plan.current, plan.target
     new_mf = manifest(plan.files)
@@ -409,7 +409,7 @@ def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, bu
         "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
     }
     extra = {"gateways": plan.inv.gateway.urls, "build": str(build) if build else None, "rollback": rollback,
-             "configs": configs_of(running or {}), **gateway_pid_of(running or {}, plan.inv),
+             "configs": configs_of(running or {}), **processes_of(running or {}, plan.inv),
              "cordoned": list(plan.cordoned),
              "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
                                                     last_bootstrap_ports({}, plan.current_placement), tgt),
