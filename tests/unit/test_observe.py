@@ -123,8 +123,9 @@ def test_a_down_unit_a_restarted_engine_and_a_missing_worker_are_each_repaired(l
     assert f"p01: {ph}:{pu} MainPID 555, recorded 100 (restarts: 1)" in p.findings
     assert "d02: not in the gateway's /workers" in p.findings
     ids = [s.name for s in p.steps]
-    # d01 (a decode) was down: the halves it left on the prefill are ended before the record
-    assert ids == ["connect", "start d01", "canary", "register d01", "register d02", "gateway-list", "end-orphans",
+    # d01 (a decode) was down: the halves it left on the prefill are ended before the record; p01, which
+    # systemd started again, is waited for (its /health) before the canary goes through it
+    assert ids == ["connect", "start d01", "healthy p01", "canary", "register d01", "register d02", "gateway-list", "end-orphans",
                    "close-breakers", "verify-running", "record"]
     canary = next(s for s in p.steps if s.name == "canary")
     assert canary.params["pairs"] == [("p01", "d01"), ("p01", "d02")]  # every pair of p01 (restarted), d01 (started)

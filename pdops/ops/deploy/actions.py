@@ -126,6 +126,30 @@ def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, dea
     return {"url": url, "host": host, "cap": adm.cap, "probe_status": status}
 
 
+def wait_healthy(pool: HostPool, inst: Instance, deadline_s: float, say: Say) -> dict:
+    """An instance systemd started (a boot of its enabled unit, or a restart after a crash): wait for
+    its own /health to answer 200, without starting anything. An engine loads its model before it
+    answers (real SGLang: 36-64 s on the lab's CPU, minutes on a GPU host after a reboot)."""
+    t0 = time.monotonic()
+    deadline = deadline_in(deadline_s)
+    status = None
+    while True:
+        try:
+            status, _ = http_json("GET", f"{inst.url}/health", timeout=5)
+        except Unreachable:
+            status = None
+        if status == 200:
+            break
+        if time.monotonic() > deadline:
+            raise DeployFailed(f"{inst.id}, started by systemd, did not answer {inst.url}/health within "
+                               f"{deadline_s:.0f}s (last: {status})", evidence=pool.journal_tail(inst.head.host, inst.unit(0)),
+                               fix="read the journal below; fix the cause and deploy again")
+        time.sleep(0.5)
+    waited = round(time.monotonic() - t0, 2)
+    say(f"  {inst.id} healthy at {inst.url} (waited {waited}s)")
+    return {"url": inst.url, "waited_s": waited}
+
+
 def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: float, say: Say,
                    restart: bool) -> dict:
     """Start every rank's unit (rank 0 first), then wait for rank 0's /health with a deadline.

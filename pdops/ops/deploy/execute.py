@@ -16,7 +16,8 @@ from pdops.runner import Outcome, RunContext, Say, Step, register_executors, wal
 from pdops.record.local import new_op_id
 
 from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
-                                  running_evidence, start_admission, start_gateway, start_instance, undo_registrations)
+                                  running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
+                                  wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan
 
 
@@ -167,6 +168,12 @@ def serving(ctx: RunContext, step: Step, iid: str) -> Instance:
     if iid in ctx.replacing and iid not in ctx.get(step, "started_instances", {}):
         return ctx.old_placement.get(iid)
     return ctx.placement.get(iid)
+
+
+def do_wait_healthy(ctx: RunContext, step: Step) -> Outcome:
+    inst = _inst(ctx, step)
+    ev = wait_healthy(ctx.pool, inst, step.deadline, ctx.say)
+    return Outcome(evidence=ev, verified=[f"{inst.id} healthy on its own /health"])
 
 
 def do_canary(ctx: RunContext, step: Step) -> Outcome:
@@ -348,7 +355,7 @@ def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
 
 # the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
 register_executors({"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
-          "gateway": do_gateway, "admission": do_admission, "start": do_start, "canary": do_canary,
+          "gateway": do_gateway, "admission": do_admission, "start": do_start, "wait-healthy": do_wait_healthy, "canary": do_canary,
           "register": do_register, "gateway-list": do_gateway_list, "close-breakers": do_close_breakers, "record-deploy": do_record_deploy,
           "record-repair": do_record_repair, "verify-running": do_verify_running,
           "undo-register": do_undo_register, "front-door-ready": do_front_door_ready,

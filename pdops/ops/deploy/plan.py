@@ -20,7 +20,7 @@ from pdops.model.topology import Topology
 if TYPE_CHECKING:
     from pdops.reads.observe import Observation
 
-from pdops.ops.deploy.steps import (admission_steps, canary_step, close_breakers_step, connect_step, delivery_steps, front_door_step,
+from pdops.ops.deploy.steps import (admission_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
                                   gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
@@ -169,6 +169,7 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     down = [o.instance for o in obs.instances if o.down]
     restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
     steps += start_steps(inv, down, restart=False, group="start")
+    steps += healthy_steps(inv, restarted, group="healthy")
     touched = {i.id for i in down + restarted}
     pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode") if {p.id, d.id} & touched]
     if pairs:

@@ -40,6 +40,15 @@ def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> l
                  kind="start", params={"instance": i.id, "restart": restart}, group=group) for i in insts]
 
 
+def healthy_steps(inv: Inventory, insts, *, group: str | None) -> list[Step]:
+    """Instances running as processes the record does not know (systemd started them: a reboot, a
+    crash restart): wait for each one's /health before anything is sent through it."""
+    start_s = float(inv.vars.get("pdops_start_timeout_s", 900))
+    return [Step(f"healthy {i.id}", i.head.host, f"{i.id} ({i.role}), started by systemd: wait {i.url}/health "
+                 "(nothing is started)", start_s, kind="wait-healthy", params={"instance": i.id}, group=group)
+            for i in insts]
+
+
 def canary_step(name: str, pairs: list[tuple[str, str]], *, retry_once: bool, why: str, instance: str | None = None,
                 kind: str = "canary") -> Step:
     return Step(name, None, f"{len(pairs)} generation request(s), one through each prefill x decode pair "
