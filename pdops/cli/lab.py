@@ -10,13 +10,15 @@ from pdops import lab as lab_api
 from pdops.cli import cli_errors
 
 
-@task(help={"hosts": f"how many lab hosts to boot (1..{lab_api.MAX_HOSTS}, default 4)"})
+@task(help={"hosts": f"how many lab hosts to boot (1..{lab_api.MAX_HOSTS}, default 4)",
+            "boot": "lab (default: nothing pdops installed starts at boot) or enabled (every unit enabled in "
+                    "multi-user.target.wants starts, as on a real host)"})
 @cli_errors
-def up(c, hosts="4"):  # a string: a bad value gets our error, not invoke's traceback
+def up(c, hosts="4", boot="lab"):  # a string: a bad value gets our error, not invoke's traceback
     """Boot lab hosts lab01..labNN on 127.0.10.1..N (only those not up) and write the inventory."""
     n = lab_api.validate_host_count(hosts)
-    print(f"lab: bringing up {n} host(s) in {lab_api.resolve_lab_dir()} ...", flush=True)
-    result = lab_api.up(n)
+    print(f"lab: bringing up {n} host(s) in {lab_api.resolve_lab_dir()} (boot: {boot}) ...", flush=True)
+    result = lab_api.up(n, boot=boot)
     for line in lab_api.format_status(result):
         print("  " + line)
     if result.changed:

@@ -26,7 +26,7 @@ BOOT_DEADLINE_S = 90.0
 STOP_DEADLINE_S = 20.0
 
 
-def prepare_host(lab_dir: Path, index: int, key: Path, repo: Path) -> tuple[Path, Path]:
+def prepare_host(lab_dir: Path, index: int, key: Path, repo: Path, boot: str = "lab") -> tuple[Path, Path]:
     """Write host N's dir: host key, sshd_config, units + masks, writable dirs, scripts."""
     hdir = host_dir(lab_dir, index)
     hdir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +39,7 @@ def prepare_host(lab_dir: Path, index: int, key: Path, repo: Path) -> tuple[Path
     sshd_config = hdir / "sshd_config"
     sshd_config.write_text(sshd_config_text(index, host_key, key.with_suffix(".pub")))
     units = hdir / "units"
-    for name, text in unit_texts(index, sshd_config).items():
+    for name, text in unit_texts(index, sshd_config, boot).items():
         (units / name).write_text(text)
     for m in MASKS:
         link = units / m
@@ -90,11 +90,13 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def boot_host(lab_dir: Path, index: int, key: Path, repo: Path, mounts: list[CgroupMount]) -> HostStatus:
-    """Boot lab host N and wait (with a deadline) until its sshd answers and systemd runs."""
+def boot_host(lab_dir: Path, index: int, key: Path, repo: Path, mounts: list[CgroupMount],
+              boot: str = "lab") -> HostStatus:
+    """Boot lab host N and wait (with a deadline) until its sshd answers and systemd runs. `boot`:
+    "lab" (nothing pdops installed starts) or "enabled" (what is enabled starts, as on a real host)."""
     started = time.monotonic()
     name, address = host_name(index), host_address(index)
-    hdir, inner = prepare_host(lab_dir, index, key, repo)
+    hdir, inner = prepare_host(lab_dir, index, key, repo, boot)
     procs = make_host_cgroups(mounts, index)
     outer = hdir / "outer.sh"
     outer.write_text(outer_script(index, hdir, procs, inner))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from pdops.errors import Refused
+from pdops.errors import InvalidInput, Refused
 from pdops.lab.cgroups import cgroup_indexes, cgroup_mounts, remove_group_if_empty
 from pdops.lab.host import boot_host, cleanup_stale, stop_host
+from pdops.lab.hostfiles import BOOT_MODES
 from pdops.lab.inventory import write_inventory
 from pdops.lab.machine import check_binaries, check_inotify, ensure_mount_points, locked, preflight
 from pdops.lab.paths import (host_address, host_dir, host_name, inventory_path, repo_root, resolve_lab_dir,
@@ -87,9 +88,13 @@ def status(lab_dir=None) -> list[HostStatus]:
     return results
 
 
-def up(n: int = 4, lab_dir=None) -> list[HostStatus]:
-    """Boot lab hosts 1..n in parallel (only those not already up) and write the inventory."""
+def up(n: int = 4, lab_dir=None, boot: str = "lab") -> list[HostStatus]:
+    """Boot lab hosts 1..n in parallel (only those not already up) and write the inventory. `boot`:
+    "lab" (nothing pdops installed starts: the lab's default) or "enabled" (every unit enabled in
+    multi-user.target.wants starts, as a real host's boot does: pdops.lab.hostfiles)."""
     n = validate_host_count(n)
+    if boot not in BOOT_MODES:
+        raise InvalidInput("boot", f"{boot!r} is not one of {', '.join(BOOT_MODES)}")
     lab = resolve_lab_dir(lab_dir)
     mounts = preflight()
     with locked(lab):
@@ -110,7 +115,7 @@ def up(n: int = 4, lab_dir=None) -> list[HostStatus]:
         key = ensure_key(lab)
         ensure_mount_points()
         repo = repo_root()
-        booted, errors = _fan_out(lambda i: boot_host(lab, i, key, repo, mounts), missing, BOOT_PARALLEL)
+        booted, errors = _fan_out(lambda i: boot_host(lab, i, key, repo, mounts, boot), missing, BOOT_PARALLEL)
         inv_changed = write_inventory(lab, n, key) if not errors or booted or running else False
         _raise_collected(errors, f"{len(booted)} other host(s) booted; run lab.up again or lab.down")
         by_index = {s.index: s for s in booted}

@@ -124,14 +124,18 @@ def cli(inv_dir: Path, *args, timeout=600) -> subprocess.CompletedProcess:
 
 
 def stop_all(lab) -> None:
-    """A clean slate between test clusters: stop every pdops unit on every lab host, by unit name."""
+    """A clean slate between test clusters: stop and disable every pdops unit on every lab host, by
+    unit name. Disabled too: an earlier cluster's unit left enabled would start by itself at the next
+    boot the real way (`lab.up --boot enabled`), a ghost on the ports of the cluster under test."""
     for name, _ in lab.hosts:
         c = lab.connection(name)
-        units = c.run("systemctl list-units --all --plain --no-legend 'pdops-*' | awk '{print $1}'",
+        units = c.run("{ systemctl list-units --all --plain --no-legend 'pdops-*'; "
+                      "systemctl list-unit-files --plain --no-legend 'pdops-*'; } | awk '{print $1}' | sort -u",
                       hide=True, warn=True).stdout.split()
         if units:
-            c.run("systemctl stop " + " ".join(units) + " ; systemctl reset-failed " + " ".join(units),
-                  hide=True, warn=True)
+            names = " ".join(units)
+            c.run(f"systemctl disable --now {names} 2>/dev/null; systemctl stop {names}; "
+                  f"systemctl reset-failed {names} 2>/dev/null", hide=True, warn=True)
         c.close()
 
 

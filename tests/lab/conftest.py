@@ -48,9 +48,10 @@ class Lab:
             connect_timeout=10,
         )
 
-    def ensure_up(self) -> None:
-        """Bring every host back (idempotent): for tests that took hosts down."""
-        lab_api.up(self.n, self.lab_dir)
+    def ensure_up(self, boot: str = "lab") -> None:
+        """Bring every host back (idempotent): for tests that took hosts down. `boot`: "enabled" boots
+        the way a real host does (what pdops enabled starts by itself; pdops.lab.hostfiles)."""
+        lab_api.up(self.n, self.lab_dir, boot=boot)
 
 
 _torn_down = False

@@ -13,7 +13,8 @@ Operations and faults, drawn with `random.Random(seed)`:
 - gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy` (it
   observes the restart and ends the prefill halves the crash cut);
 - reboot (fault): every lab host powered off and booted, then runbook hosts-rebooted.md:
-  `inv status` (exit 1), `inv deploy`, `inv verify`;
+  `inv status` (exit 1), `inv deploy`, `inv verify`; the first boot as a real host's (what pdops
+  enabled starts by itself), the next as the lab's (nothing starts), alternating;
 - halted-change: a change whose new processes fail to start (no room for the KV pool) halts; the
   flag is taken out and `inv deploy` applies the inventory;
 - host-add: lab05 (a fifth lab host, not in the soak's inventory) added to the inventory,
@@ -85,6 +86,7 @@ class Soak:
         self.bundle = 64
         self.bundle_at: dict[int, int] = {}  # revision number -> the inventory's max_running_requests it recorded
         self.unexpected: list[str] = []
+        self.reboots = 0
         self.spare = _hosts(single_file_doc(Path(lab.inventory))).get(SPARE)  # its inventory entry, or None
 
     # ---------------------------------------------------------------- plumbing
@@ -216,13 +218,19 @@ class Soak:
         return f"SIGKILL gateway (MainPID {pid}), one deploy"
 
     def op_reboot(self, cmds):
-        """Runbook hosts-rebooted.md, each command: status (nothing serves: exit 1), deploy, verify."""
+        """Runbook hosts-rebooted.md, each command: status (exit 1), deploy, verify. The reboots
+        alternate the two ways a host boots, the first one as a real host does: "enabled" (every
+        unit pdops enabled starts by itself: engines from the files on disk, the gateway with its
+        start-up list; status finds them running as processes the record does not know), then "lab"
+        (nothing pdops installed starts: status finds every unit down)."""
+        self.reboots += 1
+        way = "enabled" if self.reboots % 2 else "lab"
         lab_api.down()
-        self.lab.ensure_up()
+        self.lab.ensure_up(boot=way)
         self.cli(cmds, "status", expect=1)
         self.cli(cmds, "deploy", "--topology", self.topology())
         self.cli(cmds, "verify")
-        return "every host rebooted, one deploy"
+        return f"every host rebooted ({way} boot), one deploy"
 
     def set_spare(self, present: bool) -> None:
         p = self.inv_dir / "hosts.yml"

@@ -123,6 +123,15 @@ def test_units():
     sshd = units[lab.SSHD_UNIT]
     assert "ExecStartPre=/bin/mkdir -p /run/sshd" in sshd
     assert "ExecStart=/usr/sbin/sshd -D -e -f /srv/l/h2/sshd_config" in sshd
+    # the lab's boot starts nothing pdops enabled; the "enabled" boot starts what multi-user.target.wants holds
+    from pdops.lab.hostfiles import ENABLED_UNIT
+
+    assert ENABLED_UNIT not in units[lab.LAB_TARGET]
+    real = lab.unit_texts(2, Path("/srv/l/h2/sshd_config"), "enabled")
+    assert f"Wants={lab.SSHD_UNIT} {ENABLED_UNIT}" in real[lab.LAB_TARGET]
+    assert "/etc/systemd/system/multi-user.target.wants/*" in real[ENABLED_UNIT]
+    with pytest.raises(ValueError, match="boot mode 'multi-user' is not one of lab, enabled"):
+        lab.unit_texts(2, Path("/srv/l/h2/sshd_config"), "multi-user")
 
 
 def test_masks_cover_lab_md():
