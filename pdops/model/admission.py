@@ -137,6 +137,7 @@ KNOWN = set(DEFAULTS) | {"host", "hosts", "listen_addr", "metrics_port", "vip", 
 # address on one admission host at a time; pdops renders its config and a sysctl that lets HAProxy
 # bind the address on the host that does not hold it yet.
 KEEPALIVED_CONFIG = "/etc/keepalived/keepalived.conf"
+KEEPALIVED_UNIT = "keepalived.service"
 NONLOCAL_BIND_SYSCTL = "/etc/sysctl.d/90-pdops-admission.conf"
 IFACE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
 OVERFLOW_STATUSES = (429, 503)

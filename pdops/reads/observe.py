@@ -21,7 +21,7 @@ from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
-from pdops.model.admission import UNIT as ADMISSION_UNIT
+from pdops.model.admission import KEEPALIVED_UNIT, UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT
 from pdops.fanout import run_parallel
 from pdops.record.local import Revision
@@ -249,8 +249,8 @@ class Observation:
         return [g for g in self.gateways if not g.down]
 
     def admission_findings(self) -> list[str]:
-        return [f"the admission layer ({ADMISSION_UNIT}) on {h} is not running ({why}): the front door there turns "
-                f"every request away" for h, why in sorted(self.admission_down.items())]
+        return [f"the admission layer on {h} is not running ({why}): the front door there turns every request away"
+                for h, why in sorted(self.admission_down.items())]
 
     def findings(self) -> list[str]:
         out = [f for g in self.gateways for f in g.findings(self.revision, self.instances)] + list(self.front_door)
@@ -336,8 +336,11 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
     pl = Placement.from_dict(rev.placement)
     by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}
     adm_hosts = list(inv.admission.hosts) if inv.admission is not None else []
-    for h in adm_hosts:  # the front door's unit, read in the same round trip as the host's others
-        by_host.setdefault(h, []).append(ADMISSION_UNIT)
+    # the front door's units (HAProxy; keepalived where a virtual address is rendered), read in the
+    # same round trip as the host's others
+    adm_units = [ADMISSION_UNIT] + ([KEEPALIVED_UNIT] if inv.admission is not None and inv.admission.vip else [])
+    for h in adm_hosts:
+        by_host.setdefault(h, []).extend(adm_units)
     for inst in pl.instances:
         if units_of is not None and inst.id not in units_of:
             continue
@@ -385,7 +388,9 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
            GatewayObservation(h, state_of(h, GATEWAY_UNIT), str(gw_res[h]), [], None, str(gw_res[h]),
                               several=len(inv.gateway.hosts) > 1)
            for h in inv.gateway.hosts]
-    admission_down = {h: why for h in adm_hosts if (why := _unit_down(state_of(h, ADMISSION_UNIT)))}
+    admission_down = {h: "; ".join(f"{u} {why}" for u in adm_units if (why := _unit_down(state_of(h, u))))
+                      for h in adm_hosts}
+    admission_down = {h: why for h, why in admission_down.items() if why}
     obs = Observation(rev.number, gws, front_door=_front_door(inv, pool, admission_down), units_read=units_of,
                       admission_down=admission_down)
     for h, r in host_res.items() if cgroups else ():

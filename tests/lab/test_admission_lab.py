@@ -269,7 +269,7 @@ def test_after_a_reboot_of_every_host_one_deploy_opens_the_front_door_again(lab,
     nothing pdops installed starts at boot, HAProxy included. `inv status` names the closed front door
     and the one command; the runbook's `inv deploy --topology <live>` starts the gateway, the engines
     and HAProxy, and waits until HAProxy sees the gateway UP: `inv verify` 0, requests through the
-    front door served. (Last in this file: it reboots the module's cluster.)"""
+    front door served. (Near the end of this file: it reboots the module's cluster.)"""
     from pdops import lab as lab_api
     from pdops.remote.load import send
 
@@ -280,14 +280,42 @@ def test_after_a_reboot_of_every_host_one_deploy_opens_the_front_door_again(lab,
     lab.ensure_up()
     st = inv_cmd("status", "-i", str(inv_dir))
     assert st.returncode == 1, st.stdout + st.stderr
-    assert f"front door closed: the admission layer ({UNIT}) on {cfg.host} is not running (inactive/dead)" in st.stdout, \
+    assert f"front door closed: the admission layer on {cfg.host} is not running ({UNIT} inactive/dead)" in st.stdout, \
         st.stdout
     assert "-> inv deploy --topology 1p1d (starts it)" in st.stdout, st.stdout
     proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"start {UNIT} in front of the gateways (observed inactive/dead" in proc.stdout, proc.stdout
+    assert f"start {UNIT} in front of the gateways (observed {UNIT} inactive/dead)" in proc.stdout, proc.stdout
     v = inv_cmd("verify", "-i", str(inv_dir))
     assert v.returncode == 0, v.stdout + v.stderr
     rows = send(cfg.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after-reboot",
+                headers={"Authorization": f"Bearer {key}"})
+    assert all(r.ok for r in rows), [r.to_dict() for r in rows if not r.ok][:2]
+
+
+def test_after_a_reboot_the_real_way_the_enabled_units_serve_again_and_one_deploy_records_them(lab, cluster):
+    """The same reboot the way a real host boots (`lab.up --boot enabled`): HAProxy, the gateway and
+    the engines start by themselves from the files on disk, and the gateway re-registers its start-up
+    list. `inv status` finds them running as processes the record does not know (exit 1); the
+    runbook's deploy waits for each engine's /health, canaries, records the processes it proved:
+    `inv status` and `inv verify` 0, requests through the front door served."""
+    from pdops import lab as lab_api
+    from pdops.remote.load import send
+
+    inv_dir, inv, keys, _, _ = cluster
+    cfg = parse_admission(inv.vars, inv)
+    key = next(ln.strip() for ln in keys.read_text().splitlines() if ln.strip() and not ln.startswith("#"))
+    lab_api.down(lab.lab_dir)
+    lab.ensure_up(boot="enabled")  # until the next boot (the next module's clusters disable these units)
+    st = inv_cmd("status", "-i", str(inv_dir))
+    assert st.returncode == 1 and "restarted" in st.stdout, st.stdout + st.stderr
+    assert "front door closed" not in st.stdout, st.stdout  # HAProxy started by itself
+    proc = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
+    assert proc.returncode == 0 and "repair revision" in proc.stdout, proc.stdout + proc.stderr
+    assert "healthy p01" in proc.stdout and "healthy d01" in proc.stdout, proc.stdout
+    for cmd in ("status", "verify"):
+        r = inv_cmd(cmd, "-i", str(inv_dir))
+        assert r.returncode == 0, r.stdout + r.stderr
+    rows = send(cfg.url, requests=6, concurrency=3, max_new_tokens=8, rid_prefix="after-real-boot",
                 headers={"Authorization": f"Bearer {key}"})
     assert all(r.ok for r in rows), [r.to_dict() for r in rows if not r.ok][:2]

@@ -430,8 +430,8 @@ def test_the_admission_layer_down_after_a_reboot_is_named_and_started_by_one_dep
     adm = inv.admission.hosts[0]
     pool.units[(adm, ADMISSION_UNIT)] = ("inactive", 0)
     obs = observe(inv, p0.live, pool, gws)
-    assert obs.admission_down == {adm: "inactive/failed"} and obs.front_door == []
-    assert obs.findings() == [f"the admission layer ({ADMISSION_UNIT}) on {adm} is not running (inactive/failed): "
+    assert obs.admission_down == {adm: f"{ADMISSION_UNIT} inactive/failed"} and obs.front_door == []
+    assert obs.findings() == [f"the admission layer on {adm} is not running ({ADMISSION_UNIT} inactive/failed): "
                               "the front door there turns every request away"]
     plan = dep.plan_reconcile(p0, obs)
     kinds = [(s.kind, s.host, s.params.get("restart")) for s in plan.steps if s.kind in ("admission", "front-door-ready")]
@@ -440,5 +440,23 @@ def test_the_admission_layer_down_after_a_reboot_is_named_and_started_by_one_dep
     text = format_status({"cluster": "lab", "revision": 1, "topology": "1p1d", "instances": [], "gateways": [],
                           "front_door": [],
                           "admission_down": obs.admission_findings()})
-    assert f"front door closed: the admission layer ({ADMISSION_UNIT}) on {adm} is not running" in text
+    assert f"front door closed: the admission layer on {adm} is not running ({ADMISSION_UNIT} inactive" in text
     assert "-> inv deploy --topology 1p1d (starts it)" in text and "not ok: front door" in text
+
+
+def test_keepalived_down_where_a_virtual_address_is_rendered_is_named_and_restarted(tmp_path):
+    """With a virtual address, the front door is HAProxy and keepalived on each admission host: a
+    keepalived that is not running (the address held nowhere) is named with its unit, and the
+    deploy's admission step there restarts it (start_admission restarts keepalived first)."""
+    from pdops.model.admission import KEEPALIVED_UNIT
+
+    inv = rtx_with(tmp_path, hosts=["gpu01", "gpu02"], vip="10.30.0.100", vrrp_interface="bond0", vrrp_router_id=61)
+    state = StateDir("prod", tmp_path / "s")
+    deployed(inv, state, "1p1d")
+    p0 = dep.plan_deploy(inv, parse_topology("1p1d"), state)
+    pool, gws = world(inv, p0.placement)
+    pool.units[("gpu02", KEEPALIVED_UNIT)] = ("inactive", 0)
+    obs = observe(inv, p0.live, pool, gws)
+    assert obs.admission_down == {"gpu02": f"{KEEPALIVED_UNIT} inactive/failed"}, obs.admission_down
+    plan = dep.plan_reconcile(p0, obs)
+    assert [(s.kind, s.host) for s in plan.steps if s.kind == "admission"] == [("admission", "gpu02")]

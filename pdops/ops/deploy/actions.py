@@ -107,10 +107,10 @@ def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, dea
     host = host or adm.host
     url = adm.url_of(host)
     if adm.vip:  # HAProxy binds the virtual address before keepalived holds it here: the sysctl first
-        from pdops.model.admission import NONLOCAL_BIND_SYSCTL
+        from pdops.model.admission import KEEPALIVED_UNIT, NONLOCAL_BIND_SYSCTL
 
-        pool.run(host, f"sysctl -q -p {q(NONLOCAL_BIND_SYSCTL)} && systemctl enable -q keepalived.service && "
-                       "systemctl restart keepalived.service")
+        pool.run(host, f"sysctl -q -p {q(NONLOCAL_BIND_SYSCTL)} && systemctl enable -q {KEEPALIVED_UNIT} && "
+                       f"systemctl restart {KEEPALIVED_UNIT}")
     pool.run(host, f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
     deadline = deadline_in(deadline_s)
     while True:

@@ -165,7 +165,7 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
         steps += [s for s in gateway_steps(inv, restart=restart, what=" (after each start it queues its start-up "
                                            "list itself)", wait="") if s.params["gateway"] in restart]
     steps += admission_steps(inv, restart=False, hosts=sorted(obs.admission_down),
-                             why=lambda h: f" (observed {obs.admission_down[h]}: after a reboot nothing starts it)")
+                             why=lambda h: f" (observed {obs.admission_down[h]})")
     down = [o.instance for o in obs.instances if o.down]
     restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
     steps += start_steps(inv, down, restart=False, group="start")
