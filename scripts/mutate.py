@@ -58,7 +58,7 @@ MUTATIONS = (
     Mutation("canary: canary_pair sends nothing", "canary_pair",
              (f"{VERIFIERS}::test_canary_names_exactly_the_pair_whose_transfer_fails_and_registers_nothing",),
              body='return {"rid": "not sent", "completion_tokens": 1}'),
-    Mutation("health gate: any /health answer counts as healthy", "start_instance",
+    Mutation("health gate: any /health answer counts as healthy", "await_health",
              (f"{VERIFIERS}::test_health_gate_an_instance_that_never_turns_healthy",),
              old="if status == 200:", new="if True:"),
     Mutation("registration: the gateway's answer is not awaited", "GatewayClient.wait_worker_healthy",

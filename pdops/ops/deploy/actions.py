@@ -126,26 +126,44 @@ def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, dea
     return {"url": url, "host": host, "cap": adm.cap, "probe_status": status}
 
 
-def wait_healthy(pool: HostPool, inst: Instance, deadline_s: float, say: Say) -> dict:
-    """An instance systemd started (a boot of its enabled unit, or a restart after a crash): wait for
-    its own /health to answer 200, without starting anything. An engine loads its model before it
-    answers (real SGLang: 36-64 s on the lab's CPU, minutes on a GPU host after a reboot)."""
+def await_health(pool: HostPool, inst: Instance, deadline_s: float, *, started_by: str) -> float:
+    """Poll rank 0's /health until 200 (returns the seconds waited). From 2 s on, every 2 s, each
+    rank's unit is read: one failed or inactive (or, for a start of pdops's own, restarted by
+    systemd) stops the wait with the tail of its journal; so does the deadline. `started_by`:
+    "pdops" (it just started the units) or "systemd" (it found them running: a boot of their
+    enabled units, a restart after a crash: restarts are then no failure)."""
     t0 = time.monotonic()
-    deadline = deadline_in(deadline_s)
-    status = None
+    deadline = t0 + deadline_s
+    last_check = t0  # the unit's state is read from 2 s on: most instances are healthy before
     while True:
         try:
             status, _ = http_json("GET", f"{inst.url}/health", timeout=5)
         except Unreachable:
             status = None
         if status == 200:
-            break
+            return round(time.monotonic() - t0, 2)
+        if time.monotonic() - last_check > 2:
+            last_check = time.monotonic()
+            for host, unit in inst.units:
+                st = pool.unit_states(host, [unit])[unit]
+                if st.active_state in ("failed", "inactive") or (started_by == "pdops" and st.n_restarts > 0):
+                    raise DeployFailed(f"{inst.id}: {unit} on {host} is {st.active_state}/{st.sub_state} "
+                                       f"(result {st.result}, restarts {st.n_restarts}) before becoming healthy",
+                                       fix="read the journal below; fix the cause and deploy again",
+                                       evidence=pool.journal_tail(host, unit))
         if time.monotonic() > deadline:
-            raise DeployFailed(f"{inst.id}, started by systemd, did not answer {inst.url}/health within "
-                               f"{deadline_s:.0f}s (last: {status})", evidence=pool.journal_tail(inst.head.host, inst.unit(0)),
+            raise DeployFailed(f"{inst.id}{', started by systemd,' if started_by == 'systemd' else ''} did not answer "
+                               f"{inst.url}/health within {deadline_s:.0f}s (last: {status})",
+                               evidence=pool.journal_tail(inst.head.host, inst.unit(0)),
                                fix="read the journal below; fix the cause and deploy again")
-        time.sleep(0.5)
-    waited = round(time.monotonic() - t0, 2)
+        time.sleep(0.25)
+
+
+def wait_healthy(pool: HostPool, inst: Instance, deadline_s: float, say: Say) -> dict:
+    """An instance systemd started (a boot of its enabled unit, or a restart after a crash): wait for
+    its own /health to answer 200, without starting anything. An engine loads its model before it
+    answers (real SGLang: 36-64 s on the lab's CPU, minutes on a GPU host after a reboot)."""
+    waited = await_health(pool, inst, deadline_s, started_by="systemd")
     say(f"  {inst.id} healthy at {inst.url} (waited {waited}s)")
     return {"url": inst.url, "waited_s": waited}
 
@@ -158,35 +176,13 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
     for host, unit in inst.units:
         # reset a start limit hit by a crash loop: this start is the operator's, and watched below
         pool.run(host, f"systemctl reset-failed {q(unit)} || true; systemctl {verb} {q(unit)}")
-    deadline = time.monotonic() + deadline_s
-    t0 = time.monotonic()
-    last_check = t0  # the unit's state is read from 2 s on: most instances are healthy before
-    while True:
-        try:
-            status, _ = http_json("GET", f"{inst.url}/health", timeout=5)
-        except Unreachable:
-            status = None
-        if status == 200:
-            break
-        if time.monotonic() - last_check > 2:
-            last_check = time.monotonic()
-            for host, unit in inst.units:
-                st = pool.unit_states(host, [unit])[unit]
-                if st.active_state in ("failed", "inactive") or st.n_restarts > 0:
-                    raise DeployFailed(f"{inst.id}: {unit} on {host} is {st.active_state}/{st.sub_state} "
-                                       f"(result {st.result}, restarts {st.n_restarts}) before becoming healthy",
-                                       fix="read the journal below; fix the cause and deploy again",
-                                       evidence=pool.journal_tail(host, unit))
-        if time.monotonic() > deadline:
-            raise DeployFailed(f"{inst.id} did not answer {inst.url}/health within {deadline_s:.0f}s (last: {status})",
-                               evidence=pool.journal_tail(inst.head.host, inst.unit(0)))
-        time.sleep(0.25)
+    ready_s = await_health(pool, inst, deadline_s, started_by="pdops")
     pids = {}
     for host, unit in inst.units:
         st = pool.unit_states(host, [unit])[unit]
         pids[f"{host}:{unit}"] = st.main_pid
-    say(f"  {inst.id} healthy in {time.monotonic() - t0:.1f}s at {inst.url} (MainPID {', '.join(map(str, pids.values()))})")
-    return {"url": inst.url, "main_pids": pids, "ready_s": round(time.monotonic() - t0, 2)}
+    say(f"  {inst.id} healthy in {ready_s:.1f}s at {inst.url} (MainPID {', '.join(map(str, pids.values()))})")
+    return {"url": inst.url, "main_pids": pids, "ready_s": ready_s}
 
 
 def register(gateways: Gateways, inst: Instance, say: Say, timeout_s: float = 60) -> dict[str, str]:
