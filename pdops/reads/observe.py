@@ -226,7 +226,7 @@ class Observation:
     instances: list[InstanceObservation] = field(default_factory=list)
     # what HAProxy (each admission host) does not do as deployed: a gateway not UP or not at its weight
     front_door: list[str] = field(default_factory=list)
-    # admission host -> why its HAProxy unit is not running (after a reboot: nothing started it)
+    # admission host -> why its front-door units (HAProxy; keepalived with a virtual address) are not running
     admission_down: dict[str, str] = field(default_factory=dict)
     # with `cgroups=True` (inv status): "host:unit" -> its identity now (MainPID, its cgroup's processes
     # with their process-table entries), and host -> why its cgroups could not be read
