@@ -418,9 +418,10 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
 
 
 def _unit_down(st: UnitState | str) -> str | None:
-    """Why a unit that must run does not (None: active), from what systemd reported."""
+    """Why a unit that must run does not (None: active, or not read: an unreadable host is not said to
+    run nothing, and its front door is named by _front_door's read instead)."""
     if isinstance(st, str):
-        return st
+        return None
     if st.active_state == "active":
         return None
     return f"{st.active_state}/{st.sub_state}"

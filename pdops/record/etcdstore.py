@@ -83,10 +83,11 @@ class EtcdStore:
     @property
     def bring_back(self) -> str:
         """What a fix line tells the operator to do when no member answers: where pdops runs the members
-        (`members`), the command that starts them (after a reboot of their hosts nothing else does)."""
+        (`members`), the command that starts them."""
         if self.setting.members:
             return (f"start the etcd members pdops runs on {', '.join(self.setting.members)}: `inv state.etcd-up` "
-                    f"(after a reboot nothing else starts them), then run this again")
+                    f"(their units are enabled; on the lab's default boot, or where one failed at boot, nothing "
+                    f"else starts them), then run this again")
         return f"bring {self.name} back"
 
     # -- reading

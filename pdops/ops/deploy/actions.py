@@ -109,9 +109,13 @@ def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, dea
     if adm.vip:  # HAProxy binds the virtual address before keepalived holds it here: the sysctl first
         from pdops.model.admission import KEEPALIVED_UNIT, NONLOCAL_BIND_SYSCTL
 
+        # a repair (not `restart`) starts keepalived only where it does not run: a restart there would
+        # take the virtual address back to this host before its HAProxy is up
         pool.run(host, f"sysctl -q -p {q(NONLOCAL_BIND_SYSCTL)} && systemctl enable -q {KEEPALIVED_UNIT} && "
-                       f"systemctl restart {KEEPALIVED_UNIT}")
-    pool.run(host, f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
+                       f"systemctl {'restart' if restart else 'start'} {KEEPALIVED_UNIT}")
+    # a start limit hit by a crash loop at boot (StartLimitBurst) would refuse the operator's start
+    pool.run(host, f"systemctl reset-failed {q(ADMISSION_UNIT)} 2>/dev/null || true; "
+                   f"systemctl {'restart' if restart else 'start'} {q(ADMISSION_UNIT)}")
     deadline = deadline_in(deadline_s)
     while True:
         try:

@@ -410,6 +410,7 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
 
     units = {f"{h}:{u}" for h, u in inst.units}
     carried = {"configs": {k: v for k, v in (rev0.extra.get("configs") or {}).items() if k not in units},
+               "main_starts": {k: v for k, v in (rev0.extra.get("main_starts") or {}).items() if k not in units},
                "cordoned": list(rev0.extra.get("cordoned") or []),
                # the slot remembers its last prefill's bootstrap port: a re-add takes the other one
                "last_bootstrap": last_bootstrap_ports(rev0.extra.get("last_bootstrap") or {}, pl0)}
@@ -418,8 +419,7 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"drained": inst.id, "rollback": rollback,
                                           **{k: rev0.extra[k] for k in ("gateway", "gateways", "gateway_main_pid",
-                                                                        "gateway_main_pids", "main_starts")
-                                             if k in rev0.extra},
+                                                                        "gateway_main_pids") if k in rev0.extra},
                                           **carried},
                                    snapshot=snapshot_subset(ctx.state.revision_snapshot(rev0.number), hosts_files))
     ctx.state.set_current(rev.number)
