@@ -8,6 +8,8 @@ from invoke import task
 
 from pdops import lab as lab_api
 from pdops.cli import cli_errors
+from pdops.errors import InvalidInput
+from pdops.lab.hostfiles import BOOT_MODES
 
 
 @task(help={"hosts": f"how many lab hosts to boot (1..{lab_api.MAX_HOSTS}, default 4)",
@@ -17,6 +19,8 @@ from pdops.cli import cli_errors
 def up(c, hosts="4", boot="lab"):  # a string: a bad value gets our error, not invoke's traceback
     """Boot lab hosts lab01..labNN on 127.0.10.1..N (only those not up) and write the inventory."""
     n = lab_api.validate_host_count(hosts)
+    if boot not in BOOT_MODES:
+        raise InvalidInput("--boot", f"{boot!r} is not one of {', '.join(BOOT_MODES)}")
     print(f"lab: bringing up {n} host(s) in {lab_api.resolve_lab_dir()} (boot: {boot}) ...", flush=True)
     result = lab_api.up(n, boot=boot)
     for line in lab_api.format_status(result):

@@ -17,8 +17,9 @@ from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import GatewayNode, Inventory
 from pdops.model.placement import Instance, Placement
-from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
+from pdops.facts.gateway import BLOCKING, DRAINING
+from pdops.model.admission import KEEPALIVED_UNIT, NONLOCAL_BIND_SYSCTL, UNIT as ADMISSION_UNIT
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, config_ids
 from pdops.runner import Say
 from pdops.fanout import failures, run_parallel
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
@@ -107,8 +108,6 @@ def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, dea
     host = host or adm.host
     url = adm.url_of(host)
     if adm.vip:  # HAProxy binds the virtual address before keepalived holds it here: the sysctl first
-        from pdops.model.admission import KEEPALIVED_UNIT, NONLOCAL_BIND_SYSCTL
-
         # a repair (not `restart`) starts keepalived only where it does not run: a restart there would
         # take the virtual address back to this host before its HAProxy is up
         pool.run(host, f"sysctl -q -p {q(NONLOCAL_BIND_SYSCTL)} && systemctl enable -q {KEEPALIVED_UNIT} && "
@@ -214,8 +213,6 @@ def register_one(client: GatewayClient, inst: Instance, say: Say, deadline: floa
     first: a POST now would answer 409 with that worker, which then goes. A worker listed at this URL
     whose breaker is not closed (its engine failed requests before a restart: smg keeps the breaker
     of a URL through it) is removed first, so that the POST gives it a new, closed breaker."""
-    from pdops.facts.gateway import BLOCKING, DRAINING
-
     try:
         listed = [w for w in client.list_workers() if w.url.rstrip("/") == inst.url.rstrip("/")]
     except PdopsError:
@@ -387,7 +384,6 @@ def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[
     """{"host:unit": {main_pid, config}} for every unit of `pl` and the gateway, each checked against
     the config id its rendered env file carries; Unverified naming every unit that differs."""
     from pdops.reads.observe import with_configs
-    from pdops.model.render import config_ids
 
     want = config_ids(files)
     by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}

@@ -8,7 +8,11 @@ import time
 
 from pdops.model import membership
 from pdops.errors import DeployFailed, PdopsError, Refused, Unverified
-from pdops.remote.gateway import Gateways
+from pdops.facts import q
+from pdops.facts.gateway import BLOCKING, DRAINING
+from pdops.model.admission import server_state_command, standby_server
+from pdops.remote.gateway import Gateways, deadline_in
+from pdops.remote.haproxy import gateway_stats, runtime, set_front_door, wait_gateways_up
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, last_bootstrap_ports
 from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of, write_build
@@ -61,7 +65,6 @@ def do_deliver(ctx: RunContext, step: Step) -> Outcome:
 
 def do_gateway(ctx: RunContext, step: Step) -> Outcome:
     """Start one gateway; with `wait_for` ({instance: url}), until it lists each healthy and ready."""
-    from pdops.remote.gateway import deadline_in
 
     t0 = time.monotonic()
     node = ctx.inv.gateway.node(step.params["gateway"])
@@ -81,8 +84,6 @@ def do_gateway(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_front_door_ready(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.remote.haproxy import wait_gateways_up
-
     adm = ctx.inv.admission
     seen = {}
     for a in adm.hosts:
@@ -95,7 +96,6 @@ def do_front_door_ready(ctx: RunContext, step: Step) -> Outcome:
 def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
     """HAProxy's gateway servers set as the step says, on every admission host (a fenced rollout's
     steps and rescue; a repair of a front door a stopped change left drained)."""
-    from pdops.remote.haproxy import set_front_door, wait_gateways_up
 
     adms = step.params["admission_hosts"]
     if step.params.get("only_if_fenced") and not ctx.get(step, "fence", None):
@@ -115,9 +115,6 @@ def do_front_door_set(ctx: RunContext, step: Step) -> Outcome:
 def retire_standbys(ctx: RunContext, adms, hosts) -> list[str]:
     """A stand-in a restart left in service (its gateway serves again, UP above): drained in HAProxy to
     0 sessions, MAINT as rendered, its transient unit stopped by name."""
-    from pdops.facts import q
-    from pdops.model.admission import server_state_command, standby_server
-    from pdops.remote.haproxy import gateway_stats, runtime
 
     out = []
     for h in hosts:
@@ -212,7 +209,6 @@ def do_close_breakers(ctx: RunContext, step: Step) -> Outcome:
     """Each gateway routes to every instance of the step with its breaker closed: a worker listed healthy
     and ready whose breaker is open or half-open (its engine, or its PD peer, failed requests before a
     restart) is registered again; one that is not healthy is its engine's matter, named, not verified."""
-    from pdops.facts.gateway import BLOCKING, DRAINING
 
     insts = [ctx.placement.get(i) for i in step.params["instances"]]
     deadline = ctx.deadline(step)
