@@ -9,12 +9,34 @@ SGLANG := sglang==0.5.23
 # The gateway's own environment (smg only: no torch, no SGLang), as on a production gateway host.
 GATEWAY_VENV ?= .venv-gateway
 SMG := smg==1.13.0
+# Real SGLang on the lab's CPU (issue 50, docs/lab.md): its own environment, and the tiny model it
+# serves (generated here with a fixed seed, never downloaded), where the lab's CPU profile reads it.
+ENGINE_VENV ?= .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.pdops-installed
+LAB_MODEL := /var/lib/pdops-lab/models/tiny-qwen2
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.pdops-installed
 
-.PHONY: env test test-fleet test-unit test-lab test-repeat demo clean-lab bench bench-env mutate soak
+.PHONY: env env-engine test test-fleet test-unit test-lab test-repeat demo clean-lab bench bench-env mutate soak
 
-env: $(STAMP)
+env: $(STAMP) $(ENGINE_STAMP)
+
+env-engine: $(ENGINE_STAMP)
+
+# SGLang with --no-deps (it pins torch 2.14.1), the CPU torch first from the local file, then the
+# smallest set of its requirements that runs on CPU (requirements/engine-cpu.txt: 2.9 GB, not the
+# 6.1 GB of every requirement), torch held by a constraint. The stand-ins for GPU-only packages are
+# not installed: pdops renders them onto the engine's PYTHONPATH (pdops/lab/cpu_engine/standins).
+$(ENGINE_STAMP): requirements/engine-cpu.txt scripts/setup-system.sh pdops/lab/cpu_engine/tiny_model.py
+	bash scripts/setup-system.sh
+	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install -q $(TORCH)
+	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps $(SGLANG)
+	echo "$(TORCH)" > $(ENGINE_VENV)/constraints.txt
+	$(ENGINE_VENV)/bin/python -m pip install -q -c $(ENGINE_VENV)/constraints.txt -r requirements/engine-cpu.txt
+	$(ENGINE_VENV)/bin/python pdops/lab/cpu_engine/tiny_model.py $(LAB_MODEL)
+	touch $(ENGINE_STAMP)
 
 $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	bash scripts/setup-system.sh
@@ -36,7 +58,7 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 # (two took 19-22 min; three went back to two only while a lone gateway's restart could let a
 # request in before smg routed it, which the stand-in restart closed: docs/gateway.md).
 TEST_WORKERS ?= 3
-test: $(STAMP)
+test: $(STAMP) $(ENGINE_STAMP)
 	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not fleet" tests
 
 # The fleet-size lab tests (issue #35): deploy, status, verify and a drain on 32 lab hosts; about

@@ -12,7 +12,10 @@ if [ "$(id -u)" = 0 ] && [ "$(cat /proc/sys/fs/inotify/max_user_instances)" -lt 
     echo "setup-system: warning: could not raise fs.inotify.max_user_instances (lab.up says how many hosts fit)" >&2
 fi
 need=()
-for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived etcd-server etcd-client chromium; do
+# libibverbs1 and libnl-route-3-200: Mooncake's transfer engine loads them even over TCP (the
+# real-engine lab, docs/lab.md); libnuma1 is usually present.
+for pkg in openssh-server openssh-client haproxy iproute2 util-linux procps prometheus keepalived etcd-server etcd-client chromium \
+    libibverbs1 libnl-route-3-200 libnuma1; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 [ ${#need[@]} -eq 0 ] && exit 0

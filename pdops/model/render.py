@@ -74,6 +74,29 @@ def ib_device_map(inv: Inventory, rank: Rank) -> dict[str, str]:
     return {str(local): host.nic_for_gpu(phys).device for local, phys in enumerate(rank.gpus)}
 
 
+# The lab's CPU profile (docs/lab.md): the stand-ins for GPU-only packages SGLang imports, put on
+# the engine's PYTHONPATH (pdops/lab/cpu_engine/standins; a path, not an import: nothing of the lab
+# loads here). A cpu profile is refused outside the lab (pdops.model.inventory.validate).
+CPU_STANDINS = Path(__file__).resolve().parents[1] / "lab" / "cpu_engine" / "standins"
+# Mooncake binds its RPC and data ports on every address, in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]
+# (below 32768, or it falls back to 15000-17000): lab hosts share one network namespace, so each
+# engine gets a range of its own, from its host's address and its slot.
+MC_PORT_FLOOR = 15000
+MC_PORTS_PER_ENGINE = 100
+
+
+def cpu_engine_ports(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, int]:
+    """The ports a CPU-profile engine binds beyond http and bootstrap: gloo's store (`--nccl-port`,
+    on every address), the engine-info bootstrap server, and its Mooncake range. On GPU hosts SGLang
+    picks them itself; the lab's hosts share one network namespace, so pdops gives each its own."""
+    p = inv.ports
+    octet = int(rank.data_addr.rsplit(".", 1)[-1]) if rank.data_addr.count(".") == 3 else 0
+    mc_min = MC_PORT_FLOOR + MC_PORTS_PER_ENGINE * ((octet % 16) * 8 + inst.slot % 8)
+    return {"nccl": p.dist_init_base + p.stride * inst.slot,
+            "engine_info": p.bootstrap_base + p.stride * inst.slot + 2,
+            "mc_min": mc_min, "mc_max": mc_min + MC_PORTS_PER_ENGINE - 1}
+
+
 def engine_args(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> list[str]:
     """SGLang flags for one rank of one instance: full flag names, the host's data address."""
     prof = inv.profile
@@ -94,6 +117,13 @@ def engine_args(inv: Inventory, pl: Placement, inst: Instance, rank: Rank) -> li
         args += ["--disaggregation-bootstrap-port", str(inst.bootstrap_port)]
     if prof.transfer_backend == "mooncake":
         args += ["--disaggregation-ib-device", json.dumps(ib_device_map(inv, rank), separators=(",", ":"))]
+    if prof.device == "cpu":
+        ports = cpu_engine_ports(inv, inst, rank)
+        args += ["--device", "cpu", "--nccl-port", str(ports["nccl"]),
+                 "--engine-info-bootstrap-port", str(ports["engine_info"])]
+        if inst.role == "decode":
+            # the decode's default retraction backup (host_pool) calls torch.cuda.cudart()
+            args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     for key, flag in (("chunked_prefill_size", "--chunked-prefill-size"),
                       ("max_prefill_tokens", "--max-prefill-tokens"),
                       ("mem_fraction_static", "--mem-fraction-static"),
@@ -159,6 +189,17 @@ def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
     }
     if inv.profile.transfer_backend == "nixl":
         env["UCX_NET_DEVICES"] = ",".join(f"{n.device}:1" for n in nics)
+    if inv.profile.device == "cpu":
+        ports = cpu_engine_ports(inv, inst, rank)
+        env.update({
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "PYTHONPATH": str(CPU_STANDINS),
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MC_MIN_RPC_PORT": str(ports["mc_min"]), "MC_MAX_RPC_PORT": str(ports["mc_max"]),
+            # flashinfer is imported even on CPU and writes a log under $HOME; a lab host's root
+            # is read-only, its /tmp private and writable
+            "HOME": f"/tmp/pdops-{inst.id}-home",
+        })
     if inv.engine == "sim" and inv.profile.gpu_memory_gib:
         env["PDOPS_SIM_GPU_MEMORY_GIB"] = f"{inv.profile.gpu_memory_gib:g}"
     env.update(inv.profile.env)

@@ -99,7 +99,11 @@ def prometheus_text(e, a) -> str:
     def gauge(name, value, doc):
         out.append(f"# HELP sglang:{name} {doc}\n# TYPE sglang:{name} gauge\nsglang:{name}{{{sl}}} {float(value)}")
 
-    def counter(name, values, doc, labels=tl, split=True):
+    def counter(name, values, doc, labels=tl, split=True, from_first=False):
+        # from_first: a counter SGLang 0.5.23 creates with labels and first increments on a failure
+        # has no series at all, not even HELP/TYPE, until then (seen on the real engine, docs/sim.md)
+        if from_first and not values:
+            return
         lines = [f"# HELP sglang:{name}_total {doc}", f"# TYPE sglang:{name}_total counter"]
         if split:
             for s, v in values.items():
@@ -130,9 +134,9 @@ def prometheus_text(e, a) -> str:
     counter("prompt_tokens", e.c_prompt, "Number of prefill tokens processed.")
     counter("generation_tokens", e.c_gen, "Number of generation tokens processed.")
     counter("num_requests", e.c_requests, "Number of requests processed.")
-    counter("num_aborted_requests", e.c_aborted, "Number of requests aborted.", split=False)
-    counter("num_bootstrap_failed_reqs", e.c_bootstrap_failed, "Number of bootstrap failed requests.", labels=sl, split=False)
-    counter("num_transfer_failed_reqs", e.c_transfer_failed, "Number of transfer failed requests.", labels=sl, split=False)
+    counter("num_aborted_requests", e.c_aborted, "Number of requests aborted.", split=False, from_first=True)
+    counter("num_bootstrap_failed_reqs", e.c_bootstrap_failed, "Number of bootstrap failed requests.", labels=sl, split=False, from_first=True)
+    counter("num_transfer_failed_reqs", e.c_transfer_failed, "Number of transfer failed requests.", labels=sl, split=False, from_first=True)
     hist("time_to_first_token_seconds", e.h_ttft, "Histogram of time to first token in seconds.")
     hist("e2e_request_latency_seconds", e.h_e2e, "Histogram of End-to-end request latency in seconds")
     hist("inter_token_latency_seconds", e.h_itl, "Histogram of inter-token latency in seconds.")

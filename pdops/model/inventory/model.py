@@ -20,7 +20,10 @@ ENGINES = ("sglang", "sim")
 LINK_LAYERS = ("RoCE", "IB")
 
 
-TRANSFER_BACKENDS = ("mooncake", "nixl")
+TRANSFER_BACKENDS = ("mooncake", "nixl", "mooncake_tcp")
+# Where a profile runs the engine: "cuda" (GPU hosts) or "cpu" (the lab only: real SGLang on the
+# machine's CPU, docs/lab.md; refused unless pdops_virtual_hardware is set)
+DEVICES = ("cuda", "cpu")
 
 
 HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -80,6 +83,7 @@ class Profile:
     slo: dict = field(default_factory=dict)
     # memory of one GPU of the instances' hosts (GiB); the sim's memory model runs against it
     gpu_memory_gib: float | None = None
+    device: str = "cuda"
 
     @property
     def gpus_per_instance(self) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pdops.errors import InvalidInput
 
-from pdops.model.inventory.model import HOST_NAME_RE, Host, LINK_LAYERS, Nic, PROFILES_DIR, Profile, TRANSFER_BACKENDS
+from pdops.model.inventory.model import DEVICES, HOST_NAME_RE, Host, LINK_LAYERS, Nic, PROFILES_DIR, Profile, TRANSFER_BACKENDS
 from pdops.model.inventory.read import inventory_files, read_with_ansible, read_yaml
 
 
@@ -161,7 +161,13 @@ def load_profile(name: str, base_dir: Path | None = None) -> Profile:
     backend = d.get("transfer_backend", "mooncake")
     if backend not in TRANSFER_BACKENDS:
         raise InvalidInput(f"{where}.transfer_backend", f"{backend!r} is not one of {TRANSFER_BACKENDS}",
-                           fix="use mooncake (default) or nixl")
+                           fix="use mooncake (default), nixl, or mooncake_tcp (the lab's CPU profile)")
+    device = d.get("device", "cuda")
+    if device not in DEVICES:
+        raise InvalidInput(f"{where}.device", f"{device!r} is not one of {DEVICES}", fix="use cuda (GPU hosts) or cpu (the lab)")
+    if device == "cpu" and (tp, pp, ep) != (1, 1, 1):
+        raise InvalidInput(f"{where}.parallel", f"a cpu profile runs one process per instance, not tp={tp} pp={pp} ep={ep}",
+                           fix="parallel: {tp: 1, ep: 1, pp: 1}")
     slo = d.get("slo") or {}
     if not isinstance(slo, dict) or set(slo) - {"ttft_p99_s"}:
         raise InvalidInput(f"{where}.slo", f"{slo!r} is not a mapping of known objectives", fix="slo: {ttft_p99_s: 5}")
@@ -186,14 +192,21 @@ def load_profile(name: str, base_dir: Path | None = None) -> Profile:
         model_shape=dict(d.get("model_shape") or {}),
         extra_args=tuple(str(a) for a in d.get("extra_args") or ()),
         env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
-        slo=dict(slo), gpu_memory_gib=float(gmem) if gmem is not None else None,
+        slo=dict(slo), gpu_memory_gib=float(gmem) if gmem is not None else None, device=device,
     )
 
 
-def resolve_engine_python(val: str) -> str:
+def resolve_engine_python(val: str, engine: str = "sim") -> str:
     if val == "auto":
-        # The project's own environment: in the lab every host sees this path.
-        return str(Path(sys.executable).absolute())
+        # The lab: every host sees this machine's paths. The sim runs from the project's own
+        # environment; real SGLang from the real engine's, beside it (make env-engine builds it).
+        if engine == "sim":
+            return str(Path(sys.executable).absolute())
+        cand = Path(sys.prefix).absolute().parent / ".venv-engine" / "bin" / "python"
+        if not cand.exists():
+            raise InvalidInput("pdops_engine_python", f"`auto`: {cand} does not exist",
+                               fix="run `make env-engine` (it builds real SGLang's environment, .venv-engine)")
+        return str(cand)
     if not val.startswith("/"):
         raise InvalidInput("pdops_engine_python", f"{val!r} is not an absolute path",
                            fix="set the absolute path of the engine's python (or `auto` in the lab)")

@@ -32,6 +32,10 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
         raise InvalidInput("pdops_engine", f"{engine!r} is not one of {ENGINES}", fix="use sglang (production) or sim (lab)")
     prof = load_profile(profile or required(all_vars, "pdops_profile", "all.vars", (str,), "name a profile from pdops/profiles/"),
                         path if path.is_dir() else path.parent)
+    if prof.device == "cpu" and not (engine == "sglang" and all_vars.get("pdops_virtual_hardware", False)):
+        raise InvalidInput("pdops_profile", f"profile {prof.name} runs SGLang on a CPU, with the lab's stand-ins for GPU kernels",
+                           fix="use it only in the lab (pdops_engine: sglang, pdops_virtual_hardware: true); "
+                               "GPU hosts take a cuda profile")
 
     hosts = tuple(parse_host(n, hv) for n, hv in hostvars.items())
     _check_unique(hosts)
@@ -114,7 +118,7 @@ def validate(path: Path, files: list[Path], hostvars: dict[str, dict], profile: 
     legacy_digest = digest_of(as_before(all_vars), {h: as_before(v) for h, v in hostvars.items()})
     inv = Inventory(
         cluster=cluster, path=path, engine=engine, profile=prof, hosts=hosts, gateway=gateway, ports=ports,
-        engine_python=resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python"))),
+        engine_python=resolve_engine_python(str(all_vars.get("pdops_engine_python", "/opt/pdops/venv/bin/python")), engine),
         virtual_hardware=bool(all_vars.get("pdops_virtual_hardware", False)), digest=digest,
         legacy_digest=legacy_digest,
         drain_budget_s=budget, stop_timeout_s=budget + margin, files=tuple(f.resolve() for f in files),
