@@ -4,7 +4,10 @@ the unit's journal: which request IDs an engine received and which it finished.
 SGLang 0.5.23 (srt/utils/request_logger.py, log_json) logs one JSON object per line:
 `{"timestamp": ..., "event": "request.received", "rid": ...}` and
 `{"event": "request.finished", "rid": ..., "out": {"meta_info": {"finish_reason": ...}}}`.
-Lines that are not such objects (other log output) are ignored.
+Lines that are not such objects (other log output) are ignored, and so are SGLang's own health
+probes: every `/health` is a one-token generation logged with rid `HEALTH_CHECK_<hex>`, and on a PD
+decode it is logged received and never finished (observed on real SGLang, docs/sim.md). No client
+sends such a rid, and a probe holds nothing the queues would not show.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ class RequestLog:
         return [rid for rid in self.received if rid not in self.finished]
 
 
+# the rid prefix of SGLang's own health probes (srt/constants.py HEALTH_CHECK_RID_PREFIX + "_", used by
+# srt/entrypoints/http_server.py for each /health generation)
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
+
+
 def parse(output: str) -> RequestLog:
     log = RequestLog()
     for line in output.splitlines():
@@ -52,6 +60,8 @@ def parse(output: str) -> RequestLog:
         else:
             rids = [str(rid)]
         for r in rids:
+            if r.startswith(HEALTH_CHECK_PREFIX):
+                continue
             if event == "request.received":
                 log.received.setdefault(r, str(doc.get("timestamp", "")))
             elif event == "request.finished":

@@ -92,7 +92,8 @@ def cpu_engine_ports(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, in
     p = inv.ports
     octet = int(rank.data_addr.rsplit(".", 1)[-1]) if rank.data_addr.count(".") == 3 else 0
     mc_min = MC_PORT_FLOOR + MC_PORTS_PER_ENGINE * ((octet % 16) * 8 + inst.slot % 8)
-    return {"nccl": p.dist_init_base + p.stride * inst.slot,
+    # nccl: +5 in the slot's dist-init window; a multi-node instance binds the window's first port
+    return {"nccl": p.dist_init_base + p.stride * inst.slot + 5,
             "engine_info": p.bootstrap_base + p.stride * inst.slot + 2,
             "mc_min": mc_min, "mc_max": mc_min + MC_PORTS_PER_ENGINE - 1}
 

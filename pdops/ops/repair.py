@@ -23,6 +23,7 @@ from pdops.reads import orphans
 from pdops.facts import requestlog
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
+from pdops.ops.deploy.steps import healthy_steps
 from pdops.runner import Outcome, Plan, RunContext, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
@@ -105,6 +106,12 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
                    "wait_s": wait_s}
     plan.force = bool(force)  # the repair's own floor check above; --force: no serving guard at leave-gateway
     sc.compile_steps(plan)
+    if row["state"] == "restarted":
+        # systemd started the running process (Restart=on-failure): real SGLang answers /metrics without
+        # its queue gauges until its warm-up ends (17-64 s here), so its drain could not prove it idle.
+        # Wait for its /health first (nothing is started); one that never answers stops the repair here.
+        at = next(n for n, s in enumerate(plan.run) if s.kind == "lost-work")
+        plan.run[at:at] = healthy_steps(inv, [pl.get(iid)], group=None)
     plan.state = state
     return plan
 

@@ -120,3 +120,15 @@ def test_empty_reading_is_empty_only_when_every_source_is():
                  dr.EmptyReading([], {}, {}, ["sglang:num_queue_reqs"], []),
                  dr.EmptyReading([], {}, {}, [], ["/metrics answered 500"])):
         assert not busy.empty, busy
+
+
+def test_absent_queue_gauges_count_only_when_v1_loads_did_not_answer_every_queue():
+    """Real SGLang 0.5.23 (observed in the lab): a PD decode that has run no batch since its start exports
+    no queue gauges on /metrics, and keeps none while idle; its /v1/loads has every queue from the start."""
+    gauges = ["sglang:num_running_reqs", "sglang:num_queue_reqs"]
+    fresh = dr.EmptyReading([], {}, {}, gauges, [], loads_read=True)
+    assert fresh.empty and "no batch run since its start" in fresh.describe()
+    assert not dr.EmptyReading([], {}, {}, gauges, [], loads_read=False).empty
+    # busy on either source is still busy, whatever the other says
+    assert not dr.EmptyReading(["rid-1"], {}, {}, gauges, [], loads_read=True).empty
+    assert not dr.EmptyReading([], {}, {"num_running_reqs": 1}, [], [], loads_read=True).empty

@@ -16,3 +16,16 @@ def test_command_reads_only_the_current_invocation():
     cmd = requestlog.command("pdops-p01.service", "abc123")
     assert cmd == "journalctl -u pdops-p01.service _SYSTEMD_INVOCATION_ID=abc123 -o cat --no-pager"
     assert "'x; rm -rf /'" in requestlog.command("x; rm -rf /")
+
+
+def test_sglangs_own_health_probes_are_not_requests():
+    """Real SGLang 0.5.23 logs each /health as a generation with rid HEALTH_CHECK_<hex>; a PD decode logs
+    it received and never finished. It is no client's request: never open work, never lost work."""
+    from pdops.facts import requestlog
+
+    lines = "\n".join([
+        '[2026-12-05 02:46:48] {"timestamp": "t1", "event": "request.received", "rid": "HEALTH_CHECK_382be91b"}',
+        '[2026-12-05 02:46:48] {"timestamp": "t2", "event": "request.received", "rid": "client-1"}',
+    ])
+    log = requestlog.parse(lines)
+    assert log.open == ["client-1"] and "HEALTH_CHECK_382be91b" not in log.received

@@ -31,10 +31,17 @@ class EmptyReading:
     metrics_busy: dict
     metrics_missing: list[str]
     errors: list[str]
+    # /v1/loads answered with every queue of every rank (busy or not)
+    loads_read: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.open_rids or self.loads_busy or self.metrics_busy or self.metrics_missing or self.errors)
+        # Real SGLang 0.5.23 exports its queue gauges only once its scheduler has run a batch: a decode
+        # that served nothing since its start (PD mode: its /health runs no generation) has none, for
+        # as long as it stays idle (docs/sim.md). /v1/loads, the engine's own answer, has every queue
+        # from the start: absent gauges count only when it did not answer.
+        missing = self.metrics_missing and not self.loads_read
+        return not (self.open_rids or self.loads_busy or self.metrics_busy or missing or self.errors)
 
     def describe(self) -> str:
         parts = []
@@ -46,7 +53,8 @@ class EmptyReading:
         if self.metrics_busy:
             parts.append(f"/metrics busy {self.metrics_busy}")
         if self.metrics_missing:
-            parts.append(f"/metrics lacks {self.metrics_missing}")
+            parts.append(f"/metrics lacks {self.metrics_missing}"
+                         + (" (no batch run since its start; /v1/loads answered every queue)" if self.loads_read else ""))
         parts += self.errors
         return "; ".join(parts) or "empty"
 
@@ -68,13 +76,14 @@ def read_emptiness(pool: HostPool, inst: Instance) -> EmptyReading:
     except PdopsError as exc:
         open_rids, errors = [], errors + [f"request log unreadable: {exc.message}"]
     loads_busy: dict = {}
+    loads_read = False
     try:
         status, doc = http_json("GET", f"{inst.url}{engine_facts.LOADS_PATH}", timeout=5)
         if status != 200:
             errors.append(f"/v1/loads answered {status}")
         else:
             loads = engine_facts.parse_loads(doc)
-            loads_busy = loads.busy()
+            loads_busy, loads_read = loads.busy(), True
     except PdopsError as exc:
         errors.append(f"/v1/loads: {exc.message}")
     metrics_busy, missing = {}, []
@@ -87,7 +96,7 @@ def read_emptiness(pool: HostPool, inst: Instance) -> EmptyReading:
             metrics_busy, missing = queues.busy(), queues.missing
     except PdopsError as exc:
         errors.append(f"/metrics: {exc.message}")
-    return EmptyReading(open_rids, loads_busy, metrics_busy, missing, errors)
+    return EmptyReading(open_rids, loads_busy, metrics_busy, missing, errors, loads_read)
 
 
 @dataclass
