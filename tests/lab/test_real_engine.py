@@ -231,5 +231,8 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     assert "verified: cgroup empty" in r.stdout, r.stdout
     alive = set(_host_run(lab, host, "ps -eo pid=").split())
     assert not set(map(str, procs)) & alive, f"{procs} outlived the drain's stop"
-    # the module's last test: the cluster is left 1p0d and stopped by the fixture (a deploy of 1p1d from
-    # here is refused as a generation change, decode fields "unset -> 1": a known pdops bug, docs/lab.md)
+    # and back: a decode added to a cluster with none is no change of generation (it was refused as
+    # "decode TP unset -> 1", found here)
+    back = cli(real.inv_dir, "deploy", "--topology", TOPOLOGY)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert "generation: unchanged" in back.stdout or "d01 healthy" in back.stdout, back.stdout

@@ -191,3 +191,26 @@ def test_host_maintenance_refuses_a_pending_change_of_generation_naming_it_and_t
     plan = sc.plan_drain_host(inventory(tmp_path, "same"), state, "lab02")
     assert plan.cordoned == ["lab02"]
     assert state.current_revision().number == rev.number
+
+
+def test_a_role_with_no_instance_now_is_added_back_without_a_generation_change(tmp_path, state):
+    """Found on real SGLang in the lab: its only decode drained (1p0d), `inv deploy --topology 1p1d` was
+    refused as a change of generation ("decode TP unset -> 1"); the kept prefill was started knowing
+    nothing of a decode's layout. What the kept instances do say still counts."""
+    from pdops.model.placement import Placement
+    from pdops.model.topology import Topology
+
+    one = inventory(tmp_path, "one", gateways=("lab01",), admission=False)
+    prefills = tuple(i for i in place(one, parse_topology("1p1d")).instances if i.role == "prefill")
+    pl = Placement(Topology(1, 0), prefills)  # what `inv drain --instance d01 --force` records
+    files = render_files(one, pl)
+    rev = state.write_revision(topology="1p0d", inventory_hash=one.digest, placement=pl.to_dict(),
+                               manifest=manifest(files), instances={"p01": {"role": "prefill", "worker_id": "w-p01"}},
+                               outcome="deployed", snapshot=snapshot_of(one, files))
+    state.set_current(rev.number)
+    plan = sc.plan_scale(one, parse_topology("1p1d"), state)
+    assert not plan.generation.changes and [i.id for i in plan.added] == ["d01"], plan.render()
+    with pytest.raises(Refused) as e:
+        sc.plan_scale(inventory(tmp_path, "paged", gateways=("lab01",), admission=False, page_size=32),
+                      parse_topology("1p1d"), state)
+    assert "alters the generation (page size unset -> 32)" in e.value.message

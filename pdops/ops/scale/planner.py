@@ -293,13 +293,22 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
 def generation_change(cur_snapshot: dict | None, cur_pl: Placement, files, target_pl: Placement):
     """The generation of each instance before (from the current revision's recorded files) and
     after (the target's files); None when the current revision's files are not at hand."""
-    from pdops.model.generation import generation_diff, generations
+    from pdops.model.generation import LAYOUT, ROLES, Generation, digest, generation_diff, generations
 
     from pdops.ops.scale.model import GenerationChange
 
     if cur_snapshot is None:
         return None
     old, new = generations(files_of(cur_snapshot), cur_pl), generations(files, target_pl)
+    # A role with no instance now (its only decode drained: 1p0d) has no layout to compare: the kept
+    # instances were started knowing nothing of it, so its fields are left out on both sides (else adding
+    # the role back reads as a generation change, "decode TP unset -> 1")
+    unknown = {f"{r}_{f.key}" for r in ROLES if not any(i.role == r for i in cur_pl.instances) for f in LAYOUT}
+    if unknown:
+        def known(g):
+            f = {k: v for k, v in g.fields.items() if k not in unknown}
+            return Generation(f, digest(f))
+        old, new = {i: known(g) for i, g in old.items()}, {i: known(g) for i, g in new.items()}
     olds = {g.digest for g in old.values()}
     o = next(iter(old.values()), None)
     n = next((g for g in new.values() if g.digest not in olds), next(iter(new.values()), None))
