@@ -1,13 +1,16 @@
 """A unit's identity as systemd and the kernel report it now: MainPID, control group, the
-cgroup's processes and MainPID's descendants with their start times. Read before a stop (so
-the stop can be verified against it) and by `inv status` (processes that escaped MainPID)."""
+cgroup's processes and MainPID's descendants with their start times, and the /dev/shm files they map.
+Read before a stop (so the stop can be verified against it, and what the engine leaves cleaned) and by
+`inv status` (processes that escaped MainPID)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdops.facts import cgroup as cg_facts
 from pdops.facts import procs as proc_facts
+from pdops.facts import shm as shm_facts
 from pdops.remote.hosts import HostPool
 
 
@@ -20,6 +23,8 @@ class RankIdentity:
     layout: object
     cgroup_pids: list[int]
     tree: dict  # pid -> Proc (the cgroup's processes and MainPID's descendants)
+    # /dev/shm files those processes map (pdops.facts.shm): what the engine may leave behind at its stop
+    shm: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, host: str, state, cgroup_pids: list[int], tree: dict, layout=None) -> "RankIdentity":
@@ -50,4 +55,6 @@ def record_identity(pool: HostPool, host: str, unit: str) -> RankIdentity:
     if st.control_group:
         pids = sorted(cg_facts.parse_procs(pool.run(host, cg_facts.procs_command(layout, st.control_group)).stdout).pids)
     tree = proc_facts.parse(pool.run(host, proc_facts.command()).stdout)
-    return RankIdentity.of(host, st, pids, tree, layout)
+    ident = RankIdentity.of(host, st, pids, tree, layout)
+    mapped = shm_facts.parse_paths(pool.run(host, shm_facts.maps_command(ident.tree)).stdout) if ident.tree else ()
+    return dataclasses.replace(ident, shm=mapped)

@@ -229,6 +229,11 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     log = requestlog.parse(_host_run(lab, host, requestlog.command(unit)))
     assert not [rid for rid in log.open if rid.startswith("real-drain")], log.open
     assert "verified: cgroup empty" in r.stdout, r.stdout
+    # what SGLang leaves at every stop (its load snapshot in /dev/shm), named and removed by exact path
+    left = re.search(r"verified: left in /dev/shm by d01's processes, mapped by no process now, removed: "
+                     r"(lab\d+):(/dev/shm/sglang_loads_\S+\.shm) \(\d+ bytes\)", r.stdout)
+    assert left, r.stdout
+    assert not Path(left.group(2)).exists()
     alive = set(_host_run(lab, host, "ps -eo pid=").split())
     assert not set(map(str, procs)) & alive, f"{procs} outlived the drain's stop"
     # and back: a decode added to a cluster with none is no change of generation (it was refused as

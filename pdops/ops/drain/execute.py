@@ -343,8 +343,12 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
             verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
         if res.sigkill:
             verified.append("needed systemd's SIGKILL after TimeoutStopSec")
-        out = Outcome(evidence=stop_evidence(inst, res), verified=verified,
-                      unverified=sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")}))
+        if res.shm_removed:
+            verified.append(f"left in /dev/shm by {inst.id}'s processes, mapped by no process now, removed: "
+                            f"{', '.join(res.shm_removed)}")
+        unverified = sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")})
+        unverified += [f"left in /dev/shm by {inst.id}'s processes, kept: {k}" for k in res.shm_kept]
+        out = Outcome(evidence=stop_evidence(inst, res), verified=verified, unverified=unverified)
     wid = step.params.get("gateway_worker")
     if wid and ctx.gateways is not None:
         # right after the stop smg may still list the removed worker as draining: the drain ends when

@@ -17,6 +17,7 @@ from pdops.facts import procs as proc_facts
 from pdops.facts import Skipped, q, requestlog, skipped_in
 from pdops.remote.gateway import GatewayClient, deadline_in
 from pdops.remote.hosts import HostPool, http_json
+from pdops.facts import shm as shm_facts
 from pdops.reads.identity import RankIdentity, record_identity
 from pdops.model.placement import Instance
 from pdops.runner import Say
@@ -183,6 +184,10 @@ class StopResult:
     evidence: list  # StopEvidence per rank
     strays: list[str]
     seconds: float
+    # what the stopped processes left in /dev/shm and pdops removed ("<path> (<n> bytes)"), and what it
+    # kept ("<path>: <why>")
+    shm_removed: list[str] = field(default_factory=list)
+    shm_kept: list[str] = field(default_factory=list)
 
     @property
     def sigkill(self) -> bool:
@@ -197,7 +202,8 @@ class StopResult:
         return [r for e in self.evidence for r in e.survivor_records]
 
     def journal(self) -> dict:
-        return {"seconds": self.seconds, "strays": self.strays,
+        return {"seconds": self.seconds, "strays": self.strays, "shm_removed": self.shm_removed,
+                "shm_kept": self.shm_kept,
                 "identity": {u: {"main_pid": i.main_pid, "cgroup": i.control_group,
                                  "pids": {p: {"start": r.start_ticks, "cmd": list(r.cmdline)}
                                           for p, r in i.tree.items()}} for u, i in self.idents.items()},
@@ -246,7 +252,26 @@ def verify_units_stopped(pool: HostPool, inst: Instance, idents: dict, seconds: 
                     "emptied the cgroup")
     if not result.verified:
         raise StopUnverified(inst, result)
+    clean_shm(pool, result, say)
     return result
+
+
+def clean_shm(pool: HostPool, result: StopResult, say: Say | None = None) -> None:
+    """After a verified stop: the /dev/shm files the stopped processes mapped (read before the stop),
+    removed by exact path where no process maps them now (real SGLang leaves its load snapshot file at
+    every stop: pdops.facts.shm). A host that cannot be read or written keeps them, and says so."""
+    for ident in result.idents.values():
+        if not ident.shm:
+            continue
+        try:
+            removed, kept = shm_facts.parse_removed(pool.run(ident.host, shm_facts.remove_command(ident.shm)).stdout)
+        except PdopsError as exc:
+            removed, kept = [], [f"{p}: not removed ({exc.message})" for p in ident.shm]
+        result.shm_removed += [f"{ident.host}:{r}" for r in removed]
+        result.shm_kept += [f"{ident.host}:{k}" for k in kept]
+    if say and (result.shm_removed or result.shm_kept):
+        say("  left in /dev/shm by the stopped processes: "
+            + "; ".join([f"removed {r}" for r in result.shm_removed] + [f"kept {k}" for k in result.shm_kept]))
 
 
 class StopUnverified(Unverified):
