@@ -96,6 +96,15 @@ def scrape_config(inv, targets_file: str | None = None) -> dict:
 # ---------------------------------------------------------------- rules
 
 ENGINE = f'job="{JOB_ENGINE}"'
+PD_FAILURE_COUNTERS = "sglang:num_(bootstrap|transfer)_failed_reqs_total"
+
+
+def first_increase(counter: str, above: int) -> str:
+    """`increase(counter[5m]) > above`, and also a series that appeared within 5 minutes above it: SGLang
+    creates its failure counters at their first increment, and increase() over a series that starts at
+    1 sees no increase (the first failure would never alert)."""
+    return (f"increase({counter}{{{ENGINE}}}[5m]) > {above} or "
+            f"({counter}{{{ENGINE}}} > {above} unless {counter}{{{ENGINE}}} offset 5m)")
 
 
 def ttft_threshold_s(inv) -> float:
@@ -122,9 +131,12 @@ def recording_rules() -> list[dict]:
                   f"histogram_quantile({q}, sum by (cluster, le) (rate(sglang:time_to_first_token_seconds_bucket{{{ENGINE}}}[1m])))"})
         r.append({"record": f"pdops:itl_seconds:{tag}", "expr":
                   f"histogram_quantile({q}, sum by (cluster, le) (rate(sglang:inter_token_latency_seconds_bucket{{{ENGINE}}}[1m])))"})
+    # SGLang's failure counters have no series until their first increment (real engine, docs/sim.md):
+    # both are summed by name (`a + b` is empty while either is absent), and every scraped engine
+    # without one counts 0, so the panel says "none" rather than "no data"
     r.append({"record": "pdops:pd_failures:rate5m", "expr":
-              f"sum by (cluster, instance, role) (rate(sglang:num_bootstrap_failed_reqs_total{{{ENGINE}}}[5m]) "
-              f"+ rate(sglang:num_transfer_failed_reqs_total{{{ENGINE}}}[5m]))"})
+              f"sum by (cluster, instance, role) (rate({{__name__=~\"{PD_FAILURE_COUNTERS}\",{ENGINE}}}[5m])) "
+              f"or 0 * sum by (cluster, instance, role) (up{{{ENGINE}}})"})
     return r
 
 
@@ -141,10 +153,10 @@ def alert_rules(inv) -> list[dict]:
         alert("PdopsInstanceDown", f"up{{{ENGINE}}} == 0", "1m", "page",
               "{{ $labels.cluster }} {{ $labels.instance }} ({{ $labels.role }}) on {{ $labels.host }} is not scraped",
               runbook="docs/runbooks/instance-crashed.md", action="inv status; inv repair --instance {{ $labels.instance }}"),
-        alert("PdopsBootstrapFailures", f"increase(sglang:num_bootstrap_failed_reqs_total{{{ENGINE}}}[5m]) > 0", "0m",
+        alert("PdopsBootstrapFailures", first_increase("sglang:num_bootstrap_failed_reqs_total", 0), "0m",
               "ticket", "{{ $labels.instance }}: PD bootstrap failures in the last 5 minutes (sglang#9926 on an idle pair?)",
               runbook="docs/runbooks/kv-transfer-failures.md"),
-        alert("PdopsTransferFailuresRising", f"increase(sglang:num_transfer_failed_reqs_total{{{ENGINE}}}[5m]) > 3",
+        alert("PdopsTransferFailuresRising", first_increase("sglang:num_transfer_failed_reqs_total", 3),
               "5m", "page", "{{ $labels.instance }}: KV transfer failures keep rising (dead session? sglang#13054)",
               runbook="docs/runbooks/kv-transfer-failures.md", action="inv repair --instance {{ $labels.instance }}"),
         alert("PdopsPrefillQueueGrowing",

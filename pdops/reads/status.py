@@ -118,8 +118,9 @@ def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
     queries = {
         "tpm_5m": f'60 * sum by (instance) (rate(sglang:prompt_tokens_total{{cluster="{c}",role="prefill"}}[5m]) or '
                   f'rate(sglang:generation_tokens_total{{cluster="{c}",role="decode"}}[5m]))',
-        "failures_per_s_5m": f'sum by (instance) (rate(sglang:num_bootstrap_failed_reqs_total{{cluster="{c}"}}[5m]) '
-                             f'+ rate(sglang:num_transfer_failed_reqs_total{{cluster="{c}"}}[5m]))',
+        # summed by name: either counter is absent until its first increment (`a + b` would be empty)
+        "failures_per_s_5m": f'sum by (instance) (rate({{__name__=~"sglang:num_(bootstrap|transfer)_failed_reqs_total",'
+                             f'cluster="{c}"}}[5m]))',
     }
     out: dict[str, dict[str, float]] = {}
     for key, expr in queries.items():

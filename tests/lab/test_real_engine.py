@@ -213,6 +213,41 @@ def test_a_decode_killed_mid_stream_is_repaired_naming_the_request_it_lost(lab, 
     assert cli(real.inv_dir, "verify").returncode == 0
 
 
+def test_an_orphaned_prefill_half_is_named_by_status_and_ended_by_its_id(lab, real):
+    """The prefill half of a request whose decode never comes (what a decode killed before the KV transfer
+    leaves): real SGLang's prefill holds it in its bootstrap queue; `inv status` names it, `inv end-orphans`
+    aborts exactly that request ID, and the client is answered at once, not served twice."""
+    import random
+
+    from pdops.remote.hosts import http_json
+
+    p01 = _instance(real.inv_dir, "p01")
+    rid = f"real-orphan-{time.time_ns()}"
+    body = {"text": f"an orphaned half {rid}", "rid": rid, "stream": False, "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": p01.head.data_addr, "bootstrap_port": p01.bootstrap_port,
+            "bootstrap_room": random.getrandbits(62)}
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(answer=http_json("POST", f"{p01.url}/generate", body, timeout=200,
+                                                                     headers={"x-request-id": rid})), daemon=True)
+    t.start()
+
+    def orphaned():
+        st = cli(real.inv_dir, "status", "--json")
+        row = next(r for r in json.loads(st.stdout)["instances"] if r["instance"] == "p01")
+        return (st, row) if row["orphaned"] else None
+
+    st, row = wait_for(orphaned, 90, "p01's orphaned half named by inv status")
+    assert st.returncode == 1 and [o["rid"] for o in row["orphaned"]] == [rid], row
+    ended = cli(real.inv_dir, "end-orphans")
+    assert ended.returncode == 0, ended.stdout + ended.stderr
+    assert f"orphaned half(s) ended and no longer open (lost work, not replayed): {rid}" in ended.stdout, ended.stdout
+    t.join(timeout=60)
+    assert not t.is_alive(), "the client of the ended half was not answered"
+    status, doc = out["answer"]
+    assert status != 200 or doc["meta_info"]["finish_reason"]["type"] == "abort", doc
+    assert cli(real.inv_dir, "status").returncode == 0
+
+
 def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_real_tree(lab, real):
     d01 = _instance(real.inv_dir, "d01")
     host, unit = d01.units[0]

@@ -126,11 +126,15 @@ CASES = {
     ],
     "PdopsBootstrapFailures": [
         ([_series("sglang:num_bootstrap_failed_reqs_total", "0 0 1 1 1", **D01)], "1m", {**BASE, **D01}),
-        ([_series("sglang:num_bootstrap_failed_reqs_total", "4x8", **D01)], "1m", None),
+        # at 4 for longer than the window: nothing new (a series newer than 5 minutes would fire)
+        ([_series("sglang:num_bootstrap_failed_reqs_total", "4x40", **D01)], "6m", None),
+        # the real engine's counter has no series before its first failure: it appears at 1
+        ([_series("sglang:num_bootstrap_failed_reqs_total", "_ _ 1 1 1", **D01)], "1m", {**BASE, **D01}),
     ],
     "PdopsTransferFailuresRising": [
         ([_series("sglang:num_transfer_failed_reqs_total", "0+2x60", **D02)], "12m", {**BASE, **D02}),
         ([_series("sglang:num_transfer_failed_reqs_total", "0 1 1x60", **D02)], "12m", None),
+        ([_series("sglang:num_transfer_failed_reqs_total", "_x4 5+2x60", **D02)], "6m", {**BASE, **D02}),
     ],
     "PdopsPrefillQueueGrowing": [
         ([_series("sglang:num_queue_reqs", "1+1x100", **P01)], "22m", {**BASE, **P01}),
@@ -225,6 +229,16 @@ def test_each_alert_fires_on_its_series_and_not_on_the_others(lab_inv, tmp_path)
     ], "promql_expr_test": [
         {"expr": "pdops:total_tpm:cluster", "eval_time": "5m", "exp_samples": [{"labels": 'pdops:total_tpm:cluster{cluster="lab"}', "value": 7200}]},
         {"expr": "pdops:output_tpm:cluster", "eval_time": "5m", "exp_samples": [{"labels": 'pdops:output_tpm:cluster{cluster="lab"}', "value": 1200}]},
+    ]})
+    # PD failures per instance: an engine with no failure counter yet (the real engine creates them at
+    # their first increment) counts 0, one with only its bootstrap counter counts that counter
+    tests.append({"interval": "15s", "input_series": [
+        _series("up", "1x40", **D01), _series("up", "1x40", **P01),
+        _series("sglang:num_bootstrap_failed_reqs_total", "0+3x40", **P01),  # 0.2 per second
+    ], "promql_expr_test": [
+        {"expr": "pdops:pd_failures:rate5m", "eval_time": "6m", "exp_samples": [
+            {"labels": 'pdops:pd_failures:rate5m{cluster="lab",instance="d01",role="decode"}', "value": 0},
+            {"labels": 'pdops:pd_failures:rate5m{cluster="lab",instance="p01",role="prefill"}', "value": 0.2}]},
     ]})
     tf = tmp_path / "pdops-rules.test.yml"
     tf.write_text(yaml.safe_dump({"rule_files": [str(rules_file)], "evaluation_interval": "15s", "tests": tests},
