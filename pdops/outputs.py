@@ -18,6 +18,7 @@ OUTPUTS: dict[str, str] = {
                    "seconds (stop)}",
     "accepted_loss": "instance id -> the request ids a --force-after drain stopped with",
     "lost_work": "instance id -> {lost, failed}: the request ids an ended process never finished",
+    "orphans_ended": "prefill id -> the rids of the orphaned halves `end-orphans` aborted (empty: none)",
     "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",
     "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
     "admission_keys": "admission host -> what its check read: {main_pid, added, revoked} (a key rotation)",

@@ -190,6 +190,7 @@ def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
         time.sleep(0.5)
     ev = {"orphans": {pid: [o.describe() for o in os] for pid, os in reading.orphans.items()},
           "ended": ended, "not_ended": left, "still_open": still}
+    ctx.give(step, "orphans_ended", {pid: rids for pid, rids in ended.items() if rids})
     return Outcome(evidence=ev,
                    verified=[f"{pid}: {len(rids)} orphaned half(s) ended and no longer open (lost work, not "
                              f"replayed): {', '.join(rids)}" for pid, rids in ended.items() if rids and pid not in still],
@@ -197,4 +198,4 @@ def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
                    + [f"{pid}: {x}" for pid, xs in left.items() for x in xs])
 
 
-register_executors({"end-orphans": do_end_orphans})
+register_executors({"end-orphans": do_end_orphans}, gives={"end-orphans": ("orphans_ended",)})

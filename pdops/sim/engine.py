@@ -152,7 +152,10 @@ class Engine(PdHandOff, LoadReport):
         """Abort a request on this side (the PD peer is told through the KV connection)."""
         if req.finished or req.abort_reason is not None:
             return
-        req.abort_reason = reason or RequestFailed("Aborted", status=None)
+        # a prefill half aborted while it waits for its decode's bootstrap counts as a bootstrap failure
+        # (real SGLang 0.5.23: `inv end-orphans` raised num_bootstrap_failed_reqs_total by one; docs/sim.md)
+        waiting = self.mode == "prefill" and req.phase == "bootstrap"
+        req.abort_reason = reason or RequestFailed("Aborted", status=None, kind="bootstrap" if waiting else None)
         # a task cancelled before it first runs never enters _run: the request would stay in `reqs`
         # and open in the request log for good (an HTTP client gone before the response's headers
         # did that). One not started yet sees abort_reason as its first act instead.
