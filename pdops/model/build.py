@@ -38,6 +38,12 @@ def format_placement(inv: Inventory, pl: Placement) -> str:
     head = (f"topology {pl.topology}: {len(pl.role('prefill'))} prefill + {len(pl.role('decode'))} decode instances, "
             f"TP{inv.profile.tp} x PP{inv.profile.pp} each, {inv.profile.gpus_per_instance * len(pl.instances)} "
             f"of {inv.total_gpus} GPUs; gateway " + ", ".join(f"{n.host} {n.url}" for n in gw.nodes))
+    if inv.profile.device == "cpu":
+        head += (f"\nengine: real SGLang on this machine's CPU (profile {inv.profile.name}, lab only): the units, "
+                 "launch scripts and env files of a GPU host, with only these differences: --device cpu; each engine's "
+                 "own --nccl-port, --engine-info-bootstrap-port and Mooncake port range (MC_MIN/MAX_RPC_PORT); "
+                 "a decode's retraction backup cpu_tensor; SGLANG_USE_CPU_ENGINE=1; the stand-ins for torchvision and "
+                 "sgl_kernel on PYTHONPATH (pdops/lab/cpu_engine/standins)")
     return head + "\n" + format_table(placement_table(pl))
 
 

@@ -106,3 +106,20 @@ def test_metrics_all_zero_is_idle():
 def test_bad_metrics_line():
     with pytest.raises(Unverified):
         engine.parse_metrics("sglang:x{a=\"1\"} notanumber\n")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_parsers_read_the_real_engines_own_answers(role):
+    """Recorded from real SGLang 0.5.23 in the lab (tests/data/facts/engine.source): every queue gauge
+    the drain and status read is there, labelled with its engine type, and idle; the failure counters
+    are absent (created at their first increment) and read as 0; /v1/loads names the mode and every queue."""
+    text = (DATA / f"real_metrics_{role}_idle.txt").read_text()
+    m = engine.parse_metrics(text)
+    q = engine.EngineQueues.from_metrics(m)
+    assert q.missing == [] and q.is_idle and q.engine_type == role
+    for name in ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total",
+                 "sglang:num_aborted_requests_total"):
+        assert name not in m and engine.counter(m, name) == 0
+    assert engine.counter(m, "sglang:num_requests_total") >= 1  # the deploy's canary
+    el = engine.parse_loads((DATA / f"real_loads_{role}_idle.json").read_text())
+    assert el.version == "0.5.23" and [r.mode for r in el.ranks] == [role] and not el.busy()

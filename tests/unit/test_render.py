@@ -95,3 +95,66 @@ def test_unchanged_instances_render_identical_files(fleet):
     old = place(fleet, parse_topology("8p4d"))
     b = {(f.host, f.path): f.sha256 for f in render_files(fleet, place(fleet, parse_topology("10p4d"), old))}
     assert all(b[k] == v for k, v in a.items())
+
+
+def _lab_doc(engine: str, profile: str, virtual: bool = True):
+    from pathlib import Path
+
+    from pdops.model.inventory import single_file_doc
+
+    doc = single_file_doc(Path(__file__).resolve().parents[2] / "inventory" / "lab")
+    doc["all"]["vars"].update({"pdops_engine": engine, "pdops_profile": profile, "pdops_virtual_hardware": virtual,
+                               "pdops_engine_python": "/usr/bin/python3"})
+    return doc
+
+
+def _load(doc, tmp_path):
+    import yaml
+
+    from pdops.model.inventory import load_inventory
+
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(doc))
+    return load_inventory(tmp_path)
+
+
+def test_the_cpu_profile_renders_real_sglang_with_only_its_device_differences(tmp_path):
+    """The lab's real-engine profile (docs/lab.md): the same renderer, with --device cpu, each engine's own
+    ports (the lab's hosts share one network namespace), the decode's cpu_tensor backup, and the lab's
+    stand-ins on PYTHONPATH; the plan says so."""
+    from pdops.model.build import format_placement
+    from pdops.model.render import CPU_STANDINS, cpu_engine_ports
+
+    inv = _load(_lab_doc("sglang", "lab-sglang-cpu"), tmp_path)
+    pl = place(inv, parse_topology("1p1d"))
+    p, d = pl.get("p01"), pl.get("d01")
+    pa, da = engine_args(inv, pl, p, p.head), engine_args(inv, pl, d, d.head)
+    assert pa[pa.index("--device") + 1] == "cpu" and "--disaggregation-ib-device" not in pa
+    assert pa[pa.index("--disaggregation-transfer-backend") + 1] == "mooncake_tcp"
+    assert da[da.index("--disaggregation-decode-retraction-backup") + 1] == "cpu_tensor"
+    assert "--disaggregation-decode-retraction-backup" not in pa
+    ports = [cpu_engine_ports(inv, i, i.head) for i in (p, d)]
+    # every port an engine binds on all addresses is its own
+    assert len({x["nccl"] for x in ports}) == 2 and len({x["engine_info"] for x in ports}) == 2
+    assert ports[0]["mc_max"] < ports[1]["mc_min"] or ports[1]["mc_max"] < ports[0]["mc_min"]
+    assert all(x["mc_max"] < 32768 for x in ports)
+    env = engine_env(inv, d, d.head)
+    assert env["PYTHONPATH"] == str(CPU_STANDINS) and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["HOME"].startswith("/tmp/")
+    assert "engine: real SGLang on this machine's CPU" in format_placement(inv, pl)
+
+
+def test_a_cpu_profile_is_refused_outside_the_lab_and_no_gpu_profile_gets_the_stand_ins(tmp_path):
+    import pytest
+
+    from pdops.errors import InvalidInput
+    from pdops.model.build import format_placement
+
+    with pytest.raises(InvalidInput) as e:
+        _load(_lab_doc("sglang", "lab-sglang-cpu", virtual=False), tmp_path)
+    assert "runs SGLang on a CPU" in e.value.message and "GPU hosts take a cuda profile" in e.value.fix
+    (tmp_path / "sim").mkdir()
+    inv = _load(_lab_doc("sim", "lab-sim"), tmp_path / "sim")
+    pl = place(inv, parse_topology("1p1d"))
+    for f in render_files(inv, pl):
+        assert "cpu_engine" not in f.content and "SGLANG_USE_CPU_ENGINE" not in f.content, f.path
+    assert "engine: real SGLang" not in format_placement(inv, pl)
