@@ -123,6 +123,15 @@ def cli(inv_dir: Path, *args, timeout=600) -> subprocess.CompletedProcess:
     return inv_cmd(*args, "-i", str(inv_dir), timeout=timeout)
 
 
+def host_run(lab, host: str, cmd: str) -> str:
+    """`cmd` on lab host `host` as root; its stdout (a failure is not raised: the caller reads the output)."""
+    c = lab.connection(host)
+    try:
+        return c.run(cmd, hide=True, warn=True).stdout
+    finally:
+        c.close()
+
+
 def stop_all(lab) -> None:
     """A clean slate between test clusters: stop and disable every pdops unit on every lab host, by
     unit name. Disabled too: an earlier cluster's unit left enabled would start by itself at the next

@@ -20,7 +20,7 @@ from pdops.model.inventory import load_inventory
 from pdops.remote.load import send
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
-from tests.lab.clusters import deployed, inv_cmd, record
+from tests.lab.clusters import deployed, host_run, inv_cmd, record
 
 pytestmark = pytest.mark.lab
 
@@ -42,16 +42,8 @@ def _placement(inv_dir) -> Placement:
     return Placement.from_dict(_state(inv_dir).current_revision().placement)
 
 
-def _run(lab, host: str, cmd: str) -> str:
-    c = lab.connection(host)
-    try:
-        return c.run(cmd, hide=True, warn=True).stdout
-    finally:
-        c.close()
-
-
 def _gateway_pid(lab, inv) -> int:
-    return int(_run(lab, inv.gateway.first.host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip())
+    return int(host_run(lab, inv.gateway.first.host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip())
 
 
 def _routable_urls(client: GatewayClient) -> set[str]:
@@ -83,7 +75,7 @@ def _running(url: str) -> int:
 def _received_counts(lab, inst) -> Counter:
     """How many times each request ID reached this instance (its request log, every invocation)."""
     host, unit = inst.units[0]
-    out = _run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
+    out = host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
     n: Counter = Counter()
     for line in out.splitlines():
         if '"request.received"' in line:
@@ -98,7 +90,7 @@ def _open_on_prefills(lab, pl, prefix: str) -> set[str]:
     out: set[str] = set()
     for p in pl.role("prefill"):
         host, unit = p.units[0]
-        log = requestlog.parse(_run(lab, host, open_command(unit, 600)).partition("\n")[2])
+        log = requestlog.parse(host_run(lab, host, open_command(unit, 600)).partition("\n")[2])
         out |= {r for r in log.open if r.startswith(prefix)}
     return out
 
@@ -120,7 +112,7 @@ def test_gateway_sigkill_under_load_comes_back_with_every_worker_and_replays_not
     _wait(lambda: sum(_running(d.url) for d in pl.role("decode")) >= 4, 20, "streams running at the decodes")
     pid = _gateway_pid(lab, inv)
     killed_at = time.time()
-    _run(lab, inv.gateway.first.host, f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
+    host_run(lab, inv.gateway.first.host, f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
     back_s = _wait(lambda: _routable_urls(client) == urls, 60, "every worker routable again")
     t.join(timeout=60)
     new_pid = _gateway_pid(lab, inv)
@@ -180,13 +172,13 @@ def test_verify_fails_and_deploy_repairs_what_it_observes(lab, cluster):
     # d01's unit stopped by hand; p01's engine killed (systemd restarts it: a new MainPID)
     d01, p01 = pl.get("d01"), pl.get("p01")
     (dh, du), (ph, pu) = d01.units[0], p01.units[0]
-    _run(lab, dh, f"systemctl stop {du}")
-    old = int(_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip())
-    _run(lab, ph, f"kill -KILL {old}")
+    host_run(lab, dh, f"systemctl stop {du}")
+    old = int(host_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip())
+    host_run(lab, ph, f"kill -KILL {old}")
 
     def restarted():
-        active = _run(lab, ph, f"systemctl is-active {pu}").strip()
-        pid = int(_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip() or 0)
+        active = host_run(lab, ph, f"systemctl is-active {pu}").strip()
+        pid = int(host_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip() or 0)
         return active == "active" and pid not in (0, old)
 
     _wait(restarted, 30, "p01 restarted by systemd (Restart=on-failure)", interval=0.5)
@@ -206,7 +198,7 @@ def test_verify_fails_and_deploy_repairs_what_it_observes(lab, cluster):
     assert "canary ok through" in proc.stdout and "p01 x d01" in proc.stdout
     rev = state.current_revision()
     assert rev.number == before + 1 and rev.extra["repair_of"] == before and rev.topology == "2p2d"
-    new = int(_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip())
+    new = int(host_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip())
     assert rev.instances["p01"]["main_pids"] == {f"{ph}:{pu}": new}
     assert _routable_urls(client) == {i.url for i in pl.instances}
     proc = inv_cmd("verify", "-i", str(cluster))
@@ -220,13 +212,13 @@ def test_a_drained_instance_stays_out_after_a_gateway_restart(lab, cluster):
     proc = inv_cmd("drain", "-i", str(cluster), "--instance", "d02", "--interval", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     keep = {i.url for i in pl.instances if i.id != "d02"}
-    _run(lab, inv.gateway.first.host, f"systemctl restart {GATEWAY_UNIT}")
+    host_run(lab, inv.gateway.first.host, f"systemctl restart {GATEWAY_UNIT}")
     _wait(lambda: _routable_urls(client) == keep, 30, "the three kept workers routable")
     assert {w.url for w in client.list_workers()} == keep
-    wl = json.loads(_run(lab, inv.gateway.first.host, "cat /etc/pdops/gateway-workers.json"))
+    wl = json.loads(host_run(lab, inv.gateway.first.host, "cat /etc/pdops/gateway-workers.json"))
     assert sorted(w["instance"] for w in wl["workers"]) == ["d01", "p01", "p02"]
     # the start-up registration's own lines in the unit's journal (ExecStartPost), after the restart
-    log = _run(lab, inv.gateway.first.host, f"journalctl -u {GATEWAY_UNIT} -o cat --no-pager | grep '^pdops: '")
+    log = host_run(lab, inv.gateway.first.host, f"journalctl -u {GATEWAY_UNIT} -o cat --no-pager | grep '^pdops: '")
     last = log.split("nothing to register")[-1].rsplit("worker(s) queued or listed", 1)
     assert len(last) == 2 and last[0].rstrip().endswith("3 of 3"), log[-2000:]
     after_restart = log.strip().splitlines()[-4:]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import Load, cli, deployed, received_rids, record, wait_for
+from tests.lab.clusters import Load, cli, deployed, host_run, received_rids, record, wait_for
 
 pytestmark = pytest.mark.lab
 
@@ -75,19 +75,11 @@ def _instance(inv_dir, iid: str):
     return next(i for i in _placement(inv_dir).instances if i.id == iid)
 
 
-def _host_run(lab, host: str, cmd: str) -> str:
-    c = lab.connection(host)
-    try:
-        return c.run(cmd, hide=True, warn=True).stdout
-    finally:
-        c.close()
-
-
 def _unit_procs(lab, host: str, unit: str) -> dict[int, str]:
     """{PID: command name (15 characters, as the kernel keeps it)} of the unit's MainPID and every
     process under it, read from the host's process table."""
     main = _main_pid(lab, host, unit)
-    rows = [line.split(None, 2) for line in _host_run(lab, host, "ps -eo pid=,ppid=,comm=").splitlines()]
+    rows = [line.split(None, 2) for line in host_run(lab, host, "ps -eo pid=,ppid=,comm=").splitlines()]
     children: dict[int, list[int]] = {}
     comm = {}
     for pid, ppid, name in (r for r in rows if len(r) == 3):
@@ -104,13 +96,13 @@ def _unit_procs(lab, host: str, unit: str) -> dict[int, str]:
 def _cgroup_procs(lab, host: str, unit: str) -> dict[int, str]:
     """{PID: command name} of every process whose cgroup is the unit's (from /proc/<pid>/cgroup, as
     pdops reads them: a process that left its parent's tree is still there)."""
-    out = _host_run(lab, host, f"for f in /proc/[0-9]*/cgroup; do grep -qs '/{unit}$' $f && "
+    out = host_run(lab, host, f"for f in /proc/[0-9]*/cgroup; do grep -qs '/{unit}$' $f && "
                                "p=${f#/proc/} && p=${p%/cgroup} && echo \"$p $(cat /proc/$p/comm 2>/dev/null)\"; done")
     return {int(pid): name for pid, _, name in (line.partition(" ") for line in out.splitlines()) if pid.isdigit()}
 
 
 def _main_pid(lab, host: str, unit: str) -> int:
-    return int(_host_run(lab, host, f"systemctl show -p MainPID --value {unit}").strip() or 0)
+    return int(host_run(lab, host, f"systemctl show -p MainPID --value {unit}").strip() or 0)
 
 
 def _generate(url: str, rid: str, max_new_tokens: int = 8, stream: bool = False, timeout: float = 120):
@@ -162,14 +154,14 @@ def test_the_http_main_killed_alone_takes_its_scheduler_with_it_and_the_repair_r
     before = _cgroup_procs(lab, host, unit)
     main = _main_pid(lab, host, unit)
     assert main in before and "sglang::schedul" in before.values(), before
-    _host_run(lab, host, f"kill -KILL {main}")
+    host_run(lab, host, f"kill -KILL {main}")
     # systemd restarts it (Restart=on-failure): a new MainPID, active
     wait_for(lambda: _main_pid(lab, host, unit) not in (0, main), 60, f"{unit} restarted by systemd")
-    alive = set(_host_run(lab, host, "ps -eo pid=").split())
+    alive = set(host_run(lab, host, "ps -eo pid=").split())
     assert not set(map(str, before)) & alive, f"the old cgroup's {before} outlived its main"
     # what was left when the main died, systemd ended by the unit's cgroup (the scheduler itself may go
     # first, by the kernel: SGLang gives it a parent-death signal; its own children are then no one's)
-    journal = _host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
+    journal = host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
     after_kill = journal[journal.rindex("Main process exited, code=killed, status=9/KILL"):]
     killed = {int(pid) for pid in re.findall(r"Killing process (\d+) \(\S+\) with signal SIGKILL", after_kill)}
     # (systemd names each task of the cgroup it signals: the processes listed before, and their threads)
@@ -201,10 +193,10 @@ def test_a_decode_killed_mid_stream_is_repaired_naming_the_request_it_lost(lab, 
     # the decode is generating it (its own request log has it, not finished)
     from pdops.facts import requestlog
 
-    wait_for(lambda: rid in requestlog.parse(_host_run(lab, host, requestlog.command(unit))).open, 60,
+    wait_for(lambda: rid in requestlog.parse(host_run(lab, host, requestlog.command(unit))).open, 60,
              f"{rid} received by d01, not finished")
     main = _main_pid(lab, host, unit)
-    _host_run(lab, host, f"kill -KILL {main}")
+    host_run(lab, host, f"kill -KILL {main}")
     t.join(timeout=120)
     assert "error" in result or not re.search(rf'"completion_tokens":\s*{LONG}\b', result["answer"][1]), \
         "the stream was not cut"
@@ -265,7 +257,7 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     # SGLang's own log: every request the drained decode received, it finished
     from pdops.facts import requestlog
 
-    log = requestlog.parse(_host_run(lab, host, requestlog.command(unit)))
+    log = requestlog.parse(host_run(lab, host, requestlog.command(unit)))
     assert not [rid for rid in log.open if rid.startswith("real-drain")], log.open
     assert "verified: cgroup empty" in r.stdout, r.stdout
     # what SGLang leaves at every stop (its load snapshot in /dev/shm), named and removed by exact path
@@ -273,7 +265,7 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
                      r"(lab\d+):(/dev/shm/sglang_loads_\S+\.shm) \(\d+ bytes\)", r.stdout)
     assert left, r.stdout
     assert not Path(left.group(2)).exists()
-    alive = set(_host_run(lab, host, "ps -eo pid=").split())
+    alive = set(host_run(lab, host, "ps -eo pid=").split())
     assert not set(map(str, procs)) & alive, f"{procs} outlived the drain's stop"
     # and back: a decode added to a cluster with none is no change of generation (it was refused as
     # "decode TP unset -> 1", found here)
