@@ -348,14 +348,34 @@ def both_sides(p: Instance, d: Instance, body: dict, rid: str, timeout: float) -
     return {"prefill": res["prefill"], "decode": res["decode"]}
 
 
+# What a real SGLang 0.5.23 prefill answers for a Mooncake session it saw fail (its decode stopped or
+# died): it refuses every transfer to that session until its probe finds it alive again, every
+# SGLANG_FAILED_SESSION_PROBE_INTERVAL_S, backing off to ..._MAX_INTERVAL_S (defaults 30 and 300 s).
+# A decode started again at the same address takes the same session (seen in the lab: docs/sim.md).
+FAILED_SESSION = "is not alive"
+PROBE_MAX_ENV = "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S"
+
+
+def failed_session_wait_s(env: dict) -> float:
+    """The longest a prefill may refuse a decode's session it saw fail: its probe's longest interval."""
+    try:
+        return float(env.get(PROBE_MAX_ENV, 300.0))
+    except (TypeError, ValueError):
+        return 300.0
+
+
 def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once: bool = False,
-                 deadline_s: float | None = None) -> dict:
+                 deadline_s: float | None = None, session_wait_s: float = 0.0) -> dict:
     """One canary through each pair, in parallel; DeployFailed naming every pair that failed.
 
     `retry_once`: a decode keeps the route to a prefill's bootstrap address and drops it only
     when a transfer through it fails, so an instance re-added at an address it had before
     (rollback, re-scale) fails its first canary with each decode that knew the old process.
-    One retry per pair, before the instance is registered (no user request can reach it)."""
+    One retry per pair, before the instance is registered (no user request can reach it).
+    `session_wait_s`: where a prefill answered that the decode's Mooncake session "is not alive" (a session
+    it saw fail, refused until its next probe), the retry waits until the probe has run (at most this
+    long, within the deadline)."""
+    t0 = time.monotonic()
     timeout = min(60.0, deadline_s / (2 if retry_once else 1)) if deadline_s else 60.0
     res = run_parallel(pairs, lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
     bad = failures(res)
@@ -364,13 +384,24 @@ def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once
         retried = {f"{p.id}x{d.id}": str(e) for (p, d), e in bad.items()}
         say(f"  first canary failed for {', '.join(retried)} (a decode may hold a stale route to this address); "
             "retrying each once")
+        dead = [k for k, e in zip(retried, bad.values()) if FAILED_SESSION in f"{e} {getattr(e, 'evidence', '')}"]
+        if dead and session_wait_s > 0:
+            left = (deadline_s - (time.monotonic() - t0) - timeout) if deadline_s else session_wait_s
+            wait = max(0.0, min(session_wait_s + 1.0, left))
+            say(f"  {', '.join(dead)}: the prefill refuses the decode's Mooncake session, which it saw fail, until "
+                f"its next probe ({PROBE_MAX_ENV} at most {session_wait_s:g}s): the retry waits {wait:.0f}s")
+            time.sleep(wait)
         again = run_parallel(list(bad), lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
         res.update(again)
         bad = failures(again)
     if bad:
         names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
-        raise DeployFailed(f"canary failed for {names}", fix="the named pair cannot serve; check its transfer "
-                           "settings (bootstrap port reachable, NIC/GID) with `inv preflight`",
+        dead = any(FAILED_SESSION in f"{e} {getattr(e, 'evidence', '')}" for e in bad.values())
+        raise DeployFailed(f"canary failed for {names}", fix=(
+            "a prefill refuses a decode's Mooncake session it saw fail until its next probe: wait for it and deploy "
+            f"again, or set SGLANG_FAILED_SESSION_PROBE_INTERVAL_S and {PROBE_MAX_ENV} lower in the profile's env"
+            if dead else "the named pair cannot serve; check its transfer settings (bootstrap port reachable, "
+                         "NIC/GID) with `inv preflight`"),
                            evidence="\n".join(f"{e}" + (f": {e.evidence}" if getattr(e, "evidence", None) else "")
                                               for e in bad.values()))
     say(f"  canary ok through {len(pairs)} prefill x decode pair(s)")

@@ -19,7 +19,7 @@ from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
-from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
+from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, failed_session_wait_s, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
                                   wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan
@@ -175,7 +175,8 @@ def do_wait_healthy(ctx: RunContext, step: Step) -> Outcome:
 
 def do_canary(ctx: RunContext, step: Step) -> Outcome:
     pairs = [(serving(ctx, step, p), serving(ctx, step, d)) for p, d in step.params["pairs"]]
-    ev = canary_pairs(pairs, ctx.say, retry_once=step.params["retry_once"], deadline_s=step.deadline)
+    ev = canary_pairs(pairs, ctx.say, retry_once=step.params["retry_once"], deadline_s=step.deadline,
+                      session_wait_s=failed_session_wait_s(ctx.inv.profile.env))
     return Outcome(evidence=ev, verified=[f"a canary generation through each of {len(pairs)} prefill x decode "
                                           f"pair(s): {', '.join(f'{p.id} x {d.id}' for p, d in pairs)}"])
 

@@ -62,6 +62,7 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     a canary through it; one whose units are not active (or whose /health does not answer) is named
     out of service. Read from systemd, the instance and the gateway now."""
     from pdops.ops.deploy import canary_pairs, register
+    from pdops.ops.deploy.actions import failed_session_wait_s
     from pdops.remote.hosts import http_json
 
     stopped = set(ctx.get(step, "drained", [])) | set(ctx.get(step, "replaced_out", []))
@@ -96,7 +97,8 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
                         pairs.append(pair)
         if pairs:
             try:
-                canary_pairs(pairs, ctx.say, retry_once=True, deadline_s=max(deadline - time.monotonic(), 30))
+                canary_pairs(pairs, ctx.say, retry_once=True, deadline_s=max(deadline - time.monotonic(), 30),
+                             session_wait_s=failed_session_wait_s(ctx.inv.profile.env))
             except PdopsError as exc:
                 failed += [f"{x.id}: canary failed: {exc.message}" for x in back]
                 back = []
