@@ -78,23 +78,25 @@ def ib_device_map(inv: Inventory, rank: Rank) -> dict[str, str]:
 # the engine's PYTHONPATH (pdops/lab/cpu_engine/standins; a path, not an import: nothing of the lab
 # loads here). A cpu profile is refused outside the lab (pdops.model.inventory.validate).
 CPU_STANDINS = Path(__file__).resolve().parents[1] / "lab" / "cpu_engine" / "standins"
-# Mooncake binds its RPC and data ports on every address, in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]
-# (below 32768, or it falls back to 15000-17000): lab hosts share one network namespace, so each
-# engine gets a range of its own, from its host's address and its slot.
+# Ports a CPU-profile engine binds on every address: gloo's store (`--nccl-port`), the engine-info
+# bootstrap server, and Mooncake's RPC and data ports in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT] (below
+# 32768, or it falls back to 15000-17000). Lab hosts share one network namespace, and so do two labs
+# run side by side (`make test`'s workers): each engine gets its own, from the last two octets of its
+# host's address and its slot (128 blocks), away from the lab's other ports (8998+, 20000+, 29000+).
 MC_PORT_FLOOR = 15000
 MC_PORTS_PER_ENGINE = 100
+NCCL_PORT_FLOOR = 28000
+ENGINE_INFO_PORT_FLOOR = 28200
 
 
 def cpu_engine_ports(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, int]:
-    """The ports a CPU-profile engine binds beyond http and bootstrap: gloo's store (`--nccl-port`,
-    on every address), the engine-info bootstrap server, and its Mooncake range. On GPU hosts SGLang
-    picks them itself; the lab's hosts share one network namespace, so pdops gives each its own."""
-    p = inv.ports
-    octet = int(rank.data_addr.rsplit(".", 1)[-1]) if rank.data_addr.count(".") == 3 else 0
-    mc_min = MC_PORT_FLOOR + MC_PORTS_PER_ENGINE * ((octet % 16) * 8 + inst.slot % 8)
-    # nccl: +5 in the slot's dist-init window; a multi-node instance binds the window's first port
-    return {"nccl": p.dist_init_base + p.stride * inst.slot + 5,
-            "engine_info": p.bootstrap_base + p.stride * inst.slot + 2,
+    """The ports a CPU-profile engine binds beyond http and bootstrap. On GPU hosts SGLang picks them
+    itself; in the lab pdops gives each engine its own (see above)."""
+    parts = rank.data_addr.split(".")
+    o3, o4 = (int(parts[2]), int(parts[3])) if len(parts) == 4 and all(x.isdigit() for x in parts) else (0, 0)
+    block = ((o3 % 4) * 4 + o4 % 4) * 8 + inst.slot % 8
+    mc_min = MC_PORT_FLOOR + MC_PORTS_PER_ENGINE * block
+    return {"nccl": NCCL_PORT_FLOOR + block, "engine_info": ENGINE_INFO_PORT_FLOOR + block,
             "mc_min": mc_min, "mc_max": mc_min + MC_PORTS_PER_ENGINE - 1}
 
 

@@ -25,7 +25,7 @@ from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.remote.gateway import Gateways
 from tests.lab.clusters import REPO, Load, cli, cpu_hog, deployed, never_twice, record
-from tests.lab.test_gateway_lab import _run
+from tests.lab.clusters import host_run
 
 pytestmark = pytest.mark.lab
 
@@ -56,7 +56,7 @@ def cluster(lab, tmp_path_factory):
 
 
 def _main_pid(lab, host: str) -> int:
-    return int(_run(lab, host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip() or 0)
+    return int(host_run(lab, host, f"systemctl show -p MainPID --value {GATEWAY_UNIT}").strip() or 0)
 
 
 def _routable(inv) -> dict[str, set[str]]:
@@ -107,7 +107,7 @@ def _sessions(lab, inv, host: str) -> int:
     """HAProxy's current sessions on one gateway's server (`show stat`, on the admission host)."""
     from pdops.model.admission import GATEWAYS_BACKEND, stat_command
 
-    out = _run(lab, inv.admission.host, stat_command())
+    out = host_run(lab, inv.admission.host, stat_command())
     lines = [ln for ln in out.splitlines() if ln.strip()]
     head = lines[0].lstrip("# ").split(",")
     for ln in lines[1:]:
@@ -346,9 +346,9 @@ def test_a_gateway_host_gone_for_good_is_taken_out_of_the_inventory(lab, cluster
         assert "not verified: lab04 is not in the inventory: its gateway unit was not disabled" in proc.stdout, \
             proc.stdout
         load.assert_clean()
-        cfg = _run(lab, "lab03", "cat /etc/pdops/pdops-admission.cfg")
+        cfg = host_run(lab, "lab03", "cat /etc/pdops/pdops-admission.cfg")
         assert [ln.split()[1] for ln in cfg.splitlines() if ln.strip().startswith("server gw-")] == ["gw-lab03", "gw-lab03-standby"], cfg
-        assert _main_pid(lab, "lab03") and "RestartSec=1" in _run(lab, "lab03", f"systemctl cat {GATEWAY_UNIT}")
+        assert _main_pid(lab, "lab03") and "RestartSec=1" in host_run(lab, "lab03", f"systemctl cat {GATEWAY_UNIT}")
         st = cli(inv_dir, "status")
         assert st.returncode == 0 and "3/3 instances registered and healthy; all ok" in st.stdout, st.stdout + st.stderr
         assert "warning: single point of failure: one gateway (lab03)" in st.stdout, st.stdout
@@ -359,8 +359,8 @@ def test_a_gateway_host_gone_for_good_is_taken_out_of_the_inventory(lab, cluster
         lab.ensure_up()
     # the host came back: its gateway unit is still enabled (a real host would start it at boot and
     # register every worker of its old start-up list); nothing routes to it, pdops no longer reads it
-    assert _run(lab, "lab04", f"systemctl is-enabled {GATEWAY_UNIT}").strip() == "enabled"
-    assert '"instance": "d01"' in _run(lab, "lab04", "cat /etc/pdops/gateway-workers.json")
-    _run(lab, "lab04", f"systemctl disable --now {GATEWAY_UNIT}")
-    assert _run(lab, "lab04", f"systemctl is-enabled {GATEWAY_UNIT}").strip() == "disabled"
+    assert host_run(lab, "lab04", f"systemctl is-enabled {GATEWAY_UNIT}").strip() == "enabled"
+    assert '"instance": "d01"' in host_run(lab, "lab04", "cat /etc/pdops/gateway-workers.json")
+    host_run(lab, "lab04", f"systemctl disable --now {GATEWAY_UNIT}")
+    assert host_run(lab, "lab04", f"systemctl is-enabled {GATEWAY_UNIT}").strip() == "disabled"
     assert cli(inv_dir, "verify").returncode == 0

@@ -137,6 +137,11 @@ def test_the_cpu_profile_renders_real_sglang_with_only_its_device_differences(tm
     assert len({x["nccl"] for x in ports}) == 2 and len({x["engine_info"] for x in ports}) == 2
     assert ports[0]["mc_max"] < ports[1]["mc_min"] or ports[1]["mc_max"] < ports[0]["mc_min"]
     assert all(x["mc_max"] < 32768 for x in ports)
+    # two labs side by side (make test's workers: 127.0.10.N and 127.0.11.N) share one network namespace
+    import dataclasses
+
+    other = dataclasses.replace(p.head, data_addr="127.0.11.1")
+    assert not set(cpu_engine_ports(inv, p, other).values()) & set(ports[0].values())
     env = engine_env(inv, d, d.head)
     assert env["PYTHONPATH"] == str(CPU_STANDINS) and env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["HOME"].startswith("/tmp/")
