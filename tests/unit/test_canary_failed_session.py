@@ -30,8 +30,15 @@ def _world(monkeypatch, answers):
             raise a
         return a
 
+    clock = [1000.0]  # the waits pass on a clock of the test's own
+
+    def sleep(s):
+        slept.append(s)
+        clock[0] += s
+
     monkeypatch.setattr(actions, "canary_pair", canary_pair)
-    monkeypatch.setattr(actions.time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(actions.time, "sleep", sleep)
+    monkeypatch.setattr(actions.time, "monotonic", lambda: clock[0])
     return calls, slept
 
 
@@ -49,11 +56,18 @@ def test_another_failure_is_retried_at_once_and_a_refused_session_that_stays_nam
     calls, slept = _world(monkeypatch, [Unverified("prefill answered HTTP 502"), {"ok": True}])
     actions.canary_pairs([(_I("p01"), _I("d01"))], lambda s: None, retry_once=True, deadline_s=120, session_wait_s=4)
     assert slept == []
-    _world(monkeypatch, [Unverified(DEAD), Unverified(DEAD)])
+    # seen in the lab: the first canary fails otherwise, and its failed transfer makes the prefill refuse
+    # the session: the retry's refusal is waited out too
+    calls, slept = _world(monkeypatch, [Unverified("prefill answered HTTP 500: timeout"), Unverified(DEAD),
+                                        {"ok": True}])
+    actions.canary_pairs([(_I("p01"), _I("d01"))], lambda s: None, retry_once=True, deadline_s=120, session_wait_s=4)
+    assert len(calls) == 3 and slept == [5.0]
+    # a refusal that outlasts the deadline fails, naming the probe's settings
+    calls, slept = _world(monkeypatch, [Unverified(DEAD)] * 50)
     with pytest.raises(DeployFailed) as e:
-        actions.canary_pairs([(_I("p01"), _I("d01"))], lambda s: None, retry_once=True, deadline_s=120,
+        actions.canary_pairs([(_I("p01"), _I("d01"))], lambda s: None, retry_once=True, deadline_s=20,
                              session_wait_s=4)
-    assert "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S" in e.value.fix
+    assert "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S" in e.value.fix and len(calls) < 50
 
 
 def test_the_wait_is_the_profiles_longest_probe_interval():

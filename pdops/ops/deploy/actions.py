@@ -364,6 +364,23 @@ def failed_session_wait_s(env: dict) -> float:
         return 300.0
 
 
+def _wait_for_probe(bad: dict, say: Say, session_wait_s: float, deadline_s: float | None, t0: float,
+                    timeout: float) -> bool:
+    """Where a prefill refused the decode's Mooncake session (FAILED_SESSION), wait for its probe, as long
+    as a canary still fits in the deadline after it; False (no wait) otherwise."""
+    dead = [f"{p.id}x{d.id}" for (p, d), e in bad.items() if FAILED_SESSION in f"{e} {getattr(e, 'evidence', '')}"]
+    if not dead or session_wait_s <= 0:
+        return False
+    left = (deadline_s - (time.monotonic() - t0) - timeout) if deadline_s else session_wait_s + 1.0
+    wait = min(session_wait_s + 1.0, left)
+    if wait <= 0:
+        return False
+    say(f"  {', '.join(dead)}: the prefill refuses the decode's Mooncake session, which it saw fail, until "
+        f"its next probe ({PROBE_MAX_ENV} at most {session_wait_s:g}s): waiting {wait:.0f}s, then again")
+    time.sleep(wait)
+    return True
+
+
 def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once: bool = False,
                  deadline_s: float | None = None, session_wait_s: float = 0.0) -> dict:
     """One canary through each pair, in parallel; DeployFailed naming every pair that failed.
@@ -384,16 +401,16 @@ def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once
         retried = {f"{p.id}x{d.id}": str(e) for (p, d), e in bad.items()}
         say(f"  first canary failed for {', '.join(retried)} (a decode may hold a stale route to this address); "
             "retrying each once")
-        dead = [k for k, e in zip(retried, bad.values()) if FAILED_SESSION in f"{e} {getattr(e, 'evidence', '')}"]
-        if dead and session_wait_s > 0:
-            left = (deadline_s - (time.monotonic() - t0) - timeout) if deadline_s else session_wait_s
-            wait = max(0.0, min(session_wait_s + 1.0, left))
-            say(f"  {', '.join(dead)}: the prefill refuses the decode's Mooncake session, which it saw fail, until "
-                f"its next probe ({PROBE_MAX_ENV} at most {session_wait_s:g}s): the retry waits {wait:.0f}s")
-            time.sleep(wait)
+        _wait_for_probe(bad, say, session_wait_s, deadline_s, t0, timeout)
         again = run_parallel(list(bad), lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
         res.update(again)
         bad = failures(again)
+        # a failed canary transfer can itself make the prefill mark the session failed: while the
+        # answer is that refusal and the deadline allows, wait for the probe and try once more
+        while bad and session_wait_s > 0 and _wait_for_probe(bad, say, session_wait_s, deadline_s, t0, timeout):
+            again = run_parallel(list(bad), lambda pd: canary_pair(*pd, timeout=timeout), max_workers=16)
+            res.update(again)
+            bad = failures(again)
     if bad:
         names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
         dead = any(FAILED_SESSION in f"{e} {getattr(e, 'evidence', '')}" for e in bad.values())
