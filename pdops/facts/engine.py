@@ -260,3 +260,19 @@ class EngineQueues:
 def counter(metrics: dict, name: str) -> float:
     """Sum of a counter over all its series (0 if absent)."""
     return sum(v for _, v in metrics.get(name, []))
+
+
+# What a real SGLang 0.5.23 prefill answers for a Mooncake session it saw fail (its decode stopped or
+# died): it refuses every transfer to that session until its probe finds it alive again, every
+# SGLANG_FAILED_SESSION_PROBE_INTERVAL_S, backing off to ..._MAX_INTERVAL_S (defaults 30 and 300 s).
+# A decode started again at the same address takes the same session (seen in the lab: docs/sim.md).
+FAILED_SESSION = "is not alive"
+PROBE_MAX_ENV = "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S"
+
+
+def failed_session_wait_s(env: dict) -> float:
+    """The longest a prefill may refuse a decode's session it saw fail: its probe's longest interval."""
+    try:
+        return float(env.get(PROBE_MAX_ENV, 300.0))
+    except (TypeError, ValueError):
+        return 300.0

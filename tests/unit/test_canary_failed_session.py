@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdops.errors import DeployFailed, Unverified
+from pdops.facts.engine import failed_session_wait_s
 from pdops.ops.deploy import actions
 
 
@@ -71,5 +72,5 @@ def test_another_failure_is_retried_at_once_and_a_refused_session_that_stays_nam
 
 
 def test_the_wait_is_the_profiles_longest_probe_interval():
-    assert actions.failed_session_wait_s({"SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S": "4"}) == 4.0
-    assert actions.failed_session_wait_s({}) == 300.0  # SGLang 0.5.23's default
+    assert failed_session_wait_s({"SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S": "4"}) == 4.0
+    assert failed_session_wait_s({}) == 300.0  # SGLang 0.5.23's default

@@ -22,6 +22,7 @@ from pdops.model.admission import KEEPALIVED_UNIT, NONLOCAL_BIND_SYSCTL, UNIT as
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, config_ids
 from pdops.runner import Say
 from pdops.fanout import failures, run_parallel
+from pdops.facts.engine import FAILED_SESSION, PROBE_MAX_ENV
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
 
 
@@ -346,22 +347,6 @@ def both_sides(p: Instance, d: Instance, body: dict, rid: str, timeout: float) -
         except Exception as e:  # noqa: BLE001
             res["prefill"] = e
     return {"prefill": res["prefill"], "decode": res["decode"]}
-
-
-# What a real SGLang 0.5.23 prefill answers for a Mooncake session it saw fail (its decode stopped or
-# died): it refuses every transfer to that session until its probe finds it alive again, every
-# SGLANG_FAILED_SESSION_PROBE_INTERVAL_S, backing off to ..._MAX_INTERVAL_S (defaults 30 and 300 s).
-# A decode started again at the same address takes the same session (seen in the lab: docs/sim.md).
-FAILED_SESSION = "is not alive"
-PROBE_MAX_ENV = "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S"
-
-
-def failed_session_wait_s(env: dict) -> float:
-    """The longest a prefill may refuse a decode's session it saw fail: its probe's longest interval."""
-    try:
-        return float(env.get(PROBE_MAX_ENV, 300.0))
-    except (TypeError, ValueError):
-        return 300.0
 
 
 def _wait_for_probe(bad: dict, say: Say, session_wait_s: float, deadline_s: float | None, t0: float,

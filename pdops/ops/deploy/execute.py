@@ -19,10 +19,11 @@ from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
-from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, failed_session_wait_s, processes_of, preflight_unverified, register_workers,
+from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
                                   wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan
+from pdops.facts.engine import failed_session_wait_s
 
 
 def _inst(ctx: RunContext, step: Step) -> Instance:

@@ -18,6 +18,8 @@ from pdops.ops.scale.model import (ROLES, ScalePlan, ScaleStep, cordoned_hosts, 
                                gpu_set, instance_files, refuse_changed_inventory, shared_files, slot_key)
 from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps
+from pdops.model.generation import LAYOUT, Generation, digest, generation_diff, generations
+from pdops.model.generation import ROLES as GEN_ROLES
 
 if TYPE_CHECKING:
     from pdops.reads.observe import Seen
@@ -293,8 +295,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
 def generation_change(cur_snapshot: dict | None, cur_pl: Placement, files, target_pl: Placement):
     """The generation of each instance before (from the current revision's recorded files) and
     after (the target's files); None when the current revision's files are not at hand."""
-    from pdops.model.generation import LAYOUT, ROLES, Generation, digest, generation_diff, generations
-
     from pdops.ops.scale.model import GenerationChange
 
     if cur_snapshot is None:
@@ -303,7 +303,7 @@ def generation_change(cur_snapshot: dict | None, cur_pl: Placement, files, targe
     # A role with no instance now (its only decode drained: 1p0d) has no layout to compare: the kept
     # instances were started knowing nothing of it, so its fields are left out on both sides (else adding
     # the role back reads as a generation change, "decode TP unset -> 1")
-    unknown = {f"{r}_{f.key}" for r in ROLES if not any(i.role == r for i in cur_pl.instances) for f in LAYOUT}
+    unknown = {f"{r}_{f.key}" for r in GEN_ROLES if not any(i.role == r for i in cur_pl.instances) for f in LAYOUT}
     if unknown:
         def known(g):
             f = {k: v for k, v in g.fields.items() if k not in unknown}

@@ -14,6 +14,7 @@ from pdops.model.topology import Topology
 from pdops.ops.scale.model import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
 from pdops.ops.scale.execute import instances_doc
 from pdops.ops.scale.steps import undo_steps
+from pdops.facts.engine import failed_session_wait_s
 
 
 # ---------------------------------------------------------------- a halted change (the plan's rescue)
@@ -62,7 +63,6 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     a canary through it; one whose units are not active (or whose /health does not answer) is named
     out of service. Read from systemd, the instance and the gateway now."""
     from pdops.ops.deploy import canary_pairs, register
-    from pdops.ops.deploy.actions import failed_session_wait_s
     from pdops.remote.hosts import http_json
 
     stopped = set(ctx.get(step, "drained", [])) | set(ctx.get(step, "replaced_out", []))
