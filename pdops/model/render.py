@@ -189,6 +189,11 @@ def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
         # replaces (rolls) every instance onto it
         "PDOPS_SGLANG_VERSION": SGLANG_VERSION,
         "PDOPS_MOONCAKE_VERSION": MOONCAKE_VERSION,
+        # SGLang makes its IPC sockets (zmq ipc://), its metrics directory and other scratch files with
+        # Python's tempfile and leaves some behind at every stop (observed in the lab): under the unit's
+        # RuntimeDirectory, systemd removes them when the unit stops or restarts. Caches that must
+        # outlive a restart (e.g. TORCHINDUCTOR_CACHE_DIR) go to a persistent path in the profile's env.
+        "TMPDIR": engine_tmpdir(inst.unit(rank.node_rank)),
     }
     if inv.profile.transfer_backend == "nixl":
         env["UCX_NET_DEVICES"] = ",".join(f"{n.device}:1" for n in nics)
@@ -200,8 +205,8 @@ def engine_env(inv: Inventory, inst: Instance, rank: Rank) -> dict[str, str]:
             "MOONCAKE_PROTOCOL": "tcp",
             "MC_MIN_RPC_PORT": str(ports["mc_min"]), "MC_MAX_RPC_PORT": str(ports["mc_max"]),
             # flashinfer is imported even on CPU and writes a log under $HOME; a lab host's root
-            # is read-only, its /tmp private and writable
-            "HOME": f"/tmp/pdops-{inst.id}-home",
+            # is read-only: its scratch directory, removed with it
+            "HOME": engine_tmpdir(inst.unit(rank.node_rank)),
         })
     if inv.engine == "sim" and inv.profile.gpu_memory_gib:
         env["PDOPS_SIM_GPU_MEMORY_GIB"] = f"{inv.profile.gpu_memory_gib:g}"
@@ -261,9 +266,11 @@ def gateway_argv(inv: Inventory, node: GatewayNode) -> list[str]:
 
 def _launch_script(inv: Inventory, what: str, argv: list[str], secret_flag: str | None, key_file: str | None,
                    *, more_args: bool = False) -> str:
-    # which files this process starts from, for pdops.reads.observe (the PID stays the same through exec)
+    # which files this process starts from, for pdops.reads.observe (the PID stays the same through exec);
+    # an engine's unit has two runtime directories (its own, its TMPDIR), which systemd lists joined by
+    # ':' in $RUNTIME_DIRECTORY: the note goes into the first
     pre: list[str] = [f'[ -z "${{RUNTIME_DIRECTORY:-}}" ] || printf \'%s %s\\n\' "$$" "${{{CONFIG_VAR}:-}}" '
-                      '> "$RUNTIME_DIRECTORY/config"']
+                      '> "${RUNTIME_DIRECTORY%%:*}/config"']
     line = " ".join(shlex.quote(a) for a in argv)
     if secret_flag and key_file:
         # The key is read from its 0600 file at start; it is never in a rendered file or a log.
@@ -320,7 +327,7 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
             unit_text = tpl.get_template("engine.service.j2").render(
                 role=inst.role, instance=inst.id, nnodes=inst.nnodes, node_rank=rank.node_rank, engine=inv.engine,
                 launch_script=script, env_file=env_file, timeout_stop_sec=inv.stop_timeout_s,
-                runtime_dir=runtime_dir(unit), **_unit_common(inv))
+                runtime_dir=runtime_dir(unit), tmp_dir=runtime_dir(unit) + "/tmp", **_unit_common(inv))
             script_text = _launch_script(inv, what, engine_argv(inv, pl, inst, rank), None, None)
             env = engine_env(inv, inst, rank)
             env[CONFIG_VAR] = config_id(unit_text, script_text, _env_file(inv, what, env), slice_text)
@@ -374,6 +381,12 @@ def runtime_dir(unit: str) -> str:
 
 
 RUN_DIR = "/run"
+
+
+def engine_tmpdir(unit: str) -> str:
+    """An engine's TMPDIR: a directory of its unit's RuntimeDirectory= (engine.service.j2), made by
+    systemd at each start and removed at each stop."""
+    return f"{RUN_DIR}/{runtime_dir(unit)}/tmp"
 
 
 def config_id(*texts: str) -> str:

@@ -27,8 +27,9 @@ def _proc_table(procs: list[tuple[int, int, str]]) -> str:
 class RecordedPool:
     """Answers each command pdops sends with a recorded output, by what the command reads."""
 
-    def __init__(self, *, procs_now, listeners: str, cgroup_dir_gone: bool = True):
+    def __init__(self, *, procs_now, listeners: str, cgroup_dir_gone: bool = True, runtime_dir: str = "removed\n"):
         self.procs_now = procs_now
+        self.runtime_dir = runtime_dir
         self.listeners = listeners
         self.cgroup_dir_gone = cgroup_dir_gone
         self.commands: list[str] = []
@@ -52,6 +53,8 @@ class RecordedPool:
             out = f"{SKIP_MARKER} no nvidia-smi on this host\n"
         elif command.startswith("python3 -c"):
             out = _proc_table(self.procs_now)
+        elif command.startswith("if [ -e /run/pdops/"):
+            out = self.runtime_dir
         else:
             raise AssertionError(f"unexpected command {command!r}")
         return SimpleNamespace(stdout=out)
@@ -73,10 +76,21 @@ def test_a_recorded_process_alive_outside_the_cgroup_holding_ports_is_not_a_veri
     assert ev.cgroup_empty  # the unit's cgroup is gone: that alone is not enough
     assert not ev.verified
     assert ev.ports_open == [30010, 8998]
+    assert ev.runtime_dir == "/run/pdops/pdops-p02 removed by systemd"
+
     [rec] = ev.survivor_records
     assert (rec["pid"], rec["start_ticks"], rec["cgroup"], rec["ports"]) == (4242, 900, "/pdops-sim-escaped",
                                                                              [8998, 30010])
     assert "sglang::scheduler_escaped" in dr.describe_survivor(rec)
+
+
+def test_what_systemd_left_of_the_units_runtime_directory_is_said():
+    """The engine's TMPDIR (SGLang's IPC sockets) is under the unit's RuntimeDirectory: removed by
+    systemd at the stop; a directory still there is named with what it holds, never said removed."""
+    pool = RecordedPool(procs_now=[], listeners="", runtime_dir="left 7\n")
+    ev = dr.verify_stopped(pool, _identity(), [30010], "127.0.10.2")
+    assert ev.runtime_dir == "/run/pdops/pdops-p02 still there (7 entries)"
+    assert ev.verified  # the stop itself is proved; what is left is said beside it
 
 
 def test_a_reused_pid_is_not_a_survivor_and_closed_ports_verify():
@@ -132,3 +146,15 @@ def test_absent_queue_gauges_count_only_when_v1_loads_did_not_answer_every_queue
     # busy on either source is still busy, whatever the other says
     assert not dr.EmptyReading(["rid-1"], {}, {}, gauges, [], loads_read=True).empty
     assert not dr.EmptyReading([], {}, {"num_running_reqs": 1}, [], [], loads_read=True).empty
+
+
+def test_a_request_open_only_in_the_log_of_an_idle_engine_still_holds_the_drain_and_is_explained():
+    """Real SGLang 0.5.23 logs a request received before it validates it; one refused there (400) is
+    never logged finished. pdops cannot tell it from one being tokenized, so it waits, and says why."""
+    idle = dr.EmptyReading(["too-long-1"], {}, {}, [], [], loads_read=True)
+    assert not idle.empty
+    assert "open in its request log only" in idle.describe() and "--force-after" in idle.describe()
+    # with anything queued or unread, no such word
+    for busy in (dr.EmptyReading(["r"], {"num_waiting_reqs": 1}, {}, [], [], loads_read=True),
+                 dr.EmptyReading(["r"], {}, {}, [], [], loads_read=False)):
+        assert "request log only" not in busy.describe()

@@ -144,7 +144,11 @@ def test_the_cpu_profile_renders_real_sglang_with_only_its_device_differences(tm
     assert not set(cpu_engine_ports(inv, p, other).values()) & set(ports[0].values())
     env = engine_env(inv, d, d.head)
     assert env["PYTHONPATH"] == str(CPU_STANDINS) and env["SGLANG_USE_CPU_ENGINE"] == "1"
-    assert env["HOME"].startswith("/tmp/")
+    # what the engine writes under HOME and TMPDIR (flashinfer's log, SGLang's IPC sockets) is in its
+    # unit's RuntimeDirectory: systemd removes it at every stop
+    assert env["HOME"] == env["TMPDIR"] == "/run/pdops/pdops-d01/tmp"
+    unit = next(f.content for f in render_files(inv, pl) if f.path.endswith("/pdops-d01.service"))
+    assert "RuntimeDirectory=pdops/pdops-d01 pdops/pdops-d01/tmp\n" in unit
     assert "engine: real SGLang on this machine's CPU" in format_placement(inv, pl)
 
 
@@ -163,3 +167,25 @@ def test_a_cpu_profile_is_refused_outside_the_lab_and_no_gpu_profile_gets_the_st
     for f in render_files(inv, pl):
         assert "cpu_engine" not in f.content and "SGLANG_USE_CPU_ENGINE" not in f.content, f.path
     assert "engine: real SGLang" not in format_placement(inv, pl)
+
+
+def test_the_launch_script_notes_its_pid_and_config_in_the_first_of_its_runtime_directories(lab_inv, tmp_path):
+    """An engine's unit has two RuntimeDirectory= entries (its own, and its TMPDIR below it); systemd
+    gives the script both in $RUNTIME_DIRECTORY, joined by ':'. The note must land in the first, where
+    pdops.reads.observe reads it (found when every real-engine deploy said "runs files without a config id")."""
+    import subprocess
+
+    pl = place(lab_inv, parse_topology("1p1d"))
+    files = render_files(lab_inv, pl)
+    script = next(f.content for f in files if f.path.endswith("/pdops-d01.sh"))
+    env_text = next(f.content for f in files if f.path.endswith("/pdops-d01.env"))
+    config = next(line.split("=", 1)[1] for line in env_text.splitlines() if line.startswith("PDOPS_CONFIG="))
+    unit = next(f.content for f in files if f.path.endswith("/pdops-d01.service"))
+    dirs = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("RuntimeDirectory=")).split()
+    for d in dirs:
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+    head = script[:script.index("\nexec ")] + "\n"  # everything before it execs the engine
+    subprocess.run(["sh", "-c", head], check=True, env={"PATH": "/usr/bin:/bin", "PDOPS_CONFIG": config,
+                                                        "RUNTIME_DIRECTORY": ":".join(str(tmp_path / d) for d in dirs)})
+    pid, noted = (tmp_path / dirs[0] / "config").read_text().split()
+    assert noted == config and pid.isdigit()

@@ -346,8 +346,14 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
         if res.shm_removed:
             verified.append(f"left in /dev/shm by {inst.id}'s processes, mapped by no process now, removed: "
                             f"{', '.join(res.shm_removed)}")
+        gone = [f"{e.host}:{e.runtime_dir}" for e in res.evidence if e.runtime_dir.endswith("removed by systemd")]
+        if gone:
+            verified.append(f"{inst.id}'s runtime directory (its TMPDIR: the engine's IPC sockets and scratch "
+                            f"files) {', '.join(gone)}")
         unverified = sorted({f"GPU processes: {e.gpu}" for e in res.evidence if e.gpu.startswith("skipped")})
         unverified += [f"left in /dev/shm by {inst.id}'s processes, kept: {k}" for k in res.shm_kept]
+        unverified += [f"{e.host}:{e.runtime_dir}" for e in res.evidence
+                       if e.runtime_dir and not e.runtime_dir.endswith("removed by systemd")]
         out = Outcome(evidence=stop_evidence(inst, res), verified=verified, unverified=unverified)
     wid = step.params.get("gateway_worker")
     if wid and ctx.gateways is not None:

@@ -20,6 +20,7 @@ from pdops.remote.hosts import HostPool, http_json
 from pdops.facts import shm as shm_facts
 from pdops.reads.identity import RankIdentity, record_identity
 from pdops.model.placement import Instance
+from pdops.model.render import RUN_DIR, runtime_dir
 from pdops.runner import Say
 
 
@@ -44,11 +45,23 @@ class EmptyReading:
         missing = self.metrics_missing and not self.loads_read
         return not (self.open_rids or self.loads_busy or self.metrics_busy or missing or self.errors)
 
+    @property
+    def engine_idle(self) -> bool:
+        """/v1/loads answered every queue empty and /metrics shows nothing busy: the scheduler holds nothing."""
+        return self.loads_read and not self.loads_busy and not self.metrics_busy and not self.errors
+
     def describe(self) -> str:
         parts = []
         if self.open_rids:
             shown = ", ".join(self.open_rids[:5]) + (" ..." if len(self.open_rids) > 5 else "")
             parts.append(f"{len(self.open_rids)} open request(s) [{shown}]")
+            if self.engine_idle:
+                # SGLang 0.5.23 logs a request received before it validates it: one refused there (400,
+                # e.g. longer than the context) is never logged finished, and no rid ties its error line
+                # to it. pdops cannot tell it from one still being tokenized: it waits, and says so.
+                parts.append("the engine reports nothing running or queued: open in its request log only (a "
+                             "request refused before the scheduler, e.g. 400 over-context, stays logged as "
+                             "received; its error line names no request ID); --force-after stops at the deadline")
         if self.loads_busy:
             parts.append(f"/v1/loads busy {self.loads_busy}")
         if self.metrics_busy:
@@ -112,6 +125,8 @@ class StopEvidence:
     gpu: str
     # each surviving recorded process: host, pid, start_ticks, boot_id, cmdline, cgroup, ports
     survivor_records: list[dict] = field(default_factory=list)
+    # the unit's RuntimeDirectory (its notes, the engine's TMPDIR): "removed by systemd", or what is left
+    runtime_dir: str = ""
 
     @property
     def verified(self) -> bool:
@@ -160,7 +175,21 @@ def verify_stopped(pool: HostPool, ident: RankIdentity, ports: list[int], addr: 
             survivors += [f"GPU process PID {a.pid}" for a in mine]
     return StopEvidence(ident.unit, ident.host, st.result, st.result in ("timeout", "signal") or
                         "SIGKILL" in pool.journal_tail(ident.host, ident.unit, 15),
-                        empty, survivors, open_ports, gpu, records)
+                        empty, survivors, open_ports, gpu, records, runtime_dir_left(pool, ident.host, ident.unit))
+
+
+def runtime_dir_left(pool: HostPool, host: str, unit: str) -> str:
+    """Whether systemd removed the stopped unit's RuntimeDirectory (with the engine's TMPDIR: SGLang's
+    IPC sockets and scratch files), read on the host."""
+    path = f"{RUN_DIR}/{runtime_dir(unit)}"
+    try:
+        out = pool.run(host, f"if [ -e {q(path)} ]; then echo left $(find {q(path)} -mindepth 1 | wc -l); "
+                             "else echo removed; fi").stdout.split()
+    except PdopsError as exc:
+        return f"{path} unreadable: {exc.message}"
+    if out[:1] == ["removed"]:
+        return f"{path} removed by systemd"
+    return f"{path} still there ({out[1] if len(out) > 1 else '?'} entries)"
 
 
 def leave_gateway(client: GatewayClient, inst: Instance, worker_id: str | None, deadline_s: float = 30) -> list[str]:
@@ -246,7 +275,8 @@ def verify_units_stopped(pool: HostPool, inst: Instance, idents: dict, seconds: 
         for e in evidence:
             say(f"  {e.host}:{e.unit}: result {e.result}; cgroup {'empty' if e.cgroup_empty else 'NOT EMPTY'};"
                 f" {'no survivor' if not e.survivors else 'SURVIVORS ' + ', '.join(e.survivors)}; "
-                f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}")
+                f"ports {'closed' if not e.ports_open else 'OPEN ' + str(e.ports_open)}; GPU: {e.gpu}"
+                + (f"; {e.runtime_dir}" if e.runtime_dir else ""))
             if e.sigkill:
                 say(f"  note: {e.unit} did not exit on SIGTERM; systemd's SIGKILL after TimeoutStopSec "
                     "emptied the cgroup")
