@@ -150,14 +150,18 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence=ev, verified=verified)
 
 
-def baseline_step(instance_id: str | None = None, when: tuple[str, bool] | None = None) -> Step:
-    """The status baseline after a repair of `instance_id`, or (None) after `inv end-orphans`: real SGLang
-    counts each ended half as a bootstrap failure of its prefill (observed in the lab, docs/sim.md)."""
-    fault = f"the fault this repair of {instance_id} named" if instance_id else "the orphaned halves this command ended"
+def baseline_step(instance_id: str | None = None, when: tuple[str, bool] | None = None,
+                  fault: str | None = None) -> Step:
+    """The status baseline after a repair of `instance_id`, after a deploy that replaced what it observed
+    broken (`fault`), or (neither) after `inv end-orphans`: real SGLang counts each ended half as a
+    bootstrap failure of its prefill (observed in the lab, docs/sim.md)."""
+    label = instance_id or ("deploy" if fault else "end-orphans")
+    fault = fault or (f"the fault this repair of {instance_id} named" if instance_id
+                      else "the orphaned halves this command ended")
     return Step("status-baseline", None, f"every instance routable again: the PD failure counters read now become "
                 f"`inv status`'s last look; what rose since the previous look fell inside {fault}, and is named here "
                 f"with it (`inv status` then reports only failures after it)",
-                60, kind="status-baseline", params={"instance": instance_id or "end-orphans"}, when=when)
+                60, kind="status-baseline", params={"instance": label}, when=when)
 
 
 def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:

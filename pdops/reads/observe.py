@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
 from pdops.facts import cgroup as cg_facts
+from pdops.facts import files as file_facts
 from pdops.facts import procs as proc_facts
 from pdops.facts.gateway import DRAINING, READY, UNREAD, Worker
 from pdops.facts import systemd as systemd_facts
@@ -51,6 +52,9 @@ class InstanceObservation:
     expected: dict[str, str] = field(default_factory=dict)
     # "host:unit" -> [MainPID, its start (µs, monotonic)] recorded with the revision ({}: older records)
     recorded_starts: dict[str, list] = field(default_factory=dict)
+    # its own files (unit, launch script, env file) that are not as the revision rendered them on the
+    # host now: "<host>:<path> <how>" (edited there, or missing); [] when they are, or were not read
+    edited: list[str] = field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -129,8 +133,14 @@ class InstanceObservation:
                 why, "in the gateway but " + why.removeprefix("listed "))
         return "; ".join(f"gateway {h}: {why}" for h, why in sorted(probs.items()))
 
+    @property
+    def runs_edited(self) -> bool:
+        """Its files were changed on the host and its process may run them, or will at its next start: a
+        unit down, or a MainPID that is not the recorded one (which was shown to run the revision's files)."""
+        return bool(self.edited) and bool(self.down or self.restarted or not self.recorded_pids)
+
     def findings(self) -> list[str]:
-        out = [f"unit {d}" for d in self.down] + self.restarted + self.stale
+        out = [f"unit {d}" for d in self.down] + self.restarted + self.stale + self.edited
         if self.gateway_problem:
             out.append(self.gateway_problem)
         missing = sorted(h for h, v in self.listed.items() if v is False)
@@ -346,8 +356,17 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
             continue
         for h, u in inst.units:
             by_host.setdefault(h, []).append(u)
-    host_res = run_parallel(list(by_host), lambda h: read_host(pool, h, by_host[h], cgroups=cgroups))
+    own_files = {h: {u: unit_files(rev.manifest, h, u) for u in units} for h, units in by_host.items()}
+    host_res = run_parallel(list(by_host), lambda h: read_host(
+        pool, h, by_host[h], cgroups=cgroups, files=sorted(p for fs in own_files[h].values() for p in fs)))
     unit_res = {h: r if isinstance(r, Exception) else (r.states, r.configs) for h, r in host_res.items()}
+
+    def edited_of(host: str, units) -> list[str]:
+        r = host_res.get(host)
+        if isinstance(r, Exception) or r.files is None:
+            return []
+        return [f"{host}:{path} {how}" for u in units for path, want in own_files[host].get(u, {}).items()
+                if (how := file_drift(r.files.get(path), want, rev.number))]
 
     def state_of(host: str, unit: str) -> UnitState | str:
         r = unit_res.get(host)
@@ -413,8 +432,31 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
             running={k: v for h in inst.hosts for k, v in running_of(h, [u for hh, u in inst.units if hh == h]).items()}
             if read else {},
             expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected},
-            recorded_starts={f"{h}:{u}": starts[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in starts}))
+            recorded_starts={f"{h}:{u}": starts[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in starts},
+            edited=[e for h in inst.hosts for e in edited_of(h, [u for hh, u in inst.units if hh == h])] if read else []))
     return obs
+
+
+def unit_files(manifest: dict, host: str, unit: str) -> dict[str, str]:
+    """{path: sha256} of an engine unit's own files in a revision's manifest: its unit file, launch
+    script and env file (each named for the unit). Empty for the gateway's and older records."""
+    if unit == GATEWAY_UNIT:
+        return {}
+    stem = unit.removesuffix(".service")
+    return {p: m["sha256"] for p, m in (manifest.get(host) or {}).items()
+            if p.rsplit("/", 1)[-1].rsplit(".", 1)[0] == stem and isinstance(m, dict) and m.get("sha256")}
+
+
+def file_drift(fact, want: str, revision: int) -> str | None:
+    """How a file on the host is not revision `revision`'s (None: it is, or it was not read)."""
+    if fact is None:
+        return None
+    if fact.mode is None:
+        return f"is missing (revision {revision} rendered it)"
+    if fact.sha256 != want:
+        return (f"is not revision {revision}'s: sha256 {fact.sha256[:12]}, rendered {want[:12]} "
+                "(edited on the host?)")
+    return None
 
 
 def _unit_down(st: UnitState | str) -> str | None:
@@ -452,9 +494,11 @@ class HostRead:
     configs: dict[str, str | None]
     identities: dict[str, RankIdentity] = field(default_factory=dict)
     cgroups_error: str | None = None
+    # with `files`: path -> mode, owner, sha256 as on the host (None: not asked, or unreadable)
+    files: dict | None = None
 
 
-def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = False) -> HostRead:
+def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = False, files=()) -> HostRead:
     """Units' states and, for each running one, the config id its MainPID carries: one SSH round trip
     for every unit of the host (the config notes are read beside `systemctl show`, and count only where
     their PID is the MainPID that show reports); `cgroups`: each unit's cgroup processes and their
@@ -464,6 +508,8 @@ def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = Fa
     sections = {"units": systemd_facts.command(*units), "configs": config_notes_command(units)}
     if cgroups:
         sections["cgroups"] = cg_facts.units_procs_command(units, proc_facts.command())
+    if files:
+        sections["files"] = file_facts.command(files)
     raw = pool.read_sections(host, sections)
     rc, text = raw.get("units", (-1, ""))
     if rc != 0:
@@ -473,6 +519,8 @@ def read_host(pool: HostPool, host: str, units: list[str], *, cgroups: bool = Fa
     if "configs" not in raw:  # the batch stopped early: no config id is "none", it is unread
         raise Unverified(f"{host}: the read of the config notes did not run", evidence=str(raw)[-800:])
     out = HostRead(states, parse_config_notes(raw["configs"][1], pids))
+    if files and raw.get("files", (-1, ""))[0] == 0:
+        out.files = file_facts.parse(raw["files"][1])
     if cgroups:
         rc, text = raw.get("cgroups", (-1, ""))
         try:

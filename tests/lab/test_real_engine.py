@@ -14,6 +14,7 @@ import json
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -250,6 +251,12 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     d01 = _instance(real.inv_dir, "d01")
     host, unit = d01.units[0]
     procs = _unit_procs(lab, host, unit)
+    # SGLang's IPC sockets are in the engine's TMPDIR, under its unit's RuntimeDirectory
+    from pdops.model.render import engine_tmpdir
+
+    tmp = engine_tmpdir(unit)
+    sockets = host_run(lab, host, f"find {tmp} -type s").split()
+    assert sockets, f"no socket of SGLang in {tmp}"
     with Load(_gateway_url(real.inv_dir), prefix="real-drain", requests=4, concurrency=2,
               max_new_tokens=400) as load:
         wait_for(lambda: len(load.rows) >= 4, 120, "the first streams served")
@@ -267,6 +274,9 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
                      r"(lab\d+):(/dev/shm/sglang_loads_\S+\.shm) \(\d+ bytes\)", r.stdout)
     assert left, r.stdout
     assert not Path(left.group(2)).exists()
+    assert f"d01's runtime directory (its TMPDIR: the engine's IPC sockets and scratch files) {host}:" \
+           f"{tmp.removesuffix('/tmp')} removed by systemd" in r.stdout, r.stdout
+    assert host_run(lab, host, f"ls -d {tmp} 2>/dev/null || echo gone").strip() == "gone"
     alive = set(host_run(lab, host, "ps -eo pid=").split())
     assert not set(map(str, procs)) & alive, f"{procs} outlived the drain's stop"
     # and back: a decode added to a cluster with none is no change of generation (it was refused as
@@ -274,3 +284,75 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     back = cli(real.inv_dir, "deploy", "--topology", TOPOLOGY)
     assert back.returncode == 0, back.stdout + back.stderr
     assert "generation: unchanged" in back.stdout or "d01 healthy" in back.stdout, back.stdout
+
+
+def _health(url: str) -> int | str:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pair_and_one_deploy_restores_it(
+        lab, real):
+    """A generation mismatch made by hand: d01's launch script edited on its host to `--page-size 16`
+    (the prefill keeps SGLang's default, 1) and the unit restarted. Real SGLang does not fail the
+    request cleanly: the first request that pairs them makes the decode's scheduler raise
+    `Page size mismatch` and the whole decode process exits (systemd starts it again, into the same
+    crash). pdops names the edited file before and after the restart; the on-call stops the crash loop,
+    and one `inv deploy` puts the revision's files back before it starts the decode again."""
+    from pdops.model.render import BIN_DIR
+
+    p01, d01 = _instance(real.inv_dir, "p01"), _instance(real.inv_dir, "d01")
+    host, unit = d01.units[0]
+    script = f"{BIN_DIR}/{unit.removesuffix('.service')}.sh"
+    p_host, p_unit = p01.units[0]
+    p_main = _main_pid(lab, p_host, p_unit)
+    host_run(lab, host, f"sed -i '$ s/$/ --page-size 16/' {script}")
+    # the edit is seen before anything runs it: the process is the recorded one, started from the
+    # revision's files, so the way back puts the file back and restarts nothing
+    st = cli(real.inv_dir, "status")
+    assert st.returncode == 1 and f"{host}:{script} is not revision" in st.stdout, st.stdout
+    assert "nothing restarted" in st.stdout, st.stdout
+    host_run(lab, host, f"systemctl restart {unit}")
+    main = wait_for(lambda: _health(d01.url) == 200 and _main_pid(lab, host, unit), 240, "the edited decode's start")
+    # smg took it out while it restarted (its health check): until it routes to it again a request is
+    # answered 503 "no available decode workers" and never reaches the pair
+    from pdops.model.inventory import load_inventory
+    from pdops.remote.gateway import Gateways
+
+    gateways = Gateways.of(load_inventory(real.inv_dir), timeout=3)
+    wait_for(lambda: any(w.url.rstrip("/") == d01.url.rstrip("/") and w.routable
+                         for _, c in gateways.items() for w in c.list_workers()), 120,
+             "the gateway routing to the edited decode")
+    rid = f"real-pagesize-{time.time_ns()}"
+    try:
+        status, body = _generate(_gateway_url(real.inv_dir), rid, timeout=120)
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read().decode(errors="replace")
+    assert status != 200, f"a prefill of page size 1 and a decode of 16 served {rid}: {body}"
+    # what real SGLang does (docs/changes.md): the decode process exits with the mismatch, the prefill lives
+    print(f"{rid}: HTTP {status} {body[:300]}")
+    try:
+        wait_for(lambda: _main_pid(lab, host, unit) != main, 120, "the decode's exit")
+    finally:
+        journal = host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
+        print("d01's journal, last lines:\n" + "\n".join(journal.splitlines()[-40:]))
+    assert "Page size mismatch: prefill server has page_size=1, but decode server has page_size=16" in journal
+    assert _main_pid(lab, p_host, p_unit) == p_main, "the prefill exited too"
+    st = cli(real.inv_dir, "status")
+    assert st.returncode == 1 and f"{host}:{script} is not revision" in st.stdout, st.stdout
+    assert "then replaces it" in st.stdout, st.stdout
+    host_run(lab, host, f"systemctl stop {unit}")  # the crash loop stopped, as an on-call would first
+    r = cli(real.inv_dir, "deploy", "--topology", TOPOLOGY)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "its files were changed on the host" in r.stdout, r.stdout
+    assert "--page-size" not in host_run(lab, host, f"cat {script}")
+    status, body = _generate(_gateway_url(real.inv_dir), f"real-pagesize-after-{time.time_ns()}")
+    assert status == 200, body
+    after = cli(real.inv_dir, "status")
+    assert after.returncode == 0, after.stdout
+    assert cli(real.inv_dir, "verify").returncode == 0

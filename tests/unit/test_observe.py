@@ -27,9 +27,10 @@ def show(unit, active="active", sub="running", pid=100, restarts=0, started_us=0
 
 
 class Pool:
-    def __init__(self, units, start_list, extra=None):
+    def __init__(self, units, start_list, extra=None, files=None):
         self.units, self.start_list, self.commands = units, start_list, []
         self.extra = extra or {}  # (host, unit) -> [(pid, ppid)] more processes in its cgroup
+        self.files = files  # (host, path) -> sha256 on the host (None: not answered)
 
     def unit_states(self, host, units):
         from pdops.facts import systemd
@@ -43,6 +44,8 @@ class Pool:
         self.commands.append(commands["units"])
         units = commands["units"].split()[5:]
         out = {"units": (0, self.show(host, units)), "configs": (0, "")}
+        if "files" in commands and self.files is not None:  # what pdops.facts.files.command prints
+            out["files"] = (0, "".join(f"644 root {sha}  {p}\n" for (h, p), sha in self.files.items() if h == host))
         if "cgroups" in commands:  # what units_procs_command prints: each unit's cgroup, then the table
             header = '{"header": 1, "btime": 1796033638, "clk_tck": 100, "boot_id": "b"}\n'
             text, rows = "", []
@@ -96,10 +99,71 @@ def healthy_world(pl, **override):
     return units, workers, start_list
 
 
-def plan(inv, state, units, workers, start_list, gw_error=None):
+def plan(inv, state, units, workers, start_list, gw_error=None, files=None):
     p = dep.plan_deploy(inv, parse_topology("1p2d"), state)
     assert p.live is not None and not p.steps  # same files: nothing decided before observing
-    return dep.plan_reconcile(p, observe(p.inv, p.live, Pool(units, start_list), Gateway(workers, gw_error)))
+    return dep.plan_reconcile(p, observe(p.inv, p.live, Pool(units, start_list, files=files),
+                                         Gateway(workers, gw_error)))
+
+
+def _edited(state, pl, iid: str, suffix: str):
+    """Every file of the revision as rendered on its host, but `iid`'s file ending in `suffix` edited
+    there; returns ({(host, path): sha256}, its host, its path)."""
+    rev = state.read_revision(state.current())
+    files = {(h, p): m["sha256"] for h, fs in rev.manifest.items() for p, m in fs.items()}
+    (h, u), = pl.get(iid).units
+    path = next(p for (hh, p) in files if hh == h and p.endswith(u.removesuffix(".service") + suffix))
+    files[(h, path)] = "f" * 64
+    return files, h, path
+
+
+def test_a_launch_script_edited_beside_the_process_that_runs_the_revisions_is_put_back_without_a_restart(live):
+    """The recorded MainPID was shown to run the revision's files: the edit has not run. The deploy puts
+    the revision's file back (only that instance's files) and restarts nothing."""
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    files, h, path = _edited(state, pl, "d01", ".sh")
+    p = plan(inv, state, units, workers, start_list, files=files)
+    want = f"d01: {h}:{path} is not revision 1's: sha256 ffffffffffff"
+    assert any(f.startswith(want) for f in p.findings), p.findings
+    assert p.change is None and not p.noop
+    names = [s.name for s in p.steps]
+    assert names[:3] == ["connect", "render", "deliver"] and not [n for n in names if n.startswith(("start", "drain"))]
+    deliver = p.steps[2]
+    assert {(f.host, f.path) for f in deliver.params["files"]} == {(h, q) for (hh, q) in files if hh == h and "pdops-d01." in q}
+    assert "nothing restarted" in dep_status_action(pl, units, workers, start_list, files, inv, state)
+
+
+def test_a_launch_script_edited_and_run_by_a_restart_is_replaced_from_the_revisions_files(live):
+    """systemd started the engine again (a crash, or a hand restart) from the edited script: the deploy
+    replaces it, which delivers the revision's files before it starts; it serves no more, so no floor."""
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    files, h, path = _edited(state, pl, "d01", ".sh")
+    (hd, ud), = pl.get("d01").units
+    units[(hd, ud)] = ("active", "running", 555, 2)
+    p = plan(inv, state, units, workers, start_list, files=files)
+    assert p.change is not None, p.render()
+    assert [i.id for i in p.change.replaced] == ["d01"]
+    assert "its files were changed on the host" in p.render() and path in p.render()
+    # as a repair: the halves the replaced decode left are ended, and `inv status`'s baseline moves past
+    # the fault (the failures the edited process caused are not reported as new afterwards)
+    names = [s.name for s in p.change.run]
+    assert names[-2:] == ["record", "status-baseline"] and "end-orphans" in names, names
+    assert "the fault this deploy observed and replaced (d01 its files were changed" in p.change.run[-1].description
+    assert "then replaces it" in dep_status_action(pl, units, workers, start_list, files, inv, state)
+
+
+def dep_status_action(pl, units, workers, start_list, files, inv, state) -> str:
+    """The fix `inv status` prints for d01 in this world."""
+    from pdops.reads.status import judge
+
+    rev = state.read_revision(state.current())
+    obs = observe(inv, rev, Pool(units, start_list, files=files), Gateway(workers))
+    o = next(o for o in obs.instances if o.id == "d01")
+    h = judge(o, gateway_down=False, loads_error=None, failures={}, strays=[])
+    assert any("is not revision 1's" in r for r in h.reasons), h.reasons
+    return h.action
 
 
 def test_all_as_recorded_is_no_change_naming_what_was_observed(live):

@@ -96,7 +96,7 @@ def test_status_calls_a_prefill_with_orphans_degraded_and_names_them():
     from pdops.reads.status import judge
 
     o = types.SimpleNamespace(id="p01", units={}, down=[], restarted=[], workers={"lab01": object()},
-                              gateway_problem=None, listed={"lab01": True}, stale=[])
+                              gateway_problem=None, listed={"lab01": True}, stale=[], edited=[])
     h = judge(o, gateway_down=False, loads_error=None, failures={}, strays=[],
               orphans=[orphans.Orphan("p01", "r1", 40.0, 1_800_000_000.0)])
     assert h.state == "degraded" and h.action.startswith("inv end-orphans")

@@ -17,6 +17,8 @@ from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
 from pdops.model.topology import Topology
 
+from pdops.reads.observe import unit_files
+
 if TYPE_CHECKING:
     from pdops.reads.observe import Observation
 
@@ -151,14 +153,33 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
         return replace(plan, noop=f"revision {rev.number} ({pl.topology}) is live with identical rendered files; "
                                   f"{obs.summary()}")
     stale = {o.id: "its process runs other files: " + "; ".join(o.stale) for o in obs.instances if o.stale}
-    if stale and not any(o.down for o in obs.instances) and not obs.gateway_down:
-        # processes started from other files than the revision's: replaced, rolling, as any change
+    # files edited on the host that its process runs, or will at its next start (a crash loop of a
+    # hand-made change): replaced, which delivers the revision's files before it starts again
+    stale.update({o.id: "its files were changed on the host: " + "; ".join(o.edited)
+                  for o in obs.instances if o.runs_edited and o.id not in stale})
+    if stale and not any(o.down for o in obs.instances if o.id not in stale) and not obs.gateway_down:
+        # processes started from other files than the revision's: replaced, rolling, as any change;
+        # one that does not serve now (down, or not routed) is started again first and counts for no floor
         from pdops.ops import scale as sc
+        from pdops.reads.observe import Seen
 
-        change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale)
+        change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale, seen=Seen.of(obs),
+                                fault="; ".join(f"{k} {v}" for k, v in sorted(stale.items())))
         change.state = plan.state
         return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
+    # files edited on the host beside a process that was shown to run the revision's (its recorded
+    # MainPID): put back, nothing restarted
+    restore = [o for o in obs.instances if o.edited and o.id not in stale]
+    if restore:
+        own = {(h, p) for o in restore for h, u in o.instance.units for p in unit_files(rev.manifest, h, u)}
+        files = [f for f in plan.files if (f.host, f.path) in own]
+        insts = tuple(o.instance for o in restore)
+        steps += delivery_steps(inv, Placement(Topology(sum(i.role == "prefill" for i in insts),
+                                                        sum(i.role == "decode" for i in insts)), insts),
+                                files, {"restore": [o.id for o in restore], "of": rev.number})
+        steps[-1].description += (f" (only {', '.join(o.id for o in restore)}'s files, as revision {rev.number} "
+                                  "rendered them; its process, started from them, is not restarted)")
     down_gws = [g for g in obs.gateways if g.down]
     if down_gws:
         restart = {g.host: isinstance(g.unit, UnitState) and g.unit.active_state == "active" for g in down_gws}

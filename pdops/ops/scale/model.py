@@ -111,6 +111,8 @@ class ScalePlan:
     # a fenced rollout (pdops.ops.scale.fenced): {gateway, others, shifts, hold_s, shrink, admission_host}
     fence: dict | None = None
     force: bool = False  # the operator accepted a role with no serving instance (--force): no serving guard
+    # what a deploy observed and replaces with this change (plan_reconcile): its failures are the fault's
+    fault: str | None = None
 
     @property
     def start_capacity(self) -> tuple[int, int]:

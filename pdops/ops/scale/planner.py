@@ -37,7 +37,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                 force: bool = False, replace_ids: dict[str, str] | None = None,
                 cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None,
                 restart_not_serving: bool = True, cur_snapshot: dict | None = None, unfenced: bool = False,
-                shift_hold_s: float | None = None) -> ScalePlan:
+                shift_hold_s: float | None = None, fault: str | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -55,7 +55,11 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     `cur_snapshot` (the current revision's recorded files): the generation of each instance before
     and after is compared (pdops.model.generation). A change of generation is not rolled in waves,
     where old and new instances would pair: it is planned as a fenced rollout (pdops.ops.scale.fenced),
-    or refused when the cluster cannot fence; `unfenced` rolls it in waves all the same."""
+    or refused when the cluster cannot fence; `unfenced` rolls it in waves all the same.
+
+    `fault`: what a deploy observed and replaces (pdops.ops.deploy.plan_reconcile: processes that run
+    edited or other files): the change ends the prefill halves a replaced decode left and moves
+    `inv status`'s baseline past the fault, as a repair does."""
     from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -277,7 +281,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
                      retired_gateways=retired,
                      base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
-                     generation=gen, how=_waves_why(gen), force=force)
+                     generation=gen, how=_waves_why(gen), force=force, fault=fault)
     compile_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",

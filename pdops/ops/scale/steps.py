@@ -122,7 +122,8 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                         + ("" if h in known else "; the host is not in the inventory: said, not done"), 60,
                         kind="retire-gateway", params={"host": h, "reachable": h in known}))
     rep = plan.repair or {}
-    if rep and plan.current_placement.get(rep["instance"]).role == "decode":
+    if (rep and plan.current_placement.get(rep["instance"]).role == "decode"
+            or plan.fault and any(i.role == "decode" for i in plan.replaced)):
         # the halves the ended decode process left on the prefills wait for a side that is gone
         out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
     if plan.replaced:
@@ -133,10 +134,11 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     out.append(verify_running_step(tgt, inv, plan.files))
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
                     kind="record-scale", params={"change": change_facts(plan)}))
-    if rep:
+    if rep or plan.fault:
         from pdops.ops.repair import baseline_step
 
-        out.append(baseline_step(rep["instance"]))
+        out.append(baseline_step(rep["instance"]) if rep else
+                   baseline_step(fault=f"the fault this deploy observed and replaced ({plan.fault})"))
     return out
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from pdops.reads.checks import CheckResult, fail_result, ok_result, skip_result
 from pdops.facts import q
+from pdops.facts import files as file_facts
+from pdops.facts.files import FileFact
 from pdops.facts import ports as port_facts
 from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
@@ -84,11 +86,6 @@ def host_plans(rev) -> list[HostPlan]:
 
 # ---------------------------------------------------------------- the one command per host
 
-def _files_command(paths) -> str:
-    return "; ".join(f"if [ -e {q(p)} ]; then stat -c '%a %U' {q(p)} | tr '\\n' ' '; sha256sum {q(p)}; "
-                     f"else echo missing - - {q(p)}; fi" for p in sorted(paths)) or "true"
-
-
 def _cgroups_command(units) -> str:
     roots = " ".join(CGROUP_ROOTS)
     return "; ".join(
@@ -112,7 +109,7 @@ def _health_command(url: str) -> str:
 
 def host_command(plan: HostPlan) -> str:
     """The one shell command that reads everything verify judges on this host."""
-    sections = {"files": _files_command(plan.files), "listen": port_facts.command()}
+    sections = {"files": file_facts.command(plan.files), "listen": port_facts.command()}
     if plan.units:
         sections["units"] = (f"systemctl show -p {','.join(UNIT_PROPERTIES)} --no-pager "
                              + " ".join(q(u) for u in plan.units))
@@ -127,24 +124,6 @@ def host_command(plan: HostPlan) -> str:
 
 
 # ---------------------------------------------------------------- parsing
-
-@dataclass(frozen=True)
-class FileFact:
-    mode: int | None  # None: missing
-    owner: str
-    sha256: str
-
-
-def parse_files(text: str) -> dict[str, FileFact]:
-    out = {}
-    for line in text.splitlines():
-        parts = line.split(None, 3)
-        if len(parts) != 4:
-            continue
-        mode, owner, digest, path = parts
-        out[path] = FileFact(None, "-", "-") if mode == "missing" else FileFact(int(mode, 8), owner, digest)
-    return out
-
 
 def parse_words(text: str) -> dict[str, list[str]]:
     """`<unit> <word> <word> ...` lines: {unit: words}."""
@@ -176,7 +155,7 @@ def read_facts(output: str) -> dict:
             facts[name] = f"exited {rc}: {text.strip()[-300:]}"
             continue
         try:
-            facts[name] = {"units": systemd_facts.parse_by_id, "files": parse_files, "listen": port_facts.parse,
+            facts[name] = {"units": systemd_facts.parse_by_id, "files": file_facts.parse, "listen": port_facts.parse,
                            "cgroups": parse_words, "limits": parse_words, "health": str.strip,
                            "binds": parse_binds}[name](text)
         except Exception as exc:  # noqa: BLE001 - an unparsable section is a finding, not a crash
