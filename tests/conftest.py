@@ -18,6 +18,31 @@ def pytest_configure(config):
             os.environ["PDOPS_LAB_DIR"] = os.environ["PDOPS_LAB_DIR"].rstrip("/") + worker[2:]
 
 
+# `make test` hands whole test files to its xdist workers in collection order (--dist loadfile
+# --no-loadscope-reorder; xdist's own order is "most tests first", which put the one-test soak last
+# and made it the run's tail). The longest lab modules go first, measured on a fresh run (worker-
+# minutes, `make test`'s own report); the many short unit files come last and fill the gaps.
+LONGEST_FIRST = (
+    "tests/lab/test_soak_lab.py",
+    "tests/lab/test_real_engine.py",
+    "tests/lab/test_change.py",
+    "tests/lab/test_repair.py",
+    "tests/lab/test_probe_lab.py",
+    "tests/lab/test_sweep_lab.py",
+)
+_AREA_ORDER = {"lab": 1, "sim": 2, "integration": 3, "contract": 4, "unit": 5}
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        if path in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(path)
+        return _AREA_ORDER.get(_area(item.nodeid), 6), 0
+
+    items.sort(key=rank)  # stable: each file keeps its own order
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO
