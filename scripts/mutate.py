@@ -106,6 +106,13 @@ MUTATIONS = (
              ("tests/lab/test_repair.py::test_a_decode_killed_under_load_and_repaired_leaves_no_circuit_open",
               "tests/lab/test_repair.py::test_the_only_decode_killed_opens_the_prefills_circuit_and_its_repair_closes_both"),
              old="w = client.reregister(w, deadline)", new="pass"),
+    Mutation("observe: a file edited on the host taken as the revision's", "file_drift",
+             ("tests/unit/test_observe.py::test_a_launch_script_edited_beside_the_process_that_runs_the_revisions_is_put_back_without_a_restart",
+              "tests/unit/test_observe.py::test_a_launch_script_edited_and_run_by_a_restart_is_replaced_from_the_revisions_files"),
+             body="return None"),
+    Mutation("stop: the unit's runtime directory (the engine's TMPDIR) said removed without reading it", "runtime_dir_left",
+             ("tests/unit/test_drain_verifiers.py::test_what_systemd_left_of_the_units_runtime_directory_is_said",),
+             body='return f"{RUN_DIR}/{runtime_dir(unit)} removed by systemd"'),
 )
 
 
