@@ -52,12 +52,12 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	$(GATEWAY_VENV)/bin/python -m pip install -q $(SMG)
 	touch $(STAMP)
 
-# Four pytest-xdist workers, a test file each at a time (module fixtures stay whole), handed out in
+# Three pytest-xdist workers, a test file each at a time (module fixtures stay whole), handed out in
 # the order tests/conftest.py sorts them (the longest lab modules first); each worker that reaches a
 # lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot). The lab waits mostly
-# on timers (drains, health checks): three workers kept the two cores about half busy (11.8 CPU-min
-# over a 21.7-min run) and took 19 min of pytest, as many worker-minutes as four share in about 14.
-TEST_WORKERS ?= 4
+# on timers, but not always: four workers saturated the two cores while the real engines started
+# (load 11), every lab module took longer (67 worker-min, was 53) and the run gained 2 min only.
+TEST_WORKERS ?= 3
 test: $(STAMP) $(ENGINE_STAMP)
 	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not fleet" tests
 

@@ -283,7 +283,12 @@ class RunContext:
 
 
 Executor = Callable[[RunContext, Step], "Outcome | None"]
-DEADLINE_GRACE_S = 5.0  # one last SSH round trip after an executor's own deadline
+# An executor may make one more remote call once its own deadline has passed (a wait's last reading,
+# the journal tail its error carries), and each remote call is bounded by its own timeout (60 s: the
+# pool's). Only a step that overran by more than that has a wait its deadline does not bound. 5 s,
+# "one SSH round trip" on an idle machine, failed a halted change in the soak with four lab workers
+# and a real engine starting on two cores (exit 5 in place of 9).
+DEADLINE_GRACE_S = 60.0
 
 
 class DeadlineExceeded(Unverified):

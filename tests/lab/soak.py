@@ -96,7 +96,8 @@ class Soak:
         line = f"inv {' '.join(args)} -> {proc.returncode}"
         if expect is not None and proc.returncode != expect:
             line += f" (expected {expect})"
-            self.unexpected.append(f"{line}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+            # the error and its fix (the last lines pdops prints), enough to tell which step it was
+            self.unexpected.append(f"{line}: {(proc.stderr or proc.stdout).strip().splitlines()[-6:]}")
         cmds.append(line)
         return proc
 
