@@ -283,12 +283,12 @@ class RunContext:
 
 
 Executor = Callable[[RunContext, Step], "Outcome | None"]
-# An executor may make one more remote call once its own deadline has passed (a wait's last reading,
-# the journal tail its error carries), and each remote call is bounded by its own timeout (60 s: the
-# pool's). Only a step that overran by more than that has a wait its deadline does not bound. 5 s,
-# "one SSH round trip" on an idle machine, failed a halted change in the soak with four lab workers
-# and a real engine starting on two cores (exit 5 in place of 9).
-DEADLINE_GRACE_S = 60.0
+# An executor may finish what it was doing when its own deadline passed: a wait's last reading, then
+# the journal tail its error carries; each is one remote call, bounded by its connect (10 s) and
+# command (60 s: the pool's) timeouts. Only a step that overran by more than two of them has a wait
+# its deadline does not bound. 5 s, "one SSH round trip" on an idle machine, failed a halted change
+# in the soak with four lab workers and a real engine starting on two cores (exit 5 in place of 9).
+DEADLINE_GRACE_S = 2 * (10 + 60.0)
 
 
 class DeadlineExceeded(Unverified):

@@ -63,11 +63,11 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
         hosts = sorted({k.split(":", 1)[0] for k in unread})
         return InstanceHealth("unknown", unread, f"check SSH to {', '.join(hosts)}, then `inv status` again")
     if o.edited:
-        # a repair would start it from the edited files again: the deploy puts the revision's back
+        # the deploy puts the revision's files back, and replaces what may run the edit (or other files)
         return InstanceHealth("down" if o.down else "restarted" if o.restarted else "degraded",
-                              [f"unit {d}" for d in o.down] + o.restarted + o.edited,
+                              [f"unit {d}" for d in o.down] + o.restarted + list(o.stale) + o.edited,
                               "inv deploy --topology <the current one> (puts back the revision's files"
-                              + ("; then replaces it)" if o.runs_edited else "; nothing restarted)"))
+                              + ("; then replaces it)" if o.runs_edited or o.stale else "; nothing restarted)"))
     if o.down:
         return InstanceHealth("down", [f"unit {d}" for d in o.down], repair)
     if o.restarted:

@@ -131,6 +131,7 @@ def test_a_launch_script_edited_beside_the_process_that_runs_the_revisions_is_pu
     assert names[:3] == ["connect", "render", "deliver"] and not [n for n in names if n.startswith(("start", "drain"))]
     deliver = p.steps[2]
     assert {(f.host, f.path) for f in deliver.params["files"]} == {(h, q) for (hh, q) in files if hh == h and "pdops-d01." in q}
+    assert [i.id for i in deliver.params["placement"].instances] == ["d01"]  # no other unit is touched
     assert "nothing restarted" in dep_status_action(pl, units, workers, start_list, files, inv, state)
 
 
@@ -448,3 +449,44 @@ def test_an_observation_of_one_instances_units_counts_the_others_by_the_gateway_
     assert seen.basis.startswith("systemd read for d01; each other instance counted as serving where a gateway")
     read = [c for c in pool.commands if c.startswith("systemctl show")]
     assert any("pdops-d01" in c for c in read) and not any("pdops-p01" in c or "pdops-d02" in c for c in read)
+
+
+def test_with_another_instance_down_the_edited_files_go_back_before_anything_starts(live):
+    """d01 edited and down, p01 down too (a reboot): the deploy starts both, but only after d01's files
+    are the revision's again; d02, systemd's restart of an edited file, is restarted in place from them."""
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    files, h, path = _edited(state, pl, "d01", ".sh")
+    rev = state.read_revision(state.current())
+    (h2, u2), = pl.get("d02").units
+    env2 = next(p for (hh, p) in files if hh == h2 and p.endswith("pdops-d02.env"))
+    files[(h2, env2)] = "e" * 64
+    for iid in ("d01", "p01"):
+        (hh, uu), = pl.get(iid).units
+        units[(hh, uu)] = ("failed", "failed")
+    units[(h2, u2)] = ("active", "running", 777, 1)
+    p = plan(inv, state, units, workers, start_list, files=files)
+    assert p.change is None
+    names = [s.name for s in p.steps]
+    assert names.index("deliver") < min(names.index("start d01"), names.index("start p01"), names.index("start d02"))
+    deliver = p.steps[names.index("deliver")]
+    assert {f.path for f in deliver.params["files"]} >= {path, env2}
+    restart = p.steps[names.index("start d02")]
+    assert restart.params["restart"] is True and "healthy d02" not in names
+    assert rev.number == 1
+
+
+def test_an_edit_replaced_by_a_deploy_counts_only_what_serves_for_the_floor(live):
+    """d02 runs an edited file (systemd restarted it); d01 runs but the gateway does not route to it. As
+    in any change planned from what serves now, d01 counts for no floor and is started again first
+    (not refused for leaving no decode), then d02 is replaced from the revision's files."""
+    inv, pl, state = live
+    units, workers, start_list = healthy_world(pl)
+    files, h, path = _edited(state, pl, "d02", ".env")
+    (hd, ud), = pl.get("d02").units
+    units[(hd, ud)] = ("active", "running", 555, 1)
+    workers = [w for w in workers if w.id != "w-d01"]
+    p = plan(inv, state, units, workers, start_list, files=files)
+    assert p.change is not None
+    assert [w for w in p.change.waves] == [["d01"], ["d02"]], p.render()
+    assert "observed not serving" in p.change.why["d01"] and "changed on the host" in p.change.why["d02"]

@@ -152,34 +152,41 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     if not findings:
         return replace(plan, noop=f"revision {rev.number} ({pl.topology}) is live with identical rendered files; "
                                   f"{obs.summary()}")
-    stale = {o.id: "its process runs other files: " + "; ".join(o.stale) for o in obs.instances if o.stale}
     # files edited on the host that its process runs, or will at its next start (a crash loop of a
-    # hand-made change): replaced, which delivers the revision's files before it starts again
-    stale.update({o.id: "its files were changed on the host: " + "; ".join(o.edited)
-                  for o in obs.instances if o.runs_edited and o.id not in stale})
+    # hand-made change): the fault this deploy repairs
+    runs_edited = {o.id: "its files were changed on the host: " + "; ".join(o.edited)
+                   for o in obs.instances if o.runs_edited}
+    stale = {**runs_edited, **{o.id: "its process runs other files: " + "; ".join(o.stale)
+                               for o in obs.instances if o.stale}}
     if stale and not any(o.down for o in obs.instances if o.id not in stale) and not obs.gateway_down:
-        # processes started from other files than the revision's: replaced, rolling, as any change;
-        # one that does not serve now (down, or not routed) is started again first and counts for no floor
+        # replaced, rolling, as any change, which delivers the revision's files before each starts again;
+        # as in any change planned from what serves now, an instance that does not serve (down, or not
+        # routed) counts for no floor and is started again first. An instance edited beside its recorded
+        # process goes with them: its wave puts its files back.
         from pdops.ops import scale as sc
         from pdops.reads.observe import Seen
 
+        stale.update({o.id: "its files were changed on the host (its recorded process runs the revision's): "
+                      + "; ".join(o.edited) for o in obs.instances if o.edited and o.id not in stale})
         change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale, seen=Seen.of(obs),
-                                fault="; ".join(f"{k} {v}" for k, v in sorted(stale.items())))
+                                fault="; ".join(f"{k} {v}" for k, v in sorted(runs_edited.items())) or None)
         change.state = plan.state
         return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
-    # files edited on the host beside a process that was shown to run the revision's (its recorded
-    # MainPID): put back, nothing restarted
-    restore = [o for o in obs.instances if o.edited and o.id not in stale]
-    if restore:
-        own = {(h, p) for o in restore for h, u in o.instance.units for p in unit_files(rev.manifest, h, u)}
+    # with something else down: every instance's edited files put back before anything starts; one whose
+    # recorded process runs (started from the revision's files) is not restarted, one that systemd started
+    # again from the edited files is, in place
+    edited = [o for o in obs.instances if o.edited]
+    if edited:
+        own = {(h, p) for o in edited for h, u in o.instance.units for p in unit_files(rev.manifest, h, u)}
         files = [f for f in plan.files if (f.host, f.path) in own]
-        insts = tuple(o.instance for o in restore)
+        insts = tuple(o.instance for o in edited)
         steps += delivery_steps(inv, Placement(Topology(sum(i.role == "prefill" for i in insts),
                                                         sum(i.role == "decode" for i in insts)), insts),
-                                files, {"restore": [o.id for o in restore], "of": rev.number})
-        steps[-1].description += (f" (only {', '.join(o.id for o in restore)}'s files, as revision {rev.number} "
-                                  "rendered them; its process, started from them, is not restarted)")
+                                files, {"restore": [o.id for o in edited], "of": rev.number})
+        steps[-1].description += (f" (only {', '.join(o.id for o in edited)}'s files, as revision {rev.number} "
+                                  "rendered them, before anything starts; a recorded process, started from them, "
+                                  "is not restarted)")
     down_gws = [g for g in obs.gateways if g.down]
     if down_gws:
         restart = {g.host: isinstance(g.unit, UnitState) and g.unit.active_state == "active" for g in down_gws}
@@ -190,7 +197,9 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
     down = [o.instance for o in obs.instances if o.down]
     restarted = [o.instance for o in obs.instances if o.restarted and not o.down]
     steps += start_steps(inv, down, restart=False, group="start")
-    steps += healthy_steps(inv, restarted, group="healthy")
+    ran_edit = {o.id for o in obs.instances if o.restarted and not o.down and o.edited}
+    steps += start_steps(inv, [i for i in restarted if i.id in ran_edit], restart=True, group="start")
+    steps += healthy_steps(inv, [i for i in restarted if i.id not in ran_edit], group="healthy")
     touched = {i.id for i in down + restarted}
     pairs = [(p.id, d.id) for p in pl.role("prefill") for d in pl.role("decode") if {p.id, d.id} & touched]
     if pairs:
