@@ -433,7 +433,8 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
             if read else {},
             expected={f"{h}:{u}": expected[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in expected},
             recorded_starts={f"{h}:{u}": starts[f"{h}:{u}"] for h, u in inst.units if f"{h}:{u}" in starts},
-            edited=[e for h in inst.hosts for e in edited_of(h, [u for hh, u in inst.units if hh == h])] if read else []))
+            edited=[e for h in dict.fromkeys(inst.hosts) for e in edited_of(h, [u for hh, u in inst.units if hh == h])]
+            if read else []))
     return obs
 
 

@@ -5,7 +5,6 @@ or any other difference as a change (pdops.ops.scale.plan_apply)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from pdops.reads import orphans
 from pdops.model.inventory import Inventory
@@ -17,10 +16,7 @@ from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
 from pdops.model.topology import Topology
 
-from pdops.reads.observe import unit_files
-
-if TYPE_CHECKING:
-    from pdops.reads.observe import Observation
+from pdops.reads.observe import Observation, Seen, unit_files
 
 from pdops.ops.deploy.steps import (admission_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
                                   gateway_steps, preflight_step,
@@ -136,7 +132,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
                       basis=current.number if current else None)
 
 
-def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
+def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
     """For a deploy of the live revision, from what runs (`obs`: pdops.reads.observe.observe, read by
     the caller) plan the repairs:
     start what is down, canary every pair through a started or restarted instance, register what
@@ -164,7 +160,6 @@ def plan_reconcile(plan: DeployPlan, obs: "Observation") -> DeployPlan:
         # routed) counts for no floor and is started again first. An instance edited beside its recorded
         # process goes with them: its wave puts its files back.
         from pdops.ops import scale as sc
-        from pdops.reads.observe import Seen
 
         stale.update({o.id: "its files were changed on the host (its recorded process runs the revision's): "
                       + "; ".join(o.edited) for o in obs.instances if o.edited and o.id not in stale})

@@ -57,8 +57,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     where old and new instances would pair: it is planned as a fenced rollout (pdops.ops.scale.fenced),
     or refused when the cluster cannot fence; `unfenced` rolls it in waves all the same.
 
-    `fault`: what a deploy observed and replaces (pdops.ops.deploy.plan_reconcile: processes that run
-    edited or other files): the change ends the prefill halves a replaced decode left and moves
+    `fault`: what a deploy observed and replaces (pdops.ops.deploy.plan_reconcile: processes that run,
+    or will run at their next start, files edited on their host): the change ends the prefill halves a replaced decode left and moves
     `inv status`'s baseline past the fault, as a repair does."""
     from pdops.reads.preflight import validate_skip
 
