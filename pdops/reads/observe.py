@@ -23,6 +23,7 @@ from pdops.remote.hosts import HostPool
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import KEEPALIVED_UNIT, UNIT as ADMISSION_UNIT
+from pdops.model.etcd_member import UNIT as ETCD_UNIT
 from pdops.model.render import GATEWAY_UNIT
 from pdops.fanout import run_parallel
 from pdops.record.local import Revision
@@ -238,6 +239,9 @@ class Observation:
     front_door: list[str] = field(default_factory=list)
     # admission host -> why its front-door units (HAProxy; keepalived with a virtual address) are not running
     admission_down: dict[str, str] = field(default_factory=dict)
+    # the record's etcd members pdops runs (`pdops_state.etcd.members`, the record on them): member host ->
+    # why its unit is not running (the record holds while a majority runs)
+    store_down: dict[str, str] = field(default_factory=dict)
     # with `cgroups=True` (inv status): "host:unit" -> its identity now (MainPID, its cgroup's processes
     # with their process-table entries), and host -> why its cgroups could not be read
     identities: dict[str, RankIdentity] = field(default_factory=dict)
@@ -262,9 +266,13 @@ class Observation:
         return [f"the admission layer on {h} is not running ({why}): the front door there turns every request away"
                 for h, why in sorted(self.admission_down.items())]
 
+    def store_findings(self) -> list[str]:
+        return [f"the record's etcd member on {h} is not running ({why}): the record holds while a majority of the "
+                "members runs" for h, why in sorted(self.store_down.items())]
+
     def findings(self) -> list[str]:
         out = [f for g in self.gateways for f in g.findings(self.revision, self.instances)] + list(self.front_door)
-        out += self.admission_findings()
+        out += self.admission_findings() + self.store_findings()
         for o in self.instances:
             out += [f"{o.id}: {f}" for f in o.findings()]
         return out
@@ -351,6 +359,9 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
     adm_units = [ADMISSION_UNIT] + ([KEEPALIVED_UNIT] if inv.admission is not None and inv.admission.vip else [])
     for h in adm_hosts:
         by_host.setdefault(h, []).extend(adm_units)
+    members = etcd_members_run(inv)  # the record's store, where pdops runs it: read in the same round trip
+    for h in members:
+        by_host.setdefault(h, []).append(ETCD_UNIT)
     for inst in pl.instances:
         if units_of is not None and inst.id not in units_of:
             continue
@@ -410,8 +421,9 @@ def observe(inv: Inventory, rev: Revision, pool: HostPool, gateways: Gateways, *
     admission_down = {h: "; ".join(f"{u} {why}" for u in adm_units if (why := _unit_down(state_of(h, u))))
                       for h in adm_hosts}
     admission_down = {h: why for h, why in admission_down.items() if why}
+    store_down = {h: f"{ETCD_UNIT} {why}" for h in members if (why := _unit_down(state_of(h, ETCD_UNIT)))}
     obs = Observation(rev.number, gws, front_door=_front_door(inv, pool, admission_down), units_read=units_of,
-                      admission_down=admission_down)
+                      admission_down=admission_down, store_down=store_down)
     for h, r in host_res.items() if cgroups else ():
         if isinstance(r, Exception):
             obs.identity_errors[h] = getattr(r, "message", str(r))
@@ -458,6 +470,15 @@ def file_drift(fact, want: str, revision: int) -> str | None:
         return (f"is not revision {revision}'s: sha256 {fact.sha256[:12]}, rendered {want[:12]} "
                 "(edited on the host?)")
     return None
+
+
+def etcd_members_run(inv: Inventory) -> list[str]:
+    """The hosts of the etcd members pdops runs that hold the record now (`pdops_state.backend: etcd` with
+    `members`); none where the record is elsewhere or on an etcd the site runs."""
+    st = inv.state
+    if st is None or st.backend != "etcd" or st.etcd is None:
+        return []
+    return list(st.etcd.members)
 
 
 def _unit_down(st: UnitState | str) -> str | None:

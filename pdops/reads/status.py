@@ -38,8 +38,11 @@ QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode
 
 
 def record_doc(state) -> dict:
-    """Where the record was read from, whether it is the cached copy, who holds the lock."""
-    return {"location": getattr(state, "location", str(state.path)), "cached": getattr(state, "cached", None),
+    """Where the record was read from, whether it is the cached copy (and then the banner that says which
+    store cannot be reached and how to bring it back), who holds the lock."""
+    cached = getattr(state, "cached", None)
+    return {"location": getattr(state, "location", str(state.path)), "cached": cached,
+            "banner": state.cache_banner() if cached else None,
             "lock": state.lock_holder() if hasattr(state, "lock_holder") else None}
 
 
@@ -267,9 +270,10 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
         for g in gateways:
             g["prometheus_error"] = perr
     ok = (all(g["state"] == "ok" for g in gateways) and all(r["state"] == "ok" for r in rows) and not obs.front_door
-          and not obs.admission_down)
+          and not obs.admission_down and not obs.store_down)
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
             "gateways": gateways, "front_door": list(obs.front_door), "admission_down": obs.admission_findings(),
+            "store_down": obs.store_findings(),
             "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
             "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
 
@@ -340,10 +344,8 @@ def record_lines(record: dict | None) -> list[str]:
     if not record:
         return []
     out = []
-    c = record.get("cached")
-    if c:
-        out.append(f"READ-ONLY CACHED COPY of the record (fetched {c['fetched_at']}): the state host cannot be "
-                   f"reached ({c['reason']}); no change can run until it can")
+    if record.get("cached"):
+        out.append(record["banner"])
     if record.get("lock"):
         out.append(lock_line(record["lock"]))
     return out
@@ -404,6 +406,8 @@ def format_status(doc: dict) -> str:
                      "gateway ready at its weight)")
     for f in doc.get("admission_down", []):
         lines.append(f"front door closed: {f}\n  -> inv deploy --topology {doc['topology']} (starts it)")
+    for f in doc.get("store_down", []):
+        lines.append(f"record store degraded: {f}\n  -> inv deploy --topology {doc['topology']} (starts it)")
     lines += [f"warning: {w}" for w in doc.get("warnings", [])]
     if (doc.get("record") or {}).get("lock"):
         lines.append("note: a change holds the cluster lock (above): what differs from the current revision may be "
@@ -413,7 +417,8 @@ def format_status(doc: dict) -> str:
     tail = f"{healthy}/{len(doc['instances'])} instances registered and healthy"
     bad = [r["instance"] for r in doc["instances"] if r["state"] != "ok"] + [
         f"gateway {g['host']}" if len(gws) > 1 else "gateway" for g in gws if g["state"] != "ok"] + (
-        ["front door"] if doc.get("front_door") or doc.get("admission_down") else [])
+        ["front door"] if doc.get("front_door") or doc.get("admission_down") else []) + (
+        ["record store"] if doc.get("store_down") else [])
     tail += f"; not ok: {', '.join(bad)}" if bad else "; all ok"
     if doc.get("cordoned"):
         tail += f"; cordoned (placement avoids them; `inv uncordon --host H`): {', '.join(doc['cordoned'])}"

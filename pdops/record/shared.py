@@ -179,8 +179,9 @@ class SharedRecord(RecordReads):
     def cache_banner(self) -> str | None:
         if self.cached is None:
             return None
-        return (f"READ-ONLY CACHED COPY of the record, fetched {self.cached['fetched_at']}: "
-                f"{self.store.name} cannot be reached ({self.cached['reason']}); no change can run until it can")
+        return (f"READ-ONLY CACHED COPY of the record (fetched {self.cached['fetched_at']}): "
+                f"{self.store.name} cannot be reached ({self.cached['reason']}); no change can run until it can "
+                f"-> {self.store.bring_back}")
 
     def current(self) -> int | None:
         cur = self.snapshot().get("current")

@@ -3,7 +3,8 @@ and Ansible delivers (`inv state.etcd-up`), the record moved there from the SSH 
 (runbook docs/runbooks/record-to-etcd.md), and what its users must be able to trust of it: a drain
 and a change with the record on etcd while a member is SIGKILLed; two operators from two machines
 racing for the lock; a holder SIGKILLed, its lease expiring, the next change resuming; two members
-down (changes refused, reads from the marked cache); and the state host's record lost for good and
+down (changes refused, reads from the marked cache); a member's host rebooted (named by status, started
+by one deploy); and the state host's record lost for good and
 rebuilt from an operator's cache (runbook docs/runbooks/state-host-lost.md).
 
 Two operator machines: alice and bob, each with its own PDOPS_OPERATOR and operator dir. The tests
@@ -201,6 +202,33 @@ def test_two_members_down_refuse_changes_and_reads_come_from_the_marked_cache(la
     finally:
         ok(run(inv_dir, ops["alice"], "state.etcd-up"))  # starts the stopped members, checks quorum
     assert record_of(inv_dir, ops["bob"]["PDOPS_STATE_DIR"]).current() == before
+
+
+def test_a_members_host_rebooted_the_labs_way_is_named_by_status_and_one_deploy_starts_the_member(lab, cluster):
+    """A member's host powered off and booted the lab's way (nothing pdops installed starts; on a real
+    host the enabled unit would): the record holds on the two others. `inv status` names the member that
+    does not run and the one command (exit 1); that `inv deploy` starts it with whatever else on the host
+    is down, waits for one leader and a write read back through every member, and records the repair:
+    `inv status` 0, the member active."""
+    from pdops import lab as lab_api
+
+    inv_dir, ops = cluster
+    host = MEMBERS[-1]
+    topology = record_of(inv_dir, ops["alice"]["PDOPS_STATE_DIR"]).current_revision().topology
+    lab_api.down(lab.lab_dir, hosts=[int(host.removeprefix("lab"))])
+    lab.ensure_up()
+    st = run(inv_dir, ops["alice"], "status")
+    assert st.returncode == 1, st.stdout + st.stderr
+    assert (f"record store degraded: the record's etcd member on {host} is not running (pdops-etcd.service "
+            "inactive/dead)") in st.stdout, st.stdout
+    assert f"-> inv deploy --topology {topology} (starts it)" in st.stdout, st.stdout
+    assert "record store" in st.stdout.splitlines()[-2], st.stdout
+    out = ok(run(inv_dir, ops["alice"], "deploy", "--topology", topology))
+    assert "plan: repair revision" in out and "etcd-members" in out and "etcd-quorum" in out, out
+    assert "3 members, one leader; a write read back through each" in out, out
+    assert member(lab, host, "systemctl is-active pdops-etcd.service") == "active"
+    st = ok(run(inv_dir, ops["bob"], "status"))
+    assert "all ok" in st and "record store" not in st, st
 
 
 def test_runbook_record_to_etcd_and_back_to_the_state_host(cluster):

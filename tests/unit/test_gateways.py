@@ -460,3 +460,46 @@ def test_keepalived_down_where_a_virtual_address_is_rendered_is_named_and_restar
     assert obs.admission_down == {"gpu02": f"{KEEPALIVED_UNIT} inactive/failed"}, obs.admission_down
     plan = dep.plan_reconcile(p0, obs)
     assert [(s.kind, s.host) for s in plan.steps if s.kind == "admission"] == [("admission", "gpu02")]
+
+
+def test_an_etcd_member_down_is_named_by_status_and_started_by_one_deploy(tmp_path):
+    """The record on etcd members pdops runs (the front-door issue: every part pdops runs is observed and
+    repaired by one deploy): a member whose unit does not run (a host booted the lab's way, a member that
+    failed at boot) is read in the same round trip as the gateways' units, named by `inv status` with the
+    one command, and the deploy of the live topology starts it and waits for one leader and a write read
+    back through every member, before anything else (the record is written last). The record on the state
+    host, or on an etcd the site runs: no member is read."""
+    from pdops.model.etcd_member import UNIT as ETCD_UNIT
+    from pdops.reads.observe import etcd_members_run
+    from pdops.reads.status import format_status
+
+    d = lab_with(tmp_path, "etcd", hosts=["lab01"])
+    doc = yaml.safe_load((d / "hosts.yml").read_text())
+    doc["all"]["vars"]["pdops_state"] = {"host": "lab01", "backend": "etcd",
+                                         "etcd": {"members": ["lab01", "lab02", "lab03"]}}
+    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
+    inv = load_inventory(d)
+    assert etcd_members_run(inv) == ["lab01", "lab02", "lab03"]
+    assert etcd_members_run(load_inventory(lab_with(tmp_path, "host", hosts=["lab01"]))) == []
+    state = StateDir("lab", tmp_path / "s")
+    deployed(inv, state, "1p1d")
+    p0 = dep.plan_deploy(inv, parse_topology("1p1d"), state)
+    pool, gws = world(inv, p0.placement)
+    pool.units[("lab02", ETCD_UNIT)] = ("inactive", 0)
+    obs = observe(inv, p0.live, pool, gws)
+    assert obs.store_down == {"lab02": f"{ETCD_UNIT} inactive/failed"}
+    assert obs.findings() == [f"the record's etcd member on lab02 is not running ({ETCD_UNIT} inactive/failed): the "
+                              "record holds while a majority of the members runs"]
+    plan = dep.plan_reconcile(p0, obs)
+    assert [s.kind for s in plan.steps][:3] == ["connect", "etcd-member-start", "etcd-check-quorum"]
+    assert plan.steps[1].params == {"hosts": ["lab02"]}
+    assert not [s for s in plan.steps if s.kind in ("start", "gateway", "admission")]  # nothing else was down
+    assert plan.steps[-1].kind == "record-repair"
+    text = format_status({"cluster": "lab", "revision": 1, "topology": "1p1d", "instances": [], "gateways": [],
+                          "front_door": [], "store_down": obs.store_findings()})
+    assert "record store degraded: the record's etcd member on lab02 is not running" in text, text
+    assert "-> inv deploy --topology 1p1d (starts it)" in text and "not ok: record store" in text, text
+    # every member up: nothing said, nothing planned
+    pool.units.pop(("lab02", ETCD_UNIT))
+    obs = observe(inv, p0.live, pool, gws)
+    assert obs.store_down == {} and dep.plan_reconcile(p0, obs).noop

@@ -239,6 +239,8 @@ def test_state_host_unreachable_changes_refused_reads_from_the_marked_cache(tmp_
     assert e.value.exit_code == 3 and "no change runs from this machine's cached copy" in e.value.fix
     cached = SharedRecord("lab", tmp_path / "alice", HostStore("lab", "localhost", str(tmp_path / "shared"), Down()), cached_ok=True)
     assert cached.current() == 1 and "READ-ONLY CACHED COPY" in cached.cache_banner()
+    assert "the state host localhost cannot be reached" in cached.cache_banner()
+    assert cached.cache_banner().endswith("-> bring the state host localhost back"), cached.cache_banner()
     with pytest.raises(Unreachable, match="no change runs from the cached copy"):
         cached.lock("drain").acquire()
     nobody = SharedRecord("lab", tmp_path / "bob", HostStore("lab", "localhost", str(tmp_path / "shared"), Down()), cached_ok=True)

@@ -267,6 +267,18 @@ def test_no_member_answering_refuses_changes_and_reads_come_from_the_marked_cach
     cached = rec(tmp_path, "alice", down, cached_ok=True)
     assert cached.current() == 1 and "READ-ONLY CACHED COPY" in cached.cache_banner()
     assert "etcd" in cached.cache_banner()
+    # `inv status` after a reboot the lab's way (every member down) reads the cached copy: its banner names the
+    # store and, where pdops runs the members, the command that starts them (the hosts-rebooted runbook's step 0)
+    from pdops.reads.status import record_doc, record_lines
+
+    ours_cached = rec(tmp_path, "alice", ours, cached_ok=True)
+    assert ours_cached.current() == 1
+    [banner] = record_lines(record_doc(ours_cached))
+    assert banner.startswith("READ-ONLY CACHED COPY of the record (fetched "), banner
+    assert "etcd (2 endpoints) cannot be reached (no etcd member answered" in banner, banner
+    assert banner.endswith("-> start the etcd members pdops runs on lab01, lab02: `inv state.etcd-up` (their units are "
+                           "enabled; on the lab's default boot, or where one failed at boot, nothing else starts them), "
+                           "then run this again"), banner
 
 
 # ---------------------------------------------------------------- migration and restore

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pdops.reads import orphans
 from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
+from pdops.ops.record_store import member_start_steps
 from pdops.model.placement import Placement, place
 from pdops.model.render import RenderedFile, manifest, render_files
 from pdops.runner import Plan, Step
@@ -168,6 +169,7 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
         change.state = plan.state
         return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
+    steps += member_start_steps(inv, obs.store_down)  # the record's store first: the record is written last
     # with something else down: every instance's edited files put back before anything starts; one whose
     # recorded process runs (started from the revision's files) is not restarted, one that systemd started
     # again from the edited files is, in place
