@@ -264,6 +264,51 @@ def test_a_gateway_restart_behind_the_admission_layer_turns_no_request_away(clus
     load.assert_clean()
 
 
+def test_a_rollback_records_every_file_it_runs_and_a_gateway_killed_after_it_is_repaired_by_one_deploy(
+        lab, cluster):
+    """The front-door issue's fault 2: a rollback once recorded a manifest without HAProxy's files, and a
+    gateway SIGKILLed after it was never repaired (`inv deploy` said `no change`, `inv verify` kept exiting 5).
+    `inv rollback` returns to the revision before the gateway restart's (health check interval 5), and the
+    inventory is put back too (runbook bundle-change.md); the rollback's revision records every file the
+    revision before it recorded, the admission layer's included. The gateway is SIGKILLed and systemd starts it
+    again: `inv verify` names it restarted (5), the runbook's `inv deploy` repairs it (`plan: repair
+    revision`), `inv verify` 0. (Before the reboots at the end of this file.)"""
+    from tests.lab.clusters import host_run, record, wait_for
+
+    inv_dir, inv, _, _, _ = cluster
+    before = record(inv_dir).current_revision()
+    back = inv_cmd("rollback", "-i", str(inv_dir))
+    assert back.returncode == 0, back.stdout + back.stderr
+    hosts = inv_dir / "hosts.yml"
+    doc = yaml.safe_load(hosts.read_text())
+    doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = 5
+    hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rolled = record(inv_dir).current_revision()
+    assert rolled.extra.get("rollback_of") and rolled.number > before.number, rolled
+    def files(rev) -> set[str]:  # the manifest: host -> {path: sha256}
+        return {f"{h}:{path}" for h, paths in rev.manifest.items() for path in paths}
+
+    missing = sorted(files(before) - files(rolled))
+    assert not missing, f"the rollback's revision lacks files the revision before it recorded: {missing}"
+    assert any(path.endswith("pdops-admission.cfg") for path in files(rolled)), sorted(files(rolled))
+
+    gw = inv.gateway.first.host
+    unit = "pdops-gateway.service"
+
+    def main_pid() -> int:
+        return int(host_run(lab, gw, f"systemctl show -p MainPID --value {unit}").strip() or 0)
+
+    killed = main_pid()
+    host_run(lab, gw, f"kill -KILL {killed}")
+    wait_for(lambda: main_pid() not in (0, killed), 60, "systemd to start the gateway again")
+    v = inv_cmd("verify", "-i", str(inv_dir))
+    assert v.returncode == 5 and f"gateway {unit} restarted: MainPID" in v.stderr, v.stdout + v.stderr
+    d = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))
+    assert d.returncode == 0 and "plan: repair revision" in d.stdout, d.stdout + d.stderr
+    v = inv_cmd("verify", "-i", str(inv_dir))
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
 def test_after_a_reboot_of_every_host_one_deploy_opens_the_front_door_again(lab, cluster):
     """Runbook "hosts rebooted" behind the admission layer (the front-door issue, fault 1): on the lab
     nothing pdops installed starts at boot, HAProxy included. `inv status` names the closed front door

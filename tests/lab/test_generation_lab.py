@@ -1,10 +1,15 @@
 """A change of generation on the lab, under load through the admission layer (docs/changes.md
-"Generations"). One 1p1d cluster, smg on lab03 and lab04 behind HAProxy on lab03.
+"Generations"). One 1p1d cluster, smg on lab03 and lab04 behind HAProxy on lab03; TP4, so that the
+lab's four hosts have eight slots (two a host) and a fenced rollout has room for a new pool.
 
 1. A fenced rollout whose new pool fails its canary leaves the old generation serving every
    request, both gateways routing to it again; the journal says what was undone.
 2. The fenced rollout itself, with a core busy: no request fails, none is replayed.
-3. The hazard, shown honestly (last: it leaves smg's circuit breakers open on the new workers):
+3. A fenced rollout with too few free slots: the old pool shrinks first (`--allow-capacity-dip`);
+   preflight checks the new pool on the slots the shrink frees only after the shrink (the front-door
+   issue's fault 3: the dry run accepted it and preflight refused it on a port the shrink was about to
+   free); under load, no request fails.
+4. The hazard, shown honestly (last: it leaves smg's circuit breakers open on the new workers):
    the change back rolled the way a generation-blind planner rolls it (`--unfenced`: the lone
    instances surge, old and new serve side by side) fails requests whose prefill and decode are
    of different generations."""
@@ -46,7 +51,8 @@ def cluster(lab, tmp_path_factory):
         v["pdops_fence_hold_s"] = 2
     base = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
     with deployed(lab, root / "inv", "1p1d", mutate=two_gateways,
-                  profile={"env": {**base["env"], "PDOPS_SIM_DECODE_STEP_MS": "10"}}) as (inv_dir, _):
+                  profile={"env": {**base["env"], "PDOPS_SIM_DECODE_STEP_MS": "10"},
+                           "parallel": {"tp": 4, "ep": 4, "pp": 1}}) as (inv_dir, _):
         yield inv_dir
 
 
@@ -185,12 +191,52 @@ def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
     assert "deploy the old settings instead" in rb.stderr, rb.stderr
 
 
+def test_a_fenced_rollout_with_too_few_free_slots_shrinks_the_old_pool_first_and_fails_no_request(lab, cluster):
+    """3p2d on eight slots leaves three free for a new pool of five: the dry run without
+    `--allow-capacity-dip` is refused naming the shrink; with it, the old pool shrinks by two prefills
+    (drained, verified stopped) before the fence, the new pool starts on the slots they freed, and
+    preflight, run before anything changed, did not check those two against ports the shrink had yet
+    to free. Under load through the front door: no request fails, none is replayed. Then back to 1p1d
+    (same generation, rolled) for the last test."""
+    inv_dir = cluster
+    inv = load_inventory(inv_dir)
+    up = cli(inv_dir, "scale", "--topology", "3p2d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    _set_page_size(inv_dir, 16)
+    refused = cli(inv_dir, "deploy", "--topology", "3p2d", "--dry-run")
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    assert "needs 5 free slots; there are 3: the old pool would shrink by" in refused.stderr, refused.stderr
+    assert "--allow-capacity-dip" in refused.stderr, refused.stderr
+    dry = cli(inv_dir, "deploy", "--topology", "3p2d", "--allow-capacity-dip", "--dry-run")
+    assert dry.returncode == 0 and "rolled fenced (blue/green)" in dry.stdout, dry.stdout + dry.stderr
+    shrunk = re.search(r"the old pool shrinks by ([\w, ]+) first: 3 free slot\(s\) for a new pool of 5", dry.stdout)
+    assert shrunk, dry.stdout
+    with Load(inv.admission.url, AUTH, prefix="gen-dip", requests=12, concurrency=6, max_new_tokens=40) as load:
+        proc = cli(inv_dir, "deploy", "--topology", "3p2d", "--allow-capacity-dip")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    failed = [r.to_dict() for r in load.rows if not r.ok]
+    print(f"\nfenced change with a capacity dip (the old pool shrunk by {shrunk.group(1)}) under load: "
+          f"{len(load.rows)} requests, {len(failed)} failed")
+    assert len(load.rows) >= 12 and not failed, failed[:3]
+    never_twice(lab, inv_dir, "gen-dip")
+    j = record(inv_dir).journal()
+    steps = [r["step"] for r in j.read([o for o in j.operations() if o.startswith("scale-")][-1])]
+    for x in shrunk.group(1).split(", "):
+        assert steps.index(f"shrink {x}: verify-stop") < steps.index("fence"), steps
+    assert steps.index("preflight") < steps.index(f"shrink {shrunk.group(1).split(', ')[0]}: verify-stop"), steps
+    live = _live(inv_dir)
+    assert len(live.role("prefill")) == 3 and len(live.role("decode")) == 2
+    assert cli(inv_dir, "verify").returncode == 0
+    down = cli(inv_dir, "scale", "--topology", "1p1d")
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
 def test_a_generation_change_rolled_in_waves_fails_requests_that_pair_across(lab, cluster):
     inv_dir = cluster
     inv = load_inventory(inv_dir)
     _set_page_size(inv_dir, None)
     dry = cli(inv_dir, "deploy", "--topology", "1p1d", "--dry-run")  # the planner would fence it
-    assert dry.returncode == 0 and "(page size 32 -> unset): a prefill of one and a decode of the other cannot" \
+    assert dry.returncode == 0 and "(page size 16 -> unset): a prefill of one and a decode of the other cannot" \
         in dry.stdout and "rolled fenced (blue/green)" in dry.stdout, dry.stdout + dry.stderr
     with Load(inv.admission.url, AUTH, prefix="gen-waves", requests=12, concurrency=6, max_new_tokens=40) as load:
         proc = cli(inv_dir, "deploy", "--topology", "1p1d", "--unfenced")
