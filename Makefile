@@ -90,9 +90,11 @@ SOAK_OPS ?= 100
 SOAK_SEED ?= 1
 SOAK_HOSTS ?= 5
 SOAK_KINDS ?=
+SOAK_SHAPE ?= one-gateway
+# SOAK_SHAPE: one-gateway, or front-door (two gateways behind HAProxy, the record on etcd: tests/lab/soak.py)
 # SOAK_KINDS: the kinds to draw from, comma-separated (empty: every kind tests/lab/soak.py knows)
 soak: $(STAMP)
-	PDOPS_LAB_HOSTS=$(SOAK_HOSTS) SOAK_OPS=$(SOAK_OPS) SOAK_SEED=$(SOAK_SEED) SOAK_KINDS=$(SOAK_KINDS) $(VENV)/bin/pytest -s -p no:cacheprovider --timeout 0 tests/lab/soak.py
+	PDOPS_LAB_HOSTS=$(SOAK_HOSTS) SOAK_OPS=$(SOAK_OPS) SOAK_SEED=$(SOAK_SEED) SOAK_KINDS=$(SOAK_KINDS) SOAK_SHAPE=$(SOAK_SHAPE) $(VENV)/bin/pytest -s -p no:cacheprovider --timeout 0 tests/lab/soak.py
 
 # Flip each verifier's verdict to "yes" and show a test fails (not part of `make test`).
 mutate: $(STAMP)

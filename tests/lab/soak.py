@@ -7,7 +7,7 @@ Operations and faults, drawn with `random.Random(seed)`:
 - change: the bundle's `max_running_requests` flipped, `inv deploy` (a rolling change);
 - rollback: `inv rollback`; when the revision it returns to had another bundle, the soak's change
   is taken out of its inventory too (runbook bundle-change.md: fix the candidate before deploying
-  it again), as an operator would;
+  it again), as an operator would; to a revision of another generation it must be refused (exit 4);
 - maintenance: `inv drain --host H`, `inv uncordon --host H`, `inv deploy`;
 - engine-kill (fault): SIGKILL of an instance's MainPID (read from systemd), `inv repair`;
 - gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy` (it
@@ -17,6 +17,15 @@ Operations and faults, drawn with `random.Random(seed)`:
   enabled starts by itself), the next as the lab's (nothing starts), alternating;
 - halted-change: a change whose new processes fail to start (no room for the KV pool) halts; the
   flag is taken out and `inv deploy` applies the inventory;
+- gateway-restart: a gateway setting (`health_check_interval_secs`) flipped, `inv deploy` (the
+  gateways restart one at a time; behind the admission layer none turns a request away);
+- generation (front door only): the bundle's page size flipped, `inv deploy` (a fenced change of
+  generation: the new pool beside the old one, the front door switched, the old pool stopped);
+- gateway-host-off (fault; front door only): the host of a gateway that is not the admission
+  host powered off; runbook gateway-host-lost.md: `inv status` (exit 1), the host back (the
+  lab's boot), `inv deploy`, `inv verify`;
+- etcd-kill (record on etcd only): SIGKILL of an etcd member's MainPID, then a drain and the
+  deploy back while systemd restarts it: nothing may be lost, it is no fault window;
 - host-add: lab05 (a fifth lab host, not in the soak's inventory) added to the inventory,
   `inv scale --topology 3p2d` (p03 starts there, or another instance when a drained one's slot
   was free), `inv scale --topology 2p2d`, `inv drain --host lab05` when an instance is still there
@@ -34,8 +43,17 @@ work, an ended orphaned half, a drain's accepted loss); no request ID may reach 
 two decodes (none replayed). One line per operation, a summary, and the ledger (JSON) at
 $SOAK_LEDGER (default: soak-ledger.json beside the lab's state).
 
+Two shapes ($SOAK_SHAPE):
+- one-gateway (default): one smg on lab01, the record on the state host, TP8 (one instance a host);
+- front-door: smg on lab01 and lab04 behind HAProxy on lab01 (API keys; every request of the
+  closed loop goes through it), the record on etcd members pdops runs on lab01-lab03 (`inv
+  state.etcd-up` before the first deploy), TP4 (two slots a host, so that a fenced change of 2p2d
+  has the four free slots its new pool needs). A reboot the lab's way runs the runbook's step 0
+  (`inv state.etcd-up`) first: nothing else starts the members then.
+
     make soak                      # 100 operations, seed 1, on a lab of five hosts
     make soak SOAK_OPS=20 SOAK_SEED=7
+    make soak SOAK_SHAPE=front-door
 """
 
 from __future__ import annotations
@@ -59,9 +77,19 @@ pytestmark = pytest.mark.lab
 
 BASE = "2p2d"
 OPS = ("drain", "scale", "change", "rollback", "maintenance", "engine-kill", "gateway-kill", "reboot", "halted-change",
-       "host-add")
+       "host-add", "gateway-restart", "generation", "gateway-host-off", "etcd-kill")
 SPARE = "lab05"  # the host that host-add adds: booted by `make soak` (PDOPS_LAB_HOSTS=5), never in the base inventory
-FAULTS = ("engine-kill", "gateway-kill", "reboot")
+FAULTS = ("engine-kill", "gateway-kill", "reboot", "gateway-host-off")
+# the kinds each shape can run: a generation change is fenced only behind the admission layer with two
+# gateways (one gateway: refused unless --unfenced); a gateway host off with one gateway is the whole
+# cluster down; etcd-kill needs the record on etcd
+SHAPES = {"one-gateway": tuple(k for k in OPS if k not in ("generation", "gateway-host-off", "etcd-kill")),
+          "front-door": OPS}
+FRONT_GATEWAYS = ["lab01", "lab04"]  # the first and the last host; HAProxy on the first
+ETCD_MEMBERS = ["lab01", "lab02", "lab03"]
+SOAK_KEY = "pdops-soak-key-" + "s" * 20
+INTERVALS = (5, 6)  # the gateway's health_check_interval_secs, flipped by gateway-restart (5: the lab's)
+PAGE_SIZES = (None, 32)  # the bundle's page_size, flipped by generation (None: SGLang's default)
 
 
 @dataclass
@@ -83,11 +111,19 @@ class Soak:
     def __init__(self, lab, inv_dir: Path, seed: int, say=print):
         self.lab, self.inv_dir, self.rng, self.say = lab, inv_dir, random.Random(seed), say
         self.done: list[Done] = []
-        self.bundle = 64
-        self.bundle_at: dict[int, int] = {}  # revision number -> the inventory's max_running_requests it recorded
+        # the profile's settings the soak changes, as the inventory has them now; and as each revision recorded them
+        self.bundle = {"max_running_requests": 64, "page_size": None, "health_check_interval_secs": INTERVALS[0]}
+        self.bundle_at: dict[int, dict] = {}
         self.unexpected: list[str] = []
         self.reboots = 0
         self.spare = _hosts(single_file_doc(Path(lab.inventory))).get(SPARE)  # its inventory entry, or None
+        inv = load_inventory(inv_dir)
+        self.shape = "front-door" if inv.admission is not None else "one-gateway"
+        self.gateways = list(inv.gateway.hosts)
+        self.etcd = list(inv.state.etcd.members) if inv.state and inv.state.etcd else []
+        # the closed loop goes through the front door where there is one, with its key
+        self.url = inv.admission.url if inv.admission is not None else inv.gateway.first.url
+        self.headers = {"Authorization": f"Bearer {SOAK_KEY}"} if inv.admission is not None else None
 
     # ---------------------------------------------------------------- plumbing
     def cli(self, cmds: list[str], *args, expect: int | None = 0):
@@ -133,10 +169,16 @@ class Soak:
         return False
 
     def set_profile(self, **changes) -> None:
+        """The inventory's profile (and the gateway's health check interval, in hosts.yml) edited."""
+        if "health_check_interval_secs" in changes:
+            h = self.inv_dir / "hosts.yml"
+            doc = yaml.safe_load(h.read_text())
+            doc["all"]["vars"]["pdops_gateway"]["health_check_interval_secs"] = changes.pop("health_check_interval_secs")
+            h.write_text(yaml.safe_dump(doc, sort_keys=False))
         p = self.inv_dir / "profiles" / "p.yml"
         prof = yaml.safe_load(p.read_text())
         for k, v in changes.items():
-            if k in ("max_running_requests", "mem_fraction_static"):
+            if k in ("max_running_requests", "mem_fraction_static", "page_size"):
                 if v is None:
                     prof["bundle"].pop(k, None)
                 else:
@@ -174,12 +216,37 @@ class Soak:
         return f"{BASE} -> 3p1d -> {BASE}"
 
     def op_change(self, cmds):
-        self.bundle = 32 if self.bundle == 64 else 64
-        self.set_profile(max_running_requests=self.bundle)
+        self.bundle["max_running_requests"] = 32 if self.bundle["max_running_requests"] == 64 else 64
+        self.set_profile(max_running_requests=self.bundle["max_running_requests"])
         self.cli(cmds, "deploy", "--topology", BASE)
-        return f"max_running_requests -> {self.bundle} (rolling)"
+        return f"max_running_requests -> {self.bundle['max_running_requests']} (rolling)"
+
+    def op_generation(self, cmds):
+        now = self.bundle["page_size"]
+        self.bundle["page_size"] = PAGE_SIZES[(PAGE_SIZES.index(now) + 1) % len(PAGE_SIZES)]
+        self.set_profile(page_size=self.bundle["page_size"])
+        proc = self.cli(cmds, "deploy", "--topology", BASE)
+        if proc.returncode == 0 and "fence" not in proc.stdout:
+            self.unexpected.append("a change of generation was not fenced")
+        return f"page_size {now} -> {self.bundle['page_size']} (fenced)"
+
+    def op_gateway_restart(self, cmds):
+        now = self.bundle["health_check_interval_secs"]
+        new = self.bundle["health_check_interval_secs"] = INTERVALS[(INTERVALS.index(now) + 1) % len(INTERVALS)]
+        self.set_profile(health_check_interval_secs=new)
+        proc = self.cli(cmds, "deploy", "--topology", BASE)
+        restarted = [h for h in self.gateways if f"gateway on {h} restarted in" in proc.stdout]
+        if proc.returncode == 0 and restarted != self.gateways:
+            self.unexpected.append(f"gateways restarted: {restarted}, not {self.gateways}")
+        return f"health_check_interval_secs {now} -> {new}: {', '.join(restarted) or 'no gateway'} restarted"
 
     def op_rollback(self, cmds):
+        prev = record(self.inv_dir).previous()
+        if prev is not None and self.bundle_at.get(prev.number, self.bundle)["page_size"] != self.bundle["page_size"]:
+            # returning across a change of generation is refused (runbook generation-change.md: the way back
+            # is the old settings deployed, fenced); exit 4, nothing changed
+            self.cli(cmds, "rollback", expect=4)
+            return f"to revision {prev.number}: refused, another generation (page size)"
         if self.cli(cmds, "rollback").returncode != 0:
             return "to the previous deployed revision: refused"
         # `inv rollback` returns to the recorded files, not the inventory (runbook bundle-change.md:
@@ -188,9 +255,9 @@ class Soak:
         back_to = (record(self.inv_dir).current_revision().extra or {}).get("rollback_of")
         was = self.bundle_at.get(back_to, self.bundle)
         if was != self.bundle:
-            self.bundle = was
-            self.set_profile(max_running_requests=was)
-            return f"to the previous deployed revision ({back_to}); the inventory back to max_running_requests {was}"
+            self.bundle = dict(was)
+            self.set_profile(**was)
+            return f"to the previous deployed revision ({back_to}); the inventory's bundle back to {was}"
         return f"to the previous deployed revision ({back_to})"
 
     def op_maintenance(self, cmds):
@@ -212,11 +279,39 @@ class Soak:
         return f"SIGKILL {x.id} (MainPID {pid}), repaired"
 
     def op_gateway_kill(self, cmds):
-        inv = load_inventory(self.inv_dir)
-        pid = self.kill_main_pid(inv.gateway.first.host, "pdops-gateway.service")
+        host = self.rng.choice(self.gateways)
+        pid = self.kill_main_pid(host, "pdops-gateway.service")
         time.sleep(0.5)
         self.cli(cmds, "deploy", "--topology", self.topology())
-        return f"SIGKILL gateway (MainPID {pid}), one deploy"
+        return f"SIGKILL the gateway on {host} (MainPID {pid}), one deploy"
+
+    def op_gateway_host_off(self, cmds):
+        """Runbook gateway-host-lost.md while the host comes back: the host of a gateway (not the
+        admission host: that is the front door itself) powered off; `inv status` names the gateway
+        down (exit 1); the host boots (the lab's way: nothing starts); one deploy; verify."""
+        inv = load_inventory(self.inv_dir)
+        host = self.rng.choice([h for h in self.gateways if h not in inv.admission.hosts])
+        lab_api.down(hosts=[int(host.removeprefix("lab"))])
+        self.cli(cmds, "status", expect=1)
+        self.lab.ensure_up()
+        self.cli(cmds, "deploy", "--topology", self.topology())
+        self.cli(cmds, "verify")
+        return f"{host} (a gateway's host) powered off and booted, one deploy"
+
+    def op_etcd_kill(self, cmds):
+        """An etcd member SIGKILLed (by its unit's MainPID), then a drain and the deploy back: the
+        record's lock and writes go through the two members left while systemd restarts it."""
+        host = self.rng.choice(self.etcd)
+        pid = self.kill_main_pid(host, "pdops-etcd.service")
+        detail = self.op_drain(cmds)
+        c = self.lab.connection(host)
+        try:
+            state = c.run("systemctl is-active pdops-etcd.service", hide=True, warn=True).stdout.strip()
+        finally:
+            c.close()
+        if state != "active":
+            self.unexpected.append(f"the etcd member on {host} is {state} after its SIGKILL")
+        return f"SIGKILL the etcd member on {host} (MainPID {pid}); {detail}; the member {state}"
 
     def op_reboot(self, cmds):
         """Runbook hosts-rebooted.md, each command: status (exit 1), deploy, verify. The reboots
@@ -228,6 +323,11 @@ class Soak:
         way = "enabled" if self.reboots % 2 else "lab"
         lab_api.down()
         self.lab.ensure_up(boot=way)
+        if self.etcd and way == "lab":  # the runbook's step 0: nothing started the members
+            st = self.cli(cmds, "status", expect=1)  # from this machine's cached copy, under its banner
+            if "READ-ONLY CACHED COPY" not in st.stdout or "`inv state.etcd-up`" not in st.stdout:
+                self.unexpected.append("inv status did not say the record is a cached copy and name inv state.etcd-up")
+            self.cli(cmds, "state.etcd-up")
         self.cli(cmds, "status", expect=1)
         self.cli(cmds, "deploy", "--topology", self.topology())
         self.cli(cmds, "verify")
@@ -273,11 +373,14 @@ class Soak:
         return "a bundle that cannot start: halted; then the fixed inventory deployed"
 
     # ---------------------------------------------------------------- the loop
-    def run(self, n_ops: int, ops: list[str] | None = None, kinds: tuple[str, ...] = OPS) -> dict:
-        """`n_ops` drawn from `kinds`, or exactly `ops` in that order."""
-        inv = load_inventory(self.inv_dir)
+    def run(self, n_ops: int, ops: list[str] | None = None, kinds: tuple[str, ...] | None = None) -> dict:
+        """`n_ops` drawn from `kinds` (default: every kind this shape runs), or exactly `ops` in that order."""
+        kinds = kinds or SHAPES[self.shape]
         sequence = ops or [self.rng.choice(kinds) for _ in range(n_ops)]
-        with Load(inv.gateway.first.url) as load:
+        unfit = sorted(set(sequence) - set(SHAPES[self.shape]))
+        if unfit:
+            raise ValueError(f"the {self.shape} shape cannot run {', '.join(unfit)}")
+        with Load(self.url, headers=self.headers) as load:
             for n, op in enumerate(sequence, 1):
                 self.note_revisions()
                 before, cmds, t0 = self.ops_seen(), [], time.time()
@@ -305,7 +408,7 @@ class Soak:
         only between operations: op_change, op_rollback)."""
         cur = record(self.inv_dir).current_revision().number
         for n in range(max(self.bundle_at, default=0) + 1, cur + 1):
-            self.bundle_at[n] = self.bundle
+            self.bundle_at[n] = dict(self.bundle)
 
     def judge(self, rows) -> dict:
         named = {r for d in self.done for r in d.named_lost}
@@ -314,14 +417,35 @@ class Soak:
         in_window = {r.rid for r in bad if any(r.start <= b and (r.end or r.start) >= a for a, b in windows)}
         outside = [r for r in bad if r.rid not in in_window and r.rid not in named]
         replayed = replays(self.lab, self.placement())
+        lost = {r.rid for r in outside}
+        per_kind: dict[str, dict] = {}
+        for d in self.done:  # each kind: how often, how long, what failed during it, what was lost outside a window
+            k = per_kind.setdefault(d.op, {"operations": 0, "seconds": 0.0, "not_ok_during": 0,
+                                           "lost_outside_fault_windows": 0})
+            during = [r for r in bad if d.start <= (r.end or r.start) and r.start <= d.end]
+            k["operations"] += 1
+            k["seconds"] = round(k["seconds"] + d.end - d.start, 1)
+            k["not_ok_during"] += len(during)
+            k["lost_outside_fault_windows"] += sum(r.rid in lost for r in during)
         summary = {"operations": len(self.done), "requests": len(rows), "not_ok": len(bad),
                    "not_ok_in_fault_windows": len(in_window), "named_by_pdops": len(named),
                    "lost_outside_fault_windows": [r.rid for r in outside], "replayed": replayed,
                    "left_not_serving": [f"{d.n} {d.op}" for d in self.done if not d.serving_after],
                    "operation_errors": [f"{d.n} {d.op}: {d.detail}" for d in self.done if not d.ok],
-                   "unexpected_exits": [f"{d.n} {d.op}: {u}" for d in self.done for u in d.unexpected]}
+                   "unexpected_exits": [f"{d.n} {d.op}: {u}" for d in self.done for u in d.unexpected],
+                   "per_kind": dict(sorted(per_kind.items()))}
         return {"summary": summary, "operations": [asdict(d) for d in self.done],
                 "ledger": [r.to_dict() for r in rows]}
+
+
+def per_kind_table(per_kind: dict) -> str:
+    """One line per kind of operation: how many, their mean time, requests not served whole while they ran,
+    and of those the ones lost outside every fault window (the goal: 0)."""
+    lines = [f"{'kind':18s} {'ops':>4s} {'mean s':>7s} {'not ok during':>14s} {'lost outside windows':>21s}"]
+    for kind, k in per_kind.items():
+        lines.append(f"{kind:18s} {k['operations']:4d} {k['seconds'] / k['operations']:7.1f} {k['not_ok_during']:14d} "
+                     f"{k['lost_outside_fault_windows']:21d}")
+    return "\n".join(lines)
 
 
 def write_page(result: dict, path: Path, seed: int) -> Path:
@@ -369,10 +493,36 @@ def _hosts(doc: dict) -> dict:
     return doc["all"]["children"]["gpu_hosts"]["hosts"]
 
 
-def soak_cluster(lab, where: Path) -> Path:
-    """2p2d on lab01-lab04 (a fifth host, if booted, stays out of the inventory for host-add)."""
+def soak_cluster(lab, where: Path, shape: str = "one-gateway") -> Path:
+    """2p2d on lab01-lab04 (a fifth host, if booted, stays out of the inventory for host-add), in
+    one of SHAPES (the module's docstring)."""
+    if shape not in SHAPES:
+        raise ValueError(f"SOAK_SHAPE {shape!r} is not one of {', '.join(SHAPES)}")
     stop_all(lab)
-    inv_dir = derived_inventory(lab, where, profile={}, mutate=lambda doc: _hosts(doc).pop(SPARE, None))
+    where.mkdir(parents=True, exist_ok=True)
+    keys = where.parent / f"{where.name}.keys"  # outside the inventory dir: a 0600 file, as an operator keeps it
+    keys.touch(mode=0o600)
+    keys.chmod(0o600)
+    keys.write_text(SOAK_KEY + "\n")
+
+    def shaped(doc):
+        _hosts(doc).pop(SPARE, None)
+        if shape == "front-door":
+            v = doc["all"]["vars"]
+            v["pdops_gateway"].pop("host")
+            v["pdops_gateway"]["hosts"] = list(FRONT_GATEWAYS)
+            v["pdops_admission"] = {"host": FRONT_GATEWAYS[0], "port": 18085, "cap": 16, "queue": 16,
+                                    "queue_timeout_s": 60, "overflow_status": 429, "api_keys_file": str(keys)}
+            # the fenced change's hold before the old pool stops: 2 s, as in tests/lab/test_generation_lab.py
+            v["pdops_fence_hold_s"] = 2
+            state = v["pdops_state"]  # a prefix of this cluster's own in the members' keyspace
+            state.update({"backend": "etcd", "etcd": {"members": list(ETCD_MEMBERS),
+                                                      "prefix": "/pdops/" + state["dir"].rsplit("/", 1)[1] + "/"}})
+    profile = {} if shape == "one-gateway" else {"parallel": {"tp": 4, "ep": 4, "pp": 1}}
+    inv_dir = derived_inventory(lab, where, profile=profile, mutate=shaped)
+    if shape == "front-door":
+        proc = inv_cmd("state.etcd-up", "-i", str(inv_dir), timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = inv_cmd("deploy", "--topology", BASE, "-i", str(inv_dir), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return inv_dir
@@ -380,19 +530,25 @@ def soak_cluster(lab, where: Path) -> Path:
 
 def test_soak(lab, tmp_path):
     """`make soak`: $SOAK_OPS operations (default 100) drawn with $SOAK_SEED (default 1) from
-    $SOAK_KINDS (default every kind; e.g. SOAK_KINDS=host-add,drain)."""
+    $SOAK_KINDS (default every kind of the shape; e.g. SOAK_KINDS=host-add,drain) on a cluster of
+    $SOAK_SHAPE (one-gateway, the default, or front-door)."""
     n, seed = int(os.environ.get("SOAK_OPS", 100)), int(os.environ.get("SOAK_SEED", 1))
-    kinds = tuple(k.strip() for k in (os.environ.get("SOAK_KINDS") or ",".join(OPS)).split(",") if k.strip())
-    unknown = sorted(set(kinds) - set(OPS))
+    shape = os.environ.get("SOAK_SHAPE") or "one-gateway"
+    if shape not in SHAPES:
+        pytest.fail(f"SOAK_SHAPE: {shape!r} is not one of {', '.join(SHAPES)}")
+    kinds = tuple(k.strip() for k in (os.environ.get("SOAK_KINDS") or ",".join(SHAPES[shape])).split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(SHAPES[shape]))
     if unknown or not kinds:
-        pytest.fail(f"SOAK_KINDS: {', '.join(unknown) or 'empty'} not among {', '.join(OPS)}")
-    inv_dir = soak_cluster(lab, tmp_path / "soak")
+        pytest.fail(f"SOAK_KINDS: {', '.join(unknown) or 'empty'} not among the {shape} shape's "
+                    f"{', '.join(SHAPES[shape])}")
+    inv_dir = soak_cluster(lab, tmp_path / "soak", shape)
     result = Soak(lab, inv_dir, seed).run(n, kinds=kinds)
     ledger = Path(os.environ.get("SOAK_LEDGER") or lab.lab_dir / "soak-ledger.json")
     ledger.write_text(json.dumps(result, indent=1, default=str))
     s = result["summary"]
     page = write_page(result, ledger.with_suffix(".html"), seed)
-    print(f"soak summary (seed {seed}): " + json.dumps(s) + f"\nledger: {ledger}\npage: {page}")
+    print(f"soak summary (seed {seed}, {shape}): " + json.dumps({k: v for k, v in s.items() if k != "per_kind"}))
+    print(per_kind_table(s["per_kind"]) + f"\nledger: {ledger}\npage: {page}")
     stop_all(lab)
     assert not s["lost_outside_fault_windows"] and not s["replayed"] and not s["left_not_serving"], s
     assert not s["operation_errors"] and not s["unexpected_exits"], s

@@ -1,12 +1,16 @@
-"""The short soak inside `make test`: ten operations and faults in a seeded order on one 2p2d lab
-cluster under a closed loop of streaming requests (tests/lab/soak.py, which `make soak` runs for 100).
+"""The short soak inside `make test`: every operation and fault the soak knows, in a seeded order, on
+one 2p2d lab cluster of the soak's front-door shape (two gateways behind HAProxy, every request through
+it with an API key, the record on etcd members pdops runs) under a closed loop of streaming requests
+(tests/lab/soak.py, which `make soak` runs for 100).
 
-The ten are every kind the soak knows but host-add (it needs a fifth lab host; tests/lab/test_change.py adds
-one), once, and a second drain: drain, scale (there and back),
-rolling change, rollback, host maintenance (drain --host, uncordon, deploy), engine SIGKILL +
-repair, gateway SIGKILL + deploy, a reboot of every host + deploy, a change halted by a bundle whose
-engines cannot start. After each one the cluster serves with every instance ok; every request that did not get
-its whole answer falls inside a fault's window or was named by pdops as lost; none reached two
+Every kind once but host-add (it needs a fifth lab host; tests/lab/test_change.py adds one), and the
+reboot twice, once each way a host boots: drain, scale (there and back), rolling change, rollback, host
+maintenance (drain --host, uncordon, deploy), engine SIGKILL + repair, a gateway SIGKILLed + deploy, a
+reboot of every host + the runbook (the real way: every enabled unit starts by itself; the lab's way:
+nothing does, etcd first), a change halted by a bundle whose engines cannot start, a planned restart of
+both gateways, a fenced change of generation, a gateway's host powered off, an etcd member SIGKILLed
+during a drain. After each one the cluster serves with every instance ok; every request that did not
+get its whole answer falls inside a fault's window or was named by pdops as lost; none reached two
 prefills or two decodes.
 """
 
@@ -20,32 +24,37 @@ from pathlib import Path
 import pytest
 
 from tests.lab.clusters import REPO, stop_all
-from tests.lab.soak import OPS, Soak, soak_cluster
+from tests.lab.soak import SHAPES, Soak, per_kind_table, soak_cluster
 
 pytestmark = pytest.mark.lab
 
 SEED = 11
 
 
-def test_ten_operations_and_faults_in_a_seeded_order_leave_the_cluster_serving_and_lose_nothing_unnamed(
+def test_every_operation_and_fault_behind_the_front_door_with_the_record_on_etcd_loses_nothing_unnamed(
         lab, tmp_path):
-    sequence = [op for op in OPS if op != "host-add"] + ["drain"]  # host-add needs a fifth lab host
+    kinds = [op for op in SHAPES["front-door"] if op != "host-add"]  # host-add needs a fifth lab host
+    sequence = kinds + ["reboot"]  # both ways a host boots
     random.Random(SEED).shuffle(sequence)
     lab.ensure_up()
-    inv_dir = soak_cluster(lab, tmp_path / "soak")
+    inv_dir = soak_cluster(lab, tmp_path / "soak", "front-door")
     try:
         soak = Soak(lab, inv_dir, SEED)
         result = soak.run(len(sequence), sequence)
     finally:
         stop_all(lab)
     s = result["summary"]
-    print(f"\nsoak of {len(sequence)} (seed {SEED}): " + json.dumps(s))
-    assert s["operations"] == 10 and {d["op"] for d in result["operations"]} == set(OPS) - {"host-add"}
+    print(f"\nsoak of {len(sequence)} (seed {SEED}): " + json.dumps({k: v for k, v in s.items() if k != "per_kind"}))
+    print(per_kind_table(s["per_kind"]))
+    assert s["operations"] == len(sequence) and {d["op"] for d in result["operations"]} == set(kinds)
+    assert [d["detail"].split("(")[1].split()[0] for d in result["operations"] if d["op"] == "reboot"] == \
+        ["enabled", "lab"]
     assert not s["left_not_serving"], s
     assert not s["operation_errors"], s
     assert not s["unexpected_exits"], s  # every command of every runbook it follows exits as documented
     assert not s["lost_outside_fault_windows"], s
     assert not s["replayed"], s
+    assert sorted(s["per_kind"]) == sorted(kinds) and sum(k["operations"] for k in s["per_kind"].values()) == len(sequence)
     assert s["requests"] > 100, "the closed loop hardly ran"
     # the soak's page: every operation on one timeline beside the requests ok and not ok each second
     from pdops.ops.report import embedded_data
