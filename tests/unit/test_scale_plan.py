@@ -428,6 +428,10 @@ def test_drain_host_moves_its_instance_to_a_free_slot_first_and_cordons_it(lab_i
     names = plan.plan.step_ids()
     assert names.index("register p03") < names.index("drain p02: leave-gateway")
     assert plan.min_capacity() == (2, 1) and "cordoned: lab02" in plan.render()
+    # the record step records the move as the surge the dry run shows (it once recorded none: the surge was
+    # set on the plan after its steps froze)
+    [rec] = [s for s in plan.run if s.kind == "record-scale"]
+    assert rec.params["change"].surge == (("p02", "p03"),)
 
 
 def test_drain_host_without_room_shrinks_the_role_and_refuses_its_last_instance(lab_inv, state):
@@ -473,6 +477,10 @@ def test_rollback_returns_to_the_recorded_files_even_after_the_inventory_was_edi
     assert back.rollback_of == r1.number and ids(back.replaced) == ["p01", "p02", "d01", "d02"]
     assert manifest(back.files) == r1.manifest  # revision 1's files, not a rendering of the edited inventory
     assert back.rollback_inventory_hash == lab_inv.digest
+    # what the record step records (the facts it was compiled with): the target revision's inventory digest,
+    # not the edited inventory's on disk (it once was: the digest was set on the plan after its steps froze)
+    [rec] = [s for s in back.run if s.kind == "record-scale"]
+    assert rec.params["change"].rollback_inventory_hash == lab_inv.digest != edited.digest
     assert back.target == pl  # and its placement (prefills back on their first bootstrap ports)
 
 

@@ -37,7 +37,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                 force: bool = False, replace_ids: dict[str, str] | None = None,
                 cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None,
                 restart_not_serving: bool = True, cur_snapshot: dict | None = None, unfenced: bool = False,
-                shift_hold_s: float | None = None, fault: str | None = None) -> ScalePlan:
+                shift_hold_s: float | None = None, fault: str | None = None, inventory_hash: str | None = None,
+                moves: list[tuple[str, str]] | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -59,7 +60,12 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
 
     `fault`: what a deploy observed and replaces (pdops.ops.deploy.plan_reconcile: processes that run,
     or will run at their next start, files edited on their host): the change ends the prefill halves a replaced decode left and moves
-    `inv status`'s baseline past the fault, as a repair does."""
+    `inv status`'s baseline past the fault, as a repair does.
+
+    What a caller adds is an argument, part of the plan before its steps are compiled (their record step
+    carries it): `inventory_hash`, the inventory digest a rollback records (its target revision's, not
+    the inventory on disk); `moves`, the (old id, new id) pairs a host maintenance planned, recorded as
+    its surge."""
     from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -277,7 +283,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             zero.append(role)
     plan = ScalePlan(inv, cur, cur_pl, target_pl, files, added, removed, kept, steps, dip=dip,
                      rollback_of=rollback_of, skip_checks=skip_checks, kept_files=n_kept_files,
-                     replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves], surge=surge,
+                     replaced=replaced, why=why, waves=[[i.id for i in w] for w in waves],
+                     surge=surge + list(moves or []), rollback_inventory_hash=inventory_hash,
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
                      retired_gateways=retired,
                      base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
@@ -426,10 +433,9 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
                       f"{' and no '.join(zero)} instance, and no free slot off the cordoned hosts takes its place",
                       fix="add a host (or uncordon one) so the instance moves there first, or --force")
     refuse_generation_change(inv, state, cur, target, f"drain --host {host}")
-    plan = plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
-                       allow_capacity_dip=True, seen=seen, cur_snapshot=state.revision_snapshot(cur.number))
-    plan.surge = moved
-    return plan
+    return plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
+                       allow_capacity_dip=True, seen=seen, cur_snapshot=state.revision_snapshot(cur.number),
+                       moves=moved)
 
 
 def refuse_generation_change(inv: Inventory, state: StateDir, cur, target: Placement, what: str) -> None:
@@ -545,12 +551,10 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
             raise Refused(f"cannot roll back to revision {tgt.number}: its hosts {', '.join(gone)} are not in the "
                           "inventory, so they cannot be reached", fix="add them back to the inventory (the files and "
                           f"placement of revision {tgt.number} are recorded; only the hosts' addresses are read from it)")
-        plan = plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+        return plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
                            rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force,
                            seen=seen, cur_snapshot=state.revision_snapshot(cur.number), unfenced=unfenced,
-                           shift_hold_s=shift_hold_s)
-        plan.rollback_inventory_hash = tgt.inventory_hash
-        return plan
+                           shift_hold_s=shift_hold_s, inventory_hash=tgt.inventory_hash)
     refuse_changed_inventory(inv, cur)
     changed = rollback_conditions(inv, cur, tgt)
     if changed:
