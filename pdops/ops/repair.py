@@ -23,7 +23,6 @@ from pdops.reads import orphans
 from pdops.facts import requestlog
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
-from pdops.ops.deploy.steps import healthy_steps
 from pdops.runner import Outcome, Plan, RunContext, Step, register_executors, walk
 from pdops.record.local import new_op_id
 
@@ -96,22 +95,16 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
                       fix=f"`inv deploy --topology {rev.topology}` applies the inventory's changes (it replaces what "
                           "differs), or restore the inventory of the running revision")
     why = f"repair ({row['state']}" + (f": {row['reasons'][0]}" if row["reasons"] else "") + ")"
+    # the repair's own floor check is above (the planner's is overridden); the serving guard at leave-gateway
+    # stays unless the operator forced
     plan = sc.plan_change(inv, rev, pl, replace_ids={iid: why}, max_unavailable=1, force=True, seen=seen,
-                          restart_not_serving=False)
+                          restart_not_serving=False, guard=not force,
+                          repair={"instance": iid, "state": row["state"], "reasons": list(row["reasons"]),
+                                  "down": row["state"] == "down", "force_after": bool(force_after),
+                                  "since": _epoch(rev.created), "wait_s": wait_s})
     if [i.id for i in plan.replaced] != [iid] or plan.added or plan.removed or plan.gateway_restart:
         raise Refused(f"repairing {iid} would change more than {iid}",
                       evidence=plan.render(), fix=f"`inv deploy --topology {rev.topology}` plans the whole difference")
-    plan.repair = {"instance": iid, "state": row["state"], "reasons": list(row["reasons"]),
-                   "down": row["state"] == "down", "force_after": bool(force_after), "since": _epoch(rev.created),
-                   "wait_s": wait_s}
-    plan.force = bool(force)  # the repair's own floor check above; --force: no serving guard at leave-gateway
-    sc.compile_steps(plan)
-    if row["state"] == "restarted":
-        # systemd started the running process (Restart=on-failure): real SGLang answers /metrics without
-        # its queue gauges until its warm-up ends (17-64 s here), so its drain could not prove it idle.
-        # Wait for its /health first (nothing is started); one that never answers stops the repair here.
-        at = next(n for n, s in enumerate(plan.run) if s.kind == "lost-work")
-        plan.run[at:at] = healthy_steps(inv, [pl.get(iid)], group=None)
     plan.state = state
     return plan
 

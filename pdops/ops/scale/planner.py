@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 
 
 def compile_steps(plan: ScalePlan) -> ScalePlan:
-    """The runner's steps of a change plan and its rescue, from what the plan decided (again after
-    a caller such as `inv repair` adds to it)."""
+    """The runner's steps of a change plan and its rescue, from what the plan decided."""
     plan.run = runner_steps(plan)
     plan.rescue = rescue_steps(plan)
     return plan
@@ -38,7 +37,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                 cordoned: list[str] | None = None, snapshot: dict | None = None, seen: Seen | None = None,
                 restart_not_serving: bool = True, cur_snapshot: dict | None = None, unfenced: bool = False,
                 shift_hold_s: float | None = None, fault: str | None = None, inventory_hash: str | None = None,
-                moves: list[tuple[str, str]] | None = None) -> ScalePlan:
+                moves: list[tuple[str, str]] | None = None, repair: dict | None = None,
+                guard: bool | None = None) -> ScalePlan:
     """The ordered, capacity-annotated change from revision `cur` to `target_pl` (pure): each instance
     is kept (same placement, identical files), replaced (same id and slot; its files, its placement or,
     in `replace_ids`, what its processes were observed to run differ: drained, then started from the
@@ -65,7 +65,10 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     What a caller adds is an argument, part of the plan before its steps are compiled (their record step
     carries it): `inventory_hash`, the inventory digest a rollback records (its target revision's, not
     the inventory on disk); `moves`, the (old id, new id) pairs a host maintenance planned, recorded as
-    its surge."""
+    its surge; `repair` (pdops.ops.repair: the one instance a repair restarts, its state, whether to end
+    what it runs after its wait), with `guard`: whether each drain keeps its serving guard at
+    leave-gateway (default: not `force`; a repair overrides the planner's floors itself and keeps the
+    guard unless the operator forced)."""
     from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
@@ -288,7 +291,8 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      max_unavailable=max_unavailable, gateway_restart=gateway_restart, cordoned=cordoned,
                      retired_gateways=retired,
                      base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
-                     generation=gen, how=_waves_why(gen), force=force, fault=fault)
+                     generation=gen, how=_waves_why(gen), force=force if guard is None else not guard, fault=fault,
+                     repair=repair)
     compile_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",

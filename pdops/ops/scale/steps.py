@@ -242,8 +242,14 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     out: list[Step] = []
     for i in wave:
         if rep.get("instance") == i.id:
+            from pdops.ops.deploy.steps import healthy_steps
             from pdops.ops.repair import lost_work_step
 
+            if rep.get("state") == "restarted":
+                # systemd started the running process (Restart=on-failure): real SGLang answers /metrics without
+                # its queue gauges until its warm-up ends (17-64 s here), so its drain could not prove it idle.
+                # Wait for its /health first (nothing is started); one that never answers stops the repair here.
+                out += healthy_steps(inv, [old[i.id]], group=None)
             out.append(lost_work_step(old[i.id], rep))
     for n, row in enumerate(zip(*subs)):
         for st in row:
