@@ -27,6 +27,7 @@ LONGEST_FIRST = (
     "tests/lab/test_real_engine.py",
     "tests/lab/test_change.py",
     "tests/lab/test_repair.py",
+    "tests/lab/test_generation_lab.py",
     "tests/lab/test_probe_lab.py",
     "tests/lab/test_sweep_lab.py",
 )

@@ -346,6 +346,11 @@ def render_files(inv: Inventory, pl: Placement) -> list[RenderedFile]:
     return files
 
 
+def gateway_paths() -> tuple[str, str, str, str]:
+    """Where one gateway's own files go on its host: its unit, start-up-list script, launch script and env file."""
+    return (f"{UNIT_DIR}/{GATEWAY_UNIT}", membership.SCRIPT_PATH, f"{BIN_DIR}/pdops-gateway.sh", f"{ENV_DIR}/gateway.env")
+
+
 def _gateway_files(inv: Inventory, node: GatewayNode, slice_text: str) -> list[RenderedFile]:
     """One gateway's unit, launch script, env file and start-up-list script, on its host."""
     tpl = _env()
@@ -361,10 +366,11 @@ def _gateway_files(inv: Inventory, node: GatewayNode, slice_text: str) -> list[R
     gw_env = {"RUST_LOG": "info", "PDOPS_CLUSTER": inv.cluster, "PDOPS_SMG_VERSION": SMG_VERSION}
     gw_env[CONFIG_VAR] = config_id(gw_unit, gw_script, _env_file(inv, "model gateway", gw_env), slice_text,
                                    membership.SCRIPT)
-    return [RenderedFile(node.host, f"{UNIT_DIR}/{GATEWAY_UNIT}", gw_unit, 0o644),
-            RenderedFile(node.host, membership.SCRIPT_PATH, membership.SCRIPT, 0o755),
-            RenderedFile(node.host, f"{BIN_DIR}/pdops-gateway.sh", gw_script, 0o755),
-            RenderedFile(node.host, f"{ENV_DIR}/gateway.env", _env_file(inv, "model gateway", gw_env), 0o600)]
+    unit_path, list_script_path, script_path, env_path = gateway_paths()
+    return [RenderedFile(node.host, unit_path, gw_unit, 0o644),
+            RenderedFile(node.host, list_script_path, membership.SCRIPT, 0o755),
+            RenderedFile(node.host, script_path, gw_script, 0o755),
+            RenderedFile(node.host, env_path, _env_file(inv, "model gateway", gw_env), 0o600)]
 
 
 # Every unit's env file names the files it was rendered with: a digest of its unit, launch script,

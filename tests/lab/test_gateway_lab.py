@@ -205,6 +205,37 @@ def test_verify_fails_and_deploy_repairs_what_it_observes(lab, cluster):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_a_gateway_restarted_from_files_no_revision_recorded_gets_the_revisions_back_from_one_deploy(lab, cluster):
+    """The gateway's files on its host changed by a change that recorded nothing (here: its launch script's
+    health check interval and its env file's config id edited by hand, as a change interrupted after its
+    delivery leaves them), then the gateway crashed and systemd started it from them. `inv status` names
+    the gateway running other files than the revision's; the deploy of the live topology, which once
+    left such a gateway as it was (restarting only gateways that were down), puts the revision's gateway
+    files back and restarts it on them: `inv verify` 0, every worker routable."""
+    from pdops.model.render import gateway_paths
+
+    inv = load_inventory(cluster)
+    pl = _placement(cluster)
+    gw = inv.gateway.first.host
+    _, _, script, env = gateway_paths()
+    host_run(lab, gw, f"sed -i 's/--health-check-interval-secs [0-9]*/--health-check-interval-secs 7/' {script} && "
+                      f"sed -i 's/^PDOPS_CONFIG=.*/PDOPS_CONFIG=unrecorded-change/' {env}")
+    old = _gateway_pid(lab, inv)
+    host_run(lab, gw, f"kill -KILL {old}")
+    _wait(lambda: _gateway_pid(lab, inv) not in (0, old), 30, "systemd to start the gateway again", interval=0.5)
+    st = inv_cmd("status", "-i", str(cluster))
+    assert st.returncode == 1 and "runs files unrecorded-change, the revision's are" in st.stdout, st.stdout + st.stderr
+    proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(cluster))
+    assert proc.returncode == 0 and "plan: repair revision" in proc.stdout, proc.stdout + proc.stderr
+    assert "gateway-restart" in proc.stdout and "gateway restarted in" in proc.stdout, proc.stdout
+    assert "unrecorded-change" not in host_run(lab, gw, f"cat {env}")
+    assert "--health-check-interval-secs 7" not in host_run(lab, gw, f"cat {script}")
+    client = GatewayClient(inv.gateway.first.url, timeout=2, poll_interval=0.1)
+    assert _routable_urls(client) == {i.url for i in pl.instances}
+    v = inv_cmd("verify", "-i", str(cluster))
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
 def test_a_drained_instance_stays_out_after_a_gateway_restart(lab, cluster):
     inv = load_inventory(cluster)
     pl = _placement(cluster)

@@ -503,3 +503,40 @@ def test_an_etcd_member_down_is_named_by_status_and_started_by_one_deploy(tmp_pa
     pool.units.pop(("lab02", ETCD_UNIT))
     obs = observe(inv, p0.live, pool, gws)
     assert obs.store_down == {} and dep.plan_reconcile(p0, obs).noop
+
+
+def test_a_gateway_that_runs_other_files_gets_the_revisions_back_and_is_restarted_on_them(two, tmp_path):
+    """A gateway whose process started from other files than the revision's (its files changed after it
+    started and no restart followed; or it was restarted from files edited on its host): `inv status`
+    names it, and the deploy of the live topology, which once restarted only gateways that were down
+    (so the same finding came back after every deploy), puts the revision's gateway files back on that
+    host only and restarts that gateway on them, one at a time, before it records."""
+    from pdops.model.render import gateway_paths
+
+    state = StateDir("lab", tmp_path / "s")
+    rev = deployed(two, state, "1p1d")
+    r2 = state.write_revision(topology=rev.topology, inventory_hash=rev.inventory_hash, placement=rev.placement,
+                              manifest=rev.manifest, instances=rev.instances, outcome="deployed",
+                              extra={"configs": {f"lab02:{GATEWAY_UNIT}": "the-revisions-id"}})
+    state.set_current(r2.number)
+    p0 = dep.plan_deploy(two, parse_topology("1p1d"), state)
+    pool, gws = world(two, p0.placement)
+
+    class Notes(type(pool)):
+        def read_sections(self, host, commands):
+            out = super().read_sections(host, commands)
+            if host == "lab02":  # the note its launch script left: MainPID 100 (the stand-in's) started from another id
+                out["configs"] = (0, f"{GATEWAY_UNIT} 100 another-id\n")
+            return out
+    pool = Notes(pool.units, pool.lists)
+    obs = observe(two, p0.live, pool, gws)
+    [finding] = obs.findings()
+    assert finding.startswith(f"gateway {GATEWAY_UNIT} on lab02 runs files another-id, the revision's are the-revisions-id"), finding
+    plan = dep.plan_reconcile(p0, obs)
+    deliver = next(s for s in plan.steps if s.kind == "deliver")
+    assert sorted((f.host, f.path) for f in deliver.params["files"]) == sorted(("lab02", p) for p in gateway_paths())
+    assert [(s.kind, s.params.get("gateway")) for s in plan.steps if s.kind.startswith("gateway")] == \
+        [("gateway-restart", "lab02")]
+    kinds = [s.kind for s in plan.steps]
+    assert kinds.index("deliver") < kinds.index("gateway-restart") < kinds.index("record-repair")
+    assert not [s for s in plan.steps if s.kind in ("start", "register")]  # every instance serves

@@ -11,7 +11,7 @@ from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.ops.record_store import member_start_steps
 from pdops.model.placement import Placement, place
-from pdops.model.render import RenderedFile, manifest, render_files
+from pdops.model.render import RenderedFile, gateway_paths, manifest, render_files
 from pdops.runner import Plan, Step
 from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
@@ -174,16 +174,22 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
     # recorded process runs (started from the revision's files) is not restarted, one that systemd started
     # again from the edited files is, in place
     edited = [o for o in obs.instances if o.edited]
-    if edited:
+    # a gateway that runs other files than the revision's (its files changed after it started, and no
+    # restart followed): the revision's files put back, then restarted on them (below), one at a time
+    stale_gws = [g.host for g in obs.gateways if g.stale]
+    if edited or stale_gws:
         own = {(h, p) for o in edited for h, u in o.instance.units for p in unit_files(rev.manifest, h, u)}
+        own |= {(h, p) for h in stale_gws for p in gateway_paths()}
         files = [f for f in plan.files if (f.host, f.path) in own]
         insts = tuple(o.instance for o in edited)
         steps += delivery_steps(inv, Placement(Topology(sum(i.role == "prefill" for i in insts),
                                                         sum(i.role == "decode" for i in insts)), insts),
-                                files, {"restore": [o.id for o in edited], "of": rev.number})
-        steps[-1].description += (f" (only {', '.join(o.id for o in edited)}'s files, as revision {rev.number} "
-                                  "rendered them, before anything starts; a recorded process, started from them, "
-                                  "is not restarted)")
+                                files, {"restore": [o.id for o in edited] + [f"gateway {h}" for h in stale_gws],
+                                        "of": rev.number})
+        whose = [o.id for o in edited] + [f"gateway {h}" for h in stale_gws]
+        steps[-1].description += (f" (only {', '.join(whose)}'s files, as revision {rev.number} rendered them, "
+                                  "before anything starts" + ("; a recorded process, started from them, is not "
+                                                              "restarted" if edited else "") + ")")
     down_gws = [g for g in obs.gateways if g.down]
     if down_gws:
         restart = {g.host: isinstance(g.unit, UnitState) and g.unit.active_state == "active" for g in down_gws}
@@ -204,6 +210,10 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
                                  why="through every pair of a started or restarted instance, before registration"))
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
+    if stale_gws:
+        from pdops.ops.scale.steps import gateway_restart_steps  # deploy <-> scale: the known circle (issue 51)
+
+        steps += gateway_restart_steps(inv, [i.id for i in pl.instances], hosts=stale_gws)
     if obs.front_door and inv.admission is not None:  # a stopped change left a gateway drained or weighted
         from pdops.model.admission import FULL_WEIGHT
 
@@ -217,7 +227,7 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
                           params={"admission_hosts": list(inv.admission.hosts),
                                   "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},
                                   "ready": list(inv.gateway.hosts), "standbys": standbys}))
-    if down_gws or need or obs.front_door or obs.admission_down:
+    if down_gws or stale_gws or need or obs.front_door or obs.admission_down:
         steps += front_door_step(inv)
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named

@@ -142,17 +142,17 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     return out
 
 
-def gateway_restart_steps(inv: Inventory, instances: list[str]) -> list[Step]:
-    """One gateway at a time: restart it on its new files, wait until it lists every instance.
-    Behind the admission layer, with other gateways: HAProxy sends it nothing new meanwhile (its
-    server drained, ready again after); alone: a stand-in smg takes its place first (make before
-    break)."""
+def gateway_restart_steps(inv: Inventory, instances: list[str], hosts: list[str] | None = None) -> list[Step]:
+    """One gateway at a time (`hosts`: only these): restart it on its new files, wait until it lists
+    every instance. Behind the admission layer, with other gateways: HAProxy sends it nothing new
+    meanwhile (its server drained, ready again after); alone: a stand-in smg takes its place first
+    (make before break)."""
     from pdops.model.render import GATEWAY_UNIT, gateway_grace_s
 
     adm = inv.admission
     several = len(inv.gateway.nodes) > 1
     out = []
-    for node in inv.gateway.nodes:
+    for node in [n for n in inv.gateway.nodes if hosts is None or n.host in hosts]:
         held = ""
         where = ", ".join(adm.hosts) if adm else ""
         if adm and several:
