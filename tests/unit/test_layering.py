@@ -39,6 +39,8 @@ def test_no_import_circle_between_modules():
     known = {"pdops.ops.deploy", "pdops.ops.scale", "pdops.ops.repair", "pdops.ops.admission_keys",
              # the change package's modules that build or walk other operations' steps (its model is not)
              "pdops.ops.scale.planner", "pdops.ops.scale.steps", "pdops.ops.scale.execute", "pdops.ops.scale.rescue",
+             # the operations that are one change (split from the planner: the same circle, through it)
+             "pdops.ops.scale.operations",
              # a change of generation's fenced rollout: built by the change planner, as its steps are
              "pdops.ops.scale.fenced",
              "pdops.ops.deploy.plan", "pdops.ops.deploy.execute"}
@@ -124,3 +126,15 @@ def test_no_module_imports_another_modules_private_names():
                 bad += [f"{rel}.py:{node.lineno} imports {node.module}.{a.name}" for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__")]
     assert not bad, bad
+
+
+def test_no_module_passes_500_lines_but_data_tables_host_scripts_and_the_named_debt():
+    """style.md item 17: a module over 500 lines does more than one thing. Excepted: a data table and a script
+    shipped to the hosts as one file. The debt (docs/design/architecture.md, "Layering debt") may shrink, never
+    grow: a module not named here that passes 500 lines fails."""
+    excepted = {"pdops/model/sglang_flags.py", "pdops/hostscripts/record.py"}
+    debt = {"pdops/runner.py", "pdops/model/render.py", "pdops/reads/observe.py", "pdops/record/etcdstore.py",
+            "pdops/record/local.py"}
+    over = {str(p.relative_to(REPO)): n for p in sorted((REPO / "pdops").rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
+    assert set(over) <= excepted | debt, {k: v for k, v in over.items() if k not in excepted | debt}

@@ -32,15 +32,17 @@ The package, by concern (each module imports only those listed before it):
 - ``rescue``: the executors of the rescue's kinds (imported here: they register them);
 - ``fenced``: a change of generation planned as a fenced (blue/green) rollout, its steps and rescue;
 - ``fence_exec``: the executors of a fenced rollout's own kinds (imported here);
-- ``planner``: plan_change and the operations that are one (scale, apply, rollback,
-  ``drain --host``, uncordon); it hands a change of generation to ``fenced``.
+- ``planner``: plan_change, the change planner; it hands a change of generation to ``fenced``;
+- ``operations``: the operations that are one change (scale, apply, rollback, ``drain --host``,
+  uncordon), each planned by plan_change.
 """
 
 from pdops.ops.scale import fence_exec, rescue  # noqa: F401 - register their kinds' executors
 from pdops.ops.scale.execute import execute_scale, walk_scale
 from pdops.ops.scale.model import ScalePlan, ScaleStep, cordoned_hosts, instance_files, union_placement
-from pdops.ops.scale.planner import (compile_steps, plan_apply, plan_change, plan_drain_host, plan_rollback, plan_scale,
-                                 plan_uncordon, rollback_conditions)
+from pdops.ops.scale.operations import (plan_apply, plan_drain_host, plan_rollback, plan_scale, plan_uncordon,
+                                        rollback_conditions)
+from pdops.ops.scale.planner import compile_steps, plan_change
 
 __all__ = ["ScalePlan", "ScaleStep", "compile_steps", "cordoned_hosts", "execute_scale", "instance_files", "plan_apply",
            "plan_change", "plan_drain_host", "plan_rollback", "plan_scale", "plan_uncordon", "rollback_conditions",
