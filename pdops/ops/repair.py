@@ -20,7 +20,7 @@ import re
 
 from pdops.errors import InvalidInput, PdopsError, Refused
 from pdops.reads import orphans
-from pdops.facts import requestlog
+from pdops.facts import q, requestlog
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Outcome, Plan, RunContext, Step, register_executors, walk
@@ -118,8 +118,6 @@ def lost_work_step(inst: Instance, rep: dict) -> Step:
 
 
 def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.facts import q
-
     inst = ctx.old_placement.get(step.instance)
     host, unit = inst.units[0]
     out = ctx.pool.run(host, requestlog.invocations_command(unit, step.params.get("since", 0)), timeout=60).stdout

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
-from pdops.facts import cgroup as cg_facts
+from pdops.facts import cgroup as cg_facts, q
 from pdops.facts import files as file_facts
 from pdops.facts import procs as proc_facts
 from pdops.facts.gateway import DRAINING, READY, UNREAD, Worker
@@ -24,7 +24,7 @@ from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import KEEPALIVED_UNIT, UNIT as ADMISSION_UNIT
 from pdops.model.etcd_member import UNIT as ETCD_UNIT
-from pdops.model.render import GATEWAY_UNIT
+from pdops.model.render import GATEWAY_UNIT, RUN_DIR, runtime_dir
 from pdops.fanout import run_parallel
 from pdops.record.local import Revision
 from pdops.reads.identity import RankIdentity
@@ -568,9 +568,6 @@ def config_notes_command(units: list[str]) -> str:
     script writes "<PID> <PDOPS_CONFIG>" into the unit's RuntimeDirectory before it execs (the PID survives
     the exec). Read from this note, not /proc/<pid>/environ: a process that sets its title (smg does)
     overwrites its environ area."""
-    from pdops.facts import q
-    from pdops.model.render import RUN_DIR, runtime_dir
-
     return "; ".join(f"printf '%s ' {q(u)}; head -n1 {q(f'{RUN_DIR}/{runtime_dir(u)}/config')} 2>/dev/null || echo -"
                      for u in units)
 

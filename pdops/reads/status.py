@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdops.errors import PdopsError
+from pdops.errors import PdopsError, Unreachable
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
@@ -121,7 +121,6 @@ def prometheus_rates(url: str, cluster: str) -> dict[str, dict[str, float]]:
     5 minutes' TPM (input on prefills, output on decodes) and PD failure rate per instance."""
     import urllib.parse
 
-    from pdops.errors import Unreachable
 
     c = cluster.replace("\\", "\\\\").replace('"', '\\"')
     queries = {

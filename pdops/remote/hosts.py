@@ -12,10 +12,10 @@ import urllib.request
 from fabric import Config, Connection
 
 from pdops.errors import Unreachable
-from pdops.facts import batch_command, split_sections
+from pdops.facts import batch_command, q, split_sections
 from pdops.facts import systemd as systemd_facts
 from pdops.model.inventory import Inventory
-from pdops.fanout import run_remote
+from pdops.fanout import failures, run_parallel, run_remote
 
 # A host that accepts TCP on its SSH port but does not speak SSH (sshd past MaxStartups, a load
 # balancer) fails paramiko's handshake in its transport thread, which logs the traceback at
@@ -60,8 +60,6 @@ class HostPool:
         return systemd_facts.parse_by_id(out)
 
     def journal_tail(self, host: str, unit: str, lines: int = 30) -> str:
-        from pdops.facts import q
-
         try:
             return self.run(host, f"journalctl -u {q(unit)} -n {int(lines)} --no-pager -o short-iso").stdout
         except Exception as exc:  # noqa: BLE001 - evidence is best effort
@@ -70,8 +68,6 @@ class HostPool:
     def connect_all(self, hosts: list[str]) -> dict[str, str]:
         """Reach every host in parallel (one SSH round trip each); Unreachable naming every
         host that failed, before anything is changed. Returns each host's systemd state."""
-        from pdops.fanout import failures, run_parallel
-
         res = run_parallel(hosts, lambda h: self.run(h, "systemctl is-system-running || true", timeout=20).stdout.strip())
         bad = failures(res)
         if bad:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdops.errors import InvalidInput, Refused
-from pdops.remote.load import LedgerRow
+from pdops.remote.load import LedgerRow, send
 
 from pdops.ops.bench.figures import Figures, compute_figures, format_table
 from pdops.ops.bench.ledger import LEDGER_CSV, LEDGER_JSONL, MANIFEST, write_ledger
@@ -132,7 +132,6 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
     `load(base_url, **kw) -> rows` defaults to `pdops.remote.load.send`. The run is marked
     invalid when the revision changed between its start and its end.
     """
-    from pdops.remote.load import send
     from pdops.record.local import new_op_id, now_iso
 
     wl = workload if isinstance(workload, Workload) else parse_workload(workload)

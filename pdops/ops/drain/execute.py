@@ -13,8 +13,8 @@ from pdops.facts import ports as port_facts
 from pdops.facts import skipped_in
 from pdops.remote.gateway import Gateways, deadline_in
 from pdops.remote.hosts import HostPool
-from pdops.model.placement import Instance, Placement
-from pdops.model.render import SLICE_UNIT, UNIT_DIR
+from pdops.model.placement import Instance, Placement, last_bootstrap_ports
+from pdops.model.render import SLICE_UNIT, UNIT_DIR, snapshot_subset
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk, walk_journalled
 from pdops.record.local import StateDir, new_op_id
 
@@ -415,8 +415,6 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                 "holds_while": "its hosts and rendered files are unchanged",
                 "files": {h: f for h, f in removed_files.items() if f},
                 "placement": [i for i in pl0.to_dict()["instances"] if i["id"] == inst.id]}
-    from pdops.model.placement import last_bootstrap_ports
-    from pdops.model.render import snapshot_subset
 
     units = {f"{h}:{u}" for h, u in inst.units}
     carried = {"configs": {k: v for k, v in (rev0.extra.get("configs") or {}).items() if k not in units},

@@ -6,11 +6,11 @@ import time
 
 # imported for their step kinds' executors too (pdops.runner.EXECUTORS): a probe walks them
 import pdops.ops.scale  # noqa: F401
-from pdops.ops.deploy import do_canary
+from pdops.ops.deploy import deliver, do_canary, running_evidence
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement
 from pdops.runner import Outcome, RunContext, Step, register_executors, walk
-from pdops.record.local import new_op_id, now_iso
+from pdops.record.local import default_operator, new_op_id, now_iso
 
 from pdops.ops.probe.plan import ProbePlan
 from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures
@@ -71,8 +71,6 @@ def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.ops.deploy import deliver
-
     remove: dict[str, list[str]] = {}
     for f in step.params["files"]:
         remove.setdefault(f.host, []).append(f.path)
@@ -82,7 +80,6 @@ def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.ops.deploy import running_evidence
     from pdops.model.render import files_of
 
     rev, baseline = step.params["revision"], step.params["placement"]
@@ -139,8 +136,6 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
     """Walk a probe's one plan under the cluster lock: its steps, then its way back (the plan's
     `always` steps: they run whether the probe's own steps passed or not, and after Ctrl-C). The
     probe-result record (also in the journal) says what was measured and where the pair is now."""
-    from pdops.record.local import default_operator
-
     state = plan.state
     op = new_op_id("probe")
     p, d = plan.pair

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pdops.errors import InvalidInput, PdopsError, Refused
 from pdops.model.inventory import Inventory
-from pdops.model.placement import Instance, Placement
+from pdops.model.placement import Instance, Placement, place_change
 from pdops.ops import scale as sc
 from pdops.ops.deploy import canary_step, connect_step, delivery_steps, preflight_step, start_steps
 from pdops.ops.drain import drain_steps
@@ -135,7 +135,6 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     if spare:
         _refuse_other_files(inv, rev)
         target = Topology(len(cur_pl.role("prefill")) + 1, len(cur_pl.role("decode")) + 1)
-        from pdops.model.placement import place_change
 
         try:
             grown = place_change(inv, target, cur_pl, avoid=frozenset(sc.cordoned_hosts(rev)),

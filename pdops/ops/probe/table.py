@@ -7,7 +7,7 @@ import io
 import re
 
 from pdops.errors import InvalidInput
-from pdops.record.local import new_op_id
+from pdops.record.local import default_operator, new_op_id
 
 
 # ---------------------------------------------------------------- the table
@@ -98,8 +98,6 @@ def check_note(probe_id, note) -> tuple[str, str]:
 
 def add_note(state, probe_id: str, note: str) -> dict:
     """An operator's reading of a probe, appended to the journal under the lock."""
-    from pdops.record.local import default_operator
-
     pid, text = check_note(probe_id, note)
     known = {r.get("probe") for r in probe_table(state.journal())}
     if pid not in known:

@@ -10,12 +10,13 @@ import pdops.ops.admission_keys  # noqa: F401
 import pdops.ops.deploy  # noqa: F401
 import pdops.ops.drain  # noqa: F401
 import pdops.ops.repair  # noqa: F401
-from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unverified
-from pdops.remote.gateway import Gateways
-from pdops.remote.haproxy import require_another_up, runtime, wait_gateways_up
+from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unreachable, Unverified
+from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
+from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, wait_gateways_up
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
-from pdops.model.render import STANDBY_UNIT, manifest, snapshot_of
+from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, gateway_grace_s,
+                                manifest, snapshot_of)
 from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
@@ -32,8 +33,6 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     break: :func:`standby_cover`)."""
     from pdops.facts import q
     from pdops.model.admission import server_state_command
-    from pdops.remote.gateway import deadline_in
-    from pdops.model.render import GATEWAY_UNIT
 
     inv, pool = ctx.inv, ctx.pool
     node = inv.gateway.node(step.params["gateway"])
@@ -110,8 +109,6 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
 
 def wait_sessions_zero(pool, adm_hosts, host: str, deadline: float) -> None:
     """Until HAProxy on every admission host carries no request on `host`'s server."""
-    from pdops.remote.haproxy import gateway_stats
-
     while True:
         left = {a: gateway_stats(pool, a).get(host) for a in adm_hosts}
         busy = {a: st.sessions for a, st in left.items() if st is not None and st.sessions > 0}
@@ -135,7 +132,6 @@ class Standby:
         """Out of HAProxy (drained to 0 sessions, then MAINT as rendered), then its unit stopped."""
         from pdops.facts import q
         from pdops.model.admission import server_state_command, standby_server
-        from pdops.remote.gateway import deadline_in
 
         name = standby_server(self.host)
         for a in self.adm_hosts:
@@ -153,8 +149,6 @@ class Standby:
     def keep_or_retire(self, ctx: RunContext) -> None:
         """After a failed restart: when the gateway is UP in HAProxy again the stand-in is retired; else it
         is left serving, said, with the command that ends it."""
-        from pdops.remote.haproxy import gateway_stats
-
         try:
             # HAProxy's last check may still say UP for a gateway that just failed (it takes `fall` checks to
             # mark it DOWN): the gateway's own readiness decides, then HAProxy's view
@@ -177,9 +171,7 @@ def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: 
     HAProxy's own check). Refused, nothing changed, when a stand-in already runs."""
     from pdops.facts import q
     from pdops.model.admission import server_state_command, standby_server
-    from pdops.model.render import BIN_DIR, ENV_DIR, SLICE_UNIT, gateway_grace_s
     from pdops.ops.deploy.actions import register_one
-    from pdops.remote.gateway import GatewayClient
 
     inv, pool = ctx.inv, ctx.pool
     sb = inv.gateway.standby(node.host)
@@ -236,7 +228,6 @@ def ensure_standby_server(ctx: RunContext, adm_hosts: list[str], host: str) -> l
     files this change delivered, instead of only at the change's end. Returns the hosts reloaded."""
     from pdops.facts import q
     from pdops.model.admission import UNIT, standby_server
-    from pdops.remote.haproxy import gateway_stats
 
     name, done = standby_server(host), []
     for a in adm_hosts:
@@ -285,10 +276,8 @@ def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:
     """A gateway host no longer named: its unit stopped and disabled, its files removed. A host that
     cannot be reached (or is not in the inventory) is said, not failed: nothing routes to it any more
     (HAProxy's config and every record have dropped it), but it would start at boot."""
-    from pdops.errors import Unreachable
     from pdops.facts import q
     from pdops.model import membership
-    from pdops.model.render import BIN_DIR, ENV_DIR, GATEWAY_UNIT, UNIT_DIR
 
     h = step.params["host"]
     later = f"when {h} answers again: `systemctl disable --now {GATEWAY_UNIT}` there"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from pdops.errors import InvalidInput, Refused
 from pdops.model.inventory import Inventory
-from pdops.model.placement import Placement, gpu_slots, make_instance
+from pdops.model.placement import Placement, gpu_slots, make_instance, place_change
 from pdops.model.render import manifest, render_files
 from pdops.record.local import Revision, StateDir
 from pdops.model.topology import Topology
@@ -27,8 +27,6 @@ def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capac
                seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """What `inv deploy --topology T` (or `inv scale`) does on a live cluster: the smallest change from
     the current revision to what the inventory, `target` and this pdops render now. Reads only the record."""
-    from pdops.model.placement import place_change
-
     cur = current_revision_of(inv, state, "change")
     cur_pl = Placement.from_dict(cur.placement)
     cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
@@ -137,8 +135,6 @@ def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[st
                 changed.append(f"host {r.host} of {i.id}: data address {r.data_addr} -> {h.data_addr}")
     if not changed:
         try:
-            from pdops.model.placement import place_change
-
             again = place_change(inv, tgt_pl.topology, tgt_pl)
             if again != tgt_pl:
                 changed.append(f"revision {tgt.number}'s placement no longer follows from the inventory")

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.errors import InvalidInput, Refused
 from pdops.model.inventory import Inventory
-from pdops.model.placement import Instance, Placement, gpu_slots, make_instance
-from pdops.model.render import files_of, manifest, render_admission_files, render_files
+from pdops.model.placement import Instance, Placement, gpu_slots, make_instance, remake, uses_alt_port
+from pdops.model.render import GATEWAY_UNIT, UNIT_DIR, files_of, manifest, render_admission_files, render_files
 from pdops.record.local import Revision
 
-from pdops.ops.scale.model import (ROLES, ScalePlan, ScaleStep, cordoned_hosts, file_changes, gpu_range, gpu_set,
-                                   instance_files, shared_files, slot_key)
+from pdops.ops.scale.model import (GenerationChange, ROLES, ScalePlan, ScaleStep, cordoned_hosts, file_changes,
+                                   gpu_range, gpu_set, instance_files, shared_files, slot_key)
 from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps
 from pdops.model.generation import LAYOUT, Generation, digest, generation_diff, generations
@@ -130,7 +130,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                           "admission layer in a maintenance window")
     gateway_restart = [c for c in shared if c not in adm_changes]
     # a gateway host no longer named (pdops_gateway.hosts): its unit is stopped, disabled, its files removed
-    from pdops.model.render import GATEWAY_UNIT, UNIT_DIR
 
     retired = sorted(h for h, paths in cur.manifest.items()
                      if f"{UNIT_DIR}/{GATEWAY_UNIT}" in paths and h not in inv.gateway.hosts)
@@ -141,8 +140,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                           "then change the instances")
     # a replaced prefill takes its slot's other bootstrap port: no decode has a cached route to it
     if snapshot is None and any(cur_by_id[i].role == "prefill" for i in why):
-        from pdops.model.placement import remake, uses_alt_port
-
         target_pl = Placement(target_pl.topology, tuple(
             remake(inv, i, alt=not uses_alt_port(inv, cur_by_id[i.id])) if i.id in why and i.role == "prefill" else i
             for i in target_pl.instances))
@@ -309,8 +306,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
 def generation_change(cur_snapshot: dict | None, cur_pl: Placement, files, target_pl: Placement):
     """The generation of each instance before (from the current revision's recorded files) and
     after (the target's files); None when the current revision's files are not at hand."""
-    from pdops.ops.scale.model import GenerationChange
-
     if cur_snapshot is None:
         return None
     old, new = generations(files_of(cur_snapshot), cur_pl), generations(files, target_pl)

@@ -7,7 +7,7 @@ import time
 from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement, last_bootstrap_ports
-from pdops.model.render import manifest, render_files
+from pdops.model.render import config_ids, manifest, render_files
 from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
 from pdops.model.topology import Topology
 
@@ -199,8 +199,6 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
     `partial` revision whose every instance is described by the files its process runs: the ones not
     yet replaced by revision `current` (their files were never touched), the replaced ones by the new
     files. `inv rollback` returns to revision `current`."""
-    from pdops.model.render import config_ids
-
     kept_added = set(halt.get("kept_added", []))
     cur = plan.current
     cur_pl = plan.current_placement

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.reads import orphans
 from pdops.model.inventory import Inventory
-from pdops.model.render import GATEWAY_UNIT, manifest
+from pdops.model.render import GATEWAY_UNIT, gateway_grace_s, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
 from pdops.model.topology import Topology
@@ -147,8 +147,6 @@ def gateway_restart_steps(inv: Inventory, instances: list[str], hosts: list[str]
     every instance. Behind the admission layer, with other gateways: HAProxy sends it nothing new
     meanwhile (its server drained, ready again after); alone: a stand-in smg takes its place first
     (make before break)."""
-    from pdops.model.render import GATEWAY_UNIT, gateway_grace_s
-
     adm = inv.admission
     several = len(inv.gateway.nodes) > 1
     out = []
@@ -185,7 +183,6 @@ def gateway_start_steps(plan: ScalePlan) -> list[Step]:
     seen = plan.seen
     if not seen or not seen.gateways_down:
         return []
-    from pdops.model.render import GATEWAY_UNIT
 
     inv = plan.inv
     serving = {i.id: i.url for i in plan.current_placement.instances if i.id not in seen.not_serving}

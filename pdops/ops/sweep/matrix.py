@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pdops.ops.bench import fmt_int, fmt_s
+from pdops.ops.bench import fmt_int, fmt_s, text_table
 from pdops.errors import InvalidInput
 
 from pdops.ops.sweep.plan import Cell, DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED, PLANNED, STATE_LABEL, SweepPlan
@@ -112,7 +112,6 @@ def render_matrix(m: Matrix) -> str:
     body = []
     for r in m.ratios:
         body.append([r, m.topologies.get(r) or "-", *[cell_text(m.cell(r, c)) for c in m.concurrencies]])
-    from pdops.ops.bench import text_table
 
     parts = [f"sweep {m.workload}, fixed budget {m.budget} GPUs ({m.gpus_per_instance} per instance); "
              "cells: median total TPM", text_table(header, body), ""]

@@ -9,7 +9,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from pdops.ops.bench.workload import Workload, parse_concurrency, parse_positive_int, stop_condition
+from pdops.ops.bench.workload import Workload, parse_concurrency, parse_positive_int, parse_workload, stop_condition
 from pdops.errors import InvalidInput
 from pdops.model.topology import Topology
 from pdops.runner import Plan, Step
@@ -304,8 +304,6 @@ def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: 
     """Every (ratio, concurrency) cell, planned or not tried with its reason, and how each run is
     made (`requests` per run, default 4 x C, or `duration` seconds; not both). Pure but for the
     inventory's placement check. Raises InvalidInput if no cell can run."""
-    from pdops.ops.bench.workload import parse_workload
-
     budget = parse_positive_int(budget, "--budget", "GPU budget")
     repeats = parse_positive_int(repeats, "--repeats", "number of repeats")
     rs = parse_ratios(ratios) if isinstance(ratios, str) else list(ratios)
