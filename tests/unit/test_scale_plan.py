@@ -731,3 +731,32 @@ def test_a_rollback_records_every_file_the_cluster_runs_the_admission_layers_too
     planned = {(f.host, f.path) for f in plan.files}
     assert delivered - planned == set(), sorted(delivered - planned)
     assert delivered == planned
+
+
+def test_a_rollback_that_moves_an_instance_onto_the_slot_another_holds_now_is_refused(lab_inv, state):
+    """Found by the front-door soak: revision 68 had d01 on a slot that p01, added later, holds now; `inv
+    rollback` replaced d01 onto it in its wave while p01 still ran (p01 was to be removed after), p01's
+    process answered d01's /health and canary, the canary timed out, and the undo could not prove d01
+    stopped. Such a move is refused before anything runs, naming both and the way round."""
+    from pdops.model.placement import gpu_slots, make_instance
+    from pdops.model.render import snapshot_of
+
+    slots = gpu_slots(lab_inv)  # lab01..lab04, one TP8 slot each
+
+    def recorded(pl):
+        files = render_files(lab_inv, pl)
+        rev = state.write_revision(topology=str(pl.topology), inventory_hash=lab_inv.digest, placement=pl.to_dict(),
+                                   manifest=manifest(files), outcome="deployed", snapshot=snapshot_of(lab_inv, files),
+                                   instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances})
+        state.set_current(rev.number)
+        return rev
+
+    p01 = make_instance(lab_inv, "prefill", 1, slots[0])
+    first = recorded(Placement(parse_topology("1p1d"), (p01, make_instance(lab_inv, "decode", 1, slots[1]))))
+    recorded(Placement(parse_topology("2p1d"), (p01, make_instance(lab_inv, "prefill", 2, slots[1]),
+                                                make_instance(lab_inv, "decode", 1, slots[2]))))
+    with pytest.raises(Refused) as e:
+        sc.plan_rollback(lab_inv, state)
+    assert "d01 moves to lab02 http://" in e.value.message and "p02 hold(s) now" in e.value.message, e.value.message
+    assert f"then run `inv rollback --to {first.number}` again" in e.value.fix, e.value.fix
+    assert state.current_revision().number == first.number + 1  # nothing recorded

@@ -111,6 +111,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
             why[i.id] = f"{len(changes)} file(s) changed: " + "; ".join(c.split(" (sha256")[0] for c in changes)
         elif i.id in replace_ids:
             why[i.id] = replace_ids[i.id]
+    refuse_moves_onto_held_slots(cur_pl, target_pl, why, rollback_of)
     # shared files (the gateway's, the admission layer's) must not change under a change plan
     old_sh = shared_files(cur.manifest, set(cur_by_id))
     new_sh = shared_files(new_mf, tgt_ids)
@@ -301,6 +302,36 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                           "instances fit beside the old ones",
                       evidence=plan.render())
     return plan
+
+
+def refuse_moves_onto_held_slots(cur_pl: Placement, target_pl: Placement, why: dict[str, str],
+                                 rollback_of: int | None) -> None:
+    """A replaced instance that moves (a rollback returns to a recorded placement) is started in its wave,
+    beside every instance that has not left yet: onto GPUs or an HTTP port another instance holds now, it
+    would start while that one runs, and that one's process would answer its /health and its canary (seen
+    in the soak: a rollback moved d01 onto the slot of p01, which it was to remove later; the canary timed
+    out and the undo could not prove d01 stopped). Refused, nothing changed, naming both."""
+    held: dict[tuple, str] = {}
+    for c in cur_pl.instances:
+        held.update({(r.host, g): c.id for r in c.ranks for g in r.gpus})
+        held[(c.head.host, "port", c.http_port)] = c.id
+    tgt = {i.id: i for i in target_pl.instances}
+    clashes = []
+    for iid, reason in why.items():
+        if not reason.startswith("moves:"):
+            continue
+        new = tgt[iid]
+        keys = [(r.host, g) for r in new.ranks for g in r.gpus] + [(new.head.host, "port", new.http_port)]
+        others = sorted({held[k] for k in keys if k in held} - {iid})
+        if others:
+            clashes.append(f"{iid} moves to {'/'.join(new.hosts)} {new.url}, whose GPUs or port {', '.join(others)} "
+                           "hold(s) now")
+    if clashes:
+        again = f"`inv rollback --to {rollback_of}`" if rollback_of else "this command"
+        raise Refused("this change would start an instance beside the one that holds its GPUs or port: "
+                      + "; ".join(clashes),
+                      fix=f"stop the holder first (`inv drain --instance ID`), then run {again} again; "
+                          "nothing was changed")
 
 
 def generation_change(cur_snapshot: dict | None, cur_pl: Placement, files, target_pl: Placement):
