@@ -239,3 +239,45 @@ def test_stop_with_an_escaped_process_holding_the_ports_is_not_verified_until_it
     status = json.loads(inv_cmd("status", "-i", str(inv), "--json").stdout)
     assert "p02" not in [r["instance"] for r in status["instances"]]
     assert all(r["healthy"] for r in status["instances"])
+
+
+def test_start_is_not_verified_when_another_process_answers_on_the_instances_port(lab, cluster):
+    """The start's health gate took any 200 at the instance's URL for the instance (found by the front-door
+    soak: a rollback started d01 on the port p01 still held; p01's process answered d01's /health and its
+    canary). Here a stray sim holds a decode's address and port while the decode's unit is down: the deploy of the
+    live topology starts the unit (a repair would stop it first, and its verified stop names the stray on the
+    port), which cannot bind, and the stray answers /health. The start is not verified: the deploy stops,
+    naming the stray's PID and command line, and registers nothing. Once the stray is stopped (by its unit),
+    the same command starts the decode and verifies it."""
+    from tests.lab.clusters import host_run, wait_for
+
+    inv, _ = cluster
+    d02 = [i for i in _placement(inv).instances if i.role == "decode"][-1]  # the earlier tests drained some
+    host, unit = d02.units[0]
+    stray = "pdops-stray-decode"  # a pdops-* name: stop_all ends it at the module's end whatever happens here
+    host_run(lab, host, f"systemctl stop {unit}")
+    host_run(lab, host, f"systemd-run --unit {stray} --setenv=PYTHONPATH={REPO} {REPO}/.venv/bin/python -m pdops.sim "
+                        f"--model-path stray --host {d02.head.data_addr} --port {d02.http_port} "
+                        "--disaggregation-mode decode")
+
+    def stray_healthy() -> bool:
+        try:
+            return http_json("GET", f"{d02.url}/health", timeout=2)[0] == 200
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+    wait_for(stray_healthy, 30, f"the stray sim answering on {d02.id}'s port")
+    pid = int(host_run(lab, host, f"systemctl show -p MainPID --value {stray}").strip())
+    topology = record(inv).current_revision().topology
+    proc = inv_cmd("deploy", "--topology", topology, "-i", str(inv))
+    out = proc.stdout + proc.stderr
+    host_run(lab, host, f"systemctl stop {stray}")
+    assert proc.returncode != 0, out
+    assert f"{d02.id}: {d02.url}/health answered, but not from {unit}: port {d02.http_port} on {host} is held by " \
+           f"PID {pid} (" in out, out
+    assert "pdops.sim" in out and "--model-path stray" in out, out
+    j = record(inv).journal()
+    steps = {r["step"]: r["status"] for r in j.read(j.operations()[-1])}
+    assert steps.get(f"start {d02.id}") == "failed" and f"register {d02.id}" not in steps, steps  # nothing registered
+    again = inv_cmd("deploy", "--topology", topology, "-i", str(inv))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"port {d02.http_port} held by {unit} (PID" in again.stdout, again.stdout

@@ -12,6 +12,8 @@ from pathlib import Path
 from pdops.model import membership
 from pdops.remote import ansible
 from pdops.errors import DeployFailed, PdopsError, Unreachable, Unverified
+from pdops.facts import ports as port_facts
+from pdops.facts import procs as proc_facts
 from pdops.facts import q
 from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.hosts import HostPool, http_json
@@ -20,6 +22,7 @@ from pdops.model.placement import Instance, Placement
 from pdops.facts.gateway import BLOCKING, DRAINING
 from pdops.model.admission import KEEPALIVED_UNIT, NONLOCAL_BIND_SYSCTL, UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, config_ids
+from pdops.reads.identity import record_identity
 from pdops.runner import Say
 from pdops.fanout import failures, run_parallel
 from pdops.facts.engine import FAILED_SESSION, PROBE_MAX_ENV
@@ -181,12 +184,39 @@ def start_instance(inv: Inventory, pool: HostPool, inst: Instance, deadline_s: f
         # reset a start limit hit by a crash loop: this start is the operator's, and watched below
         pool.run(host, f"systemctl reset-failed {q(unit)} || true; systemctl {verb} {q(unit)}")
     ready_s = await_health(pool, inst, deadline_s, started_by="pdops")
+    owner = port_owner(pool, inst)
     pids = {}
     for host, unit in inst.units:
         st = pool.unit_states(host, [unit])[unit]
         pids[f"{host}:{unit}"] = st.main_pid
-    say(f"  {inst.id} healthy in {ready_s:.1f}s at {inst.url} (MainPID {', '.join(map(str, pids.values()))})")
-    return {"url": inst.url, "main_pids": pids, "ready_s": ready_s}
+    say(f"  {inst.id} healthy in {ready_s:.1f}s at {inst.url} (MainPID {', '.join(map(str, pids.values()))}; "
+        f"{owner})")
+    return {"url": inst.url, "main_pids": pids, "ready_s": ready_s, "port_owner": owner}
+
+
+def port_owner(pool: HostPool, inst: Instance) -> str:
+    """Whose process listens on the instance's HTTP port, which just answered its /health: it must be a
+    process of the instance's head unit (its cgroup, or MainPID's tree). Another process there (an
+    instance a change has yet to stop, a stray) answers /health and canaries in its place while the
+    unit itself failed to bind: DeployFailed naming it. A listener whose PID `ss` cannot attribute is
+    said, not failed."""
+    host, unit = inst.units[0]
+    ident = record_identity(pool, host, unit)
+    listeners = port_facts.parse(pool.run(host, port_facts.command()).stdout)
+    owners = sorted({pid for lst in port_facts.listening_on_port(listeners, inst.http_port)
+                     if lst.covers(inst.head.data_addr) for pid in lst.pids})
+    mine = set(ident.cgroup_pids) | set(ident.tree)
+    if not owners:
+        return f"port {inst.http_port}: its listener's PID not read"
+    if not set(owners) & mine:
+        tree = proc_facts.parse(pool.run(host, proc_facts.command(owners)).stdout)
+        who = "; ".join(f"PID {pid} ({' '.join(tree[pid].cmdline)[:120] if pid in tree else '?'})" for pid in owners)
+        raise DeployFailed(f"{inst.id}: {inst.url}/health answered, but not from {unit}: port {inst.http_port} on "
+                           f"{host} is held by {who}, and {unit}'s MainPID is {ident.main_pid or 'none'}",
+                           fix="another process holds the instance's port (an instance not stopped yet, or a stray): "
+                               "nothing was registered; stop it by its unit, then run the command again",
+                           evidence=pool.journal_tail(host, unit))
+    return f"port {inst.http_port} held by {unit} (PID {', '.join(map(str, owners))})"
 
 
 def register(gateways: Gateways, inst: Instance, say: Say, timeout_s: float = 60) -> dict[str, str]:
