@@ -7,7 +7,8 @@ Operations and faults, drawn with `random.Random(seed)`:
 - change: the bundle's `max_running_requests` flipped, `inv deploy` (a rolling change);
 - rollback: `inv rollback`; when the revision it returns to had another bundle, the soak's change
   is taken out of its inventory too (runbook bundle-change.md: fix the candidate before deploying
-  it again), as an operator would; to a revision of another generation it must be refused (exit 4);
+  it again), as an operator would; to a revision of another generation it must be refused (exit 4), and
+  to a placement that moves an instance onto a slot another instance holds now (exit 4);
 - maintenance: `inv drain --host H`, `inv uncordon --host H`, `inv deploy`;
 - engine-kill (fault): SIGKILL of an instance's MainPID (read from systemd), `inv repair`;
 - gateway-kill (fault): SIGKILL of the gateway's MainPID, systemd restarts it, `inv deploy` (it
@@ -247,8 +248,15 @@ class Soak:
             # is the old settings deployed, fenced); exit 4, nothing changed
             self.cli(cmds, "rollback", expect=4)
             return f"to revision {prev.number}: refused, another generation (page size)"
-        if self.cli(cmds, "rollback").returncode != 0:
-            return "to the previous deployed revision: refused"
+        proc = self.cli(cmds, "rollback", expect=None)
+        if proc.returncode == 4 and "beside the one that holds its GPUs or port" in proc.stderr:
+            # documented: the revision's placement moves an instance onto a slot another holds now (refused,
+            # nothing changed, the holder named; seen in the front-door soak before it was refused)
+            return "to the previous deployed revision: refused, it moves an instance onto a slot another holds"
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+            self.unexpected.append(f"inv rollback -> {proc.returncode}: {tail}")
+            return "to the previous deployed revision: failed"
         # `inv rollback` returns to the recorded files, not the inventory (runbook bundle-change.md:
         # fix the candidate before deploying it again): the soak takes its change out of the inventory
         # too, as an operator would, or every later command would carry the candidate back in
