@@ -431,7 +431,7 @@ def member_start_steps(inv, down: dict[str, str]) -> list[Step]:
     if not down:
         return []
     hosts = sorted(down)
-    return [Step("etcd-members", None, f"systemctl start --no-block {UNIT} on {', '.join(hosts)} (observed "
+    return [Step("etcd-members", None, f"systemctl reset-failed, start --no-block {UNIT} on {', '.join(hosts)} (observed "
                  + "; ".join(f"{h}: {down[h]}" for h in hosts) + "); the record's writes go through the majority "
                  "meanwhile", 60, kind="etcd-member-start", params={"hosts": hosts}),
             Step("etcd-quorum", None, f"every member answers its status with one leader, and a write is read back "
@@ -441,8 +441,8 @@ def member_start_steps(inv, down: dict[str, str]) -> list[Step]:
 
 
 def do_etcd_member_start(ctx: RunContext, step: Step) -> Outcome:
-    for h in step.params["hosts"]:
-        ctx.pool.run(h, f"systemctl start --no-block {q(UNIT)}")
+    for h in step.params["hosts"]:  # a member that hit its start limit refuses `start` until reset
+        ctx.pool.run(h, f"systemctl reset-failed {q(UNIT)} || true; systemctl start --no-block {q(UNIT)}")
     return Outcome(evidence={"started": step.params["hosts"]})
 
 

@@ -405,8 +405,10 @@ def format_status(doc: dict) -> str:
                      "gateway ready at its weight)")
     for f in doc.get("admission_down", []):
         lines.append(f"front door closed: {f}\n  -> inv deploy --topology {doc['topology']} (starts it)")
+    cached = bool((doc.get("record") or {}).get("cached"))  # no member answered: the banner above has the fix
     for f in doc.get("store_down", []):
-        lines.append(f"record store degraded: {f}\n  -> inv deploy --topology {doc['topology']} (starts it)")
+        lines.append(f"record store degraded: {f}" + ("" if cached else
+                                                      f"\n  -> inv deploy --topology {doc['topology']} (starts it)"))
     lines += [f"warning: {w}" for w in doc.get("warnings", [])]
     if (doc.get("record") or {}).get("lock"):
         lines.append("note: a change holds the cluster lock (above): what differs from the current revision may be "

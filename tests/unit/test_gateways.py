@@ -226,6 +226,13 @@ def test_one_gateway_down_is_started_alone_and_the_others_keep_serving(two, tmp_
     assert seen.not_serving == {} and set(seen.gateways_down) == {"lab02"}
     plan = dep.plan_reconcile(p0, obs)
     assert [(s.name, s.params["gateway"]) for s in plan.steps if s.kind == "gateway"] == [("gateway lab02", "lab02")]
+    # it starts from the revision's files, put back first (a hand edit that made it crash loop is not run again)
+    from pdops.model.render import gateway_paths
+
+    deliver = next(s for s in plan.steps if s.kind == "deliver")
+    assert sorted((f.host, f.path) for f in deliver.params["files"]) == sorted(("lab02", p) for p in gateway_paths())
+    kinds = [s.kind for s in plan.steps]
+    assert kinds.index("deliver") < kinds.index("gateway")
 
 
 def test_status_warns_about_a_single_way_in(two, tmp_path):
@@ -491,14 +498,27 @@ def test_an_etcd_member_down_is_named_by_status_and_started_by_one_deploy(tmp_pa
     assert obs.findings() == [f"the record's etcd member on lab02 is not running ({ETCD_UNIT} inactive/failed): the "
                               "record holds while a majority of the members runs"]
     plan = dep.plan_reconcile(p0, obs)
-    assert [s.kind for s in plan.steps][:3] == ["connect", "etcd-member-start", "etcd-check-quorum"]
+    assert [s.kind for s in plan.steps] == ["connect", "etcd-member-start", "etcd-check-quorum", "verify-running",
+                                            "record-repair"]
     assert plan.steps[1].params == {"hosts": ["lab02"]}
-    assert not [s for s in plan.steps if s.kind in ("start", "gateway", "admission")]  # nothing else was down
-    assert plan.steps[-1].kind == "record-repair"
+    # with the gateway down too: the serving parts first (a member that cannot start keeps nothing down), the
+    # record's store last before the record
+    pool.units[("lab01", GATEWAY_UNIT)] = ("failed", 0)
+    kinds = [s.kind for s in dep.plan_reconcile(p0, observe(inv, p0.live, pool, gws)).steps]
+    assert kinds.index("gateway") < kinds.index("etcd-member-start") < kinds.index("etcd-check-quorum") \
+        < kinds.index("record-repair"), kinds
+    pool.units.pop(("lab01", GATEWAY_UNIT))
     text = format_status({"cluster": "lab", "revision": 1, "topology": "1p1d", "instances": [], "gateways": [],
                           "front_door": [], "store_down": obs.store_findings()})
     assert "record store degraded: the record's etcd member on lab02 is not running" in text, text
     assert "-> inv deploy --topology 1p1d (starts it)" in text and "not ok: record store" in text, text
+    # every member down (the record read from this machine's cached copy): the banner's fix is the only one,
+    # a deploy could not read the record
+    text = format_status({"cluster": "lab", "revision": 1, "topology": "1p1d", "instances": [], "gateways": [],
+                          "front_door": [], "store_down": obs.store_findings(),
+                          "record": {"location": "etcd", "cached": {"fetched_at": "t", "reason": "r"},
+                                     "banner": "READ-ONLY CACHED COPY ... -> start the etcd members ...", "lock": None}})
+    assert "record store degraded" in text and "inv deploy" not in text, text
     # every member up: nothing said, nothing planned
     pool.units.pop(("lab02", ETCD_UNIT))
     obs = observe(inv, p0.live, pool, gws)

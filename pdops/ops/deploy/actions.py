@@ -207,7 +207,10 @@ def port_owner(pool: HostPool, inst: Instance) -> str:
                      if lst.covers(inst.head.data_addr) for pid in lst.pids})
     mine = set(ident.cgroup_pids) | set(ident.tree)
     if not owners:
-        return f"port {inst.http_port}: its listener's PID not read"
+        return (f"port {inst.http_port} on {inst.head.data_addr}: NOT verified whose process holds it ("
+                + ("no listener's PID read by ss" if any(lst.covers(inst.head.data_addr) for lst in
+                                                         port_facts.listening_on_port(listeners, inst.http_port))
+                   else "no listener seen there") + ")")
     if not set(owners) & mine:
         tree = proc_facts.parse(pool.run(host, proc_facts.command(owners)).stdout)
         who = "; ".join(f"PID {pid} ({' '.join(tree[pid].cmdline)[:120] if pid in tree else '?'})" for pid in owners)

@@ -156,8 +156,11 @@ def do_start(ctx: RunContext, step: Step) -> Outcome:
                                "deploy again") from None
     ctx.give(step, "healthy", {inst.id})
     ctx.give(step, "main_pids", {inst.id: ev["main_pids"]})
+    owned = not ev["port_owner"].startswith(f"port {inst.http_port} on")  # port_owner: "NOT verified ..." then
     return Outcome(evidence=ev, verified=[f"{inst.id} active and healthy on its own /health (MainPID "
-                                          f"{', '.join(map(str, ev['main_pids'].values()))})"])
+                                          f"{', '.join(map(str, ev['main_pids'].values()))})"]
+                   + ([f"{inst.id}: {ev['port_owner']}"] if owned else []),
+                   unverified=[] if owned else [f"{inst.id}: {ev['port_owner']}"])
 
 
 def serving(ctx: RunContext, step: Step, iid: str) -> Instance:

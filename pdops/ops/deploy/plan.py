@@ -169,7 +169,6 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
         change.state = plan.state
         return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
-    steps += member_start_steps(inv, obs.store_down)  # the record's store first: the record is written last
     # with something else down: every instance's edited files put back before anything starts; one whose
     # recorded process runs (started from the revision's files) is not restarted, one that systemd started
     # again from the edited files is, in place
@@ -177,16 +176,19 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
     # a gateway that runs other files than the revision's (its files changed after it started, and no
     # restart followed): the revision's files put back, then restarted on them (below), one at a time
     stale_gws = [g.host for g in obs.gateways if g.stale]
-    if edited or stale_gws:
+    # and a gateway that is down (its unit read: its host answers) starts again from the revision's files, not
+    # from whatever is on its disk (a hand edit that makes it crash loop): Ansible changes only what differs
+    gw_files = stale_gws + [g.host for g in obs.gateways if g.down and isinstance(g.unit, UnitState)]
+    if edited or gw_files:
         own = {(h, p) for o in edited for h, u in o.instance.units for p in unit_files(rev.manifest, h, u)}
-        own |= {(h, p) for h in stale_gws for p in gateway_paths()}
+        own |= {(h, p) for h in gw_files for p in gateway_paths()}
         files = [f for f in plan.files if (f.host, f.path) in own]
         insts = tuple(o.instance for o in edited)
         steps += delivery_steps(inv, Placement(Topology(sum(i.role == "prefill" for i in insts),
                                                         sum(i.role == "decode" for i in insts)), insts),
-                                files, {"restore": [o.id for o in edited] + [f"gateway {h}" for h in stale_gws],
+                                files, {"restore": [o.id for o in edited] + [f"gateway {h}" for h in gw_files],
                                         "of": rev.number})
-        whose = [o.id for o in edited] + [f"gateway {h}" for h in stale_gws]
+        whose = [o.id for o in edited] + [f"gateway {h}" for h in gw_files]
         steps[-1].description += (f" (only {', '.join(whose)}'s files, as revision {rev.number} rendered them, "
                                   "before anything starts" + ("; a recorded process, started from them, is not "
                                                               "restarted" if edited else "") + ")")
@@ -235,6 +237,9 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
     if touched or need:
         steps.append(close_breakers_step(inv, pl, sorted(touched | {i.id for i in need}),
                                          "engines started again at their URLs, or workers the gateway did not route to"))
+    # the record's store where pdops runs it: after the serving parts (a member that cannot start must not
+    # keep the gateways and engines down), before the record is written
+    steps += member_start_steps(inv, obs.store_down)
     steps.append(verify_running_step(pl, inv, plan.files))
     steps.append(Step("record", None, f"record the MainPIDs seen as a repair of revision {rev.number} (same files "
                       "and topology" + ("; the inventory on disk" if not inv.matches(rev.inventory_hash) else "")
