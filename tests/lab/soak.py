@@ -312,13 +312,18 @@ class Soak:
         host = self.rng.choice(self.etcd)
         pid = self.kill_main_pid(host, "pdops-etcd.service")
         detail = self.op_drain(cmds)
-        c = self.lab.connection(host)
-        try:
-            state = c.run("systemctl is-active pdops-etcd.service", hide=True, warn=True).stdout.strip()
-        finally:
-            c.close()
+
+        def member_state() -> str:
+            c = self.lab.connection(host)
+            try:
+                return c.run("systemctl is-active pdops-etcd.service", hide=True, warn=True).stdout.strip()
+            finally:
+                c.close()
+        deadline = time.monotonic() + 60  # systemd restarts it (Restart=on-failure, 2 s); active once ready
+        while (state := member_state()) != "active" and time.monotonic() < deadline:
+            time.sleep(1)
         if state != "active":
-            self.unexpected.append(f"the etcd member on {host} is {state} after its SIGKILL")
+            self.unexpected.append(f"the etcd member on {host} is {state} 60 s after its SIGKILL")
         return f"SIGKILL the etcd member on {host} (MainPID {pid}); {detail}; the member {state}"
 
     def op_reboot(self, cmds):

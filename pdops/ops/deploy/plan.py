@@ -19,7 +19,7 @@ from pdops.model.topology import Topology
 
 from pdops.reads.observe import Observation, Seen, unit_files
 
-from pdops.ops.deploy.steps import (admission_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
+from pdops.ops.deploy.steps import (admission_steps, gateway_restart_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
                                   gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
@@ -213,8 +213,6 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
     need = [o.instance for o in obs.instances if o.down or o.gateway_problem or not o.in_list or obs.gateway_down]
     steps += register_steps(inv, need, group="register")
     if stale_gws:
-        from pdops.ops.scale.steps import gateway_restart_steps  # deploy <-> scale: the known circle (issue 51)
-
         steps += gateway_restart_steps(inv, [i.id for i in pl.instances], hosts=stale_gws)
     if obs.front_door and inv.admission is not None:  # a stopped change left a gateway drained or weighted
         from pdops.model.admission import FULL_WEIGHT

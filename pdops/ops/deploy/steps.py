@@ -8,7 +8,7 @@ from pdops.model import membership
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, gateway_grace_s
 from pdops.runner import Step
 
 
@@ -151,3 +151,38 @@ def undo_register_step(*, fresh: bool, instances: int) -> Step:
                 "registered that was not verified healthy" + (", and on this fresh cluster every one it registered "
                 "(no revision will describe them)" if fresh else "") + "; the units it started are left running "
                 "for inspection", 60 + 35 * instances, kind="undo-register", params={"fresh": fresh})
+
+
+def gateway_restart_steps(inv: Inventory, instances: list[str], hosts: list[str] | None = None) -> list[Step]:
+    """One gateway at a time (`hosts`: only these): restart it on its new files, wait until it lists
+    every instance. Behind the admission layer, with other gateways: HAProxy sends it nothing new
+    meanwhile (its server drained, ready again after); alone: a stand-in smg takes its place first
+    (make before break)."""
+    adm = inv.admission
+    several = len(inv.gateway.nodes) > 1
+    out = []
+    for node in [n for n in inv.gateway.nodes if hosts is None or n.host in hosts]:
+        held = ""
+        where = ", ".join(adm.hosts) if adm else ""
+        if adm and several:
+            held = (f"; first its server in the admission layer on {where} is set to drain (refused unless "
+                    "another gateway is UP there): no new request goes to it, those on it finish; set ready "
+                    "again once it lists every worker, whatever the outcome")
+        elif adm:
+            sb = inv.gateway.standby(node.host)
+            held = (f"; make before break, as the only gateway behind the admission layer on {where}: first a "
+                    f"stand-in smg from the new files on {sb.url} (transient unit pdops-gateway-standby.service; "
+                    "HAProxy reloaded first, gracefully, when its running config has no server for it), every "
+                    "instance registered with it and routable, its /readiness 200, its server in HAProxy set "
+                    "ready and seen UP; then the gateway's server drained to 0 sessions, the restart, the gateway "
+                    "ready and UP again; then the stand-in drained to 0 sessions, set MAINT and stopped. No health "
+                    "check is paused. A failed restart leaves the stand-in serving (said) unless the gateway is UP")
+        out.append(Step("gateway-restart" + (f" {node.host}" if several else ""), node.host,
+                        f"systemctl restart {GATEWAY_UNIT}: smg finishes what is in flight (up to "
+                        f"{gateway_grace_s(inv)}s), the new process starts from the new files and registers every "
+                        f"worker of its start-up list; wait until /workers lists each healthy and ready" + held,
+                        gateway_grace_s(inv) + 120 + (2 * (float(inv.drain_budget_s) + 30) + 60 if adm else 0),
+                        kind="gateway-restart",
+                        params={"gateway": node.host, "instances": list(instances),
+                                "admission_hosts": list(adm.hosts) if adm else []}))
+    return out

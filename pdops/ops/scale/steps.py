@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.reads import orphans
-from pdops.model.inventory import Inventory
-from pdops.model.render import GATEWAY_UNIT, gateway_grace_s, manifest
+from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
+from pdops.ops.deploy.steps import gateway_restart_steps, healthy_steps
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.model import ScalePlan, change_facts, instance_files
@@ -142,41 +142,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     return out
 
 
-def gateway_restart_steps(inv: Inventory, instances: list[str], hosts: list[str] | None = None) -> list[Step]:
-    """One gateway at a time (`hosts`: only these): restart it on its new files, wait until it lists
-    every instance. Behind the admission layer, with other gateways: HAProxy sends it nothing new
-    meanwhile (its server drained, ready again after); alone: a stand-in smg takes its place first
-    (make before break)."""
-    adm = inv.admission
-    several = len(inv.gateway.nodes) > 1
-    out = []
-    for node in [n for n in inv.gateway.nodes if hosts is None or n.host in hosts]:
-        held = ""
-        where = ", ".join(adm.hosts) if adm else ""
-        if adm and several:
-            held = (f"; first its server in the admission layer on {where} is set to drain (refused unless "
-                    "another gateway is UP there): no new request goes to it, those on it finish; set ready "
-                    "again once it lists every worker, whatever the outcome")
-        elif adm:
-            sb = inv.gateway.standby(node.host)
-            held = (f"; make before break, as the only gateway behind the admission layer on {where}: first a "
-                    f"stand-in smg from the new files on {sb.url} (transient unit pdops-gateway-standby.service; "
-                    "HAProxy reloaded first, gracefully, when its running config has no server for it), every "
-                    "instance registered with it and routable, its /readiness 200, its server in HAProxy set "
-                    "ready and seen UP; then the gateway's server drained to 0 sessions, the restart, the gateway "
-                    "ready and UP again; then the stand-in drained to 0 sessions, set MAINT and stopped. No health "
-                    "check is paused. A failed restart leaves the stand-in serving (said) unless the gateway is UP")
-        out.append(Step("gateway-restart" + (f" {node.host}" if several else ""), node.host,
-                        f"systemctl restart {GATEWAY_UNIT}: smg finishes what is in flight (up to "
-                        f"{gateway_grace_s(inv)}s), the new process starts from the new files and registers every "
-                        f"worker of its start-up list; wait until /workers lists each healthy and ready" + held,
-                        gateway_grace_s(inv) + 120 + (2 * (float(inv.drain_budget_s) + 30) + 60 if adm else 0),
-                        kind="gateway-restart",
-                        params={"gateway": node.host, "instances": list(instances),
-                                "admission_hosts": list(adm.hosts) if adm else []}))
-    return out
-
-
 def gateway_start_steps(plan: ScalePlan) -> list[Step]:
     """A gateway observed not answering is started before anything else (it registers its start-up
     list itself after each start); the change goes on once it lists every instance that serves."""
@@ -239,7 +204,6 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     out: list[Step] = []
     for i in wave:
         if rep.get("instance") == i.id:
-            from pdops.ops.deploy.steps import healthy_steps
             from pdops.ops.repair import lost_work_step
 
             if rep.get("state") == "restarted":
