@@ -1,7 +1,7 @@
 """pdops against real SGLang 0.5.23 and real Mooncake (issue 50): a 1 prefill + 1 decode cluster of the
 lab's CPU profile (pdops/profiles/lab-sglang-cpu.yml: the tiny local model, Mooncake over TCP), deployed
-once for the module and operated as on GPU hosts: deploy, status, verify, a decode SIGKILLed mid-stream
-and repaired, the HTTP main process SIGKILLed alone, a drain under streams.
+once for the module and operated as on GPU hosts: deploy, status, verify, a decode's HTTP main process (its MainPID) SIGKILLed
+mid-stream and repaired, an orphaned prefill half ended, a drain under streams, a decode edited on its host.
 
 Each claim here is about what the real engine does, read from the lab hosts (systemd, the process tree,
 SGLang's own request log), never from pdops.sim. Needs `make env-engine` (make test builds it); a machine
@@ -146,40 +146,17 @@ def test_deploy_runs_real_sglang_and_each_step_is_proved_by_it(lab, real):
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-def test_the_http_main_killed_alone_takes_its_scheduler_with_it_and_the_repair_restores(lab, real):
-    """sglang#23627: a SIGKILL of the HTTP main process leaves `sglang::scheduler` holding memory when
+def test_a_decode_killed_mid_stream_takes_its_scheduler_with_it_and_the_repair_names_the_request_it_lost(lab, real):
+    """The decode's MainPID (SGLang's HTTP main) SIGKILLed while it generates a long stream.
+    sglang#23627: a SIGKILL of the HTTP main process leaves `sglang::scheduler` holding memory when
     SGLang runs bare. Under pdops's unit (KillMode=mixed) systemd ends the whole cgroup at once: the
-    scheduler never outlives its main, and nothing pdops has to find by name."""
+    scheduler never outlives its main, and nothing pdops has to find by name. `inv status` names the
+    restart; `inv repair` names the request the kill cut, never sends it again, and restores.
+    (One kill for both claims: each real decode start costs a minute of this machine's CPU.)"""
     d01 = _instance(real.inv_dir, "d01")
     host, unit = d01.units[0]
     before = _cgroup_procs(lab, host, unit)
-    main = _main_pid(lab, host, unit)
-    assert main in before and "sglang::schedul" in before.values(), before
-    host_run(lab, host, f"kill -KILL {main}")
-    # systemd restarts it (Restart=on-failure): a new MainPID, active
-    wait_for(lambda: _main_pid(lab, host, unit) not in (0, main), 60, f"{unit} restarted by systemd")
-    alive = set(host_run(lab, host, "ps -eo pid=").split())
-    assert not set(map(str, before)) & alive, f"the old cgroup's {before} outlived its main"
-    # what was left when the main died, systemd ended by the unit's cgroup (the scheduler itself may go
-    # first, by the kernel: SGLang gives it a parent-death signal; its own children are then no one's)
-    journal = host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
-    after_kill = journal[journal.rindex("Main process exited, code=killed, status=9/KILL"):]
-    killed = {int(pid) for pid in re.findall(r"Killing process (\d+) \(\S+\) with signal SIGKILL", after_kill)}
-    # systemd names each task of the cgroup it signals (the processes listed before, and their threads);
-    # a process that exits by itself first (the scheduler by its parent-death signal, the resource
-    # tracker when its pipe closes) is not among them: what matters is that none of them is left
-    print(f"systemd ended by the cgroup after the main's SIGKILL: {sorted(killed)}; the old cgroup: {before}")
-    st = cli(real.inv_dir, "status")
-    assert st.returncode == 1 and "d01 restarted" in st.stdout, st.stdout
-    r = cli(real.inv_dir, "repair", "--instance", "d01", "--force")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "repaired d01 (observed restarted)" in r.stdout, r.stdout
-    assert cli(real.inv_dir, "status").returncode == 0
-
-
-def test_a_decode_killed_mid_stream_is_repaired_naming_the_request_it_lost(lab, real):
-    d01 = _instance(real.inv_dir, "d01")
-    host, unit = d01.units[0]
+    assert "sglang::schedul" in before.values(), before
     url = _gateway_url(real.inv_dir)
     rid = f"real-cut-{time.time_ns()}"
     result = {}
@@ -199,16 +176,33 @@ def test_a_decode_killed_mid_stream_is_repaired_naming_the_request_it_lost(lab, 
     wait_for(lambda: rid in requestlog.parse(host_run(lab, host, requestlog.command(unit))).open, 60,
              f"{rid} received by d01, not finished")
     main = _main_pid(lab, host, unit)
+    assert main in before, (main, before)
     host_run(lab, host, f"kill -KILL {main}")
     t.join(timeout=120)
     assert "error" in result or not re.search(rf'"completion_tokens":\s*{LONG}\b', result["answer"][1]), \
         "the stream was not cut"
+    # systemd restarts it (Restart=on-failure): a new MainPID, active
     wait_for(lambda: _main_pid(lab, host, unit) not in (0, main), 60, f"{unit} restarted by systemd")
+    alive = set(host_run(lab, host, "ps -eo pid=").split())
+    assert not set(map(str, before)) & alive, f"the old cgroup's {before} outlived its main"
+    # what was left when the main died, systemd ended by the unit's cgroup (the scheduler itself may go
+    # first, by the kernel: SGLang gives it a parent-death signal; its own children are then no one's)
+    journal = host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
+    after_kill = journal[journal.rindex("Main process exited, code=killed, status=9/KILL"):]
+    killed = {int(pid) for pid in re.findall(r"Killing process (\d+) \(\S+\) with signal SIGKILL", after_kill)}
+    # systemd names each task of the cgroup it signals (the processes listed before, and their threads);
+    # a process that exits by itself first (the scheduler by its parent-death signal, the resource
+    # tracker when its pipe closes) is not among them: what matters is that none of them is left
+    print(f"systemd ended by the cgroup after the main's SIGKILL: {sorted(killed)}; the old cgroup: {before}")
+    st = cli(real.inv_dir, "status")
+    assert st.returncode == 1 and "d01 restarted" in st.stdout, st.stdout
     r = cli(real.inv_dir, "repair", "--instance", "d01", "--force")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "repaired d01 (observed restarted)" in r.stdout, r.stdout
     # the request the kill cut is named, and never sent again
     assert rid in r.stdout and "failed, not replayed" in r.stdout, r.stdout
     assert cli(real.inv_dir, "verify").returncode == 0
+    assert cli(real.inv_dir, "status").returncode == 0
 
 
 def test_an_orphaned_prefill_half_is_named_by_status_and_ended_by_its_id(lab, real):
