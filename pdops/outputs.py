@@ -1,5 +1,5 @@
 """What one step of a plan may hand the steps after it: the one table of output names and what
-each holds. A step kind declares in the runner's registry (pdops.runner.register_executors) the
+each holds. A step kind declares in the table of kinds (pdops.kinds.KINDS) the
 names it gives and needs; nothing else passes between executors."""
 
 OUTPUTS: dict[str, str] = {

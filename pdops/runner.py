@@ -3,8 +3,8 @@ pdops.fanout).
 
 A plan is a list of typed :class:`Step` s (id, kind, target, deadline, parameters, what it
 verifies, parallel group), made by a pure planner. :func:`walk` is the only code that
-carries a plan out: it runs each step's executor (one function per step kind, in the one
-registry :data:`EXECUTORS`), fans out consecutive steps of one parallel group and
+carries a plan out: it runs each step's executor (one function per step kind, named in the one
+table pdops.kinds.KINDS and imported when first needed: :func:`executor`), fans out consecutive steps of one parallel group and
 collects every outcome before deciding, bounds each step by its own deadline, journals
 every step by its id with its target and evidence, records work already done as a no-op
 with its reason, stops at the first failed step, and builds the verdict only from what the
@@ -13,6 +13,7 @@ steps verified. What ``--dry-run`` prints is :meth:`Plan.render` of the same lis
 
 from __future__ import annotations
 
+import importlib
 import resource
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 from pdops.errors import PdopsError, Unverified
 from pdops.fanout import run_parallel
+from pdops.kinds import KINDS
 from pdops.outputs import OUTPUTS
 
 
@@ -28,11 +30,11 @@ from pdops.outputs import OUTPUTS
 class Step:
     """One step of a plan. ``name`` is its id, unique within the operation (it carries the
     instance id where there is one: ``start p01``, ``drain d02: empty-check-1``); ``kind``
-    picks its executor in the one registry (:data:`EXECUTORS`), and is always given, never read
+    picks its executor in the one table (pdops.kinds.KINDS), and is always given, never read
     from the id; ``deadline`` is the budget in seconds that bounds the step (None: no limit);
     steps with the same ``group`` that follow each other run in parallel. What a step gives the
     steps after it and reads from them (names in :data:`OUTPUTS`) is declared by its kind in the
-    registry (``gives``, ``needs``; a need ending in "?" is read only if an earlier step gave it);
+    table (``gives``, ``needs``; a need ending in "?" is read only if an earlier step gave it);
     checked when a plan is walked (:meth:`Plan.check`) and at run time (:meth:`RunContext.get`,
     :meth:`RunContext.give`)."""
 
@@ -51,11 +53,13 @@ class Step:
 
     @property
     def gives(self) -> tuple[str, ...]:
-        return KIND_IO.get(self.kind, ((), ()))[0]
+        k = KINDS.get(self.kind)
+        return k.gives if k else ()
 
     @property
     def needs(self) -> tuple[str, ...]:
-        return KIND_IO.get(self.kind, ((), ()))[1]
+        k = KINDS.get(self.kind)
+        return k.needs if k else ()
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -295,32 +299,22 @@ class DeadlineExceeded(Unverified):
     """A step ran past the deadline its plan printed."""
 
 
-# The one registry: each step kind -> its one executor, and what its steps give and read (KIND_IO:
-# kind -> (gives, needs), names of OUTPUTS). The module that carries out a kind registers it
-# (`register_executors`, at its import); a kind bound twice is refused there.
-EXECUTORS: dict[str, Executor] = {}
-KIND_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_RESOLVED: dict[str, Executor] = {}
 
 
-def register_executors(table: dict[str, Executor], *, gives: dict[str, tuple[str, ...]] | None = None,
-                       needs: dict[str, tuple[str, ...]] | None = None) -> None:
-    """Add step kinds to the registry with the outputs each gives and reads; RuntimeError if a kind
-    already has another executor, or an output is not in OUTPUTS."""
-    gives, needs = gives or {}, needs or {}
-    for kind, fn in table.items():
-        have = EXECUTORS.get(kind)
-        if have is not None and have is not fn:
-            raise RuntimeError(f"step kind {kind!r} has two executors: {have.__module__}.{have.__qualname__} "
-                               f"and {fn.__module__}.{fn.__qualname__}")
-        io = (tuple(gives.get(kind, ())), tuple(needs.get(kind, ())))
-        unknown = [n for n in io[0] + io[1] if n.rstrip("?") not in OUTPUTS]
-        if unknown:
-            raise RuntimeError(f"step kind {kind!r} declares unknown output(s) {unknown}")
-        EXECUTORS[kind] = fn
-        KIND_IO[kind] = io
-    stray = (set(gives) | set(needs)) - set(table)
-    if stray:
-        raise RuntimeError(f"outputs declared for kinds without an executor here: {sorted(stray)}")
+def executor(kind: str) -> Executor | None:
+    """The function that carries out steps of `kind` (pdops.kinds.KINDS, the one table), imported the
+    first time a walk needs it; None for a kind that is not in the table."""
+    k = KINDS.get(kind)
+    if k is None:
+        return None
+    if callable(k.executor):
+        return k.executor
+    fn = _RESOLVED.get(kind)
+    if fn is None:
+        module, name = k.executor.split(":")
+        fn = _RESOLVED[kind] = getattr(importlib.import_module(module), name)
+    return fn
 
 
 def operator_cpu_s() -> float:
@@ -333,7 +327,7 @@ def operator_cpu_s() -> float:
 
 
 def _run_step(ctx: RunContext, step: Step) -> Outcome:
-    fn = EXECUTORS.get(step.kind)
+    fn = executor(step.kind)
     if fn is None:
         raise PdopsError(f"no executor for step kind {step.kind!r} ({step.name})")
     if step.when is not None:
@@ -361,8 +355,8 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     id (:func:`run_steps`). On a failed step it re-raises the first failure (with its command,
     host, exit status and output tail where it has them); the caller writes the failure verdict
     (it knows what to undo) and, on success, journals the verdict it returns."""
-    unknown = sorted({s.kind for s in plan.all_steps()} - set(EXECUTORS))
-    if unknown:  # before anything runs: a kind whose module was never imported is a pdops bug
+    unknown = sorted({s.kind for s in plan.all_steps()} - set(KINDS))
+    if unknown:  # before anything runs: a kind not in pdops.kinds is a pdops bug
         raise PdopsError(f"no executor for step kind(s) {', '.join(map(repr, unknown))} of the {plan.operation} "
                          "plan: nothing was run", fix="a pdops bug to report")
     plan.check()
@@ -511,4 +505,3 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
                    verified=got["verified"] + last["verified"], unverified=got["unverified"] + last["unverified"])
 
 
-register_executors({"walk-plan": do_walk_plan}, gives={"walk-plan": ("plan_verdicts",)})

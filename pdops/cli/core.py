@@ -90,7 +90,6 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
                 if dry_run:
                     return
                 from pdops.ops import scale as sc
-                from pdops.cli.scale import print_change_verdict
 
                 return print_change_verdict(plan.change, sc.execute_scale(plan.change, plan.state, **conns))
             print(plan.render())
@@ -102,6 +101,16 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
                       f"repaired: {'; '.join(plan.findings)}.", v)
         return
     print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
+
+
+def print_change_verdict(plan, verdict: dict) -> None:
+    what = (f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else
+            "changed" if plan.replaced or plan.surge or plan.gateway_restart or
+            plan.cordoned != list((plan.current.extra or {}).get("cordoned", [])) else "scaled")
+    if plan.cordoned:
+        what += f" (cordoned: {', '.join(plan.cordoned)})"
+    print_verdict(f"{what}: {plan.current.topology} -> {plan.target.topology} as revision {verdict['revision']}, "
+                  "now current.", verdict)
 
 
 def whole_cluster(v, flag: str, default: int = 1) -> int:
@@ -125,7 +134,6 @@ def run_change(inv, state, make, dry_run: bool, *, first=None, observe: bool = T
     A refusal of the first plan stands only if the observed plan refuses too (a floor counts what
     serves now). `observe=False`: the record alone (a change that starts and stops nothing)."""
     from pdops.ops import scale as sc
-    from pdops.cli.scale import print_change_verdict
     from pdops.errors import Refused
     from pdops.remote.hosts import connections
     from pdops.reads.observe import Seen, observe as read
@@ -141,7 +149,6 @@ def run_change(inv, state, make, dry_run: bool, *, first=None, observe: bool = T
         if refused:
             raise refused
         plan = first
-        plan.state = state
         print(plan.render())
         if dry_run or plan.noop:
             return
@@ -150,7 +157,6 @@ def run_change(inv, state, make, dry_run: bool, *, first=None, observe: bool = T
         return
     with connections(inv) as conns:
         plan = make(Seen.of(read(inv, rev, **conns)))
-        plan.state = state
         print(plan.render())
         if dry_run or plan.noop:
             return

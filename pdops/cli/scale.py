@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from invoke import task
 
-from pdops.cli import cli_errors, print_verdict
+from pdops.cli import cli_errors
+from pdops.cli.core import run_change, whole_cluster
 from pdops import record as rec
 
 DEFAULT_INVENTORY = "inventory/lab"
-
-
-def print_change_verdict(plan, verdict: dict) -> None:
-    what = (f"rolled back to revision {plan.rollback_of}'s placement" if plan.rollback_of else
-            "changed" if plan.replaced or plan.surge or plan.gateway_restart or
-            plan.cordoned != list((plan.current.extra or {}).get("cordoned", [])) else "scaled")
-    if plan.cordoned:
-        what += f" (cordoned: {', '.join(plan.cordoned)})"
-    print_verdict(f"{what}: {plan.current.topology} -> {plan.target.topology} as revision {verdict['revision']}, "
-                  "now current.", verdict)
 
 
 @task(help={"inventory": "inventory dir or file", "topology": "target NpMd, e.g. 10p2d",
@@ -33,7 +24,6 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
           max_unavailable=None, force=False, unfenced=False):
     """The same planned change as `inv deploy --topology T` of a live cluster: keep, replace, add, drain, record."""
     from pdops.ops import scale as sc
-    from pdops.cli.core import run_change, whole_cluster
     from pdops.model.inventory import load_inventory
     from pdops.model.topology import parse_topology
 
@@ -58,7 +48,6 @@ def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False
              max_unavailable=None, force=False):
     """Return to the previous revision (or --to N), its recorded files and placement, as a rolling change."""
     from pdops.ops import scale as sc
-    from pdops.cli.core import run_change, whole_cluster
     from pdops.model.inventory import load_inventory
 
     mu = whole_cluster(max_unavailable, "--max-unavailable")

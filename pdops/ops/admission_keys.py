@@ -21,7 +21,7 @@ from pdops.errors import InvalidInput, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk_journalled
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk_journalled
 from pdops.record.local import new_op_id
 
 PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)
@@ -182,12 +182,6 @@ def do_verify_keys(ctx: RunContext, step: Step) -> Outcome:
             f"{min(len(keys['revoked']), PROBE_MAX)} revoked keys get 401")
     return Outcome(evidence=ev, verified=[f"{min(len(cfg.keys), PROBE_MAX)} key(s) accepted, "
                                           f"{min(len(keys['revoked']), PROBE_MAX)} revoked key(s) refused with 401"])
-
-
-register_executors({"admission-check": do_check_unit, "deliver-keys": do_deliver_keys, "admission-reload": do_reload,
-                    "verify-keys": do_verify_keys},
-                   gives={"admission-check": ("admission_keys",)},
-                   needs={"admission-reload": ("admission_keys",), "verify-keys": ("admission_keys",)})
 
 
 def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool,

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pdops.model.placement import Placement
-from pdops.runner import Outcome, RunContext, Step, register_executors
+from pdops.runner import Outcome, RunContext, Step
 from pdops.record.local import local_dir
 
 JOB_ENGINE, JOB_GATEWAY, JOB_ADMISSION = "pdops-engine", "pdops-gateway", "pdops-admission"
@@ -294,9 +294,6 @@ def do_publish_targets(ctx: RunContext, step: Step) -> Outcome:
         return Outcome.noop("nothing is deployed: no revision to describe")
     ev, ok, no = targets_after_record(ctx.pool, ctx.inv, rev)
     return Outcome(evidence={"revision": rev.number, **ev}, verified=ok, unverified=no)
-
-
-register_executors({"publish-targets": do_publish_targets})
 
 
 def targets_after_record(pool, inv, rev) -> tuple[dict, list[str], list[str]]:

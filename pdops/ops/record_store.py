@@ -17,7 +17,7 @@ from pdops.record.etcdstore import TXN_BYTES
 from pdops.record.local import default_machine, default_operator, new_op_id, now_iso, parse_lines
 from pdops.remote import ansible
 from pdops.remote import etcd as E
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, register_executors, walk_journalled
+from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk_journalled
 
 OTHER = {"etcd": "host", "host": "etcd"}
 
@@ -167,14 +167,6 @@ def do_record_mark_moved(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence=doc, verified=[f"{step.params['record'].location} marked as moved: it gives no lock"])
 
 
-register_executors({"record-read": do_record_read, "record-check-target": do_record_check_target,
-                    "record-copy": do_record_copy, "record-verify-copy": do_record_verify_copy,
-                    "record-mark-moved": do_record_mark_moved},
-                   gives={"record-read": ("source_record",)},
-                   needs={"record-check-target": ("source_record",), "record-copy": ("source_record",),
-                          "record-verify-copy": ("source_record",)})
-
-
 def migrate(inv, to: str, open_record, say: Say = print, *, dry_run: bool = False) -> dict:
     """`inv state.migrate --to etcd|host`: copy the whole record to the other store and prove it."""
     if to not in OTHER:
@@ -296,10 +288,6 @@ def do_record_verify_restore(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence={"revisions": sorted(got), "current": back.get("current")},
                    verified=[f"revisions {', '.join(map(str, sorted(got)))} and current {back.get('current')} read back "
                              f"from {rec.location} equal to the cache"])
-
-
-register_executors({"record-check-empty": do_record_check_empty, "record-restore": do_record_restore,
-                    "record-verify-restore": do_record_verify_restore})
 
 
 def restore_from_cache(inv, record, say: Say = print, *, dry_run: bool = False) -> dict:
@@ -444,12 +432,6 @@ def do_etcd_member_start(ctx: RunContext, step: Step) -> Outcome:
     for h in step.params["hosts"]:  # a member that hit its start limit refuses `start` until reset
         ctx.pool.run(h, f"systemctl reset-failed {q(UNIT)} || true; systemctl start --no-block {q(UNIT)}")
     return Outcome(evidence={"started": step.params["hosts"]})
-
-
-register_executors({"etcd-check-members": do_etcd_check_members, "etcd-deliver": do_etcd_deliver,
-                    "etcd-start": do_etcd_start, "etcd-check-quorum": do_etcd_check_quorum,
-                    "etcd-member-start": do_etcd_member_start},
-                   gives={"etcd-check-members": ("etcd_running",)}, needs={"etcd-start": ("etcd_running",)})
 
 
 def etcd_up(inv, say: Say = print, *, pool, journal_state) -> dict:

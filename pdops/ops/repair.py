@@ -22,8 +22,11 @@ from pdops.errors import InvalidInput, PdopsError, Refused
 from pdops.reads import orphans
 from pdops.facts import q, requestlog
 from pdops.model.inventory import Inventory
-from pdops.model.placement import Instance, Placement
-from pdops.runner import Outcome, Plan, RunContext, Step, register_executors, walk
+from pdops.model.render import manifest, render_files
+from pdops.ops import scale as sc
+from pdops.model.placement import Placement
+from pdops.runner import Outcome, Plan, RunContext, Step, walk
+from pdops.steps.builders import baseline_step, connect_step
 from pdops.record.local import new_op_id
 
 INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
@@ -56,8 +59,6 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
     now) and `seen` (pdops.reads.observe.Seen of the same reading; None: not read): a gateway that does not
     answer is started first; another instance that does not serve is named, left as it is, and no
     canary pair goes through it. Returns a ScalePlan, or a str saying why there is nothing to do."""
-    from pdops.ops import scale as sc
-    from pdops.model.render import manifest, render_files
 
     iid = check_instance_id(instance_id)
     rev = state.current_revision()
@@ -105,16 +106,7 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
     if [i.id for i in plan.replaced] != [iid] or plan.added or plan.removed or plan.gateway_restart:
         raise Refused(f"repairing {iid} would change more than {iid}",
                       evidence=plan.render(), fix=f"`inv deploy --topology {rev.topology}` plans the whole difference")
-    plan.state = state
     return plan
-
-
-def lost_work_step(inst: Instance, rep: dict) -> Step:
-    host, unit = inst.units[0]
-    return Step(f"lost-work {inst.id}", host, f"read {unit}'s request log in the journal since the revision, per "
-                "process (invocation): request IDs an ended process received and never finished are lost; they are "
-                "named here, marked failed, never sent again", 60, kind="lost-work",
-                params={"instance": inst.id, "old": True, "since": rep.get("since", 0)})
 
 
 def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
@@ -141,20 +133,6 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence=ev, verified=verified)
 
 
-def baseline_step(instance_id: str | None = None, when: tuple[str, bool] | None = None,
-                  fault: str | None = None) -> Step:
-    """The status baseline after a repair of `instance_id`, after a deploy that replaced what it observed
-    broken (`fault`), or (neither) after `inv end-orphans`: real SGLang counts each ended half as a
-    bootstrap failure of its prefill (observed in the lab, docs/sim.md)."""
-    label = instance_id or ("deploy" if fault else "end-orphans")
-    fault = fault or (f"the fault this repair of {instance_id} named" if instance_id
-                      else "the orphaned halves this command ended")
-    return Step("status-baseline", None, f"every instance routable again: the PD failure counters read now become "
-                f"`inv status`'s last look; what rose since the previous look fell inside {fault}, and is named here "
-                f"with it (`inv status` then reports only failures after it)",
-                60, kind="status-baseline", params={"instance": label}, when=when)
-
-
 def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
     """After the record: a baseline that cannot be read is said, never a failed repair (the repair is
     verified and recorded by then; `inv status` then counts the fault's failures as new)."""
@@ -177,15 +155,9 @@ def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
                                 if absorbed else " (no failure counter rose)")])
 
 
-register_executors({"lost-work": do_lost_work, "status-baseline": do_status_baseline},
-                   gives={"lost-work": ("lost_work",)})
-
-
 def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
     """`inv end-orphans`: every prefill's halves that no decode holds (pdops.reads.orphans), ended by rid
     and named. Read-only until the walk: which requests are orphaned is read when the step runs."""
-    from pdops.ops.deploy import connect_step  # deploy <-> repair: the known circle (architecture.md)
-
     rev = state.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: no prefill to look at",

@@ -25,7 +25,7 @@ from pdops.errors import PdopsError
 from pdops.facts import q, requestlog
 from pdops.remote.hosts import http_json
 from pdops.model.placement import Instance, Placement
-from pdops.runner import Outcome, RunContext, Step, register_executors
+from pdops.runner import Outcome, RunContext, Step
 from pdops.fanout import run_parallel
 
 GRACE_S = 5.0
@@ -196,6 +196,3 @@ def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
                              f"replayed): {', '.join(rids)}" for pid, rids in ended.items() if rids and pid not in still],
                    unverified=[f"{pid}: still open after the abort: {', '.join(v)}" for pid, v in still.items()]
                    + [f"{pid}: {x}" for pid, xs in left.items() for x in xs])
-
-
-register_executors({"end-orphans": do_end_orphans}, gives={"end-orphans": ("orphans_ended",)})

@@ -350,6 +350,28 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.2):
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {v!r})")
 
 
+def main_pids(inv_dir: Path) -> dict[str, int]:
+    """Each instance's MainPID, as `inv status --json` reads it (the status must be 0)."""
+    proc = cli(inv_dir, "status", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {r["instance"]: r["units"][0]["main_pid"] for r in json.loads(proc.stdout)["instances"]}
+
+
+def set_bundle(inv_dir: Path, **bundle) -> None:
+    """The bundle of the test cluster's profile (profiles/p.yml) updated with `bundle`."""
+    p = inv_dir / "profiles" / "p.yml"
+    prof = yaml.safe_load(p.read_text())
+    prof["bundle"].update(bundle)
+    p.write_text(yaml.safe_dump(prof))
+
+
+def waited(pred, timeout: float, what: str, every: float = 0.1) -> float:
+    """wait_for `pred`; the seconds it took (how long a recovery lasted, say)."""
+    t0 = time.monotonic()
+    wait_for(pred, timeout, what, every)
+    return time.monotonic() - t0
+
+
 def queue(url: str, name: str = "running") -> int:
     """One queue of an engine, summed over its ranks, as `inv status` reads it (0 when it does not answer)."""
     from pdops.facts import engine as engine_facts

@@ -7,12 +7,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pdops.ops.deploy  # noqa: E402
+import pdops.steps.actions  # noqa: E402
 import pdops.model.render  # noqa: E402
 import pdops.model.versions  # noqa: E402
 
 version = sys.argv[1]
-for mod in (pdops.model.versions, pdops.model.render, pdops.ops.deploy):
+for mod in (pdops.model.versions, pdops.model.render, pdops.steps.actions):
     mod.SGLANG_VERSION = version
 
 from invoke import Program  # noqa: E402

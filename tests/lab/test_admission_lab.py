@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, deployed, inv_cmd
+from tests.lab.clusters import REPO, deployed, inv_cmd, wait_for
 
 from pdops.model.admission import KEYS_MAP_PATH, UNIT, key_id, parse_admission
 from pdops.record import open_record
@@ -60,17 +60,6 @@ def cluster(lab, tmp_path_factory):
         yield inv_dir, load_inventory(inv_dir), keys, cli, proc
 
 
-def _wait(pred, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 def test_admission_runs_under_systemd_with_a_0600_key_map_and_the_request_id_in_the_journal(lab, cluster):
     inv_dir, inv, _, _, deploy = cluster
     cfg = parse_admission(inv.vars, inv)
@@ -98,7 +87,7 @@ def test_admission_runs_under_systemd_with_a_0600_key_map_and_the_request_id_in_
         def logged():
             out = c.run(f"journalctl -u {UNIT} --no-pager -o cat", hide=True).stdout
             return out if f"rid={rid}" in out else None
-        journal = _wait(logged, 15, f"rid={rid} in the journal of {UNIT}")
+        journal = wait_for(logged, 15, f"rid={rid} in the journal of {UNIT}")
         line = next(ln for ln in journal.splitlines() if f"rid={rid}" in ln)
         assert f"key={key_id(KEY_A)}" in line and " 200 " in line, line
         assert KEY_A not in journal
@@ -195,7 +184,7 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
         async with aiohttp.ClientSession() as session:
             tasks = [asyncio.create_task(stream(session, i, recs[i])) for i in range(10)]
             # all 10 sent and the first C streaming before the rotation starts
-            await asyncio.to_thread(_wait, lambda: sum("first" in r for r in recs) >= CAP, 30, "C streams started")
+            await asyncio.to_thread(wait_for, lambda: sum("first" in r for r in recs) >= CAP, 30, "C streams started")
             write_keys(keys, KEY_B)
             t0 = time.monotonic()
             assert not any("end" in r for r in recs)  # all 10 open when the rotation starts

@@ -8,13 +8,12 @@ The lab has 4 hosts x 8 virtual GPUs and the lab-sim profile is TP8: one instanc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, Load, deployed, derived_inventory, inv_cmd, received_rids, record, stop_all
+from tests.lab.clusters import Load, REPO, deployed, derived_inventory, inv_cmd, main_pids, received_rids, record, set_bundle, stop_all
 
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
@@ -36,12 +35,6 @@ def server_info(inv_dir: Path) -> dict[str, dict]:
         assert status == 200
         out[i.id] = doc
     return out
-
-
-def main_pids(inv_dir: Path) -> dict[str, int]:
-    proc = cli(inv_dir, "status", "--json")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {r["instance"]: r["units"][0]["main_pid"] for r in json.loads(proc.stdout)["instances"]}
 
 
 def changed(inv_dir: Path, *args, gateway_restart: bool = False, run=None) -> tuple[str, Load]:
@@ -77,13 +70,6 @@ def out_intervals(inv_dir: Path) -> dict[str, tuple[int, int]]:
         if name.startswith("register ") and name.split()[1] in out:
             out[name.split()[1]] = (out[name.split()[1]][0], n)
     return out
-
-
-def set_bundle(inv_dir: Path, **bundle) -> None:
-    p = inv_dir / "profiles" / "p.yml"
-    prof = yaml.safe_load(p.read_text())
-    prof["bundle"].update(bundle)
-    p.write_text(yaml.safe_dump(prof))
 
 
 @pytest.fixture(scope="module")

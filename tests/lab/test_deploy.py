@@ -178,7 +178,7 @@ def test_a_concurrent_operation_is_refused(lab, live, fresh):
 
 def test_ansible_playbooks_are_idempotent(live):
     """prepare.yml and deploy.yml run again on the live cluster report no change."""
-    from pdops.ops import deploy as dep
+    from pdops.steps.actions import deliver
     from pdops.model.placement import Placement
     from pdops.model.render import render_files
 
@@ -189,7 +189,7 @@ def test_ansible_playbooks_are_idempotent(live):
     pl = Placement.from_dict(rev.placement)
     files = render_files(inv, pl)
     said: list[str] = []
-    ev = dep.deliver(inv, pl, files, Path(rev.extra["build"]), None, said.append)
+    ev = deliver(inv, pl, files, Path(rev.extra["build"]), None, said.append)
     assert ev["changed"] == 0, (ev, said)
     assert set(ev["hosts"]) == {"lab01", "lab02", "lab03"}
     # prepare.yml alone (as an operator runs it on a host), folders task included

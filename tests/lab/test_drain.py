@@ -19,7 +19,7 @@ from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
 from pdops.remote.load import send
 from pdops.model.placement import Placement
-from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd
+from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd, wait_for
 
 pytestmark = pytest.mark.lab
 
@@ -48,15 +48,6 @@ def _running(url: str, key: str = "running") -> int:
     if key == "running":
         return load["num_running_reqs"]
     return load["disaggregation"][key]
-
-
-def _wait_for(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _received_on(lab, inst) -> set[str]:
@@ -93,7 +84,7 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
         inv.gateway.first.url, requests=10, concurrency=10, max_new_tokens=150, stream_every=0, rid_prefix="drain-n")))
     t.start()
     t2.start()
-    _wait_for(lambda: _running(d02.url) > 0, what="streams on d02")
+    wait_for(lambda: _running(d02.url) > 0, 30, "streams on d02", every=0.05)
     in_flight_on_d02 = _running(d02.url)
     drain = _drain(cluster, "--instance", "d02", "--interval", "1")
     lines = []
@@ -141,8 +132,8 @@ def test_drain_prefill_with_kv_transfers_in_flight_and_a_stray(lab, cluster):
         inv.gateway.first.url, requests=6, concurrency=6, prompt=prompt, max_new_tokens=8, stream_every=2,
         rid_prefix="drain-p")))
     t.start()
-    _wait_for(lambda: _running(p02.url, "prefill_inflight_queue_reqs") + _running(p02.url) > 0,
-              what="KV transfers from p02")
+    wait_for(lambda: _running(p02.url, "prefill_inflight_queue_reqs") + _running(p02.url) > 0, 30,
+             "KV transfers from p02", every=0.05)
     drain = _drain(cluster, "--instance", "p02", "--interval", "1")
     out, _ = drain.communicate(timeout=300)
     t.join(timeout=120)

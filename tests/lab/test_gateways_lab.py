@@ -10,11 +10,8 @@ detection window of its health check adds nothing); nothing is replayed; `inv st
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,7 +21,7 @@ from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import REPO, Load, cli, cpu_hog, deployed, never_twice, record
+from tests.lab.clusters import Load, REPO, cli, cpu_hog, deployed, never_twice, record, waited
 from tests.lab.clusters import host_run
 
 pytestmark = pytest.mark.lab
@@ -69,15 +66,6 @@ def _routable(inv) -> dict[str, set[str]]:
     return out
 
 
-def _wait(pred, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - t0
-
-
 def _load(url: str, seconds: float, prefix: str) -> tuple[threading.Thread, list]:
     from pdops.remote.load import send
 
@@ -100,7 +88,7 @@ def _streams_running(inv_dir, at_least: int = 4) -> None:
             return http_json("GET", f"{d.url}/v1/loads", timeout=2)[1]["loads"][0]["num_running_reqs"]
         except Exception:  # noqa: BLE001 - not answering: nothing counted
             return 0
-    _wait(lambda: running() >= at_least, 30, f"{at_least} streams running at the decode")
+    waited(lambda: running() >= at_least, 30, f"{at_least} streams running at the decode")
 
 
 def _sessions(lab, inv, host: str) -> int:
@@ -193,7 +181,7 @@ def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab,
         t, rows = _load(inv.admission.url, 14, "gw-kill")
         _streams_running(inv_dir)
         # the kill lands on streams HAProxy has in flight on lab04 (the rows say which)
-        _wait(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
+        waited(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
         pid = _main_pid(lab, "lab04")
         [node] = [n for n in inv.gateway.nodes if n.host == "lab04"]
         c = lab.connection("lab04")
@@ -210,7 +198,7 @@ def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab,
             kill_seen = time.time()
         finally:
             c.close()
-        back_s = _wait(lambda: _routable(inv)["lab04"] == urls, 60, "lab04 routing to every worker again")
+        back_s = waited(lambda: _routable(inv)["lab04"] == urls, 60, "lab04 routing to every worker again")
         t.join(timeout=90)
     print(f"\ngateway lab04 SIGKILL -> every worker routable on it again in {back_s:.1f}s")
     _bounded_by_what_was_in_flight(rows, killed_at, "SIGKILL of gateway lab04 under load", kill_seen)
@@ -242,7 +230,7 @@ def test_a_gateway_host_down_turns_away_at_most_what_was_in_flight_on_it(lab, cl
     with cpu_hog():
         t, rows = _load(inv.admission.url, 14, "gw-host")
         _streams_running(inv_dir)
-        _wait(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
+        waited(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
         down_at = time.time()
         lab_api.down(hosts=[4])
         gone_at = time.time()

@@ -25,9 +25,9 @@ import yaml
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import REPO, Load, cli, deployed, never_twice, record
-from tests.lab.test_gateways_lab import KEY, cpu_hog
+from tests.lab.clusters import Load, REPO, cli, cpu_hog, deployed, never_twice, record
 
+KEY = "pdops-lab-key-F-" + "f" * 16  # the front door's API key of this module's cluster
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 pytestmark = pytest.mark.lab

@@ -23,8 +23,7 @@ from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
 from pdops.remote.load import send
 from pdops.model.placement import Placement
-from tests.lab.clusters import Load, derived_inventory, inv_cmd, queue, record, stop_all, wait_for
-from tests.lab.test_change import main_pids, set_bundle
+from tests.lab.clusters import Load, derived_inventory, inv_cmd, main_pids, queue, record, set_bundle, stop_all, wait_for
 
 pytestmark = pytest.mark.lab
 
@@ -159,7 +158,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     import threading
     import uuid
 
-    from pdops.ops.deploy import both_sides  # the canary's own way of reaching exactly one pair
+    from pdops.steps.actions import both_sides  # the canary's own way of reaching exactly one pair
 
     stop_all(lab)
     inv_dir = derived_inventory(lab, tmp_path / "halted", profile={"env": {"PDOPS_SIM_DECODE_STEP_MS": "20"}},

@@ -10,13 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from pdops.remote.gateway import GatewayClient
 from pdops.model.inventory import load_inventory
-from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, sshd
+from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, sshd, wait_for
 
 PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1"}}
 
@@ -33,16 +32,6 @@ def _drain(inv_dir, env, *args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "invoke", "drain", "-i", str(inv_dir), *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                             env={**os.environ, **env})
-
-
-def _until(pred, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_the_second_operator_sees_the_first_ones_revision_journal_and_who_did_it(cluster):
@@ -87,11 +76,11 @@ def test_a_holder_killed_mid_drain_frees_the_lock_and_the_next_operation_reports
         done = [r for r in recs if r["step"] == "empty-check-1" and r["status"] == "ok" and r["op_id"] not in earlier]
         return done[-1]["op_id"] if done else None
 
-    op = _until(alice_op, "alice's drain to pass its first empty check")
+    op = wait_for(alice_op, 60, "alice's drain to pass its first empty check")
     alice.send_signal(signal.SIGKILL)  # her laptop dies mid-operation
     alice.wait(30)
-    _until(lambda: not (record(inv_dir).lock_holder() or {}).get("holder_alive"),
-           "the lock process on lab01 to end with alice's SSH session", timeout=30)
+    wait_for(lambda: not (record(inv_dir).lock_holder() or {}).get("holder_alive"), 30,
+             "the lock process on lab01 to end with alice's SSH session")
     bob = inv_cmd("drain", "-i", str(inv_dir), "--instance", "d02", "--force", "--interval", "1", env=ops["bob"])
     assert bob.returncode == 0, bob.stdout + bob.stderr
     assert f"note: the previous operation {op} ('drain' by alice on {socket.gethostname()}" in bob.stdout

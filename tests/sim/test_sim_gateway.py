@@ -204,7 +204,7 @@ def test_registering_a_url_whose_worker_is_still_draining_waits_it_out(sims):
     """An instance added at the address of one drained moments ago (a scale 3p1d -> 2p2d puts d02
     where p03 was): smg keeps the old worker `draining` about 5 s and answers a POST of the same
     URL with 409 and that worker. pdops.ops.deploy.register waits until it is gone, then registers."""
-    from pdops.ops.deploy.actions import register_one
+    from pdops.steps.actions import register_one
     from pdops.remote.gateway import GatewayClient, deadline_in
     from pdops.model.placement import Instance, Rank
     from pdops.sim.testing import start_gateway
@@ -243,7 +243,7 @@ def test_registering_a_prefill_the_gateway_lists_under_its_old_bootstrap_port_re
     other bootstrap port), the prefill now serving on the new port: requests routed through the
     old entry would fail at the bootstrap. pdops.ops.deploy.register removes the stale worker first
     and proves the gateway lists the new port; generations then succeed."""
-    from pdops.ops.deploy.actions import register_one
+    from pdops.steps.actions import register_one
     from pdops.remote.gateway import GatewayClient, deadline_in
     from pdops.model.placement import Instance, Rank
     from pdops.sim.testing import start_gateway

@@ -8,7 +8,7 @@ import pytest
 
 from pdops.errors import DeployFailed, Unverified
 from pdops.facts.engine import failed_session_wait_s
-from pdops.ops.deploy import actions
+from pdops.steps import actions
 
 
 class _I:

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from pdops.ops import scale as sc
 from pdops.errors import InvalidInput, Refused
-from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
 from pdops.model.render import manifest, render_files
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
+from tests.unit.recorded import REPO, edited
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -31,15 +30,6 @@ def live(lab_inv, tmp_path):
                                instances={i.id: {"role": i.role} for i in pl.instances}, outcome="deployed")
     state.set_current(rev.number)
     return state
-
-
-def edited(tmp_path, edit) -> Path:
-    doc = single_file_doc(REPO / "inventory" / "lab")
-    edit(doc)
-    d = tmp_path / "edited"
-    d.mkdir(exist_ok=True)
-    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
-    return d
 
 
 def add_host(gpus: int):

@@ -14,7 +14,7 @@ from pdops.model.inventory import load_inventory
 from pdops.model.topology import parse_topology
 from pdops.ops import deploy as dep
 from pdops.record.local import StateDir
-from tests.unit.test_scale_plan import deployed
+from tests.unit.recorded import deployed
 
 REPO = Path(__file__).resolve().parents[2]
 

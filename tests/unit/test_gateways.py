@@ -114,7 +114,7 @@ def test_a_deploy_starts_each_gateway_and_registers_with_each(two, tmp_path):
 
 
 def deployed(inv, state, topo="1p1d"):
-    from tests.unit.test_scale_plan import deployed as d
+    from tests.unit.recorded import deployed as d
 
     return d(inv, state, topo)
 

@@ -9,6 +9,7 @@ import pytest
 
 from pdops.reads.observe import observe
 from pdops.ops import deploy as dep
+from pdops.steps.actions import processes_of
 from pdops.model import membership
 from pdops.errors import PdopsError, Refused, Unreachable
 from pdops.facts.gateway import Worker
@@ -17,7 +18,7 @@ from pdops.model.placement import place
 from pdops.model.render import GATEWAY_UNIT, manifest, render_files
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
-from tests.unit.test_membership import REPO
+from tests.unit.recorded import REPO
 
 
 def show(unit, active="active", sub="running", pid=100, restarts=0, started_us=0):
@@ -308,9 +309,9 @@ def test_the_gateway_main_pid_is_recorded_from_what_verify_running_read():
     inv = load_inventory(REPO / "inventory" / "lab")
     key = f"{inv.gateway.first.host}:{GATEWAY_UNIT}"
     running = {key: {"main_pid": 812, "config": "c1", "started_us": 5_000_000}}
-    assert dep.processes_of(running, inv) == {"gateway_main_pids": {inv.gateway.first.host: 812},
+    assert processes_of(running, inv) == {"gateway_main_pids": {inv.gateway.first.host: 812},
                                               "main_starts": {key: [812, 5_000_000]}}
-    assert dep.processes_of({}, inv) == {}
+    assert processes_of({}, inv) == {}
 
 
 def test_a_process_with_the_recorded_pid_that_started_at_another_time_is_not_the_recorded_one(live):

@@ -12,7 +12,7 @@ from pdops.reads import orphans
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
 from pdops.model.topology import parse_topology
-from tests.unit.test_membership import REPO
+from tests.unit.recorded import REPO
 
 
 def test_a_half_no_decode_holds_is_orphaned_once_held_past_the_grace():

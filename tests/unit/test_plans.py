@@ -215,42 +215,45 @@ def test_step_ids_are_unique_and_what_dry_run_prints(case_file, tmp_path, monkey
 
 
 def test_every_step_kind_has_an_executor(tmp_path, monkeypatch):
-    import importlib
-    import pkgutil
+    from pdops.kinds import KINDS
 
-    import pdops
-    from pdops.runner import EXECUTORS
-
-    # every product module imported, as the CLI may: the one registry, no kind added by hand
-    for m in pkgutil.walk_packages(pdops.__path__, "pdops."):
-        if not m.name.endswith("__main__"):
-            importlib.import_module(m.name)
-    known = set(EXECUTORS)
+    # the one table: no import of any operation is needed for its kinds to be known
     for case_file in CASES:
         (tmp_path / case_file.stem).mkdir()
         plan = make_plan(yaml.safe_load(case_file.read_text()), StateDir("lab", tmp_path / case_file.stem / "state"),
                          tmp_path / case_file.stem, monkeypatch)
-        assert {s.kind for s in plan.all_steps()} <= known, case_file.name  # nested steps included
+        assert {s.kind for s in plan.all_steps()} <= set(KINDS), case_file.name  # nested steps included
         # what each step reads from an earlier one (Step.needs) is given by a step before it: the check
         # `walk` makes before anything runs, so a plan that would fail it is a unit-test failure here
         plan.check()
 
 
-def test_importing_an_operation_registers_every_kind_its_plans_use():
-    """The CLI imports only the operation it runs: its package alone must register the executors of
-    every kind its plans (rescue and always included) name, or `walk` refuses the plan."""
+def test_the_table_of_kinds_binds_each_kind_to_a_function_and_declares_only_known_outputs():
+    """pdops.kinds.KINDS, the one place kinds meet executors: each names a function that exists (resolved
+    as a walk would), with the runner's signature, and gives and reads only names of pdops.outputs."""
+    import inspect
+
+    from pdops.kinds import KINDS
+    from pdops.outputs import OUTPUTS
+    from pdops.runner import executor
+
+    for kind, k in KINDS.items():
+        fn = executor(kind)
+        assert callable(fn), kind
+        assert list(inspect.signature(fn).parameters)[:2] == ["ctx", "step"], (kind, k.executor)
+        assert all(n.rstrip("?") in OUTPUTS for n in k.gives + k.needs), kind
+    assert executor("no-such-kind") is None
+
+
+def test_no_module_is_imported_for_its_side_effect_of_binding_kinds():
+    """An operation's package imports what it calls, nothing more: a kind's executor is imported by the
+    runner when a walk first needs it (a fresh interpreter: importing pdops.ops.scale loads no repair)."""
     import subprocess
     import sys
 
-    code = ("import pdops.ops.{op} as m, pdops.runner as r; print(' '.join(sorted(r.EXECUTORS)))")
-    for op, kinds in {"scale": {"undo-added", "restore-service", "record-halt", "record-scale", "deliver-wave",
-                                "publish-targets", "start", "canary", "register", "leave-gateway", "stop"},
-                      "drain": {"leave-gateway", "wait-empty", "empty-check", "stop", "verify-stop", "record-drain",
-                                "publish-targets"},
-                      "deploy": {"render", "deliver", "start", "register", "record-deploy", "record-repair",
-                                 "undo-register", "publish-targets"}}.items():
-        out = subprocess.run([sys.executable, "-c", code.format(op=op)], capture_output=True, text=True, check=True)
-        assert kinds <= set(out.stdout.split()), (op, kinds - set(out.stdout.split()))
+    code = "import sys, pdops.ops.scale; print(' '.join(m for m in sys.modules if m.startswith('pdops.ops.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "pdops.ops.repair" not in out and "pdops.ops.probe" not in out, out
 
 
 def test_a_scale_step_id_carries_the_instance_so_two_drains_are_told_apart(fleet, tmp_path):

@@ -14,7 +14,7 @@ from pdops.errors import InvalidInput, Refused
 from pdops.remote.load import LedgerRow
 from pdops.model.render import engine_args, override_args
 from pdops.record.local import StateDir
-from tests.unit.test_scale_plan import deployed
+from tests.unit.recorded import deployed
 
 
 def bundle_file(tmp_path, text, name="b.yml"):

@@ -10,38 +10,15 @@ import pytest
 from pdops.ops import repair as rp
 from pdops.errors import InvalidInput, Refused
 from pdops.facts import requestlog
-from pdops.facts.gateway import Worker
-from pdops.facts.systemd import parse_by_id
-from pdops.reads.observe import InstanceObservation
 from pdops.model.placement import place
 from pdops.record.local import StateDir
-from pdops.reads.status import judge
 from pdops.model.topology import parse_topology
-
-
-def unit(active="active", sub="running", pid=100, restarts=0):
-    text = (f"Id=u\nLoadState=loaded\nActiveState={active}\nSubState={sub}\nMainPID={pid if active == 'active' else 0}\n"
-            f"NRestarts={restarts}\nResult=success\nUnitFileState=enabled\n\n")
-    return parse_by_id(text)["u"]
-
-
-def obs(inst, *, state=None, recorded=100, worker="ready", healthy=True, in_list=True, running=None, expected=None):
-    key = f"{inst.head.host}:{inst.units[0][1]}"
-    w = None if worker is None else Worker(id="w1", url=inst.url, model_id="m", worker_type=inst.role,
-                                           status=worker, is_healthy=healthy, load=0)
-    return InstanceObservation(inst, {key: state or unit()}, {key: recorded} if recorded else {}, {"lab01": w},
-                               {"lab01": in_list}, running=running or {}, expected=expected or {})
+from tests.unit.observed import obs, unit, word
 
 
 @pytest.fixture
 def d01(lab_inv):
     return place(lab_inv, parse_topology("1p2d")).get("d01")
-
-
-def word(o, **kw):
-    args = {"gateway_down": False, "loads_error": None, "failures": {}, "strays": []}
-    args.update(kw)
-    return judge(o, **args)
 
 
 def test_each_state_word_from_what_was_observed(d01):
@@ -90,7 +67,7 @@ def test_lost_work_is_what_an_ended_process_received_and_never_finished():
 
 @pytest.fixture
 def live(lab_inv, tmp_path):
-    from tests.unit.test_scale_plan import deployed
+    from tests.unit.recorded import deployed
 
     state = StateDir("lab", tmp_path / "state")
     deployed(lab_inv, state, "1p2d")
@@ -155,7 +132,7 @@ def test_a_down_instance_is_not_waited_for_and_a_prefill_takes_its_other_bootstr
 
 
 def test_a_repair_refuses_an_inventory_that_renders_other_files(lab_inv, live, tmp_path):
-    from tests.unit.test_change_input import edited
+    from tests.unit.recorded import edited
 
     from pdops.model.inventory import load_inventory
 
@@ -186,7 +163,7 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
     waits for what serves (p01), and d02 is named and left as it is (not restarted). The canary pairs
     with a prefill that is down: tests/data/plans/repair_d01_with_p02_and_the_gateway_down_of_2p1d.yml."""
     from pdops.reads.observe import Seen
-    from tests.unit.test_scale_plan import deployed
+    from tests.unit.recorded import deployed
 
     state = StateDir("lab", tmp_path / "state")
     deployed(lab_inv, state, "1p2d")

@@ -77,14 +77,34 @@ from pdops.runner import DeadlineExceeded, Outcome, Plan, RunContext, walk  # no
 from pdops.record.local import StateDir  # noqa: E402
 
 
+class _Kinds(dict):
+    """The table of kinds for one test: `table["k"] = fn` binds kind k to fn (no outputs); `bind` with
+    the outputs it gives and reads."""
+
+    def __setitem__(self, kind, fn):
+        from pdops.kinds import Kind
+
+        super().__setitem__(kind, fn if isinstance(fn, Kind) else Kind(fn))
+
+    def update(self, other=(), **kw):
+        for k, v in dict(other, **kw).items():
+            self[k] = v
+
+    def bind(self, table: dict, *, gives: dict | None = None, needs: dict | None = None):
+        from pdops.kinds import Kind
+
+        for kind, fn in table.items():
+            self[kind] = Kind(fn, tuple((gives or {}).get(kind, ())), tuple((needs or {}).get(kind, ())))
+
+
 @pytest.fixture
 def registry(monkeypatch):
-    """The runner's one registry, emptied for the test: it registers the kinds it walks."""
+    """The table of kinds (pdops.kinds.KINDS) the runner reads, emptied for the test: it binds the kinds it
+    walks."""
     import pdops.runner as runner
 
-    table: dict = {}
-    monkeypatch.setattr(runner, "EXECUTORS", table)
-    monkeypatch.setattr(runner, "KIND_IO", {})
+    table = _Kinds()
+    monkeypatch.setattr(runner, "KINDS", table)
     return table
 
 
@@ -180,23 +200,9 @@ def test_a_step_kind_without_executor_is_refused_before_anything_runs(tmp_path, 
     assert ran == [] and ctx.journal.read("op-1") == []
 
 
-def test_a_step_names_its_kind_and_a_kind_has_one_executor(registry):
-    from pdops.runner import register_executors
-
+def test_a_step_names_its_kind(registry):
     with pytest.raises(ValueError, match="step 'start p01' has no kind"):
         Step("start p01", "h1", "")  # never read from the id
-
-    def one(c, s):
-        return Outcome()
-
-    def other(c, s):
-        return Outcome()
-
-    register_executors({"k": one})
-    register_executors({"k": one})  # the same binding again (a module imported twice) is fine
-    with pytest.raises(RuntimeError, match="step kind 'k' has two executors"):
-        register_executors({"k": other})
-    assert registry == {"k": one}
 
 
 def test_what_a_step_could_not_check_is_listed_as_not_verified_never_as_verified(tmp_path, registry):
@@ -267,8 +273,6 @@ def test_always_steps_run_last_whatever_the_outcome_and_never_change_it(tmp_path
 def test_a_step_reads_only_what_an_earlier_step_declared_it_gives_and_the_plan_is_checked_first(tmp_path, registry):
     """Outputs pass between steps only as declared: a plan whose step needs what no earlier step gives
     is refused before anything runs, and an executor that reads or gives an undeclared name fails."""
-    from pdops.runner import register_executors
-
     ran = []
 
     def render(c, s):
@@ -283,8 +287,8 @@ def test_a_step_reads_only_what_an_earlier_step_declared_it_gives_and_the_plan_i
         c.get(s, "workers")  # not declared by its kind
         return Outcome()
 
-    register_executors({"render": render, "deliver": deliver, "sneaky": sneaky},
-                       gives={"render": ("build",)}, needs={"deliver": ("build",)})
+    registry.bind({"render": render, "deliver": deliver, "sneaky": sneaky},
+                  gives={"render": ("build",)}, needs={"deliver": ("build",)})
     backwards = Plan("demo", "t", [Step("deliver", None, "", kind="deliver"), Step("render", None, "", kind="render")])
     with pytest.raises(PdopsError, match="step 1 \\(deliver\\) needs 'build'.*which no step before it gives"):
         walk(backwards, _ctx(tmp_path))
@@ -295,27 +299,23 @@ def test_a_step_reads_only_what_an_earlier_step_declared_it_gives_and_the_plan_i
     assert ran == [tmp_path / "b1"]
     with pytest.raises(PdopsError, match="reads 'workers' without declaring it"):
         walk(Plan("demo", "t", [Step("s", None, "", kind="sneaky")]), _ctx(tmp_path))
-    with pytest.raises(RuntimeError, match="unknown output"):
-        register_executors({"odd": render}, gives={"odd": ("no_such_output",)})
 
 
 def test_a_walk_plan_step_walks_its_declared_plan_only_when_its_condition_holds(tmp_path, registry):
     """A conditional step runs only if the output it names is as printed; a walk-plan step walks the
     plan in its params (printed under it), its rescue on a failure, in outputs of its own."""
     import pdops.runner as runner
-    from pdops.runner import register_executors
 
-    registry["walk-plan"] = runner.do_walk_plan
-    runner.KIND_IO["walk-plan"] = (("plan_verdicts",), ())
+    registry.bind({"walk-plan": runner.do_walk_plan}, gives={"walk-plan": ("plan_verdicts",)})
     ran = []
 
     def decide(c, s):
         c.give(s, "probe_keep", s.params["keep"])
         return Outcome()
 
-    register_executors({"decide": decide, "note": lambda c, s: ran.append(s.name) or Outcome(),
-                        "boom": lambda c, s: (_ for _ in ()).throw(Unverified("sub step broke"))},
-                       gives={"decide": ("probe_keep",)})
+    registry.bind({"decide": decide, "note": lambda c, s: ran.append(s.name) or Outcome(),
+                   "boom": lambda c, s: (_ for _ in ()).throw(Unverified("sub step broke"))},
+                  gives={"decide": ("probe_keep",)})
     inner = Plan("inner", "inner", [Step("inner: one", None, "first", kind="note")],
                  rescue=[Step("inner: undo", None, "undo", kind="note")])
     keep = Step("keep", None, "the keep change", kind="walk-plan", when=("probe_keep", True), params={"plan": inner})

@@ -12,20 +12,7 @@ from pdops.model.render import manifest, render_files
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
 
-from pathlib import Path
-REPO = Path(__file__).resolve().parents[2]
-
-
-def deployed(inv, state: StateDir, topo: str, pl: Placement | None = None, outcome="deployed", make_current=True):
-    """Record a revision as `inv deploy` (or a scale) would, without any host."""
-    pl = pl or place(inv, parse_topology(topo))
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome=outcome)
-    if make_current:
-        state.set_current(rev.number)
-    return rev
+from tests.unit.recorded import REPO, deployed
 
 
 @pytest.fixture

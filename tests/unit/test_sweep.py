@@ -270,14 +270,14 @@ def small_plan(**kw):
 
 
 def test_the_sweep_is_one_declared_plan_with_its_step_ids_and_kinds():
-    from pdops.runner import EXECUTORS
+    from pdops.kinds import KINDS
 
     plan = small_plan(out_dir="/srv/x/sweep", requests=10, timeout_s=120).plan
     assert plan.operation == "sweep" and plan.step_ids() == SMALL_STEPS
     assert [s.name for s in plan.always] == ["write-matrix"] and plan.rescue == []
     assert plan.always_on_interrupt  # Ctrl-C still writes the matrix and the plots of what was measured
     assert {s.kind for s in plan.steps + plan.always} == {"open-matrix", "sweep-scale", "sweep-run", "write-matrix"}
-    assert {s.kind for s in plan.steps + plan.always} <= set(EXECUTORS)  # importing pdops.ops.sweep registers them
+    assert {s.kind for s in plan.steps + plan.always} <= set(KINDS)  # in the one table
     plan.check()  # every output a step reads is given by a step before it
     run = plan.steps[2]
     assert run.params == {"ratio": "2:1", "topology": "8p4d", "concurrency": 8, "repeat": 1, "repeats": 2,

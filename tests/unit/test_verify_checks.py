@@ -12,7 +12,7 @@ from pdops.facts import batch_command
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
 from pdops.reads.verify.checks import ADMISSION_KEYS_SUFFIX, HostPlan, host_command, host_plans, judge, read_facts
-from tests.unit.test_membership import REPO
+from tests.unit.recorded import REPO
 
 ADMISSION_UNIT = "/etc/systemd/system/pdops-admission.service"
 ADMISSION_CFG = "/etc/pdops/pdops-admission.cfg"

@@ -16,10 +16,10 @@ from pdops.remote.haproxy import gateway_stats, runtime, set_front_door, wait_ga
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, last_bootstrap_ports
 from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of, write_build
-from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.runner import Outcome, RunContext, Say, Step, walk
 from pdops.record.local import new_op_id
 
-from pdops.ops.deploy.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
+from pdops.steps.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
                                   wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan
@@ -355,18 +355,6 @@ def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
 
 
 # the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
-register_executors({"connect": do_connect, "preflight": do_preflight, "render": do_render, "deliver": do_deliver,
-          "gateway": do_gateway, "admission": do_admission, "start": do_start, "wait-healthy": do_wait_healthy, "canary": do_canary,
-          "register": do_register, "gateway-list": do_gateway_list, "close-breakers": do_close_breakers, "record-deploy": do_record_deploy,
-          "record-repair": do_record_repair, "verify-running": do_verify_running,
-          "undo-register": do_undo_register, "front-door-ready": do_front_door_ready,
-          "front-door-set": do_front_door_set},
-    gives={"render": ("build",), "gateway": ("started",), "start": ("started_instances", "started", "healthy", "main_pids"),
-           "register": ("posted", "workers"), "verify-running": ("running",)},
-    needs={"deliver": ("build",), "canary": ("started_instances?",), "gateway-list": ("workers",),
-           "record-deploy": ("workers", "build", "running", "main_pids?"),
-           "record-repair": ("workers?", "running?"), "undo-register": ("workers?", "posted?"),
-           "front-door-set": ("fence?",)})
 
 
 def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateways: Gateways) -> dict:

@@ -19,7 +19,7 @@ from pdops.model.topology import Topology
 
 from pdops.reads.observe import Observation, Seen, unit_files
 
-from pdops.ops.deploy.steps import (admission_steps, gateway_restart_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
+from pdops.steps.builders import (admission_steps, gateway_restart_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
                                   gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
@@ -102,7 +102,6 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
         # one placement and one rendering: the change planner's, from the record
         change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
                                force=force, allow_capacity_dip=allow_capacity_dip, seen=seen, unfenced=unfenced)
-        change.state = state
         if change.noop and seen is None and change.target == previous and manifest(change.files) == current.manifest:
             # same placement, same files (every one: the change planner's no-op does not count shared
             # files new in the target, e.g. an admission layer just added): whether anything is to be
@@ -166,7 +165,6 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
                       + "; ".join(o.edited) for o in obs.instances if o.edited and o.id not in stale})
         change = sc.plan_change(inv, rev, pl, skip_checks=plan.skip_checks, replace_ids=stale, seen=Seen.of(obs),
                                 fault="; ".join(f"{k} {v}" for k, v in sorted(runs_edited.items())) or None)
-        change.state = plan.state
         return replace(plan, change=change, noop=change.noop, findings=findings)
     steps = [connect_step(plan.hosts)]
     # with something else down: every instance's edited files put back before anything starts; one whose

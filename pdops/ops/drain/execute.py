@@ -15,7 +15,7 @@ from pdops.remote.gateway import Gateways, deadline_in
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, Placement, last_bootstrap_ports
 from pdops.model.render import SLICE_UNIT, UNIT_DIR, snapshot_subset
-from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk, walk_journalled
+from pdops.runner import Outcome, RunContext, Say, Step, walk, walk_journalled
 from pdops.record.local import StateDir, new_op_id
 
 from pdops.ops.drain.plan import DrainPlan, GONE_WAIT_S, KillPlan
@@ -435,17 +435,6 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
 
 
-_DRAIN_KINDS = ("leave-gateway", "wait-empty", "empty-check", "record-identity", "stop", "verify-stop")
-register_executors(
-    {"leave-gateway": do_leave_gateway, "wait-empty": do_wait_empty, "empty-check": do_empty_check,
-     "record-identity": do_record_identity, "stop": do_stop, "verify-stop": do_verify_stop,
-     "record-drain": do_record_drain, "check-units": do_check_units, "kill-survivors": do_kill_survivors,
-     "verify-gone": do_verify_gone},
-    # each step of an instance's drain reads whether its units were stopped already (read once, by
-    # the first of them to run); a change's drains say what they took out of service
-    gives={**{k: ("drain_state",) for k in _DRAIN_KINDS}, "leave-gateway": ("drain_state", "left_gateway"),
-           "wait-empty": ("drain_state", "accepted_loss"), "verify-stop": ("drain_state", "drained", "replaced_out")},
-    needs={**{k: ("drain_state?",) for k in _DRAIN_KINDS}, "empty-check": ("drain_state?", "accepted_loss?")})
 
 
 def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,

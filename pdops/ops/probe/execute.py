@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
-# imported for their step kinds' executors too (pdops.runner.EXECUTORS): a probe walks them
-import pdops.ops.scale  # noqa: F401
-from pdops.ops.deploy import deliver, do_canary, running_evidence
+from pdops.ops.deploy.execute import do_canary
+from pdops.steps.actions import deliver, running_evidence
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement
-from pdops.runner import Outcome, RunContext, Step, register_executors, walk
+from pdops.runner import Outcome, RunContext, Step, walk
 from pdops.record.local import default_operator, new_op_id, now_iso
 
 from pdops.ops.probe.plan import ProbePlan
@@ -121,10 +120,6 @@ def do_probe_canary(ctx: RunContext, step: Step) -> Outcome:
 
 
 # the kinds made here; a probe also walks deploy's, drain's and a change's kinds (scale, imported above)
-register_executors({"probe-canary": do_probe_canary, "probe-requests": do_probe_requests,
-                    "probe-remove-files": do_probe_remove_files, "probe-verify-baseline": do_probe_verify_baseline},
-                   gives={"probe-canary": ("canary_evidence",), "probe-requests": ("probe_result", "probe_keep")},
-                   needs={"probe-canary": ("started_instances?",), "probe-requests": ("canary_evidence?",)})
 
 
 def next_probe_id(journal) -> str:

@@ -29,15 +29,14 @@ The package, by concern (each module imports only those listed before it):
 - ``steps``: a plan compiled into the runner's steps (adds, waves, drains, the gateway first,
   the rescue: R1 undo-added, R2 restore-service, R3 record-halt);
 - ``execute``: the executors of a change's own kinds, the walk under the lock, the record;
-- ``rescue``: the executors of the rescue's kinds (imported here: they register them);
+- ``rescue``: the executors of the rescue's kinds;
 - ``fenced``: a change of generation planned as a fenced (blue/green) rollout, its steps and rescue;
-- ``fence_exec``: the executors of a fenced rollout's own kinds (imported here);
+- ``fence_exec``: the executors of a fenced rollout's own kinds;
 - ``planner``: plan_change, the change planner; it hands a change of generation to ``fenced``;
 - ``operations``: the operations that are one change (scale, apply, rollback, ``drain --host``,
   uncordon), each planned by plan_change.
 """
 
-from pdops.ops.scale import fence_exec, rescue  # noqa: F401 - register their kinds' executors
 from pdops.ops.scale.execute import execute_scale, walk_scale
 from pdops.ops.scale.model import ScalePlan, ScaleStep, cordoned_hosts, instance_files, union_placement
 from pdops.ops.scale.operations import (plan_apply, plan_drain_host, plan_rollback, plan_scale, plan_uncordon,

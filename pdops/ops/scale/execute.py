@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import time
 
-# imported for their step kinds' executors (pdops.runner.EXECUTORS): a change walks them
-import pdops.ops.admission_keys  # noqa: F401
-import pdops.ops.deploy  # noqa: F401
-import pdops.ops.drain  # noqa: F401
-import pdops.ops.repair  # noqa: F401
 from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unreachable, Unverified
 from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, wait_gateways_up
@@ -17,12 +12,10 @@ from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, gateway_grace_s,
                                 manifest, snapshot_of)
-from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.runner import Outcome, RunContext, Say, Step, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
 from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
-
-
 
 
 def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
@@ -171,7 +164,7 @@ def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: 
     HAProxy's own check). Refused, nothing changed, when a stand-in already runs."""
     from pdops.facts import q
     from pdops.model.admission import server_state_command, standby_server
-    from pdops.ops.deploy.actions import register_one
+    from pdops.steps.actions import register_one
 
     inv, pool = ctx.inv, ctx.pool
     sb = inv.gateway.standby(node.host)
@@ -303,7 +296,7 @@ def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:
 
 def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
     """The own files of a wave's instances (their old processes are stopped by now)."""
-    from pdops.ops.deploy import deliver
+    from pdops.steps.actions import deliver
 
     ids = step.params["instances"]
     ev = deliver(ctx.inv, step.params["placement"], step.params["files"], ctx.get(step, "build"), None, ctx.say)
@@ -325,9 +318,6 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
 
 
 # kinds, registered by those modules (imported at the top of this one)
-register_executors({"retire-gateway": do_retire_gateway, "record-scale": do_record_scale, "deliver-wave": do_deliver_wave, "gateway-restart": do_gateway_restart},
-                   needs={"deliver-wave": ("build",),
-                          "record-scale": ("workers?", "build?", "main_pids?", "running?", "lost_work?")})
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
@@ -382,7 +372,7 @@ def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | Non
 
 def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
                   running: dict | None = None, lost_work: dict | None = None) -> Revision:
-    from pdops.ops.deploy import configs_of, processes_of
+    from pdops.steps.actions import configs_of, processes_of
 
     cur, tgt = plan.current, plan.target
     new_mf = manifest(plan.files)

@@ -14,10 +14,10 @@ from pdops.remote.gateway import deadline_in
 from pdops.model.admission import FULL_WEIGHT
 from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, set_front_door, wait_gateways_up
 from pdops.remote.hosts import http_json
-from pdops.ops.deploy.actions import register_one
+from pdops.steps.actions import register_one
 from pdops.ops.drain.stopping import leave_gateway
 from pdops.reads.looks import FAILURE_COUNTERS, GATEWAY_COUNTERS
-from pdops.runner import Outcome, RunContext, Step, register_executors
+from pdops.runner import Outcome, RunContext, Step
 
 
 def _set_front_door(ctx: RunContext, adms: list[str], *, weights: dict[str, int], drain=(), ready=()) -> list[str]:
@@ -202,11 +202,3 @@ def do_leave_old_pool(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"{', '.join(left)} in no gateway's /workers or start-up list of "
                              f"{', '.join(step.params['gateways'])}"],
                    unverified=[f"{', '.join(left)} still running (out of service): `inv deploy` drains them"])
-
-
-register_executors(
-    {"fence-gateway": do_fence_gateway, "shift": do_shift, "fence-commit": do_fence_commit,
-     "unfence-gateway": do_unfence_gateway, "leave-old-pool": do_leave_old_pool},
-    gives={"fence-gateway": ("fence",), "shift": ("shifted",), "fence-commit": ("committed",)},
-    needs={"shift": ("fence",), "fence-commit": ("shifted",), "unfence-gateway": ("fence?",),
-           "leave-old-pool": ("drained?",)})

@@ -22,6 +22,8 @@ fenced gateway gets the old pool back; after `commit`, the other gateways get th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdops.errors import Refused
 from pdops.model.admission import FULL_WEIGHT
 from pdops.model.inventory import Inventory
@@ -31,7 +33,7 @@ from pdops.model.topology import Topology
 from pdops.record.local import Revision
 from pdops.runner import Step
 
-from pdops.ops.deploy.steps import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
+from pdops.steps.builders import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
                                     register_steps, start_steps, verify_running_step)
 from pdops.ops.drain.plan import drain_steps
 from pdops.ops.scale.steps import rescue_steps
@@ -146,9 +148,7 @@ def plan_fenced(inv: Inventory, cur: Revision, topology: Topology, gen: Generati
                       f"old pool would shrink by {', '.join(i.id for i in shrink)} first",
                       fix="pass --allow-capacity-dip to accept the temporary capacity, or add hosts",
                       evidence=plan.render())
-    plan.run = fenced_steps(plan)
-    plan.rescue = fenced_rescue(plan)
-    return plan
+    return replace(plan, run=fenced_steps(plan), rescue=fenced_rescue(plan))
 
 
 def _shrink(cur_pl: Placement, k: int) -> list[Instance] | None:

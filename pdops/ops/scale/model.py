@@ -72,7 +72,7 @@ class GenerationChange:
                 "a decode of the other cannot exchange KV")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScalePlan:
     inv: Inventory
     current: Revision
@@ -103,7 +103,6 @@ class ScalePlan:
     rollback_inventory_hash: str | None = None
     # `inv repair`: {"instance", "state", "reasons", "down", "force_after", "since"} (pdops.ops.repair)
     repair: dict | None = None
-    state: object = field(default=None, repr=False, compare=False)  # the record it was read from
     seen: Seen | None = None  # what the hosts and the gateway reported when it was planned (None: not read)
     broken: list[str] = field(default_factory=list)  # roles with no serving instance before the change
     generation: GenerationChange | None = None  # None: not compared (the current revision's files not at hand)

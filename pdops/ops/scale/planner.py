@@ -4,6 +4,7 @@ are one change (scale, apply, rollback, `drain --host`, uncordon) are in `operat
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pdops.model.admission import UNIT as ADMISSION_UNIT
@@ -25,10 +26,8 @@ if TYPE_CHECKING:
 
 
 def compile_steps(plan: ScalePlan) -> ScalePlan:
-    """The runner's steps of a change plan and its rescue, from what the plan decided."""
-    plan.run = runner_steps(plan)
-    plan.rescue = rescue_steps(plan)
-    return plan
+    """The plan with the runner's steps and rescue made from what it decided (a new value)."""
+    return replace(plan, run=runner_steps(plan), rescue=rescue_steps(plan))
 
 def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_capacity_dip: bool = False,
                 skip_checks: set[str] | None = None, rollback_of: int | None = None, max_unavailable: int = 1,
@@ -290,7 +289,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
                      base_snapshot=snapshot, admission_reload=adm_changes, seen=seen, broken=broken,
                      generation=gen, how=_waves_why(gen), force=force if guard is None else not guard, fault=fault,
                      repair=repair)
-    compile_steps(plan)
+    plan = compile_steps(plan)
     if zero and not force:
         raise Refused(f"the change would leave no serving {' and no '.join(zero)} instance at some step",
                       fix="add hosts so replacements start beside the old instances, or --force to accept it",

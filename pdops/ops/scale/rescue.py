@@ -8,7 +8,7 @@ from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import config_ids, manifest, render_files
-from pdops.runner import Outcome, RunContext, Step, register_executors, run_steps
+from pdops.runner import Outcome, RunContext, Step, run_steps
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.model import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
@@ -62,7 +62,7 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     """R2: an instance out of the gateway whose process was not stopped goes back in service, after
     a canary through it; one whose units are not active (or whose /health does not answer) is named
     out of service. Read from systemd, the instance and the gateway now."""
-    from pdops.ops.deploy import canary_pairs, register
+    from pdops.steps.actions import canary_pairs, register
     from pdops.remote.hosts import http_json
 
     stopped = set(ctx.get(step, "drained", [])) | set(ctx.get(step, "replaced_out", []))
@@ -243,13 +243,3 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
             f"still serving revision {cur.number}'s files, untouched: {', '.join(not_yet) or 'none'}; `current` "
             f"moved to revision {rev.number} (partial, {pl.topology}) to describe what is live; `inv rollback` "
             f"returns to revision {cur.number}"), rev
-
-
-_STOPPED = ("drained?", "replaced_out?", "left_gateway?")
-register_executors(
-    {"undo-added": do_undo_added, "restore-service": do_restore_service, "record-halt": do_record_halt},
-    gives={"undo-added": ("halt",), "restore-service": ("workers", "halt"), "record-halt": ("halt_verdict",)},
-    needs={"undo-added": ("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?",
-                          "committed?"),
-           "restore-service": _STOPPED,
-           "record-halt": _STOPPED + ("halt?", "workers?", "main_pids?")})

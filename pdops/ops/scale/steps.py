@@ -10,7 +10,10 @@ from pdops.reads import orphans
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
-from pdops.ops.deploy.steps import gateway_restart_steps, healthy_steps
+from pdops.ops.drain.plan import drain_steps
+from pdops.steps.builders import (baseline_step, canary_step, close_breakers_step, connect_step, delivery_steps,
+                                  front_door_step, gateway_restart_steps, healthy_steps, lost_work_step, preflight_step,
+                                  register_steps, start_steps, verify_running_step)
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.model import ScalePlan, change_facts, instance_files
@@ -20,19 +23,12 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     """The steps the runner walks for a change (pure): connect, preflight, render, deliver; then
     each add (consecutive adds start in parallel; each is canaried with the pairs it will serve,
     then registered) and each drain (the drain sub-plan, ids prefixed `drain <id>: `); record."""
-    from pdops.ops.deploy import canary_step, connect_step, delivery_steps, preflight_step, register_steps, start_steps
-    from pdops.ops.drain import drain_steps
-
     inv, cur, tgt = plan.inv, plan.current, plan.target
     first = gateway_start_steps(plan)
     if first:
-        from pdops.ops.deploy.steps import front_door_step
-
         first += front_door_step(inv)
     if not plan.steps and not plan.gateway_restart and not plan.admission_reload and not plan.retired_gateways:
         # only the cordons change: what runs is checked, then the revision records them
-        from pdops.ops.deploy import verify_running_step
-
         return first + [verify_running_step(tgt, inv, plan.files),
                         Step("record", None, f"record revision ({tgt.topology}) with hosts cordoned: "
                              f"{', '.join(plan.cordoned) or 'none'}; move `current` to it", kind="record-scale",
@@ -101,7 +97,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
                            prefix=f"drain {s.instance.id}: ", in_change=True, wait=s.instance.id not in down,
                            guard=not plan.force)
         live.discard(s.instance.id)
-    from pdops.ops.deploy import verify_running_step
 
     if plan.gateway_restart:
         out += gateway_restart_steps(inv, [i.id for i in tgt.instances])
@@ -127,7 +122,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         # the halves the ended decode process left on the prefills wait for a side that is gone
         out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
     if plan.replaced:
-        from pdops.ops.deploy.steps import close_breakers_step
 
         out.append(close_breakers_step(inv, tgt, [i.id for i in plan.replaced],
                                        f"{', '.join(i.id for i in plan.replaced)} started again at unchanged URLs"))
@@ -135,7 +129,6 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     out.append(Step("record", None, f"record revision ({tgt.topology}) with the rollback record; move `current` to it",
                     kind="record-scale", params={"change": change_facts(plan)}))
     if rep or plan.fault:
-        from pdops.ops.repair import baseline_step
 
         out.append(baseline_step(rep["instance"]) if rep else
                    baseline_step(fault=f"the fault this deploy observed and replaced ({plan.fault})"))
@@ -186,8 +179,6 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     """One wave of a rolling replacement: drain the wave's running processes side by side (the drain
     sub-plan of each, step for step in parallel), deliver their new files, start them, canary every
     pair through them, register them. `live` (ids serving) is updated."""
-    from pdops.ops.deploy import canary_step, register_steps, start_steps
-    from pdops.ops.drain import drain_steps
 
     inv, cur = plan.inv, plan.current
     old = {i.id: i for i in plan.current_placement.instances}
@@ -204,7 +195,6 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     out: list[Step] = []
     for i in wave:
         if rep.get("instance") == i.id:
-            from pdops.ops.repair import lost_work_step
 
             if rep.get("state") == "restarted":
                 # systemd started the running process (Restart=on-failure): real SGLang answers /metrics without
@@ -237,7 +227,6 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
 
 def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool, listened: bool, worker_id: str | None) -> list[Step]:
     """Undo of one added instance: drain it if it was registered, else the verified stop alone."""
-    from pdops.ops.drain import drain_steps
 
     inv = plan.inv
     return drain_steps(inv, inst, worker_id, wait_s=float(inv.drain_budget_s),

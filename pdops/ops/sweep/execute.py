@@ -30,7 +30,7 @@ from pdops.ops.bench import Figures, describe_failures, fmt_int, fmt_s
 from pdops.errors import PdopsError
 from pdops.model.topology import Topology, parse_topology
 from pdops.record.local import new_op_id
-from pdops.runner import Outcome, RunContext, Say, Step, register_executors, walk
+from pdops.runner import Outcome, RunContext, Say, Step, walk
 
 from pdops.ops.sweep.plan import FAILED, MEASURED, NOT_TRIED, PLANNED, SweepPlan, parse_min_gain
 from pdops.ops.sweep.matrix import Matrix, write_matrix
@@ -189,13 +189,6 @@ def do_write_matrix(ctx: SweepContext, step: Step) -> Outcome:
     return Outcome(evidence={"paths": [str(x) for x in res["paths"]], "plots_skipped": res["plots_skipped"],
                              "cells": counts, "knees": [k.describe() for k in m.knees()]},
                    verified=[f"matrix files written: {', '.join(Path(x).name for x in res['paths'])}"])
-
-
-register_executors({"open-matrix": do_open_matrix, "sweep-scale": do_sweep_scale, "sweep-run": do_sweep_run,
-                    "write-matrix": do_write_matrix},
-                   gives={"open-matrix": ("sweep_matrix",), "sweep-scale": ("sweep_failed_rows",)},
-                   needs={"sweep-scale": ("sweep_matrix",), "sweep-run": ("sweep_matrix", "sweep_failed_rows?"),
-                          "write-matrix": ("sweep_matrix?",)})
 
 
 # ---------------------------------------------------------------- the walk

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pdops.model import membership
 from pdops.model.inventory import Inventory
-from pdops.model.placement import Placement
+from pdops.model.placement import Instance, Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, gateway_grace_s
 from pdops.runner import Step
@@ -186,3 +186,27 @@ def gateway_restart_steps(inv: Inventory, instances: list[str], hosts: list[str]
                         params={"gateway": node.host, "instances": list(instances),
                                 "admission_hosts": list(adm.hosts) if adm else []}))
     return out
+
+
+# ---------------------------------------------------------------- the record of a repair
+
+def lost_work_step(inst: Instance, rep: dict) -> Step:
+    host, unit = inst.units[0]
+    return Step(f"lost-work {inst.id}", host, f"read {unit}'s request log in the journal since the revision, per "
+                "process (invocation): request IDs an ended process received and never finished are lost; they are "
+                "named here, marked failed, never sent again", 60, kind="lost-work",
+                params={"instance": inst.id, "old": True, "since": rep.get("since", 0)})
+
+
+def baseline_step(instance_id: str | None = None, when: tuple[str, bool] | None = None,
+                  fault: str | None = None) -> Step:
+    """The status baseline after a repair of `instance_id`, after a deploy that replaced what it observed
+    broken (`fault`), or (neither) after `inv end-orphans`: real SGLang counts each ended half as a
+    bootstrap failure of its prefill (observed in the lab, docs/sim.md)."""
+    label = instance_id or ("deploy" if fault else "end-orphans")
+    fault = fault or (f"the fault this repair of {instance_id} named" if instance_id
+                      else "the orphaned halves this command ended")
+    return Step("status-baseline", None, f"every instance routable again: the PD failure counters read now become "
+                f"`inv status`'s last look; what rose since the previous look fell inside {fault}, and is named here "
+                f"with it (`inv status` then reports only failures after it)",
+                60, kind="status-baseline", params={"instance": label}, when=when)

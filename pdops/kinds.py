@@ -1,0 +1,108 @@
+"""Every step kind a plan may hold, bound to the one function that carries it out, and the outputs
+(pdops.outputs) its steps give and read: the one place where kinds meet executors.
+
+An executor is named here as ``"module:function"`` and imported by the runner the first time a walk
+needs it (pdops.runner.executor), never registered by importing its module: which modules an
+operation imports says nothing about which kinds it can run, and no module is imported only for a
+side effect. A plan whose kinds are not all here is refused before its first step
+(pdops.runner.walk); tests/unit/test_kinds.py resolves every entry and checks every output name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Kind:
+    executor: Any  # "module:function" (a test may bind a function itself)
+    gives: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+
+
+KINDS: dict[str, Kind] = {
+    # pdops.ops.admission_keys
+    "admission-check": Kind("pdops.ops.admission_keys:do_check_unit", gives=("admission_keys",)),
+    "deliver-keys": Kind("pdops.ops.admission_keys:do_deliver_keys"),
+    "admission-reload": Kind("pdops.ops.admission_keys:do_reload", needs=("admission_keys",)),
+    "verify-keys": Kind("pdops.ops.admission_keys:do_verify_keys", needs=("admission_keys",)),
+    # pdops.ops.deploy.execute
+    "connect": Kind("pdops.ops.deploy.execute:do_connect"),
+    "preflight": Kind("pdops.ops.deploy.execute:do_preflight"),
+    "render": Kind("pdops.ops.deploy.execute:do_render", gives=("build",)),
+    "deliver": Kind("pdops.ops.deploy.execute:do_deliver", needs=("build",)),
+    "gateway": Kind("pdops.ops.deploy.execute:do_gateway", gives=("started",)),
+    "admission": Kind("pdops.ops.deploy.execute:do_admission"),
+    "start": Kind("pdops.ops.deploy.execute:do_start", gives=("started_instances", "started", "healthy", "main_pids")),
+    "wait-healthy": Kind("pdops.ops.deploy.execute:do_wait_healthy"),
+    "canary": Kind("pdops.ops.deploy.execute:do_canary", needs=("started_instances?",)),
+    "register": Kind("pdops.ops.deploy.execute:do_register", gives=("posted", "workers")),
+    "gateway-list": Kind("pdops.ops.deploy.execute:do_gateway_list", needs=("workers",)),
+    "close-breakers": Kind("pdops.ops.deploy.execute:do_close_breakers"),
+    "record-deploy": Kind("pdops.ops.deploy.execute:do_record_deploy", needs=("workers", "build", "running", "main_pids?")),
+    "record-repair": Kind("pdops.ops.deploy.execute:do_record_repair", needs=("workers?", "running?")),
+    "verify-running": Kind("pdops.ops.deploy.execute:do_verify_running", gives=("running",)),
+    "undo-register": Kind("pdops.ops.deploy.execute:do_undo_register", needs=("workers?", "posted?")),
+    "front-door-ready": Kind("pdops.ops.deploy.execute:do_front_door_ready"),
+    "front-door-set": Kind("pdops.ops.deploy.execute:do_front_door_set", needs=("fence?",)),
+    # pdops.ops.drain.execute
+    "leave-gateway": Kind("pdops.ops.drain.execute:do_leave_gateway", gives=("drain_state", "left_gateway"), needs=("drain_state?",)),
+    "wait-empty": Kind("pdops.ops.drain.execute:do_wait_empty", gives=("drain_state", "accepted_loss"), needs=("drain_state?",)),
+    "empty-check": Kind("pdops.ops.drain.execute:do_empty_check", gives=("drain_state",), needs=("drain_state?", "accepted_loss?")),
+    "record-identity": Kind("pdops.ops.drain.execute:do_record_identity", gives=("drain_state",), needs=("drain_state?",)),
+    "stop": Kind("pdops.ops.drain.execute:do_stop", gives=("drain_state",), needs=("drain_state?",)),
+    "verify-stop": Kind("pdops.ops.drain.execute:do_verify_stop", gives=("drain_state", "drained", "replaced_out"), needs=("drain_state?",)),
+    "record-drain": Kind("pdops.ops.drain.execute:do_record_drain"),
+    "check-units": Kind("pdops.ops.drain.execute:do_check_units"),
+    "kill-survivors": Kind("pdops.ops.drain.execute:do_kill_survivors"),
+    "verify-gone": Kind("pdops.ops.drain.execute:do_verify_gone"),
+    # pdops.ops.probe.execute
+    "probe-canary": Kind("pdops.ops.probe.execute:do_probe_canary", gives=("canary_evidence",), needs=("started_instances?",)),
+    "probe-requests": Kind("pdops.ops.probe.execute:do_probe_requests", gives=("probe_result", "probe_keep"), needs=("canary_evidence?",)),
+    "probe-remove-files": Kind("pdops.ops.probe.execute:do_probe_remove_files"),
+    "probe-verify-baseline": Kind("pdops.ops.probe.execute:do_probe_verify_baseline"),
+    # pdops.ops.prometheus
+    "publish-targets": Kind("pdops.ops.prometheus:do_publish_targets"),
+    # pdops.ops.record_store
+    "record-read": Kind("pdops.ops.record_store:do_record_read", gives=("source_record",)),
+    "record-check-target": Kind("pdops.ops.record_store:do_record_check_target", needs=("source_record",)),
+    "record-copy": Kind("pdops.ops.record_store:do_record_copy", needs=("source_record",)),
+    "record-verify-copy": Kind("pdops.ops.record_store:do_record_verify_copy", needs=("source_record",)),
+    "record-mark-moved": Kind("pdops.ops.record_store:do_record_mark_moved"),
+    "record-check-empty": Kind("pdops.ops.record_store:do_record_check_empty"),
+    "record-restore": Kind("pdops.ops.record_store:do_record_restore"),
+    "record-verify-restore": Kind("pdops.ops.record_store:do_record_verify_restore"),
+    "etcd-check-members": Kind("pdops.ops.record_store:do_etcd_check_members", gives=("etcd_running",)),
+    "etcd-deliver": Kind("pdops.ops.record_store:do_etcd_deliver"),
+    "etcd-start": Kind("pdops.ops.record_store:do_etcd_start", needs=("etcd_running",)),
+    "etcd-check-quorum": Kind("pdops.ops.record_store:do_etcd_check_quorum"),
+    "etcd-member-start": Kind("pdops.ops.record_store:do_etcd_member_start"),
+    # pdops.ops.repair
+    "lost-work": Kind("pdops.ops.repair:do_lost_work", gives=("lost_work",)),
+    "status-baseline": Kind("pdops.ops.repair:do_status_baseline"),
+    # pdops.ops.scale.execute
+    "retire-gateway": Kind("pdops.ops.scale.execute:do_retire_gateway"),
+    "record-scale": Kind("pdops.ops.scale.execute:do_record_scale", needs=("workers?", "build?", "main_pids?", "running?", "lost_work?")),
+    "deliver-wave": Kind("pdops.ops.scale.execute:do_deliver_wave", needs=("build",)),
+    "gateway-restart": Kind("pdops.ops.scale.execute:do_gateway_restart"),
+    # pdops.ops.scale.fence_exec
+    "fence-gateway": Kind("pdops.ops.scale.fence_exec:do_fence_gateway", gives=("fence",)),
+    "shift": Kind("pdops.ops.scale.fence_exec:do_shift", gives=("shifted",), needs=("fence",)),
+    "fence-commit": Kind("pdops.ops.scale.fence_exec:do_fence_commit", gives=("committed",), needs=("shifted",)),
+    "unfence-gateway": Kind("pdops.ops.scale.fence_exec:do_unfence_gateway", needs=("fence?",)),
+    "leave-old-pool": Kind("pdops.ops.scale.fence_exec:do_leave_old_pool", needs=("drained?",)),
+    # pdops.ops.scale.rescue
+    "undo-added": Kind("pdops.ops.scale.rescue:do_undo_added", gives=("halt",), needs=("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?", "committed?")),
+    "restore-service": Kind("pdops.ops.scale.rescue:do_restore_service", gives=("workers", "halt"), needs=("drained?", "replaced_out?", "left_gateway?")),
+    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict",), needs=("drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?")),
+    # pdops.ops.sweep.execute
+    "open-matrix": Kind("pdops.ops.sweep.execute:do_open_matrix", gives=("sweep_matrix",)),
+    "sweep-scale": Kind("pdops.ops.sweep.execute:do_sweep_scale", gives=("sweep_failed_rows",), needs=("sweep_matrix",)),
+    "sweep-run": Kind("pdops.ops.sweep.execute:do_sweep_run", needs=("sweep_matrix", "sweep_failed_rows?")),
+    "write-matrix": Kind("pdops.ops.sweep.execute:do_write_matrix", needs=("sweep_matrix?",)),
+    # pdops.reads.orphans
+    "end-orphans": Kind("pdops.reads.orphans:do_end_orphans", gives=("orphans_ended",)),
+    # pdops.runner
+    "walk-plan": Kind("pdops.runner:do_walk_plan", gives=("plan_verdicts",)),
+}
