@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pdops.model.inventory import Inventory, load_inventory
 from pdops.model.placement import Placement, place, placement_table
 from pdops.model.topology import parse_topology
+from pdops.model.render import render_files, write_build
 
 if TYPE_CHECKING:  # rendering (jinja2) is imported only by the commands that render
     from pdops.model.render import RenderedFile
@@ -48,8 +49,6 @@ def format_placement(inv: Inventory, pl: Placement) -> str:
 
 
 def render_build(inv: Inventory, pl: Placement, out: Path | None) -> tuple[Path, list[RenderedFile]]:
-    from pdops.model.render import render_files, write_build
-
     files = render_files(inv, pl)
     out = out or REPO / "build" / inv.cluster / str(pl.topology)
     meta = {"cluster": inv.cluster, "topology": str(pl.topology), "inventory_digest": inv.digest,

@@ -28,6 +28,7 @@ from pdops.model.placement import Placement
 from pdops.runner import Outcome, Plan, RunContext, Step, walk
 from pdops.steps.builders import baseline_step, connect_step
 from pdops.record.local import new_op_id
+from pdops.reads.looks import move_baseline
 
 INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
 
@@ -136,7 +137,6 @@ def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
 def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
     """After the record: a baseline that cannot be read is said, never a failed repair (the repair is
     verified and recorded by then; `inv status` then counts the fault's failures as new)."""
-    from pdops.reads.looks import move_baseline
 
     try:
         absorbed = move_baseline(ctx.inv, ctx.pool, ctx.placement)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pdops.errors import InvalidInput
 from pdops.model.placement import Placement
 from pdops.record.local import Revision
+from pdops.model.build import format_table
+from pdops.reads.status import record_doc, record_lines
 
 
 def _note(rev: Revision) -> str:
@@ -48,9 +50,6 @@ def history_rows(state) -> list[dict]:
 
 
 def format_history(state) -> str:
-    from pdops.model.build import format_table
-    from pdops.reads.status import record_doc, record_lines
-
     rows = history_rows(state)
     head = record_lines(record_doc(state))
     where = getattr(state, "location", str(state.path))

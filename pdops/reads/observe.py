@@ -12,11 +12,8 @@ from dataclasses import dataclass, field
 
 from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
-from pdops.facts import cgroup as cg_facts, q
-from pdops.facts import files as file_facts
-from pdops.facts import procs as proc_facts
+from pdops.facts import cgroup as cg_facts, files as file_facts, procs as proc_facts, q, systemd as systemd_facts
 from pdops.facts.gateway import DRAINING, READY, UNREAD, Worker
-from pdops.facts import systemd as systemd_facts
 from pdops.facts.systemd import UnitState
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool
@@ -28,6 +25,7 @@ from pdops.model.render import GATEWAY_UNIT, RUN_DIR, runtime_dir
 from pdops.fanout import run_parallel
 from pdops.record.local import Revision
 from pdops.reads.identity import RankIdentity
+from pdops.remote.haproxy import front_door_problems
 
 
 def other_start(st: UnitState, recorded: list | None) -> bool:
@@ -494,7 +492,6 @@ def _unit_down(st: UnitState | str) -> str | None:
 def _front_door(inv: Inventory, pool: HostPool, down: dict[str, str]) -> list[str]:
     """HAProxy's runtime state of each gateway, on each admission host (none without the layer); an
     admission host whose unit is not running (`down`: host -> its state) is not read."""
-    from pdops.remote.haproxy import front_door_problems
 
     out: list[str] = []
     for a in inv.admission.hosts if inv.admission is not None else ():

@@ -32,6 +32,11 @@ from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
 from pdops.fanout import run_parallel
 from pdops.reads.looks import breakers_open_since, counter_deltas, engine_reads, gateway_counters, gateway_key
+from pdops.reads import orphans as orphans_mod
+from pdops.reads.observe import observe
+from pdops.model.placement import Placement
+from pdops.record import lock_line
+from pdops.model.build import format_table
 
 STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
 QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
@@ -166,9 +171,6 @@ def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: 
 def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None):
     """`collect_status`'s document and the Observation (pdops.reads.observe) it judged; None when nothing is
     deployed. `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
-    from pdops.reads import orphans as orphans_mod
-    from pdops.reads.observe import observe
-    from pdops.model.placement import Placement
 
     rev = state.current_revision()
     record = record_doc(state)
@@ -338,7 +340,6 @@ def _gateway_row(inv: Inventory, rev, obs, g, counters, rose: dict) -> dict:
 
 def record_lines(record: dict | None) -> list[str]:
     """The record's lines of `inv status` and `inv history`: the cached-copy banner, the lock."""
-    from pdops.record import lock_line
 
     if not record:
         return []
@@ -355,8 +356,6 @@ def _num(v, digits: int = 0) -> str:
 
 
 def format_status(doc: dict) -> str:
-    from pdops.model.build import format_table
-
     banner = record_lines(doc.get("record"))
     if doc["revision"] is None:
         return "\n".join(banner + [f"{doc['cluster']}: {doc['note']}"])

@@ -15,6 +15,7 @@ from typing import Callable
 
 from pdops.errors import PdopsError, RemoteCommandFailed, Unreachable, Unverified
 from pdops.facts import q
+from pdops.remote.hosts import HostPool
 
 
 SCRIPT = (Path(__file__).resolve().parents[1] / "hostscripts" / "record.py").read_text()
@@ -119,8 +120,6 @@ class SSHTransport:
     """The host script over the state host's own SSH connection (not the operation's pool)."""
 
     def __init__(self, inv, host: str):
-        from pdops.remote.hosts import HostPool
-
         self.host = host
         self._pool = HostPool(inv)
 

@@ -12,10 +12,10 @@ import urllib.request
 from fabric import Config, Connection
 
 from pdops.errors import Unreachable
-from pdops.facts import batch_command, q, split_sections
-from pdops.facts import systemd as systemd_facts
+from pdops.facts import batch_command, q, split_sections, systemd as systemd_facts
 from pdops.model.inventory import Inventory
 from pdops.fanout import failures, run_parallel, run_remote
+from pdops.remote.gateway import Gateways
 
 # A host that accepts TCP on its SSH port but does not speak SSH (sshd past MaxStartups, a load
 # balancer) fails paramiko's handshake in its transport thread, which logs the traceback at
@@ -117,7 +117,6 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 def connections(inv: Inventory):
     """An operation's connections, opened once by its caller (the CLI) and passed to the runner:
     one SSH connection per host (opened on first use, closed at the end) and the gateway client."""
-    from pdops.remote.gateway import Gateways
 
     with HostPool(inv) as pool:
         yield {"pool": pool, "gateways": Gateways.of(inv)}

@@ -12,9 +12,7 @@ from pathlib import Path
 from pdops.model import membership
 from pdops.remote import ansible
 from pdops.errors import DeployFailed, PdopsError, Unreachable, Unverified
-from pdops.facts import ports as port_facts
-from pdops.facts import procs as proc_facts
-from pdops.facts import q
+from pdops.facts import ports as port_facts, procs as proc_facts, q
 from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import GatewayNode, Inventory
@@ -27,6 +25,8 @@ from pdops.runner import Say
 from pdops.fanout import failures, run_parallel
 from pdops.facts.engine import FAILED_SESSION, PROBE_MAX_ENV
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
+from pdops.reads.preflight import SKIPPED
+from pdops.reads.observe import with_configs
 
 
 # ---------------------------------------------------------------- doing
@@ -316,7 +316,6 @@ def undo_registrations(gateways: Gateways, pl: Placement, workers: dict, bad: li
 def preflight_unverified(report, skip_checks: set[str]) -> list[str]:
     """The preflight checks that did not run, by check: skipped by the operator or for a reason
     (no nvidia-smi in the lab). Never part of what an operation calls verified."""
-    from pdops.reads.preflight import SKIPPED
 
     out = [f"preflight {c}: skipped by the operator (--skip-check)" for c in sorted(skip_checks)]
     by_check: dict[str, dict[str, list[str]]] = {}
@@ -449,7 +448,6 @@ def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once
 def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[RenderedFile]) -> dict:
     """{"host:unit": {main_pid, config}} for every unit of `pl` and the gateway, each checked against
     the config id its rendered env file carries; Unverified naming every unit that differs."""
-    from pdops.reads.observe import with_configs
 
     want = config_ids(files)
     by_host: dict[str, list[str]] = {h: [GATEWAY_UNIT] for h in inv.gateway.hosts}

@@ -128,3 +128,31 @@ def test_no_module_passes_500_lines_but_data_tables_host_scripts_and_the_named_d
     over = {str(p.relative_to(REPO)): n for p in sorted((REPO / "pdops").rglob("*.py"))
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
     assert set(over) <= excepted | debt, {k: v for k, v in over.items() if k not in excepted | debt}
+
+
+def test_no_function_local_import_of_pdops_but_the_sims_each_with_its_reason():
+    """A function-local import hides an edge of the import graph from the reader (and once hid the
+    operations' circle): outside the CLI (whose tasks load their operation when run) only the sim is
+    loaded lazily, each with a comment saying why."""
+    import ast
+
+    found = []
+    for p in sorted((REPO / "pdops").rglob("*.py")):
+        rel = p.relative_to(REPO)
+        if rel.parts[1] in ("cli", "sim", "lab"):
+            continue
+        text = p.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in ast.walk(fn):
+                mods = ([n.module] if isinstance(n, ast.ImportFrom) and n.module else
+                        [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+                for m in mods:
+                    if not m.startswith("pdops"):
+                        continue
+                    if m.startswith("pdops.sim") and "#" in lines[n.lineno - 1]:
+                        continue
+                    found.append(f"{rel}:{n.lineno} {m}")
+    assert not found, found

@@ -375,9 +375,9 @@ def test_an_interrupted_sweep_keeps_what_it_measured_and_still_writes_the_matrix
 def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without_taking_the_lock(monkeypatch):
     import contextlib
 
-    import pdops.remote.hosts
     from pdops.ops import deploy as dep
     from pdops.ops import scale as scale_mod
+    from pdops.ops.sweep import execute as sweep_exec
     from pdops.cli import bench as cli_bench
     from pdops.model.topology import parse_topology
 
@@ -407,7 +407,7 @@ def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without
 
     monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo), st is state))
                         or Plan())
-    monkeypatch.setattr(pdops.remote.hosts, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
+    monkeypatch.setattr(sweep_exec, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
     monkeypatch.setattr(dep, "walk_deploy", lambda plan, op, say, **conns: calls.append(("deploy", op[:7]))
                         or {"revision": 1})
     monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))

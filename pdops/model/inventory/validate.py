@@ -256,7 +256,7 @@ def _sim_faults(val: Any, engine: str) -> dict[str, str]:
                            fix="remove pdops_sim_faults (it is for lab tests with pdops_engine: sim)")
     if not isinstance(val, dict):
         raise InvalidInput("pdops_sim_faults", f"{val!r} is not a mapping", fix="e.g. {p02: fail_transfer}")
-    from pdops.sim.faults import parse_faults
+    from pdops.sim.faults import parse_faults  # lazy: only the lab-only pdops_sim_faults loads the sim (debt)
 
     out = {}
     for k, v in val.items():

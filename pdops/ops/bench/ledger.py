@@ -12,6 +12,7 @@ from pdops.errors import InvalidInput
 from pdops.remote.load import LedgerRow
 
 from pdops.ops.bench.figures import Figures, compute_figures
+from pdops.record.local import atomic_write
 
 
 LEDGER_CSV = "ledger.csv"
@@ -37,7 +38,6 @@ def _csv_row(row: LedgerRow) -> dict:
 
 def write_ledger(run_dir: str | os.PathLike, rows: Sequence[LedgerRow], manifest: Mapping) -> dict[str, Path]:
     """Write ledger.csv, ledger.jsonl (full rows, chunk gaps included) and manifest.json."""
-    from pdops.record.local import atomic_write
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

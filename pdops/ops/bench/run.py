@@ -14,6 +14,11 @@ from pdops.remote.load import LedgerRow, send
 from pdops.ops.bench.figures import Figures, compute_figures, format_table
 from pdops.ops.bench.ledger import LEDGER_CSV, LEDGER_JSONL, MANIFEST, write_ledger
 from pdops.ops.bench.workload import Workload, parse_concurrency, parse_workload, stop_condition
+from pdops import __version__
+from pdops.model.versions import SGLANG_VERSION, SMG_VERSION
+from pdops.model.topology import parse_topology
+from pdops.record.local import new_op_id, now_iso
+from pdops.ops.report.runs import Span, runs_page
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ def prompt_maker(workload: Workload, seed: int = 0) -> Callable[[int], str]:
     A shared body plus a 4-token lead that differs per request, so the engine's prefix
     cache cannot serve one request from another's KV (the lead comes first).
     """
-    from pdops.sim.tokens import make_prompt
+    from pdops.sim.tokens import make_prompt  # lazy: the sim's word scheme, layering debt (architecture.md)
 
     n = workload.input_tokens
     lead = min(4, n)
@@ -100,12 +105,9 @@ def _read_key(path: str | None) -> dict:
 
 
 def _versions(inv) -> dict:
-    from pdops import __version__
-    from pdops.model.versions import SGLANG_VERSION, SMG_VERSION
-
     engine = {"engine": inv.engine, "sglang": SGLANG_VERSION}
     if inv.engine == "sim":
-        from pdops.sim import SIM_VERSION
+        from pdops.sim import SIM_VERSION  # lazy: only a sim cluster records the sim's version
 
         engine = {"engine": "sim", "sim_of_sglang": SIM_VERSION}
     return {"pdops": __version__, **engine, "smg": SMG_VERSION}
@@ -116,7 +118,6 @@ def gpus_of_revision(rev, gpus_per_instance: int) -> int:
     instances = (rev.placement or {}).get("instances")
     if instances:
         return len(instances) * gpus_per_instance
-    from pdops.model.topology import parse_topology
 
     t = parse_topology(rev.topology)
     return (t.prefill + t.decode) * gpus_per_instance
@@ -132,7 +133,6 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
     `load(base_url, **kw) -> rows` defaults to `pdops.remote.load.send`. The run is marked
     invalid when the revision changed between its start and its end.
     """
-    from pdops.record.local import new_op_id, now_iso
 
     wl = workload if isinstance(workload, Workload) else parse_workload(workload)
     conc = parse_concurrency(concurrency)
@@ -193,7 +193,6 @@ PAGE = "report.html"
 def write_page(run_dir: Path, rows: list[LedgerRow], manifest: dict) -> Path:
     """The run as one page (pdops.ops.report.runs): its span on a timeline beside the requests that
     ended ok and not ok each second, the figures below."""
-    from pdops.ops.report.runs import Span, runs_page
 
     ledger = [r.to_dict() for r in rows]
     starts = [r.start for r in rows] + [r.end for r in rows if r.end]

@@ -24,6 +24,7 @@ from pdops.steps.actions import (canary_pairs, configs_of, deliver, processes_of
                                   wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan
 from pdops.facts.engine import failed_session_wait_s
+from pdops.reads.preflight import PASS, preflight_gate
 
 
 def _inst(ctx: RunContext, step: Step) -> Instance:
@@ -35,12 +36,9 @@ def do_connect(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_preflight(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.reads.preflight import preflight_gate
-
     skip = set(step.params["skip"])
     report, ev = preflight_gate(ctx.inv, step.params["placement"], ctx.pool, skip, ctx.say,
                                 previous=step.params["previous"])
-    from pdops.reads.preflight import PASS
 
     passed = sum(r.status == PASS for r in report.results)
     pairing = "" if report.matrix is None or report.matrix.skipped else "; P x D pairing matrix: every cell ok"

@@ -23,6 +23,9 @@ from pdops.steps.builders import (admission_steps, gateway_restart_steps, canary
                                   gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
+from pdops.reads.preflight import validate_skip
+from pdops.ops import scale as sc
+from pdops.model.admission import FULL_WEIGHT
 
 
 @dataclass
@@ -91,13 +94,11 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     DeployPlan. On a live cluster: the live revision's placement and files (its repairs decided
     from observation, plan_reconcile), or any other difference as a rolling change
     (`change`: pdops.ops.scale.plan_apply: keep, replace, add, remove)."""
-    from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
     current = state.current_revision()
     previous = Placement.from_dict(current.placement) if current else None
     if current is not None:
-        from pdops.ops import scale as sc
 
         # one placement and one rendering: the change planner's, from the record
         change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
@@ -159,7 +160,6 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
         # as in any change planned from what serves now, an instance that does not serve (down, or not
         # routed) counts for no floor and is started again first. An instance edited beside its recorded
         # process goes with them: its wave puts its files back.
-        from pdops.ops import scale as sc
 
         stale.update({o.id: "its files were changed on the host (its recorded process runs the revision's): "
                       + "; ".join(o.edited) for o in obs.instances if o.edited and o.id not in stale})
@@ -213,7 +213,6 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
     if stale_gws:
         steps += gateway_restart_steps(inv, [i.id for i in pl.instances], hosts=stale_gws)
     if obs.front_door and inv.admission is not None:  # a stopped change left a gateway drained or weighted
-        from pdops.model.admission import FULL_WEIGHT
 
         standbys = sorted({h for h in inv.gateway.hosts for f in obs.front_door if f"the stand-in of gateway {h} " in f})
         steps.append(Step("front-door open", inv.admission.hosts[0] if len(inv.admission.hosts) == 1 else None,

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from pdops.errors import InvalidInput
+from pdops.model.sglang_flags import FLAGS
 
 # Flags pdops renders from the inventory and the placement: a bundle does not set them.
 OWNED = frozenset({
@@ -39,15 +40,13 @@ class Bundle:
 
 
 def _flag_table() -> dict[str, tuple]:
-    from pdops.model.sglang_flags import FLAGS
-
     return {row[0]: row for row in FLAGS}
 
 
 def check_flags(flags: dict, where: str) -> tuple[tuple[str, object], ...]:
     """Each flag against SGLang 0.5.23's own flag table (its names, types, choices): an unknown
     name, an abbreviation, a flag pdops owns, or a value the table rejects is InvalidInput."""
-    from pdops.sim.args import build_parser
+    from pdops.sim.args import build_parser  # lazy: SGLang's flag table as the sim parses it (debt)
 
     if not isinstance(flags, dict) or not flags:
         raise InvalidInput(where, "must be a non-empty mapping of SGLang flags to values",

@@ -13,19 +13,19 @@ from pdops.record.local import default_operator, new_op_id, now_iso
 
 from pdops.ops.probe.plan import ProbePlan
 from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures
+from pdops.facts import q
+from pdops.remote.load import send_pair
+from pdops.model.render import files_of, render_files
 
 
 # ---------------------------------------------------------------- doing
 
 def _journal_command(unit: str, since: float) -> str:
-    from pdops.facts import q
-
     return f"journalctl -u {q(unit)} --since @{int(since)} -o cat --no-pager"
 
 
 def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.remote.load import send_pair
-    from pdops.sim.tokens import make_prompt
+    from pdops.sim.tokens import make_prompt  # lazy: the sim's word scheme, layering debt (architecture.md)
 
     par = step.params
     p, d = par["pair"]
@@ -79,14 +79,11 @@ def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.model.render import files_of
-
     rev, baseline = step.params["revision"], step.params["placement"]
     snap = ctx.state.revision_snapshot(rev.number)
     if snap is not None:
         files = files_of(snap)
     else:  # checked at plan time: the inventory renders the revision's files
-        from pdops.model.render import render_files
 
         files = render_files(ctx.inv, baseline)
     ev = running_evidence(ctx.pool, ctx.inv, baseline, files)

@@ -16,6 +16,8 @@ from pdops.ops.scale import instance_files, union_placement
 from pdops.runner import Plan, Step
 
 from pdops.ops.probe.bundle import Bundle, DEFAULT_TIMEOUT_S, changed_variables, parse_workload
+from pdops.model.render import engine_args, manifest, render_files
+from pdops.model.topology import Topology
 
 
 # ---------------------------------------------------------------- the plan
@@ -85,8 +87,6 @@ class ProbePlan:
 
 
 def _refuse_other_files(inv: Inventory, rev) -> None:
-    from pdops.model.render import manifest, render_files
-
     now = manifest(render_files(inv, Placement.from_dict(rev.placement)))
     changes = [k for k in sorted(set(now) | set(rev.manifest)) if now.get(k) != rev.manifest.get(k)]
     if changes:
@@ -120,8 +120,6 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     """The probe's plan, from the record only (pure apart from reading it)."""
     import dataclasses
 
-    from pdops.model.render import engine_args, manifest, render_files
-    from pdops.model.topology import Topology
 
     conc = check_options(instances=instances, spare=spare, requests=requests, concurrency=concurrency, keep=keep)
     tmo = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)

@@ -21,6 +21,7 @@ from pdops.ops.report import charts, metrics, page, timeline
 from pdops.ops.report.metrics import Source, source
 from pdops.ops.report.page import embedded_data
 from pdops.ops.report.zone import Zone, operator_zone
+from pdops.model.placement import Placement
 
 DEFAULT_MARGIN_S = 120.0
 
@@ -44,7 +45,6 @@ class Report:
 
 def worker_names(state) -> dict[str, str]:
     """Worker URL -> instance id, from the record's revisions (the breakers' legend)."""
-    from pdops.model.placement import Placement
 
     out: dict[str, str] = {}
     try:

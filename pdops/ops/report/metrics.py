@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pdops.errors import InvalidInput, PdopsError
 from pdops.ops import prometheus as obs
+from pdops.remote.hosts import http_json
 
 URL_VAR = "pdops_prometheus_url"
 DEFAULT_PORT = 9090
@@ -116,8 +117,6 @@ def step_s(start: _dt.datetime, end: _dt.datetime) -> int:
 
 
 def _get(url: str, timeout: float = 15.0) -> dict:
-    from pdops.remote.hosts import http_json
-
     status, doc = http_json("GET", url, timeout=timeout)
     if status != 200 or not isinstance(doc, dict) or doc.get("status") != "success":
         detail = doc.get("error") if isinstance(doc, dict) else str(doc)[:200]

@@ -16,6 +16,10 @@ from pdops.runner import Outcome, RunContext, Say, Step, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
 from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
+from pdops.facts import q
+from pdops.model.admission import UNIT, server_state_command, standby_server
+from pdops.steps.actions import configs_of, deliver, processes_of, register_one
+from pdops.model import membership
 
 
 def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
@@ -24,8 +28,6 @@ def do_gateway_restart(ctx: RunContext, step: Step) -> Outcome:
     paused: with other gateways, its server is set to `drain` (no new request; those on it finish)
     and back to `ready` after; alone, a stand-in smg is started beside it first (make before
     break: :func:`standby_cover`)."""
-    from pdops.facts import q
-    from pdops.model.admission import server_state_command
 
     inv, pool = ctx.inv, ctx.pool
     node = inv.gateway.node(step.params["gateway"])
@@ -123,8 +125,6 @@ class Standby:
 
     def retire(self, ctx: RunContext) -> None:
         """Out of HAProxy (drained to 0 sessions, then MAINT as rendered), then its unit stopped."""
-        from pdops.facts import q
-        from pdops.model.admission import server_state_command, standby_server
 
         name = standby_server(self.host)
         for a in self.adm_hosts:
@@ -162,9 +162,6 @@ def standby_cover(ctx: RunContext, node, adm_hosts: list[str], insts, deadline: 
     script on the stand-in's ports, register every instance with it (each routable: healthy, ready,
     circuit closed), wait for its /readiness 200, and put its server in HAProxy in service (UP by
     HAProxy's own check). Refused, nothing changed, when a stand-in already runs."""
-    from pdops.facts import q
-    from pdops.model.admission import server_state_command, standby_server
-    from pdops.steps.actions import register_one
 
     inv, pool = ctx.inv, ctx.pool
     sb = inv.gateway.standby(node.host)
@@ -219,8 +216,6 @@ def ensure_standby_server(ctx: RunContext, adm_hosts: list[str], host: str) -> l
     (the cluster had two gateways, or predates the stand-in) lacks it: the admission layer is reloaded
     now, gracefully (haproxy -c, USR2: the master stays, old workers finish their streams), with the
     files this change delivered, instead of only at the change's end. Returns the hosts reloaded."""
-    from pdops.facts import q
-    from pdops.model.admission import UNIT, standby_server
 
     name, done = standby_server(host), []
     for a in adm_hosts:
@@ -249,8 +244,6 @@ def ensure_standby_server(ctx: RunContext, adm_hosts: list[str], host: str) -> l
 def _end_standby(ctx: RunContext, cover: Standby) -> None:
     """A stand-in whose start or admission failed (it may have been set ready on some admission host):
     MAINT on each, then its unit stopped, each part tried whatever the other did."""
-    from pdops.facts import q
-    from pdops.model.admission import server_state_command, standby_server
 
     for a in cover.adm_hosts:
         try:
@@ -269,8 +262,6 @@ def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:
     """A gateway host no longer named: its unit stopped and disabled, its files removed. A host that
     cannot be reached (or is not in the inventory) is said, not failed: nothing routes to it any more
     (HAProxy's config and every record have dropped it), but it would start at boot."""
-    from pdops.facts import q
-    from pdops.model import membership
 
     h = step.params["host"]
     later = f"when {h} answers again: `systemctl disable --now {GATEWAY_UNIT}` there"
@@ -296,7 +287,6 @@ def do_retire_gateway(ctx: RunContext, step: Step) -> Outcome:
 
 def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
     """The own files of a wave's instances (their old processes are stopped by now)."""
-    from pdops.steps.actions import deliver
 
     ids = step.params["instances"]
     ev = deliver(ctx.inv, step.params["placement"], step.params["files"], ctx.get(step, "build"), None, ctx.say)
@@ -372,7 +362,6 @@ def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | Non
 
 def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
                   running: dict | None = None, lost_work: dict | None = None) -> Revision:
-    from pdops.steps.actions import configs_of, processes_of
 
     cur, tgt = plan.current, plan.target
     new_mf = manifest(plan.files)

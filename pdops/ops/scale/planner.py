@@ -18,8 +18,8 @@ from pdops.ops.scale.model import (GenerationChange, ROLES, ScalePlan, ScaleStep
                                    gpu_range, gpu_set, instance_files, shared_files, slot_key)
 from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps
-from pdops.model.generation import LAYOUT, Generation, digest, generation_diff, generations
-from pdops.model.generation import ROLES as GEN_ROLES
+from pdops.model.generation import Generation, LAYOUT, ROLES as GEN_ROLES, digest, generation_diff, generations
+from pdops.reads.preflight import validate_skip
 
 if TYPE_CHECKING:
     from pdops.reads.observe import Seen
@@ -67,7 +67,6 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     what it runs after its wait), with `guard`: whether each drain keeps its serving guard at
     leave-gateway (default: not `force`; a repair overrides the planner's floors itself and keeps the
     guard unless the operator forced)."""
-    from pdops.reads.preflight import validate_skip
 
     skip_checks = validate_skip(skip_checks)
     if isinstance(max_unavailable, bool) or not isinstance(max_unavailable, int) or max_unavailable < 0:

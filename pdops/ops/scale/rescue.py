@@ -15,6 +15,8 @@ from pdops.ops.scale.model import ROLES, ChangeFacts, cordoned_hosts, instance_f
 from pdops.ops.scale.execute import instances_doc
 from pdops.ops.scale.steps import undo_steps
 from pdops.facts.engine import failed_session_wait_s
+from pdops.steps.actions import canary_pairs, register
+from pdops.remote.hosts import http_json
 
 
 # ---------------------------------------------------------------- a halted change (the plan's rescue)
@@ -62,8 +64,6 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
     """R2: an instance out of the gateway whose process was not stopped goes back in service, after
     a canary through it; one whose units are not active (or whose /health does not answer) is named
     out of service. Read from systemd, the instance and the gateway now."""
-    from pdops.steps.actions import canary_pairs, register
-    from pdops.remote.hosts import http_json
 
     stopped = set(ctx.get(step, "drained", [])) | set(ctx.get(step, "replaced_out", []))
     cands = [i for i in step.params["instances"] if i in ctx.get(step, "left_gateway", []) and i not in stopped]

@@ -34,6 +34,8 @@ from pdops.runner import Outcome, RunContext, Say, Step, walk
 
 from pdops.ops.sweep.plan import FAILED, MEASURED, NOT_TRIED, PLANNED, SweepPlan, parse_min_gain
 from pdops.ops.sweep.matrix import Matrix, write_matrix
+from pdops.ops import deploy as dep, scale as scale_mod
+from pdops.remote.hosts import connections
 
 
 @dataclass(frozen=True)
@@ -250,10 +252,6 @@ def scale_live(inv, state, say: Say = print) -> ScaleTo:
     connections opened for it. Returns what it walked: {how, op, revision}."""
 
     def scale_to(topo: Topology) -> dict:
-        from pdops.ops import deploy as dep
-        from pdops.ops import scale as scale_mod
-        from pdops.remote.hosts import connections
-
         if state.current() is None:  # nothing live yet: deploy
             plan = dep.plan_deploy(inv, topo, state)
             say(plan.render())

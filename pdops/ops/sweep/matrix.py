@@ -13,6 +13,7 @@ from pdops.ops.bench import fmt_int, fmt_s, text_table
 from pdops.errors import InvalidInput
 
 from pdops.ops.sweep.plan import Cell, DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED, PLANNED, STATE_LABEL, SweepPlan
+from pdops.record.local import atomic_write
 
 
 @dataclass
@@ -161,7 +162,6 @@ def matrix_csv_rows(m: Matrix) -> list[dict]:
 def write_matrix(m: Matrix, out_dir: str | os.PathLike, *, plots: bool = True) -> dict:
     """matrix.json, matrix.csv, matrix.txt and (if matplotlib is there) the PNG plots.
     Returns {"paths": [...], "plots_skipped": reason or None}."""
-    from pdops.record.local import atomic_write
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from pdops.ops.bench.workload import Workload, parse_concurrency, parse_positive
 from pdops.errors import InvalidInput
 from pdops.model.topology import Topology
 from pdops.runner import Plan, Step
+from pdops.model.placement import place
 
 
 MEASURED = "measured"
@@ -321,7 +322,6 @@ def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: 
     for r in rs:
         topo, why = topology_for_ratio(budget, g, r, allow_partial=allow_partial)
         if topo is not None and inv is not None:
-            from pdops.model.placement import place
 
             try:
                 place(inv, topo)

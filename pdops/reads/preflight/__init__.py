@@ -41,6 +41,7 @@ from pdops.reads.preflight.pairing import Matrix, pairing_hosts, pairing_results
 from pdops.reads.preflight.report import PreflightReport
 from pdops.reads.checks import CheckResult, FAIL, PASS, SKIPPED, fail_result, skip_result
 from pdops.reads.preflight.results import VIRTUAL_REASON
+from pdops.record.local import default_operator
 
 # ================================================================ plan
 
@@ -236,7 +237,6 @@ def preflight_gate(inv: Inventory, topology: Topology | Placement | None, pool, 
         "pairing": report.matrix.to_dict() if report.matrix is not None else None,
     }
     if skip:
-        from pdops.record.local import default_operator
 
         evidence["skipped_by_operator"] = {"checks": sorted(skip), "operator": default_operator(),
                                            "why": "the operator skipped these checks (--skip-check)"}

@@ -11,14 +11,14 @@ from pdops.errors import PdopsError, Refused, Unverified
 from pdops.model.inventory import Inventory
 from pdops.reads.checks import PASS, SKIPPED, CheckResult, fail_result
 from pdops.reads.verify.checks import host_command, host_plans, judge, read_facts
+from pdops.remote.hosts import connections
+from pdops.reads.observe import observe
+from pdops.fanout import run_parallel
 
 
 def run_verify(inv: Inventory, state) -> str:
     """Every check on every host of the current revision, and the observation; Unverified naming
     each failure if any fails, else one line of what passed and what was skipped, and why."""
-    from pdops.remote.hosts import connections
-    from pdops.reads.observe import observe
-    from pdops.fanout import run_parallel
 
     rev = state.current_revision()
     if rev is None:
