@@ -101,8 +101,8 @@ KINDS: dict[str, Kind] = {
     "sweep-scale": Kind("pdops.ops.sweep.execute:do_sweep_scale", gives=("sweep_failed_rows",), needs=("sweep_matrix",)),
     "sweep-run": Kind("pdops.ops.sweep.execute:do_sweep_run", needs=("sweep_matrix", "sweep_failed_rows?")),
     "write-matrix": Kind("pdops.ops.sweep.execute:do_write_matrix", needs=("sweep_matrix?",)),
-    # pdops.reads.orphans
-    "end-orphans": Kind("pdops.reads.orphans:do_end_orphans", gives=("orphans_ended",)),
+    # pdops.steps.orphans
+    "end-orphans": Kind("pdops.steps.orphans:do_end_orphans", gives=("orphans_ended",)),
     # pdops.runner
     "walk-plan": Kind("pdops.runner:do_walk_plan", gives=("plan_verdicts",)),
 }

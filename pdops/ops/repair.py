@@ -19,7 +19,7 @@ import datetime as _dt
 import re
 
 from pdops.errors import InvalidInput, PdopsError, Refused
-from pdops.reads import orphans
+from pdops.steps.orphans import end_orphans_step
 from pdops.facts import q, requestlog
 from pdops.model.inventory import Inventory
 from pdops.model.render import manifest, render_files
@@ -165,7 +165,7 @@ def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
     pl = Placement.from_dict(rev.placement)
     hosts = sorted({h for i in pl.instances for h in i.hosts})
     return Plan("end-orphans", f"plan: end the orphaned halves of {inv.cluster} (revision {rev.number}, {rev.topology})",
-                [connect_step(hosts), orphans.end_step([p.id for p in pl.role("prefill")]),
+                [connect_step(hosts), end_orphans_step([p.id for p in pl.role("prefill")]),
                  baseline_step(when=("orphans_ended", True))],
                 head={"revision": rev.number}), pl
 

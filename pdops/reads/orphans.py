@@ -12,7 +12,8 @@ invocation) and the engine host's clock in the same command. A request open on a
 least GRACE_S (the decode logs its half within milliseconds of the prefill) and open on no decode
 process now is an orphaned half. It is ended on the prefill by `POST /abort_request` with its rid,
 and named: never sent again. SGLang matches an aborted rid by prefix, so an orphan whose rid is the
-prefix of another open request on that prefill is named but not aborted.
+prefix of another open request on that prefill is named but not aborted (pdops.steps.orphans, the step
+that ends them: this module only reads).
 """
 
 from __future__ import annotations
@@ -21,11 +22,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from pdops.errors import PdopsError
 from pdops.facts import q, requestlog
-from pdops.remote.hosts import http_json
 from pdops.model.placement import Instance, Placement
-from pdops.runner import Outcome, RunContext, Step
 from pdops.fanout import run_parallel
 
 GRACE_S = 5.0
@@ -131,68 +129,3 @@ def read(pool, pl: Placement, inv, *, prefills: list[str] | None = None) -> Read
     held = {p.id: res[p] for p in ps if not isinstance(res[p], Exception)}
     found = classify(held, decode_open, now=time.time(), timeout_s=bootstrap_timeout_s(inv))
     return Reading(found, unknown, unsettled(held, decode_open))
-
-
-def end(inst: Instance, orphans: list[Orphan], still_open: set[str]) -> tuple[list[str], list[str]]:
-    """Abort each orphan on its prefill by rid (never replayed); ([ended], [not ended, why])."""
-    ended, left = [], []
-    for o in orphans:
-        if any(r != o.rid and r.startswith(o.rid) for r in still_open):
-            left.append(f"{o.rid}: not aborted (SGLang aborts by prefix and another open request starts with it)")
-            continue
-        try:
-            status, _ = http_json("POST", f"{inst.url}/abort_request", {"rid": o.rid}, timeout=10)
-        except PdopsError as exc:
-            left.append(f"{o.rid}: {exc.message}")
-            continue
-        (ended if status == 200 else left).append(o.rid if status == 200 else f"{o.rid}: HTTP {status}")
-    return ended, left
-
-
-def end_step(prefills: list[str], host: str | None = None) -> Step:
-    return Step("end-orphans", host, f"read the open requests of {', '.join(prefills)} and of every decode; end each "
-                f"prefill half that no decode holds (held {GRACE_S:g}s or more; one younger is read again once it is "
-                f"{GRACE_S:g}s old) with /abort_request by its rid, named "
-                "in the journal, never sent again; read again to prove each one ended", 90, kind="end-orphans",
-                params={"prefills": list(prefills)})
-
-
-def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
-    pl: Placement = ctx.placement
-    reading = read(ctx.pool, pl, ctx.inv, prefills=step.params["prefills"])
-    if reading.unsettled_s > 0:
-        # a fault just now (a decode or the gateway restarted) cut halves younger than the grace: the
-        # decode logs its half within milliseconds, so once they are GRACE_S old the reading concludes
-        ctx.say(f"  a prefill half no decode holds is younger than {GRACE_S:g}s: reading again in "
-                f"{reading.unsettled_s:.1f}s")
-        time.sleep(reading.unsettled_s + 0.2)
-        reading = read(ctx.pool, pl, ctx.inv, prefills=step.params["prefills"])
-    if reading.unknown and not reading.orphans:
-        return Outcome("noop", {"unknown": reading.unknown}, unverified=[f"orphaned halves not read: {u}"
-                                                                         for u in reading.unknown],
-                       reason="the request logs could not all be read: nothing concluded")
-    if not reading.orphans:
-        return Outcome.noop("no prefill holds a request that no decode holds", prefills=step.params["prefills"])
-    ended, left = {}, {}
-    for pid, orphans in reading.orphans.items():
-        inst = pl.get(pid)
-        e, lft = end(inst, orphans, set(open_requests(ctx.pool, inst, bootstrap_timeout_s(ctx.inv) + 60)))
-        ended[pid], left[pid] = e, lft
-        ctx.say(f"  {pid}: ended {len(e)} orphaned half(s) whose decode side is gone: {', '.join(e) or 'none'}")
-    # proof: what was aborted is no longer open on its prefill (the scheduler ends it within moments)
-    deadline = time.monotonic() + 10
-    while True:
-        still = {pid: sorted(set(rids) & set(open_requests(ctx.pool, pl.get(pid), bootstrap_timeout_s(ctx.inv) + 60)))
-                 for pid, rids in ended.items()}
-        still = {k: v for k, v in still.items() if v}
-        if not still or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    ev = {"orphans": {pid: [o.describe() for o in os] for pid, os in reading.orphans.items()},
-          "ended": ended, "not_ended": left, "still_open": still}
-    ctx.give(step, "orphans_ended", {pid: rids for pid, rids in ended.items() if rids})
-    return Outcome(evidence=ev,
-                   verified=[f"{pid}: {len(rids)} orphaned half(s) ended and no longer open (lost work, not "
-                             f"replayed): {', '.join(rids)}" for pid, rids in ended.items() if rids and pid not in still],
-                   unverified=[f"{pid}: still open after the abort: {', '.join(v)}" for pid, v in still.items()]
-                   + [f"{pid}: {x}" for pid, xs in left.items() for x in xs])

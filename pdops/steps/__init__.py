@@ -6,7 +6,8 @@ operations (which steps, in which order, and what a failure undoes).
   lost work and status baseline;
 - ``actions``: what those steps do on the hosts and the gateways (deliver with Ansible, start the
   gateway, the admission layer and each instance health-gated, register, canary every pair, read
-  what runs), called by the executors.
+  what runs), called by the executors;
+- ``orphans``: ending the orphaned prefill halves pdops.reads.orphans finds (the `end-orphans` step).
 
 Which function carries out each kind of step is in one table, pdops.kinds.KINDS. Imports the reads
 and everything below them; the operations, the lab and the CLI import it.

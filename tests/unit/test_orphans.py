@@ -9,6 +9,8 @@ import types
 import pytest
 
 from pdops.reads import orphans
+from pdops.steps import orphans as ending
+from pdops.steps.orphans import abort_orphans
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
 from pdops.model.topology import parse_topology
@@ -86,9 +88,9 @@ def test_an_orphan_whose_rid_prefixes_another_open_request_is_named_not_aborted(
     inv = load_inventory(REPO / "inventory" / "lab")
     p = place(inv, parse_topology("1p1d")).get("p01")
     sent = []
-    monkeypatch.setattr(orphans, "http_json", lambda m, url, body, timeout: sent.append(body["rid"]) or (200, {}))
+    monkeypatch.setattr(ending, "http_json", lambda m, url, body, timeout: sent.append(body["rid"]) or (200, {}))
     o = [orphans.Orphan("p01", "req-1", 30.0, None), orphans.Orphan("p01", "req-2", 30.0, None)]
-    ended, left = orphans.end(p, o, {"req-1", "req-10", "req-2"})
+    ended, left = abort_orphans(p, o, {"req-1", "req-10", "req-2"})
     assert ended == ["req-2"] and sent == ["req-2"] and "prefix" in left[0]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pdops.reads import orphans
+from pdops.steps.orphans import end_orphans_step
 from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.ops.record_store import member_start_steps
@@ -228,7 +228,7 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
         steps += front_door_step(inv)
     if obs.gateway_down or obs.gateway_restarted or any(i.role == "decode" for i in down + restarted):
         # a restarted decode or gateway leaves prefill halves no decode will take: ended, named
-        steps.append(orphans.end_step([p.id for p in pl.role("prefill")]))
+        steps.append(end_orphans_step([p.id for p in pl.role("prefill")]))
     if touched or need:
         steps.append(close_breakers_step(inv, pl, sorted(touched | {i.id for i in need}),
                                          "engines started again at their URLs, or workers the gateway did not route to"))

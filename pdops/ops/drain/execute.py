@@ -7,6 +7,7 @@ import time
 
 from pdops.model import membership
 from pdops.reads import orphans
+from pdops.steps.orphans import abort_orphans
 from pdops.errors import DrainFailed, PdopsError, Refused, Unverified
 from pdops.facts import nvidia as nv_facts
 from pdops.facts import ports as port_facts
@@ -280,7 +281,7 @@ def _end_orphans_if_all_open_are(ctx: RunContext, inst: Instance, open_rids: lis
         return []
     if not found or {o.rid for o in found} != set(open_rids):
         return []
-    done, left = orphans.end(inst, found, set(open_rids))
+    done, left = abort_orphans(inst, found, set(open_rids))
     ctx.say(f"  {inst.id}: all it still holds are orphaned halves (no decode holds them): ended {', '.join(done)}"
             + (f"; not ended: {'; '.join(left)}" if left else ""))
     return done

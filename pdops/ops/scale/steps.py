@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.reads import orphans
+from pdops.steps.orphans import end_orphans_step
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.runner import Step
@@ -120,7 +120,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     if (rep and plan.current_placement.get(rep["instance"]).role == "decode"
             or plan.fault and any(i.role == "decode" for i in plan.replaced)):
         # the halves the ended decode process left on the prefills wait for a side that is gone
-        out.append(orphans.end_step([p.id for p in tgt.role("prefill")]))
+        out.append(end_orphans_step([p.id for p in tgt.role("prefill")]))
     if plan.replaced:
 
         out.append(close_breakers_step(inv, tgt, [i.id for i in plan.replaced],
