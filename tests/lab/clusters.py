@@ -266,10 +266,12 @@ def cpu_hog():
 
 class Load:
     """Requests through the gateway (every other one streamed) in small batches until stopped; every
-    request is counted in its ledger row."""
+    request is counted in its ledger row. Three in flight at every moment, 32 tokens each: on the sim
+    that is ~20 requests a second for a fifth of a core (measured; 8 tokens each made ~64 a second for a
+    third of a core, of a suite that keeps both cores busy), and each request spans more of an operation."""
 
     def __init__(self, url: str, headers: dict | None = None, *, prefix: str = "scale-load", requests: int = 6,
-                 concurrency: int = 3, max_new_tokens: int = 8, distinct_prompts: bool = False,
+                 concurrency: int = 3, max_new_tokens: int = 32, distinct_prompts: bool = False,
                  stream_every: int = 2):
         self.url = url
         # distinct prompts: a cache-aware policy spreads them over the workers instead of keeping one
