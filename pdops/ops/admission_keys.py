@@ -21,7 +21,8 @@ from pdops.errors import InvalidInput, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk_journalled
+from pdops.plans import Outcome, Plan, Step
+from pdops.runner import RunContext, Say, walk_journalled
 from pdops.record.local import new_op_id
 
 PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from pdops.model.placement import Placement
-from pdops.runner import Outcome, RunContext, Step
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext
 from pdops.record.local import local_dir
 
 JOB_ENGINE, JOB_GATEWAY, JOB_ADMISSION = "pdops-engine", "pdops-gateway", "pdops-admission"
@@ -281,7 +282,7 @@ def panel_queries(cluster: str, revision: str = ".*") -> list[tuple[str, str]]:
 
 
 def targets_step() -> Step:
-    """The `always` step of every plan that may move `current` (pdops.runner.Plan.always)."""
+    """The `always` step of every plan that may move `current` (pdops.plans.Plan.always)."""
     return Step("publish-targets", None, "write the Prometheus target file of the revision current after the steps "
                 "(the new one, a partial one, or the one before): this machine's copy, and the Prometheus host's "
                 "where the inventory names one; one that cannot be written is said and undoes nothing", 30,

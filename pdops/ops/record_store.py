@@ -17,7 +17,8 @@ from pdops.record.etcdstore import TXN_BYTES
 from pdops.record.local import default_machine, default_operator, new_op_id, now_iso, parse_lines
 from pdops.remote import ansible
 from pdops.remote import etcd as E
-from pdops.runner import Outcome, Plan, RunContext, Say, Step, walk_journalled
+from pdops.plans import Outcome, Plan, Step
+from pdops.runner import RunContext, Say, walk_journalled
 
 OTHER = {"etcd": "host", "host": "etcd"}
 

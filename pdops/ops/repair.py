@@ -25,7 +25,8 @@ from pdops.model.inventory import Inventory
 from pdops.model.render import manifest, render_files
 from pdops.ops import scale as sc
 from pdops.model.placement import Placement
-from pdops.runner import Outcome, Plan, RunContext, Step, walk
+from pdops.plans import Outcome, Plan, Step
+from pdops.runner import RunContext, walk
 from pdops.steps.builders import baseline_step, connect_step
 from pdops.record.local import new_op_id
 from pdops.reads.looks import move_baseline

@@ -9,7 +9,7 @@ from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, gateway_grace_s
-from pdops.runner import Step
+from pdops.plans import Step
 
 
 # ---------------------------------------------------------------- step builders (shared by deploy and scale)

@@ -10,7 +10,8 @@ from pdops.errors import PdopsError
 from pdops.model.placement import Instance, Placement
 from pdops.reads.orphans import GRACE_S, Orphan, bootstrap_timeout_s, open_requests, read
 from pdops.remote.hosts import http_json
-from pdops.runner import Outcome, RunContext, Step
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext
 
 
 def abort_orphans(inst: Instance, orphans: list[Orphan], still_open: set[str]) -> tuple[list[str], list[str]]:

@@ -7,7 +7,7 @@ import pytest
 from invoke import Context
 
 from pdops.errors import RemoteCommandFailed, Unreachable
-from pdops.runner import Step
+from pdops.plans import Step
 from pdops.fanout import failures, run_parallel, run_remote, succeeded
 
 
@@ -73,7 +73,8 @@ def test_run_parallel_collects_every_outcome_and_runs_concurrently():
 import time as _time  # noqa: E402
 
 from pdops.errors import PdopsError, Unverified  # noqa: E402
-from pdops.runner import DeadlineExceeded, Outcome, Plan, RunContext, walk  # noqa: E402
+from pdops.plans import Outcome, Plan
+from pdops.runner import DeadlineExceeded, RunContext, walk  # noqa: E402
 from pdops.record.local import StateDir  # noqa: E402
 
 
@@ -101,10 +102,10 @@ class _Kinds(dict):
 def registry(monkeypatch):
     """The table of kinds (pdops.kinds.KINDS) the runner reads, emptied for the test: it binds the kinds it
     walks."""
-    import pdops.runner as runner
+    import pdops.kinds
 
     table = _Kinds()
-    monkeypatch.setattr(runner, "KINDS", table)
+    monkeypatch.setattr(pdops.kinds, "KINDS", table)
     return table
 
 

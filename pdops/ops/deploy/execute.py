@@ -16,7 +16,8 @@ from pdops.remote.haproxy import gateway_stats, runtime, set_front_door, wait_ga
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, last_bootstrap_ports
 from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of, write_build
-from pdops.runner import Outcome, RunContext, Say, Step, walk
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext, Say, walk
 from pdops.record.local import new_op_id
 
 from pdops.steps.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,

@@ -12,7 +12,7 @@ from pdops.ops.prometheus import targets_step
 from pdops.ops.record_store import member_start_steps
 from pdops.model.placement import Placement, place
 from pdops.model.render import RenderedFile, gateway_paths, manifest, render_files
-from pdops.runner import Plan, Step
+from pdops.plans import Plan, Step
 from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
 from pdops.model.topology import Topology

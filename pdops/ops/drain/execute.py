@@ -16,7 +16,8 @@ from pdops.remote.gateway import Gateways, deadline_in
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, Placement, last_bootstrap_ports
 from pdops.model.render import SLICE_UNIT, UNIT_DIR, snapshot_subset
-from pdops.runner import Outcome, RunContext, Say, Step, walk, walk_journalled
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext, Say, walk, walk_journalled
 from pdops.record.local import StateDir, new_op_id
 
 from pdops.ops.drain.plan import DrainPlan, GONE_WAIT_S, KillPlan

@@ -9,7 +9,7 @@ from pdops.errors import InvalidInput, Refused
 from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.model.placement import Instance, Placement
-from pdops.runner import Plan, Step
+from pdops.plans import Plan, Step
 from pdops.record.local import Revision, StateDir
 
 from pdops.ops.drain.stopping import last_stop_record

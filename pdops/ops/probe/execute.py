@@ -8,7 +8,8 @@ from pdops.ops.deploy.execute import do_canary
 from pdops.steps.actions import deliver, running_evidence
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement
-from pdops.runner import Outcome, RunContext, Step, walk
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext, walk
 from pdops.record.local import default_operator, new_op_id, now_iso
 
 from pdops.ops.probe.plan import ProbePlan

@@ -13,7 +13,7 @@ from pdops.ops import scale as sc
 from pdops.steps.builders import canary_step, connect_step, delivery_steps, preflight_step, start_steps
 from pdops.ops.drain import drain_steps
 from pdops.ops.scale import instance_files, union_placement
-from pdops.runner import Plan, Step
+from pdops.plans import Plan, Step
 
 from pdops.ops.probe.bundle import Bundle, DEFAULT_TIMEOUT_S, changed_variables, parse_workload
 from pdops.model.render import engine_args, manifest, render_files

@@ -12,7 +12,8 @@ from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, gateway_grace_s,
                                 manifest, snapshot_of)
-from pdops.runner import Outcome, RunContext, Say, Step, walk
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext, Say, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
 from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement

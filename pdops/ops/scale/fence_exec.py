@@ -17,7 +17,8 @@ from pdops.remote.hosts import http_json
 from pdops.steps.actions import register_one
 from pdops.ops.drain.stopping import leave_gateway
 from pdops.reads.looks import FAILURE_COUNTERS, GATEWAY_COUNTERS
-from pdops.runner import Outcome, RunContext, Step
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext
 
 
 def _set_front_door(ctx: RunContext, adms: list[str], *, weights: dict[str, int], drain=(), ready=()) -> list[str]:

@@ -31,7 +31,7 @@ from pdops.model.placement import Instance, Placement, gpu_slots, make_instance
 from pdops.model.render import manifest, render_files
 from pdops.model.topology import Topology
 from pdops.record.local import Revision
-from pdops.runner import Step
+from pdops.plans import Step
 
 from pdops.steps.builders import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
                                     register_steps, start_steps, verify_running_step)

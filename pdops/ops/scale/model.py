@@ -12,7 +12,7 @@ from pdops.model.inventory import Inventory
 from pdops.ops.prometheus import targets_step
 from pdops.model.placement import Instance, Placement
 from pdops.model.render import RenderedFile
-from pdops.runner import Plan, Step
+from pdops.plans import Plan, Step
 from pdops.record.local import Revision, StateDir
 
 
@@ -23,7 +23,7 @@ ROLES = ("prefill", "decode")
 
 
 def always_steps() -> list[Step]:
-    """The `always` part of every change plan (pdops.runner.Plan.always)."""
+    """The `always` part of every change plan (pdops.plans.Plan.always)."""
     return [targets_step()]
 
 
@@ -88,7 +88,7 @@ class ScalePlan:
     rollback_of: int | None = None
     skip_checks: set[str] = field(default_factory=set)
     kept_files: int = 0
-    run: list = field(default_factory=list)  # the runner's steps (pdops.runner.Step), made by plan_change
+    run: list = field(default_factory=list)  # the runner's steps (pdops.plans.Step), made by plan_change
     rescue: list = field(default_factory=list)  # what runs if one of them fails (pdops.ops.scale.rescue)
     replaced: list[Instance] = field(default_factory=list)  # as they will run (same id and slot)
     why: dict[str, str] = field(default_factory=dict)  # replaced id -> what differs

@@ -8,7 +8,8 @@ from pdops.model import membership
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import config_ids, manifest, render_files
-from pdops.runner import Outcome, RunContext, Step, run_steps
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext, run_steps
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.model import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files

@@ -9,7 +9,7 @@ from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.steps.orphans import end_orphans_step
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
-from pdops.runner import Step
+from pdops.plans import Step
 from pdops.ops.drain.plan import drain_steps
 from pdops.steps.builders import (baseline_step, canary_step, close_breakers_step, connect_step, delivery_steps,
                                   front_door_step, gateway_restart_steps, healthy_steps, lost_work_step, preflight_step,

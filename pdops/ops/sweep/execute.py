@@ -30,7 +30,8 @@ from pdops.ops.bench import Figures, describe_failures, fmt_int, fmt_s
 from pdops.errors import PdopsError
 from pdops.model.topology import Topology, parse_topology
 from pdops.record.local import new_op_id
-from pdops.runner import Outcome, RunContext, Say, Step, walk
+from pdops.plans import Outcome, Step
+from pdops.runner import RunContext, Say, walk
 
 from pdops.ops.sweep.plan import FAILED, MEASURED, NOT_TRIED, PLANNED, SweepPlan, parse_min_gain
 from pdops.ops.sweep.matrix import Matrix, write_matrix

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 from pdops.ops.bench.workload import Workload, parse_concurrency, parse_positive_int, parse_workload, stop_condition
 from pdops.errors import InvalidInput
 from pdops.model.topology import Topology
-from pdops.runner import Plan, Step
+from pdops.plans import Plan, Step
 from pdops.model.placement import place
 
 
