@@ -55,7 +55,7 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 # Four pytest-xdist workers, a test file each at a time (module fixtures stay whole), handed out in
 # the order tests/conftest.py sorts them (the longest lab modules first); each worker that reaches a
 # lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot). The suite keeps both
-# cores busy (vmstat: 0-1 % idle once the set-up is done): a fourth worker took the run from 19 min 38 s
+# cores busy (vmstat: 0-1 % idle in its first half): a fourth worker took the run from 19 min 38 s
 # to 18 min 09 s on a fresh clone, every lab module a little longer (71 worker-min, was 58).
 TEST_WORKERS ?= 4
 test: $(STAMP) $(ENGINE_STAMP)

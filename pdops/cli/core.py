@@ -71,36 +71,16 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
         return dep.plan_deploy(inv, topo, state, set(skip_check or ()), max_unavailable=mu, force=force,
                                allow_capacity_dip=allow_capacity_dip, seen=seen, unfenced=unfenced)
 
-    plan = make(None)
-    from pdops.remote.hosts import connections
-
-    if plan.change is not None:  # a rolling change: planned again from what runs now
-        return run_change(inv, state, lambda seen: make(seen).change, dry_run, first=plan.change)
-    if plan.live is None:
-        print(plan.render())
-        if dry_run:
-            return
-    with connections(inv) as conns:
-        if plan.live is not None:  # the live topology and files: decide from what runs now
-            from pdops.reads.observe import observe
-
-            plan = dep.plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateways"]))
-            if plan.change is not None:  # processes that run other files: replaced, rolling
-                print(plan.render())
-                if dry_run:
-                    return
-                from pdops.ops import scale as sc
-
-                return print_change_verdict(plan.change, sc.execute_scale(plan.change, plan.state, **conns))
-            print(plan.render())
-            if dry_run or plan.noop:
-                return
-        v = dep.execute_deploy(plan, **conns)
-    if plan.live is not None:
+    how, plan, v = dep.operate_deploy(inv, state, make, dry_run=dry_run)
+    if v is None:
+        return
+    if how == "change":
+        print_change_verdict(plan, v)
+    elif how == "repair":
         print_verdict(f"repaired revision {plan.live.number} ({plan.placement.topology}) as revision {v['revision']}; "
                       f"repaired: {'; '.join(plan.findings)}.", v)
-        return
-    print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
+    else:
+        print_verdict(f"deployed {plan.placement.topology} as revision {v['revision']} and made it current.", v)
 
 
 def print_change_verdict(plan, verdict: dict) -> None:
@@ -127,40 +107,16 @@ def whole_cluster(v, flag: str, default: int = 1) -> int:
     return n
 
 
-def run_change(inv, state, make, dry_run: bool, *, first=None, observe: bool = True) -> None:
-    """A change of the live cluster (`make(seen)` -> ScalePlan), planned from what runs now: first
-    from the record alone, so bad input is refused before any connection; then, with the hosts, systemd
-    and the gateway read (pdops.reads.observe), again from that observation, which the printed plan states.
-    A refusal of the first plan stands only if the observed plan refuses too (a floor counts what
-    serves now). `observe=False`: the record alone (a change that starts and stops nothing)."""
+def run_change(inv, state, make, dry_run: bool, *, observe: bool = True) -> None:
+    """A change of the live cluster (`make(seen)` -> ScalePlan), planned and walked by pdops.ops.operate
+    (`observe=False`: the record alone, a change that starts and stops nothing); its verdict printed."""
     from pdops.ops import scale as sc
-    from pdops.errors import Refused
-    from pdops.remote.hosts import connections
-    from pdops.reads.observe import Seen, observe as read
+    from pdops.ops.operate import operate
 
-    refused = None
-    if first is None:
-        try:
-            first = make(None)
-        except Refused as exc:
-            refused = exc
-    rev = state.current_revision()
-    if not observe or rev is None:
-        if refused:
-            raise refused
-        plan = first
-        print(plan.render())
-        if dry_run or plan.noop:
-            return
-        with connections(inv) as conns:
-            print_change_verdict(plan, sc.execute_scale(plan, state, **conns))
-        return
-    with connections(inv) as conns:
-        plan = make(Seen.of(read(inv, rev, **conns)))
-        print(plan.render())
-        if dry_run or plan.noop:
-            return
-        print_change_verdict(plan, sc.execute_scale(plan, state, **conns))
+    plan, v = operate(inv, state, make, lambda p, conns: sc.execute_scale(p, state, **conns), dry_run=dry_run,
+                      observe_first=observe)
+    if v is not None:
+        print_change_verdict(plan, v)
 
 
 @task(help={"inventory": "inventory dir or file", "json": "machine-readable output (the same rows and state words)",
@@ -215,44 +171,20 @@ def verify(c, inventory=DEFAULT_INVENTORY):
 
 
 def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str, *, observe: bool = False) -> None:
-    """An operation on one instance: validate, print the plan, stop there on --dry-run, else walk
-    it with the connections opened here and print the verdict. `observe`: planned first from the
-    record (bad input refused before any connection), then again from what serves now (a refusal
-    of the first plan stands only if the observed one refuses too): systemd on the hosts of the
-    instance and of a few others of its role (`near`), each gateway's /workers for all (pdops.reads.observe
-    `units_of`; the plan says so), so that an operation on one instance costs the same on 4 hosts as on 64."""
-    from pdops.errors import Refused
-    from pdops.remote.hosts import connections
+    """An operation on one instance, planned and walked by pdops.ops.operate: `observe` reads systemd on
+    the hosts of the instance and of a few others of its role (`near`) and each gateway's /workers, so
+    that an operation on one instance costs the same on 4 hosts as on 64."""
     from pdops.model.inventory import load_inventory
+    from pdops.ops.operate import operate
 
     if not instance:
         raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
     inv = load_inventory(inventory)
     state = rec.open_record(inv)
-    try:
-        plan, refused = make_plan(inv, state, None), None
-    except Refused as exc:
-        plan, refused = None, exc
-    rev = state.current_revision()
-    if not observe or rev is None:
-        if refused:
-            raise refused
-        print(plan.render())
-        if dry_run:
-            return
-        with connections(inv) as conns:
-            v = execute(plan, state, **conns)
+    _, v = operate(inv, state, lambda seen: make_plan(inv, state, seen), lambda p, conns: execute(p, state, **conns),
+                   dry_run=dry_run, observe_first=observe, units_of=lambda rev: near(rev, instance))
+    if v is not None:
         print_verdict(headline, v)
-        return
-    from pdops.reads.observe import Seen, observe as read
-
-    with connections(inv) as conns:
-        plan = make_plan(inv, state, Seen.of(read(inv, rev, **conns, units_of=near(rev, instance))))
-        print(plan.render())
-        if dry_run:
-            return
-        v = execute(plan, state, **conns)
-    print_verdict(headline, v)
 
 
 # Besides its own, the units of this many others of an instance's role are read for its floor: one of

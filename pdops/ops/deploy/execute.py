@@ -1,5 +1,5 @@
 """Carrying a deploy out: the executors of its step kinds (shared with a change), the record of a
-deploy and of a repair, and the walk under the lock."""
+deploy and of a repair, the walk under the lock, and `inv deploy` whole (operate_deploy)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ from pdops.record.local import new_op_id
 from pdops.steps.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
                                   wait_healthy)
-from pdops.ops.deploy.plan import DeployPlan
+from pdops.ops.deploy.plan import DeployPlan, plan_reconcile
+from pdops.ops.operate import operate
+from pdops.ops.scale import execute_scale
+from pdops.reads.observe import observe
+from pdops.remote.hosts import connections
 from pdops.facts.engine import failed_session_wait_s
 from pdops.reads.preflight import PASS, preflight_gate
 
@@ -398,3 +402,32 @@ def _deploy_failed(ctx: RunContext, exc: PdopsError) -> None:
                                                    "current": current, "completed": ctx.done})
     exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
                     f"units started by this deploy (left for inspection): {', '.join(started) or 'nothing'}")
+
+
+def operate_deploy(inv, state, make_plan, *, dry_run: bool, say: Say = print) -> tuple[str, object, dict | None]:
+    """`inv deploy`, the whole of it (the CLI prints what it returns): `make_plan(seen)` -> a DeployPlan.
+    A change of the live cluster (topology, inventory, files) is planned and walked as any change
+    (pdops.ops.operate); a first deploy is walked as planned; a deploy of the live revision decides what to
+    repair from what runs now (plan_reconcile), and processes found running other files are replaced as a
+    change. Returns (how: "change", "repair" or "deploy"; the plan printed; its verdict, None when nothing was
+    walked)."""
+    plan = make_plan(None)
+    if plan.change is not None:  # a rolling change: planned again from what runs now
+        change, v = operate(inv, state, lambda seen: make_plan(seen).change,
+                            lambda p, conns: execute_scale(p, state, **conns), dry_run=dry_run, first=plan.change,
+                            say=say)
+        return "change", change, v
+    if plan.live is None:
+        say(plan.render())
+        if dry_run:
+            return "deploy", plan, None
+        with connections(inv) as conns:
+            return "deploy", plan, execute_deploy(plan, say, **conns)
+    with connections(inv) as conns:  # the live topology and files: decide from what runs now
+        plan = plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateways"]))
+        say(plan.render())
+        if plan.change is not None:  # processes that run other files: replaced, rolling
+            return "change", plan.change, None if dry_run else execute_scale(plan.change, state, **conns)
+        if dry_run or plan.noop:
+            return "repair", plan, None
+        return "repair", plan, execute_deploy(plan, say, **conns)

@@ -1,0 +1,96 @@
+"""pdops.ops.operate: how every operation on a live cluster runs (no host: the connections and the
+observation are stand-ins). Planned from the record before any connection, planned again from what
+serves now, printed once, walked once with the plan it printed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from pdops.errors import Refused
+from pdops.ops import operate as op
+
+
+class _Plan:
+    def __init__(self, name, noop=None):
+        self.name, self.noop, self.renders = name, noop, 0
+
+    def render(self):
+        self.renders += 1
+        return f"plan {self.name}"
+
+
+class _Record:
+    def __init__(self, live=True):
+        self.live = live
+
+    def current_revision(self):
+        return object() if self.live else None
+
+
+@pytest.fixture
+def hosts(monkeypatch):
+    """The connections and the observation, counted."""
+    seen = {"connected": 0, "observed": []}
+
+    @contextlib.contextmanager
+    def connections(inv):
+        seen["connected"] += 1
+        yield {"pool": "pool", "gateways": "gateways"}
+
+    monkeypatch.setattr(op, "connections", connections)
+    monkeypatch.setattr(op, "observe", lambda inv, rev, pool, gateways, **kw: seen["observed"].append(kw) or "obs")
+    monkeypatch.setattr(op.Seen, "of", staticmethod(lambda o: f"seen({o})"))
+    return seen
+
+
+def test_a_record_refusal_stands_only_if_the_plan_from_what_serves_now_refuses_too(hosts):
+    made, walked, said = [], [], []
+    observed = _Plan("observed")
+
+    def make(seen):
+        made.append(seen)
+        if seen is None:
+            raise Refused("a floor, counted from the record")
+        return observed
+
+    plan, v = op.operate("inv", _Record(), make, lambda p, conns: walked.append(p) or {"revision": 2},
+                         dry_run=False, say=said.append)
+    assert made == [None, "seen(obs)"] and plan is observed and walked == [observed] and v == {"revision": 2}
+    assert said == ["plan observed"] and observed.renders == 1  # printed once: the plan that is walked
+
+    def refuses(seen):
+        raise Refused(f"refused from {seen}")
+
+    with pytest.raises(Refused, match="refused from seen"):
+        op.operate("inv", _Record(), refuses, lambda p, c: walked.append(p), dry_run=False, say=said.append)
+
+
+def test_a_dry_run_or_a_plan_with_nothing_to_do_walks_nothing(hosts):
+    walked = []
+    for dry, plan in ((True, _Plan("a")), (False, _Plan("b", noop="nothing differs"))):
+        got, v = op.operate("inv", _Record(), lambda seen: plan, lambda p, c: walked.append(p), dry_run=dry,
+                            say=lambda s: None)
+        assert got is plan and v is None and plan.renders == 1
+    assert walked == []
+
+
+def test_without_observation_bad_input_is_refused_before_any_connection(hosts):
+    def make(seen):
+        raise Refused("no such host in the inventory")
+
+    with pytest.raises(Refused):
+        op.operate("inv", _Record(), make, lambda p, c: None, dry_run=False, observe_first=False)
+    assert hosts["connected"] == 0
+    # and a change that starts and stops nothing is walked from the record alone
+    plan = _Plan("cordon")
+    got, v = op.operate("inv", _Record(), lambda seen: plan, lambda p, c: {"revision": 3}, dry_run=False,
+                        observe_first=False, say=lambda s: None)
+    assert (got, v) == (plan, {"revision": 3}) and hosts["observed"] == [] and hosts["connected"] == 1
+
+
+def test_an_operation_on_one_instance_reads_the_units_it_names(hosts):
+    op.operate("inv", _Record(), lambda seen: _Plan("drain"), lambda p, c: {}, dry_run=False,
+               units_of=lambda rev: frozenset({"p01", "p02"}), say=lambda s: None)
+    assert hosts["observed"] == [{"units_of": frozenset({"p01", "p02"})}]
