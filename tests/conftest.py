@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,9 @@ AREAS = ("unit", "contract", "integration", "sim", "lab")
 _area_seconds: dict[str, float] = {}
 _area_tests: dict[str, int] = {}
 _lab_module_seconds: dict[str, float] = {}
+# worker -> [module, first report, last report] in the order it ran them (seconds since the run began)
+_worker_modules: dict[str, list[list]] = {}
+_T0 = time.monotonic()
 
 
 def _area(nodeid: str) -> str:
@@ -101,6 +105,14 @@ def pytest_runtest_logreport(report):
         _lab_module_seconds[module] = _lab_module_seconds.get(module, 0.0) + report.duration
     if report.when == "call":
         _area_tests[area] = _area_tests.get(area, 0) + 1
+    node = getattr(report, "node", None)  # under xdist, the worker that ran it
+    worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
+    module, now = report.nodeid.split("::", 1)[0], time.monotonic() - _T0
+    ran = _worker_modules.setdefault(worker, [])
+    if ran and ran[-1][0] == module:
+        ran[-1][2] = now
+    else:
+        ran.append([module, max(now - report.duration, 0.0), now])
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -118,3 +130,10 @@ def pytest_terminal_summary(terminalreporter):
         tr.section("lab worker-minutes per module (setup + call + teardown; the module's cluster included)")
         for module, sec in sorted(_lab_module_seconds.items(), key=lambda kv: -kv[1]):
             tr.write_line(f"{sec / 60:6.2f} min  {module}")
+    if len(_worker_modules) > 1:
+        # where the run's tail is: each worker's lab modules, and when it finished its last test
+        tr.section("each worker's lab modules (start-end, minutes into the run) and its last test")
+        for worker, ran in sorted(_worker_modules.items()):
+            labs = [f"{m.rsplit('/', 1)[-1].removesuffix('.py')} {a / 60:.1f}-{b / 60:.1f}"
+                    for m, a, b in ran if _area(m + "::") == "lab"]
+            tr.write_line(f"{worker}: done at {ran[-1][2] / 60:.1f}; " + ", ".join(labs))
