@@ -209,6 +209,27 @@ def test_a_bundle_change_replaces_every_instance_one_per_role_at_a_time(lab_inv,
     assert "--max-running-requests" in next(f.content for f in plan.files if f.path.endswith("pdops-p01.sh"))
 
 
+def test_a_wave_with_an_instance_observed_down_still_stops_and_verifies_the_other(lab_inv, state, tmp_path, repo):
+    """A bundle change while d01 is down: the wave p01+d01 drains p01 in full (waits, empty checks) and
+    d01 without waiting (nothing of it runs); both old processes are stopped and verified before their
+    new files are delivered. (The two drains ran step by step side by side cut to the shorter one:
+    p01's stop and verify-stop were dropped, and its new process was started beside the old.)"""
+    from pdops.reads.observe import Seen
+
+    deployed(lab_inv, state, "2p2d")
+    inv = variant(repo, tmp_path, with_bundle(max_running_requests=32))
+    seen = Seen({"d01": "units not running: lab04:pdops-d01.service failed/failed"}, frozenset({"d01"}))
+    plan = sc.plan_apply(inv, parse_topology("2p2d"), state, seen=seen)
+    names = plan.plan.step_ids()
+    wave = names[:names.index("deliver p01+d01")]
+    for step in ("leave-gateway", "record-identity", "stop", "verify-stop"):
+        assert f"replace p01: {step}" in wave and f"replace d01: {step}" in wave, (step, wave)
+    assert "replace p01: empty-check-2" in wave and "replace d01: wait-empty" not in names
+    batches = [[s.name for s in b] for b in plan.plan.batches()]
+    assert ["replace p01: stop", "replace d01: stop"] in batches  # still side by side, step for step
+    assert ["replace p01: wait-empty"] in batches
+
+
 def test_max_unavailable_two_replaces_a_role_in_one_wave_only_when_it_keeps_one_serving(state, tmp_path, repo):
     def edit(doc, d):
         with_bundle(chunked_prefill_size=4096)(doc, d)

@@ -160,6 +160,30 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
     return steps
 
 
+def side_by_side(drains: list[list[Step]], group: str) -> list[Step]:
+    """Several instances' drains (each `drain_steps`'s, named `... {id}: leave-gateway` etc.) run side
+    by side: each step of a drain in parallel with the same step of the others (group `{group} {n}`),
+    so that what each waits for (its requests to end, the gateway to drop it) is waited once, not once
+    per instance; a step that fails fails its batch after every drain of it has answered. Drains of
+    different shapes line up by step: an instance observed down has no wait and no empty checks, and
+    its leave, stop and verify-stop still run beside the others' (never cut to the shortest drain)."""
+    def sub(s: Step) -> str:
+        return s.name.rsplit(": ", 1)[-1]
+
+    order = [sub(s) for s in max(drains, key=len, default=[])]
+    by = [{sub(s): s for s in d} for d in drains]
+    for d in by:
+        if not set(d) <= set(order):
+            raise ValueError(f"drains of different step sets cannot run side by side: {sorted(d)} vs {order}")
+    out = []
+    for n, name in enumerate(order):
+        row = [d[name] for d in by if name in d]
+        for st in row:
+            st.group = f"{group} {n}" if len(row) > 1 else None
+            out.append(st)
+    return out
+
+
 @dataclass
 class KillPlan:
     inv: Inventory

@@ -10,7 +10,7 @@ from pdops.steps.orphans import end_orphans_step
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.plans import Step
-from pdops.ops.drain.plan import drain_steps
+from pdops.ops.drain.plan import drain_steps, side_by_side
 from pdops.steps.builders import (baseline_step, canary_step, close_breakers_step, connect_step, delivery_steps,
                                   front_door_step, gateway_restart_steps, healthy_steps, lost_work_step, preflight_step,
                                   register_steps, start_steps, verify_running_step)
@@ -202,10 +202,7 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
                 # Wait for its /health first (nothing is started); one that never answers stops the repair here.
                 out += healthy_steps(inv, [old[i.id]], group=None)
             out.append(lost_work_step(old[i.id], rep))
-    for n, row in enumerate(zip(*subs)):
-        for st in row:
-            st.group = f"out {tag} {n}" if len(row) > 1 else None
-            out.append(st)
+    out += side_by_side(subs, f"out {tag}")
     live -= set(ids)
     out.append(Step(f"deliver {tag}", None, f"the new files of {', '.join(ids)} (units, launch scripts, 0600 env "
                     "files) with Ansible; daemon-reload; enable", kind="deliver-wave",
