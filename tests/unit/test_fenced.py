@@ -77,6 +77,11 @@ def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, sta
              "drain p01: leave-gateway", "drain d01: verify-stop", "join register p02", "front-door open", "front-door",
              "record"]
     assert [n for n in names if n in order] == order
+    # after the commit the old pool drains side by side: each step of p01's drain beside the same of d01's
+    batches = [[s.name for s in b] for b in plan.plan.batches()]
+    subs = ("leave-gateway", "wait-empty", "empty-check-1", "empty-check-2", "record-identity", "stop", "verify-stop")
+    drains = [b for b in batches if b[0].startswith("drain ")]
+    assert drains == [[f"drain p01: {sub}", f"drain d01: {sub}"] for sub in subs], drains
     reg = next(s for s in plan.run if s.name == "register p02")
     assert reg.params["gateways"] == ["lab04"]  # the new generation on its own gateway only
     assert next(s for s in plan.run if s.name == "join register p02").params["gateways"] == ["lab03"]

@@ -35,7 +35,7 @@ from pdops.plans import Step
 
 from pdops.steps.builders import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
                                     register_steps, start_steps, verify_running_step)
-from pdops.ops.drain.plan import drain_steps
+from pdops.ops.drain.plan import drain_steps, side_by_side
 from pdops.ops.scale.steps import rescue_steps
 from pdops.ops.scale.model import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
                                    shared_files, slot_key)
@@ -183,6 +183,10 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
                                in_change=True)
         return out
 
+    def old_pool_drains(insts):
+        # after the commit no request reaches the old pool: its drains run side by side
+        return side_by_side([drains([x], "drain") for x in insts], "drain")
+
     # a new instance on a slot the shrink frees is checked by that drain's verified stop (its ports closed,
     # its GPUs free), not now, while the old instance holds them by design: preflight checks the others
     freed = {slot_key(i) for i in shrink}
@@ -218,8 +222,9 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
                                 "hold_s": f["hold_s"], "first": pct == f["shifts"][0],
                                 "instances": [i.id for i in green]}))
     out.append(Step("commit", None, f"the whole front door is on the new generation (gateway {g}): from here the old "
-                    "pool drains, and a failure leaves the new generation serving", 5, kind="fence-commit"))
-    out += drains(blue, "drain")
+                    "pool drains (side by side: no request reaches it), and a failure leaves the new generation "
+                    "serving", 5, kind="fence-commit"))
+    out += old_pool_drains(blue)
     out += register_steps(inv, green, group="join" if len(green) > 1 else None, gateways=others, prefix="join ")
     out.append(Step("front-door open", at, f"HAProxy on {adm}: every gateway ({', '.join(inv.gateway.hosts)}) ready at "
                     "weight 100", 60, kind="front-door-set",
