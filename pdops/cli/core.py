@@ -267,7 +267,7 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
     from pdops.ops import scale as sc
     from pdops.remote.hosts import connections
     from pdops.model.inventory import load_inventory
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
     from pdops.ops.repair import check_instance_id, plan_repair
     from pdops.reads.status import read_status
 

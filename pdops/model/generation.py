@@ -210,7 +210,7 @@ def fields_from_parsed(a: Mapping, versions: Mapping | None = None) -> dict:
 
 
 def generation_fields(args: list[str], versions: Mapping | None = None) -> dict:
-    """One instance's generation fields from its SGLang argument list (as `render.engine_args` gives
+    """One instance's generation fields from its SGLang argument list (as `commands.engine_args` gives
     it) and the version pins it runs with (default: this pdops's)."""
     return fields_from_parsed(parse_sglang_args(args), versions)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pdops.errors import Refused
-from pdops.reads.observe import Seen, observe
+from pdops.reads.observation import Seen
+from pdops.reads.observe import observe
 from pdops.remote.hosts import connections
 from pdops.runner import Say
 

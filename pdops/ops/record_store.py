@@ -14,7 +14,8 @@ from pdops.errors import InvalidInput, PdopsError, Refused, Unverified
 from pdops.facts import q
 from pdops.model.etcd_member import DATA_ROOT, UNIT, UNIT_PATH, member_units
 from pdops.record.etcdstore import TXN_BYTES
-from pdops.record.local import default_machine, default_operator, new_op_id, now_iso, parse_lines
+from pdops.record.journal import now_iso, parse_lines
+from pdops.record.local import default_machine, default_operator, new_op_id
 from pdops.remote import ansible
 from pdops.remote import etcd as E
 from pdops.plans import Outcome, Plan, Step

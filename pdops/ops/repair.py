@@ -58,7 +58,7 @@ def _epoch(iso: str) -> float:
 def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, force: bool = False,
                 force_after: bool = False, wait_s: float | None = None, seen=None):
     """The repair plan of one instance, decided from `status_doc` (pdops.reads.status.read_status, read
-    now) and `seen` (pdops.reads.observe.Seen of the same reading; None: not read): a gateway that does not
+    now) and `seen` (pdops.reads.observation.Seen of the same reading; None: not read): a gateway that does not
     answer is started first; another instance that does not serve is named, left as it is, and no
     canary pair goes through it. Returns a ScalePlan, or a str saying why there is nothing to do."""
 

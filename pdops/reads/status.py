@@ -62,7 +62,7 @@ class InstanceHealth:
 
 def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str, int],
           strays: list[str], orphans: list = ()) -> InstanceHealth:
-    """The state word of one instance (pdops.reads.observe.InstanceObservation `o`), the evidence for
+    """The state word of one instance (pdops.reads.observation.InstanceObservation `o`), the evidence for
     it, and the command to run. `failures`: counter name -> increase since the last look;
     `orphans`: a prefill's orphaned halves (pdops.reads.orphans.Orphan)."""
     repair = f"inv repair --instance {o.id}"

@@ -9,7 +9,8 @@ from dataclasses import asdict
 
 from pdops.errors import InvalidInput, Refused, Unverified
 from pdops.runner import Say
-from pdops.record.local import Journal, StateDir, default_machine, default_operator, new_op_id, now_iso
+from pdops.record.journal import Journal, now_iso
+from pdops.record.local import StateDir, default_machine, default_operator, new_op_id
 
 from pdops.record.shared import SharedRecord, describe_holder, record_summary, revision_docs
 

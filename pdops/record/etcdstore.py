@@ -14,7 +14,7 @@ as keys under the cluster's prefix P, and the lock a key under a lease.
     P/journal/op/<op id>/<seq>     the same line, under its operation (`inv journal --op`)
     P/journal/opn/<op id>          the operation's ordinal; P/journal/ops holds how many there are
     P/journal/ord/000000000001     the op id of each ordinal (`inv journal --last N`)
-    P/journal/tag/<tag>/<seq>      the same line, under each of its tags (pdops.record.local.journal_tags)
+    P/journal/tag/<tag>/<seq>      the same line, under each of its tags (pdops.record.journal.journal_tags)
     P/moved                        set when the record was migrated elsewhere: no lock is given
 
 Every write under the lock is a transaction that first compares P/lock's create revision with the
@@ -28,36 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
-import urllib.parse
 
-from pdops.errors import PdopsError, Unreachable, Unverified
-from pdops.record.local import journal_tags, now_iso
-from pdops.record.transport import PING_S, lock_lost
+from pdops.errors import PdopsError, Unverified
+from pdops.record.etcdkeys import (FORMAT, MAX_TXN_OPS, MOVED_FORMAT, PAGE, PART_BYTES, REF, RETRY_S, TXN_BYTES,
+                                   key_segment, rev_key, seq_key)
+from pdops.record.etcdlock import EtcdSession, LockLost, lock_still_ours
+from pdops.record.journal import journal_tags, now_iso
 from pdops.remote import etcd as E
-
-FORMAT = 1
-MOVED_FORMAT = 2  # P/format of a record marked as moved: a pdops that does not know P/moved refuses it
-PART_BYTES = 512 * 1024  # < etcd's 1.5 MiB request limit once base64'd, with room for the rest
-MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
-TXN_BYTES = 1024 * 1024  # values per transaction, under etcd's default --max-request-bytes of 1.5 MiB
-REF = "ref:"  # an operation's or a tag's copy of a line too big to copy: the key of the line itself
-RETRY_S = 20.0  # a write whose member died is sent again for this long (a new leader takes ~1-3 s)
-PAGE = 1000
-
-
-def _seg(name: str) -> str:
-    """An op id or a tag as one key segment (a "/" in it would reach into another's keys)."""
-    return urllib.parse.quote(str(name), safe=":")
-
-
-def _seq(n: int) -> str:
-    return f"{int(n):012d}"
-
-
-def _rev(n: int) -> str:
-    return f"{int(n):08d}"
 
 
 class EtcdStore:
@@ -137,7 +115,7 @@ class EtcdStore:
                 "moved": json.loads(moved.value) if moved else None}
 
     def revision_snapshot(self, n: int) -> dict:
-        kv = self.etcd.range(self.p + "snap/" + _rev(n)).get(self.p + "snap/" + _rev(n))
+        kv = self.etcd.range(self.p + "snap/" + rev_key(n)).get(self.p + "snap/" + rev_key(n))
         if kv is None:
             return {"ok": True, "snapshot": None}
         head = json.loads(kv.value)
@@ -179,18 +157,18 @@ class EtcdStore:
                 everything: bool = False) -> dict:
         p = self.p + "journal/"
         if op_id is not None:
-            return {"ok": True, "lines": self._lines_under(p + f"op/{_seg(op_id)}/")}
+            return {"ok": True, "lines": self._lines_under(p + f"op/{key_segment(op_id)}/")}
         if tag is not None:
-            return {"ok": True, "lines": self._lines_under(p + f"tag/{_seg(tag)}/")}
+            return {"ok": True, "lines": self._lines_under(p + f"tag/{key_segment(tag)}/")}
         if last_ops is not None:
             ops = self.etcd.range(p + "ops").get(p + "ops")
             total = int(ops.text) if ops else 0
             first = max(1, total - int(last_ops) + 1)
-            ords = self.etcd.range(p + "ord/" + _seq(first), end=p + "ord/" + _seq(total + 1)).kvs if total else []
+            ords = self.etcd.range(p + "ord/" + seq_key(first), end=p + "ord/" + seq_key(total + 1)).kvs if total else []
             ids = [kv.text for kv in ords]
             lines: list[str] = []
             for i in range(0, len(ids), MAX_TXN_OPS):
-                res = self.etcd.read(*(E.get(p + f"op/{_seg(x)}/", prefix=True) for x in ids[i:i + MAX_TXN_OPS]))
+                res = self.etcd.read(*(E.get(p + f"op/{key_segment(x)}/", prefix=True) for x in ids[i:i + MAX_TXN_OPS]))
                 for j in range(len(ids[i:i + MAX_TXN_OPS])):
                     lines += self._resolve([kv.value.decode("utf-8") for kv in res.range(j).kvs])
             return {"ok": True, "lines": lines}
@@ -240,11 +218,11 @@ class EtcdStore:
         while todo:
             recs = [json.loads(x) for x in todo]
             op_ids = list(dict.fromkeys(r.get("op_id") or "-" for r in recs))
-            res = self.etcd.read(E.get(p + "n"), E.get(p + "ops"), *(E.get(p + f"opn/{_seg(o)}") for o in op_ids))
+            res = self.etcd.read(E.get(p + "n"), E.get(p + "ops"), *(E.get(p + f"opn/{key_segment(o)}") for o in op_ids))
             n_kv, ops_kv = res.range(0).get(p + "n"), res.range(1).get(p + "ops")
             n, nops = (int(n_kv.text) if n_kv else 0), (int(ops_kv.text) if ops_kv else 0)
             first = n + 1
-            known = {o for i, o in enumerate(op_ids) if res.range(2 + i).get(p + f"opn/{_seg(o)}") is not None}
+            known = {o for i, o in enumerate(op_ids) if res.range(2 + i).get(p + f"opn/{key_segment(o)}") is not None}
             compare = [*guard, E.cmp_modified(p + "n", n_kv.mod_revision if n_kv else 0),
                        E.cmp_modified(p + "ops", ops_kv.mod_revision if ops_kv else 0)]
             ops: list[dict] = []
@@ -257,19 +235,19 @@ class EtcdStore:
                     raise Unverified(f"a journal line of {size_of} bytes ({rec.get('step')}) is over what one etcd "
                                      f"request carries ({TXN_BYTES} bytes): not written",
                                      fix="a pdops bug to report (its evidence should be smaller)")
-                key = p + "line/" + _seq(n + 1)
+                key = p + "line/" + seq_key(n + 1)
                 copy = line if size_of * (2 + len(tags)) <= TXN_BYTES // 2 else REF + key  # big: copies refer to it
-                mine = [E.put(key, line), E.put(p + f"op/{_seg(o)}/" + _seq(n + 1), copy)]
-                mine += [E.put(p + f"tag/{_seg(t)}/" + _seq(n + 1), copy) for t in tags]
+                mine = [E.put(key, line), E.put(p + f"op/{key_segment(o)}/" + seq_key(n + 1), copy)]
+                mine += [E.put(p + f"tag/{key_segment(t)}/" + seq_key(n + 1), copy) for t in tags]
                 mine_size = size_of + len(copy) * (1 + len(tags))
                 new_op = o not in known
                 if new_op:
-                    mine += [E.put(p + f"opn/{_seg(o)}", str(nops + 1)), E.put(p + "ord/" + _seq(nops + 1), o)]
+                    mine += [E.put(p + f"opn/{key_segment(o)}", str(nops + 1)), E.put(p + "ord/" + seq_key(nops + 1), o)]
                 if ops and (len(ops) + len(mine) + 2 + len(compare) > MAX_TXN_OPS or size + mine_size > TXN_BYTES):
                     break
                 size += mine_size
                 if new_op:
-                    compare.append(E.cmp_created(p + f"opn/{_seg(o)}", 0))
+                    compare.append(E.cmp_created(p + f"opn/{key_segment(o)}", 0))
                     known.add(o)
                     nops += 1
                 ops += mine
@@ -279,14 +257,14 @@ class EtcdStore:
             head = todo[0]
 
             def applied() -> bool:
-                kv = self.etcd.range(p + "line/" + _seq(first)).get(p + "line/" + _seq(first))
+                kv = self.etcd.range(p + "line/" + seq_key(first)).get(p + "line/" + seq_key(first))
                 return kv is not None and kv.text == head
 
             res = self.txn(compare, ops, [E.get(self.p + "lock")] if guard else [], applied)
             if res.succeeded:
                 todo = todo[taken:]
                 continue
-            if guard and not _guard_holds(res, guard):
+            if guard and not lock_still_ours(res, guard):
                 raise LockLost("the lock's lease expired or was revoked (`inv unlock --force`)")
             # another writer moved the journal between the read and the write: read again
 
@@ -299,7 +277,7 @@ class EtcdStore:
         else:
             fresh = False
         doc = dict(doc, number=int(number))
-        ops = [E.put(p + "rev/" + _rev(number), json.dumps(doc, indent=2, sort_keys=True))]
+        ops = [E.put(p + "rev/" + rev_key(number), json.dumps(doc, indent=2, sort_keys=True))]
         if snapshot is not None:
             data = json.dumps(snapshot, sort_keys=True).encode("utf-8")
             parts = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
@@ -307,11 +285,11 @@ class EtcdStore:
             have = self.etcd.read(*(E.get(p + "blob/" + h, keys_only=True) for h in names))
             for i, (h, part) in enumerate(zip(names, parts)):
                 if not have.range(i).kvs:  # content-addressed: a part already there is shared
-                    self._guarded(guard, [E.put(p + "blob/" + h, part)])  # idempotent
-            ops.append(E.put(p + "snap/" + _rev(number), json.dumps(
+                    self.guarded(guard, [E.put(p + "blob/" + h, part)])  # idempotent
+            ops.append(E.put(p + "snap/" + rev_key(number), json.dumps(
                 {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "parts": names})))
-        compare = [*guard] + ([E.cmp_created(p + "rev/" + _rev(number), 0)] if fresh else [])
-        key = p + "rev/" + _rev(number)
+        compare = [*guard] + ([E.cmp_created(p + "rev/" + rev_key(number), 0)] if fresh else [])
+        key = p + "rev/" + rev_key(number)
 
         def applied() -> bool:
             kv = self.etcd.range(key).get(key)
@@ -319,24 +297,24 @@ class EtcdStore:
 
         res = self.txn(compare, ops, [E.get(p + "lock")], applied)
         if not res.succeeded:
-            if guard and not _guard_holds(res, guard):
+            if guard and not lock_still_ours(res, guard):
                 raise LockLost("the lock's lease expired or was revoked (`inv unlock --force`)")
             return self.put_revision(doc, None, snapshot, guard)  # the number was taken meanwhile
         return int(number)
 
-    def _guarded(self, guard: list[dict], ops: list[dict]) -> None:
+    def guarded(self, guard: list[dict], ops: list[dict]) -> None:
         res = self.txn(list(guard), ops, [E.get(self.p + "lock")], lambda: False)
         if not res.succeeded:
             raise LockLost("the lock's lease expired or was revoked (`inv unlock --force`)")
 
     def set_current(self, number: int, guard: list[dict]) -> None:
         p = self.p
-        res = self.txn([*guard, {"key": E.b64(p + "rev/" + _rev(number)), "target": "CREATE",
+        res = self.txn([*guard, {"key": E.b64(p + "rev/" + rev_key(number)), "target": "CREATE",
                                  "result": "GREATER", "create_revision": "0"}],
-                       [E.put(p + "current", str(int(number)))], [E.get(p + "lock"), E.get(p + "rev/" + _rev(number))],
+                       [E.put(p + "current", str(int(number)))], [E.get(p + "lock"), E.get(p + "rev/" + rev_key(number))],
                        lambda: False)  # sent again if unsure: putting the same number twice is harmless
         if not res.succeeded:
-            if not _guard_holds(res, guard):
+            if not lock_still_ours(res, guard):
                 raise LockLost("the lock's lease expired or was revoked: `current` was not moved")
             raise Unverified(f"{self.location}: no revision {number} to make current")
 
@@ -348,7 +326,7 @@ class EtcdStore:
         ops = [E.delete(p + n, prefix=n.endswith("/")) for n in names]
         fmt = json.loads(self.etcd.range(p + "format").get(p + "format").value)
         ops.append(E.put(p + "format", json.dumps(dict(fmt, format=FORMAT))))  # no longer moved
-        self._guarded(guard, ops)
+        self.guarded(guard, ops)
         return {"ok": True, "aside": None, "moved": names}
 
     # -- the lock
@@ -385,175 +363,6 @@ class EtcdStore:
 
     def close(self) -> None:
         self.etcd.close()
-
-
-def _guard_holds(res: E.TxnResult, guard: list[dict]) -> bool:
-    """After a failed transaction whose failure branch read P/lock first: is the lock still ours?"""
-    lock = res.range(0).kvs
-    want = next((int(g["create_revision"]) for g in guard if g.get("target") == "CREATE"), None)
-    return bool(lock) and want is not None and lock[0].create_revision == want
-
-
-class LockLost(Unreachable):
-    pass
-
-
-class EtcdSession:
-    """The lock held in etcd for one operation: a lease kept alive every PING_S seconds, and the
-    same requests as the state host's lock session (pdops.record.transport.Session), served here."""
-
-    def __init__(self, store: EtcdStore, holder: dict, lease_s: float, *, even_if_moved: bool = False):
-        self.store, self.holder, self.lease_s = store, dict(holder), float(lease_s)
-        self.even_if_moved = even_if_moved
-        self.where = store.name
-        self.broken: str | None = None
-        self.lease = 0
-        self.guard: list[dict] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-
-    def first(self) -> dict:
-        """Take the lock: a transaction that creates P/lock only if it does not exist."""
-        st, p = self.store, self.store.p
-        for _ in range(3):
-            res = st.etcd.read(E.get(p + "format"), E.get(p + "lock"), E.get(p + "holder"), E.get(p + "moved"))
-            fmt = res.range(0).get(p + "format")
-            moved = res.range(3).get(p + "moved")
-            bad = st._check_format(fmt, moved)
-            if bad:
-                return bad
-            if moved is not None and not self.even_if_moved:
-                return {"ok": False, "error": "moved", "message": f"the record under {p} was moved: "
-                        f"{json.loads(moved.value).get('to')}"}
-            lock, prev = res.range(1).get(p + "lock"), res.range(2).get(p + "holder")
-            if lock is not None:
-                return {"ok": False, "error": "locked", "holder": st._lock_doc(lock, prev)}
-            self.lease = st.etcd.grant(self.lease_s)
-            me = dict(self.holder, lease=self.lease, lease_s=self.lease_s, etcd_endpoint=st.etcd.endpoint,
-                      taken=now_iso())
-            body = json.dumps(me, indent=2, sort_keys=True)
-            ops = [E.put(p + "lock", body, lease=self.lease), E.put(p + "holder", body)]
-            compare = [E.cmp_created(p + "lock", 0), E.cmp_modified(p + "holder", prev.mod_revision if prev else 0)]
-            if not self.even_if_moved:  # a migration marking it moved meanwhile: no lock on the old copy
-                compare.append(E.cmp_created(p + "moved", 0))
-            if fmt is None:
-                ops.append(E.put(p + "format", json.dumps({"format": FORMAT, "cluster": st.cluster,
-                                                           "created": now_iso()})))
-                compare.append(E.cmp_created(p + "format", 0))
-
-            def applied() -> bool:
-                kv = st.etcd.range(p + "lock").get(p + "lock")
-                return kv is not None and kv.text == body
-
-            res = st.txn(compare, ops, [], applied)
-            if res.succeeded and res.revision == 0:  # taken, but the answer was lost: read when
-                res.revision = st.etcd.range(p + "lock").get(p + "lock").create_revision
-            if res.succeeded:
-                self.guard = [E.cmp_created(p + "lock", res.revision)]
-                self.holder = me
-                if prev is not None:  # its holder's lease ran out (or was revoked) before it released
-                    was = json.loads(prev.value)
-                    st.append_journal([json.dumps({"ts": now_iso(), "op_id": was.get("op_id"), "step": "lock.lease-expired",
-                                                   "status": "failed", "evidence": {"lease_s": was.get("lease_s"),
-                                                                                    "holder": was,
-                                                                                    "found_by": me.get("op_id")}},
-                                                  sort_keys=True)], self.guard)
-                snap = st.read()
-                return {"ok": True, "interrupted": json.loads(prev.value) if prev else None, "holder": me,
-                        "snapshot": snap}
-            st.etcd.revoke(self.lease)  # someone else took it in between: look again
-        res = st.etcd.read(E.get(p + "lock"), E.get(p + "holder"))
-        lock, holder = res.range(0).get(p + "lock"), res.range(1).get(p + "holder")
-        if lock is None:
-            return {"ok": False, "error": "contended", "message": "the lock changed hands three times while this "
-                    "operation tried to take it; nothing was changed: run it again"}
-        return {"ok": False, "error": "locked", "holder": st._lock_doc(lock, holder)}
-
-    def request(self, doc: dict) -> dict:
-        with self._lock:
-            if self.broken:
-                raise lock_lost(self.broken)
-            try:
-                return self._serve(doc)
-            except LockLost as e:
-                self.broken = f"{self.where}: {e.message}"
-                raise Unreachable(f"lost the cluster lock: {self.broken}",
-                                  fix="someone may have run `inv unlock --force`; see `inv journal`") from None
-            except E.EtcdUnavailable as e:
-                if doc.get("op") in ("ping", "snapshot", "snapshot-of", "journal-of", "journal-query"):
-                    raise
-                self.broken = f"{self.where}: {e.message}"
-                raise Unreachable(f"lost the cluster lock: {self.broken}") from None
-
-    def _serve(self, doc: dict) -> dict:
-        st, op = self.store, doc.get("op")
-        if op == "ping":
-            if st.etcd.keepalive(self.lease) <= 0:
-                raise LockLost(f"the lease {self.lease} expired")
-            return {"ok": True}
-        if op == "journal":
-            st.append_journal(list(doc.get("lines") or [doc["line"]]), self.guard)
-            return {"ok": True}
-        if op == "put-revision":
-            return {"ok": True, "number": st.put_revision(doc["doc"], doc.get("number"), doc.get("snapshot"),
-                                                          self.guard)}
-        if op == "set-current":
-            st.set_current(doc["number"], self.guard)
-            return {"ok": True}
-        if op == "snapshot":
-            return st.read()
-        if op == "snapshot-of":
-            return st.revision_snapshot(doc["number"])
-        if op == "journal-of":
-            return st.journal(op_id=doc["op_id"])
-        if op == "journal-query":
-            return st.journal(op_id=doc.get("op_id"), last_ops=doc.get("last_ops"), tag=doc.get("tag"))
-        if op == "mark-moved":
-            fmt = json.loads(st.etcd.range(st.p + "format").get(st.p + "format").value)
-            st._guarded(self.guard, [E.put(st.p + "moved", json.dumps(doc["doc"], sort_keys=True)),
-                                     E.put(st.p + "format", json.dumps(dict(fmt, format=MOVED_FORMAT)))])
-            return {"ok": True}
-        if op == "set-aside":
-            return st.set_aside(self.guard)
-        if op == "release":
-            p = st.p
-            res = st.txn(list(self.guard), [E.delete(p + "lock"), E.delete(p + "holder")], [], lambda: False)
-            st.etcd.revoke(self.lease)
-            return {"ok": True, "released": res.succeeded}
-        raise Unverified(f"unknown request {op!r}")
-
-    def start_heartbeat(self, every: float = PING_S) -> None:
-        """Keep the lease alive every `every` s and check the lock is still this operation's, on a
-        client of its own (never waiting behind the operation's requests). What ends it is kept in
-        `broken`: the operation's next request stops with it."""
-        st = self.store
-        mine = E.Etcd(list(st.setting.endpoints), ca=st.setting.ca, cert=st.setting.cert, key=st.setting.key)
-
-        def beat():
-            try:
-                while not self._stop.wait(every):
-                    try:
-                        if mine.keepalive(self.lease) <= 0:
-                            self.broken = f"{self.where}: the lease {self.lease} expired (nothing was heard for " \
-                                          f"{self.lease_s:g} s)"
-                            return
-                        held = mine.txn(list(self.guard), [], [E.get(st.p + "lock")])
-                        if not held.succeeded:
-                            self.broken = (f"{self.where}: the lock is no longer this operation's (its lease was "
-                                           "revoked: `inv unlock --force`?)")
-                            return
-                    except E.EtcdUnavailable:
-                        continue  # no member answered this time; the lease has lease_s
-                    except PdopsError as e:
-                        self.broken = f"{self.where}: the lease keepalive failed: {e.message}"
-                        return
-            finally:
-                mine.close()
-
-        threading.Thread(target=beat, name="pdops-lease-keepalive", daemon=True).start()
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 __all__ = ["EtcdStore", "EtcdSession", "LockLost", "FORMAT", "PART_BYTES"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from pdops.record.local import tag_needles
+from pdops.record.journal import tag_needles
 from pdops.record.transport import Session
 
 

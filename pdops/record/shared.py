@@ -11,10 +11,8 @@ from pathlib import Path
 from pdops import __version__
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.runner import Say
-from pdops.record.local import (
-    Journal, RecordReads, Revision, StateDir, atomic_write, default_machine, default_operator, journal_tags,
-    last_operations, new_op_id, now_iso, parse_lines,
-)
+from pdops.record.journal import Journal, journal_tags, last_operations, now_iso, parse_lines
+from pdops.record.local import (RecordReads, Revision, StateDir, atomic_write, default_machine, default_operator, new_op_id)
 
 from pdops.record.transport import LEASE_S, Session
 

@@ -8,7 +8,8 @@ from pdops.model import membership
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config, gateway_grace_s
+from pdops.model.commands import gateway_grace_s
+from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
 from pdops.plans import Step
 
 

@@ -12,7 +12,8 @@ from pdops.model.contract import check_gateway_args, check_sglang_args
 from pdops.errors import InvalidInput
 from pdops.model.inventory import load_inventory, load_profile
 from pdops.model.placement import place
-from pdops.model.render import engine_args, gateway_args, render_files, write_build
+from pdops.model.commands import engine_args, gateway_args
+from pdops.model.render import render_files, write_build
 from pdops.model.topology import Topology
 
 pytestmark = pytest.mark.contract

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdops.facts.gateway import Worker
 from pdops.facts.systemd import parse_by_id
-from pdops.reads.observe import InstanceObservation
+from pdops.reads.observation import InstanceObservation
 from pdops.reads.status import judge
 
 

@@ -166,7 +166,7 @@ def test_gateway_stays_on_its_data_address_behind_the_admission_layer(fleet, tmp
     """docs/admission.md, "Where the gateway listens": pdops's own clients reach the gateway
     from the operator machine, so it keeps its data address; HAProxy's one server is that
     address, and the gateway keeps retries off and its token bucket as configured."""
-    from pdops.model.render import gateway_args
+    from pdops.model.commands import gateway_args
 
     cfg = cfg_for(fleet, tmp_path)
     gw = fleet.gateway.first

@@ -13,7 +13,7 @@ from pdops.facts import gateway as gw
 from pdops.facts.gateway import Breaker, Worker
 from pdops.model.placement import place
 from pdops.model.topology import parse_topology
-from pdops.reads.observe import InstanceObservation, Observation, GatewayObservation, Seen
+from pdops.reads.observation import GatewayObservation, InstanceObservation, Observation, Seen
 from tests.unit.observed import obs, unit, word
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"

@@ -94,7 +94,7 @@ def test_a_drain_on_64_hosts_reads_the_units_of_four_instances_and_its_plan_says
     (their units: one of them serving is proof for the floor); the plan names that basis."""
     from pdops.cli.core import near
     from pdops.ops.drain import plan_drain
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     inv = grown(tmp_path, 64)
     state = StateDir("fleet", tmp_path / "s")

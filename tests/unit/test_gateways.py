@@ -20,7 +20,8 @@ from pdops.model.topology import parse_topology
 from pdops.ops import deploy as dep
 from pdops.ops import drain as dr
 from pdops.ops import scale as sc
-from pdops.reads.observe import Seen, observe
+from pdops.reads.observation import Seen
+from pdops.reads.observe import observe
 from pdops.reads.status import front_door_warnings
 from pdops.record.local import StateDir
 

@@ -8,7 +8,8 @@ from pdops.errors import InvalidInput
 from pdops.model.generation import (FIELDS, generation_diff, generation_fields, generations, digest, mismatch,
                                     pair_fields, versions_from_env)
 from pdops.model.placement import place
-from pdops.model.render import RenderedFile, engine_args, override_args, render_files
+from pdops.model.commands import engine_args, override_args
+from pdops.model.render import RenderedFile, render_files
 from pdops.model.topology import parse_topology
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION
 

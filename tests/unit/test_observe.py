@@ -263,10 +263,11 @@ def test_an_unreadable_start_up_list_is_named_as_such(live):
 
 
 def test_what_a_change_plans_from_names_each_instance_that_does_not_serve(live):
-    """pdops.reads.observe.Seen: a unit not running (nothing to drain), a worker the gateway does not
+    """pdops.reads.observation.Seen: a unit not running (nothing to drain), a worker the gateway does not
     route to; with the gateway down, an instance out of its start-up list (a gateway start will
     not bring it back)."""
-    from pdops.reads.observe import Seen, observe
+    from pdops.reads.observation import Seen
+    from pdops.reads.observe import observe
 
     inv, pl, state = live
     rev = state.current_revision()
@@ -438,7 +439,7 @@ def test_status_reads_strays_with_the_observation_and_names_them_per_instance(li
 def test_an_observation_of_one_instances_units_counts_the_others_by_the_gateway_and_says_so(live):
     """units_of: systemd is read for d01 only (its unit down: it does not serve); p01 and d02, unread,
     serve where the gateway routes to them, d02 not listed there does not; the basis is stated."""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     inv, pl, state = live
     units, workers, start_list = healthy_world(pl)

@@ -109,10 +109,10 @@ def observed_world(inv, pl: Placement, observed: dict):
 
 
 def seen_of(observed: dict, inv):
-    """A change's observation (pdops.reads.observe.Seen) as a case writes it: `not_serving` {id: why},
+    """A change's observation (pdops.reads.observation.Seen) as a case writes it: `not_serving` {id: why},
     `down` (units not running: nothing to drain), `gateway` (why the first gateway does not answer),
     `gateway_active` (its unit is active, hung). None: not read."""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     if not observed:
         return None
@@ -156,7 +156,7 @@ def make_plan(case: dict, state: StateDir, tmp: Path | None = None, monkeypatch=
     if req["op"] == "repair":
         from pdops.ops import repair
 
-        from pdops.reads.observe import Seen
+        from pdops.reads.observation import Seen
 
         pl = Placement.from_dict(state.current_revision().placement)
         rows = {k: v for k, v in observed.items() if k != "gateway"}

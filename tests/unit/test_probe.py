@@ -12,7 +12,7 @@ import pytest
 from pdops.ops import probe as pr
 from pdops.errors import InvalidInput, Refused
 from pdops.remote.load import LedgerRow
-from pdops.model.render import engine_args, override_args
+from pdops.model.commands import engine_args, override_args
 from pdops.record.local import StateDir
 from tests.unit.recorded import deployed
 

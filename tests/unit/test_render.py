@@ -2,7 +2,8 @@ import json
 import stat
 
 from pdops.model.placement import place
-from pdops.model.render import engine_args, engine_env, gateway_args, render_files, write_build
+from pdops.model.commands import engine_args, engine_env, gateway_args
+from pdops.model.render import render_files, write_build
 from pdops.model.topology import parse_topology
 
 
@@ -122,7 +123,7 @@ def test_the_cpu_profile_renders_real_sglang_with_only_its_device_differences(tm
     ports (the lab's hosts share one network namespace), the decode's cpu_tensor backup, and the lab's
     stand-ins on PYTHONPATH; the plan says so."""
     from pdops.model.build import format_placement
-    from pdops.model.render import CPU_STANDINS, cpu_engine_ports
+    from pdops.model.commands import CPU_STANDINS, cpu_engine_ports
 
     inv = _load(_lab_doc("sglang", "lab-sglang-cpu"), tmp_path)
     pl = place(inv, parse_topology("1p1d"))

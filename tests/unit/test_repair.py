@@ -162,7 +162,7 @@ def test_a_repair_plans_from_what_serves_now_and_starts_a_gateway_that_does_not_
     """d01 repaired while d02 is down and the gateway does not answer: the gateway starts first and
     waits for what serves (p01), and d02 is named and left as it is (not restarted). The canary pairs
     with a prefill that is down: tests/data/plans/repair_d01_with_p02_and_the_gateway_down_of_2p1d.yml."""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
     from tests.unit.recorded import deployed
 
     state = StateDir("lab", tmp_path / "state")
@@ -186,7 +186,7 @@ def test_inv_repair_plans_with_what_the_status_reading_saw(lab_inv, live, monkey
     import pdops.record as rec
     from pdops.reads import status as st
     from pdops.cli import core
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     reading = object()
     monkeypatch.setattr(rec, "open_record", lambda inv, **kw: live)

@@ -214,7 +214,7 @@ def test_a_wave_with_an_instance_observed_down_still_stops_and_verifies_the_othe
     d01 without waiting (nothing of it runs); both old processes are stopped and verified before their
     new files are delivered. (The two drains ran step by step side by side cut to the shorter one:
     p01's stop and verify-stop were dropped, and its new process was started beside the old.)"""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p2d")
     inv = variant(repo, tmp_path, with_bundle(max_running_requests=32))
@@ -513,9 +513,9 @@ def test_a_prefill_re_added_on_a_slot_takes_the_port_its_last_prefill_did_not_us
 
 def test_an_sglang_upgrade_rolls_every_instance(lab_inv, state, monkeypatch):
     deployed(lab_inv, state, "2p2d")
-    import pdops.model.render as render
+    import pdops.model.commands as commands
 
-    monkeypatch.setattr(render, "SGLANG_VERSION", "0.5.24")
+    monkeypatch.setattr(commands, "SGLANG_VERSION", "0.5.24")
     plan = sc.plan_apply(lab_inv, parse_topology("2p2d"), state)
     assert ids(plan.replaced) == ["p01", "p02", "d01", "d02"] and not plan.gateway_restart
     assert plan.waves == [["p01", "d01"], ["p02", "d02"]]
@@ -606,7 +606,7 @@ def test_a_floor_already_broken_is_said_not_refused(lab_inv, state):
     """3p1d fills the 4-host lab; replacing the lone decode has no free slot to surge into: refused
     while d01 serves. Observed down (nothing serves decode now), the same change is the way back: the
     plan says so and brings d01 up first, with no wait for a process that does not run."""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "3p1d")
     with pytest.raises(Refused, match="replacing d01 would leave no serving decode"):
@@ -623,7 +623,7 @@ def test_a_floor_already_broken_is_said_not_refused(lab_inv, state):
 def test_an_instance_that_does_not_serve_goes_first_and_costs_no_capacity(lab_inv, state):
     """2p2d with d01 down: `inv scale --topology 2p2d` replaces d01 (and nothing else); a decode
     serves at every step; d02 is never taken out."""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p2d")
     assert sc.plan_scale(lab_inv, parse_topology("2p2d"), state).noop
@@ -637,7 +637,7 @@ def test_an_instance_that_does_not_serve_goes_first_and_costs_no_capacity(lab_in
 def test_a_serving_instance_is_replaced_after_the_one_that_does_not_serve(lab_inv, state):
     """Both decodes are replaced by a change; d02 is observed out of the gateway: it goes in the
     first wave, so d01 keeps serving until d02 is back."""
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p2d")
     seen = Seen({"d02": "not in the gateway's /workers"})
@@ -649,7 +649,7 @@ def test_a_serving_instance_is_replaced_after_the_one_that_does_not_serve(lab_in
 
 
 def test_a_gateway_that_does_not_answer_is_started_first_and_waited_for(lab_inv, state):
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p2d")
     seen = Seen({"d01": "units not running"}, frozenset({"d01"}),
@@ -670,7 +670,7 @@ def test_a_drain_floor_counts_only_what_serves_now(lab_inv, state):
     p02); the record alone would have allowed it. Draining p02 itself costs nothing that serves:
     allowed, and not waited for (its units do not run)."""
     from pdops.ops import drain as dr
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p1d")
     assert dr.plan_drain(lab_inv, state, "p01")  # the record alone: p02 serves
@@ -685,7 +685,7 @@ def test_a_drain_floor_counts_only_what_serves_now(lab_inv, state):
 
 def test_the_last_decode_that_does_not_serve_may_be_drained(lab_inv, state):
     from pdops.ops import drain as dr
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p1d")
     with pytest.raises(Refused, match="last decode instance"):
@@ -697,7 +697,7 @@ def test_the_last_decode_that_does_not_serve_may_be_drained(lab_inv, state):
 def test_a_stop_plans_from_what_it_observes_too(lab_inv, state):
     """`inv stop` of an instance observed down says so, and keeps no gateway step and no floor."""
     from pdops.ops import drain as dr
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
     deployed(lab_inv, state, "2p1d")
     seen = Seen({"d01": "units not running: lab03:pdops-d01.service failed/failed"}, frozenset({"d01"}))

@@ -17,7 +17,8 @@ from pdops.ops.bench.workload import Workload, parse_concurrency, parse_workload
 from pdops import __version__
 from pdops.model.versions import SGLANG_VERSION, SMG_VERSION
 from pdops.model.topology import parse_topology
-from pdops.record.local import new_op_id, now_iso
+from pdops.record.journal import now_iso
+from pdops.record.local import new_op_id
 from pdops.ops.report.runs import Span, runs_page
 
 

@@ -17,7 +17,8 @@ from pdops.facts.systemd import UnitState
 from pdops.record.local import Revision
 from pdops.model.topology import Topology
 
-from pdops.reads.observe import Observation, Seen, unit_files
+from pdops.reads.observation import Observation, Seen
+from pdops.reads.observe import unit_files
 
 from pdops.steps.builders import (admission_steps, gateway_restart_steps, canary_step, healthy_steps, close_breakers_step, connect_step, delivery_steps, front_door_step,
                                   gateway_steps, preflight_step,

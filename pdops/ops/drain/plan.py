@@ -46,7 +46,7 @@ def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool
                wait_s: float | None = None, interval_s: float | None = None, force_after: bool = False,
                skip_gateway: bool = False, seen=None) -> DrainPlan:
     """What a drain of `instance_id` will do, or why it is refused. Reads the state dir and, with
-    `seen` (pdops.reads.observe.Seen), what serves now: the floor counts only instances that serve; one
+    `seen` (pdops.reads.observation.Seen), what serves now: the floor counts only instances that serve; one
     that does not serve may be drained even if it is the last of its role (nothing is lost that
     serves), and one whose units are not running is not waited for."""
     rev = state.current_revision()

@@ -20,7 +20,7 @@ from pdops.remote.hosts import HostPool, http_json
 from pdops.facts import shm as shm_facts
 from pdops.reads.identity import RankIdentity, record_identity
 from pdops.model.placement import Instance
-from pdops.model.render import RUN_DIR, runtime_dir
+from pdops.model.commands import RUN_DIR, runtime_dir
 from pdops.runner import Say
 
 

@@ -10,7 +10,8 @@ from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement
 from pdops.plans import Outcome, Step
 from pdops.runner import RunContext, walk
-from pdops.record.local import default_operator, new_op_id, now_iso
+from pdops.record.journal import now_iso
+from pdops.record.local import default_operator, new_op_id
 
 from pdops.ops.probe.plan import ProbePlan
 from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures

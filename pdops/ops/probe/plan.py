@@ -16,7 +16,8 @@ from pdops.ops.scale import instance_files, union_placement
 from pdops.plans import Plan, Step
 
 from pdops.ops.probe.bundle import Bundle, DEFAULT_TIMEOUT_S, changed_variables, parse_workload
-from pdops.model.render import engine_args, manifest, render_files
+from pdops.model.commands import engine_args
+from pdops.model.render import manifest, render_files
 from pdops.model.topology import Topology
 
 

@@ -10,8 +10,8 @@ from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, wait_gateways_up
 from pdops.remote.hosts import HostPool
 from pdops.model.placement import Placement, last_bootstrap_ports
-from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, gateway_grace_s,
-                                manifest, snapshot_of)
+from pdops.model.commands import gateway_grace_s
+from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, manifest, snapshot_of)
 from pdops.plans import Outcome, Step
 from pdops.runner import RunContext, Say, walk
 from pdops.record.local import Revision, StateDir, new_op_id

@@ -17,7 +17,7 @@ from pdops.record.local import Revision, StateDir
 
 
 if TYPE_CHECKING:
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
 ROLES = ("prefill", "decode")
 

@@ -18,7 +18,7 @@ from pdops.ops.scale.model import (ROLES, ScalePlan, cordoned_hosts, current_rev
 from pdops.ops.scale.planner import generation_change, plan_change
 
 if TYPE_CHECKING:
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
 
 def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,

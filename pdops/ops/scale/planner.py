@@ -22,7 +22,7 @@ from pdops.model.generation import Generation, LAYOUT, ROLES as GEN_ROLES, diges
 from pdops.reads.preflight import validate_skip
 
 if TYPE_CHECKING:
-    from pdops.reads.observe import Seen
+    from pdops.reads.observation import Seen
 
 
 def compile_steps(plan: ScalePlan) -> ScalePlan:
@@ -44,7 +44,7 @@ def plan_change(inv: Inventory, cur: Revision, target_pl: Placement, *, allow_ca
     waves of at most `max_unavailable` per role; a role that would be left with no serving instance
     surges into a free slot (new id, started before the old one drains) or is refused unless `force`.
 
-    `seen` (pdops.reads.observe.Seen): what serves now. An instance of the revision that does not serve is
+    `seen` (pdops.reads.observation.Seen): what serves now. An instance of the revision that does not serve is
     replaced (started again), first in its role, and counts for no floor; one whose units are not
     running is not waited for (nothing runs to drain); a role of which nothing serves is said in the
     plan, not refused; a gateway that does not answer is started as the first step.
