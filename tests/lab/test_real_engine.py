@@ -246,7 +246,7 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     host, unit = d01.units[0]
     procs = _unit_procs(lab, host, unit)
     # SGLang's IPC sockets are in the engine's TMPDIR, under its unit's RuntimeDirectory
-    from pdops.model.render import engine_tmpdir
+    from pdops.model.commands import engine_tmpdir
 
     tmp = engine_tmpdir(unit)
     sockets = host_run(lab, host, f"find {tmp} -type s").split()
@@ -296,7 +296,7 @@ def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pai
     (the prefill keeps SGLang's default, 1) and the unit restarted. Real SGLang does not fail the
     request cleanly: the first request that pairs them makes the decode's scheduler raise
     `Page size mismatch` and the whole decode process exits (systemd starts it again, into the same
-    crash). pdops names the edited file before and after the restart; the on-call stops the crash loop,
+    crash, after RestartSec). pdops names the edited file before and after the restart; the on-call stops the crash loop,
     and one `inv deploy` puts the revision's files back before it starts the decode again."""
     from pdops.model.render import BIN_DIR
 
@@ -331,8 +331,11 @@ def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pai
     # what real SGLang does (docs/changes.md): the decode process exits with the mismatch, the prefill lives
     print(f"{rid}: HTTP {status} {body[:300]}")
     try:
+        # the exit: no MainPID while systemd waits RestartSec before its next start
         wait_for(lambda: _main_pid(lab, host, unit) != main, 120, "the decode's exit")
     finally:
+        # the crash loop stopped, as an on-call would first (and before the next start, a minute of CPU)
+        host_run(lab, host, f"systemctl stop {unit}")
         journal = host_run(lab, host, f"journalctl -u {unit} -o cat --no-pager")
         print("d01's journal, last lines:\n" + "\n".join(journal.splitlines()[-40:]))
     assert "Page size mismatch: prefill server has page_size=1, but decode server has page_size=16" in journal
@@ -340,7 +343,6 @@ def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pai
     st = cli(real.inv_dir, "status")
     assert st.returncode == 1 and f"{host}:{script} is not revision" in st.stdout, st.stdout
     assert "then replaces it" in st.stdout, st.stdout
-    host_run(lab, host, f"systemctl stop {unit}")  # the crash loop stopped, as an on-call would first
     r = cli(real.inv_dir, "deploy", "--topology", TOPOLOGY)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "its files were changed on the host" in r.stdout, r.stdout
