@@ -281,14 +281,6 @@ def panel_queries(cluster: str, revision: str = ".*") -> list[tuple[str, str]]:
     return out
 
 
-def targets_step() -> Step:
-    """The `always` step of every plan that may move `current` (pdops.plans.Plan.always)."""
-    return Step("publish-targets", None, "write the Prometheus target file of the revision current after the steps "
-                "(the new one, a partial one, or the one before): this machine's copy, and the Prometheus host's "
-                "where the inventory names one; one that cannot be written is said and undoes nothing", 30,
-                kind="publish-targets")
-
-
 def do_publish_targets(ctx: RunContext, step: Step) -> Outcome:
     rev = ctx.state.current_revision()
     if rev is None:

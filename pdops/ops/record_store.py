@@ -413,23 +413,6 @@ def do_etcd_check_quorum(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"{len(eps)} members, one leader; a write read back through each"])
 
 
-def member_start_steps(inv, down: dict[str, str]) -> list[Step]:
-    """For a deploy that observed members of the record's etcd not running (`down`: host -> why; read by
-    pdops.reads.observe): start each one's unit (delivered and enabled by `inv state.etcd-up`; a member
-    rejoins from its data dir), then wait until every member answers with one leader and a write is read
-    back through each. None down: no step."""
-    if not down:
-        return []
-    hosts = sorted(down)
-    return [Step("etcd-members", None, f"systemctl reset-failed, start --no-block {UNIT} on {', '.join(hosts)} (observed "
-                 + "; ".join(f"{h}: {down[h]}" for h in hosts) + "); the record's writes go through the majority "
-                 "meanwhile", 60, kind="etcd-member-start", params={"hosts": hosts}),
-            Step("etcd-quorum", None, f"every member answers its status with one leader, and a write is read back "
-                 f"through each of {', '.join(inv.state.etcd.endpoints)}", 120, kind="etcd-check-quorum",
-                 params={"endpoints": list(inv.state.etcd.endpoints)},
-                 verifies="the record's store runs on every member pdops runs")]
-
-
 def do_etcd_member_start(ctx: RunContext, step: Step) -> Outcome:
     for h in step.params["hosts"]:  # a member that hit its start limit refuses `start` until reset
         ctx.pool.run(h, f"systemctl reset-failed {q(UNIT)} || true; systemctl start --no-block {q(UNIT)}")
@@ -447,5 +430,5 @@ def etcd_up(inv, say: Say = print, *, pool, journal_state) -> dict:
     return {"op": op, "plan": plan, "verdict": verdict}
 
 
-__all__ = ["digest", "etcd_up", "member_start_steps", "migrate", "plan_etcd_up", "plan_migrate", "plan_restore", "read_whole",
+__all__ = ["digest", "etcd_up", "migrate", "plan_etcd_up", "plan_migrate", "plan_restore", "read_whole",
            "restore_from_cache"]

@@ -19,7 +19,7 @@ import datetime as _dt
 import re
 
 from pdops.errors import InvalidInput, PdopsError, Refused
-from pdops.steps.orphans import end_orphans_step
+from pdops.steps.builders import end_orphans_step
 from pdops.facts import q, requestlog
 from pdops.model.inventory import Inventory
 from pdops.model.render import manifest, render_files

@@ -1,5 +1,6 @@
 """The step builders deploy and a change share (pure): connect, preflight, render and deliver, start,
-canary, register, verify what runs, and the rescue that takes back what a failed deploy registered."""
+canary, register, verify what runs, the rescue that takes back what a failed deploy registered, the
+start of etcd members observed down, and the publishing of Prometheus targets every plan ends with."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement
 from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.model.commands import gateway_grace_s
+from pdops.model.etcd_member import UNIT as ETCD_UNIT
 from pdops.model.render import GATEWAY_UNIT, RenderedFile, admission_config
 from pdops.plans import Step
+from pdops.reads.orphans import GRACE_S
 
 
 # ---------------------------------------------------------------- step builders (shared by deploy and scale)
@@ -211,3 +214,38 @@ def baseline_step(instance_id: str | None = None, when: tuple[str, bool] | None 
                 f"`inv status`'s last look; what rose since the previous look fell inside {fault}, and is named here "
                 f"with it (`inv status` then reports only failures after it)",
                 60, kind="status-baseline", params={"instance": label}, when=when)
+
+
+# ---------------------------------------------------------------- the record's store and Prometheus
+
+def member_start_steps(inv: Inventory, down: dict[str, str]) -> list[Step]:
+    """For a deploy that observed members of the record's etcd not running (`down`: host -> why; read by
+    pdops.reads.observe): start each one's unit (delivered and enabled by `inv state.etcd-up`; a member
+    rejoins from its data dir), then wait until every member answers with one leader and a write is read
+    back through each. None down: no step."""
+    if not down:
+        return []
+    hosts = sorted(down)
+    return [Step("etcd-members", None, f"systemctl reset-failed, start --no-block {ETCD_UNIT} on {', '.join(hosts)} (observed "
+                 + "; ".join(f"{h}: {down[h]}" for h in hosts) + "); the record's writes go through the majority "
+                 "meanwhile", 60, kind="etcd-member-start", params={"hosts": hosts}),
+            Step("etcd-quorum", None, f"every member answers its status with one leader, and a write is read back "
+                 f"through each of {', '.join(inv.state.etcd.endpoints)}", 120, kind="etcd-check-quorum",
+                 params={"endpoints": list(inv.state.etcd.endpoints)},
+                 verifies="the record's store runs on every member pdops runs")]
+
+
+def targets_step() -> Step:
+    """The `always` step of every plan that may move `current` (pdops.plans.Plan.always)."""
+    return Step("publish-targets", None, "write the Prometheus target file of the revision current after the steps "
+                "(the new one, a partial one, or the one before): this machine's copy, and the Prometheus host's "
+                "where the inventory names one; one that cannot be written is said and undoes nothing", 30,
+                kind="publish-targets")
+
+
+def end_orphans_step(prefills: list[str], host: str | None = None) -> Step:
+    return Step("end-orphans", host, f"read the open requests of {', '.join(prefills)} and of every decode; end each "
+                f"prefill half that no decode holds (held {GRACE_S:g}s or more; one younger is read again once it is "
+                f"{GRACE_S:g}s old) with /abort_request by its rid, named "
+                "in the journal, never sent again; read again to prove each one ended", 90, kind="end-orphans",
+                params={"prefills": list(prefills)})

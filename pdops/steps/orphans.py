@@ -30,14 +30,6 @@ def abort_orphans(inst: Instance, orphans: list[Orphan], still_open: set[str]) -
     return ended, left
 
 
-def end_orphans_step(prefills: list[str], host: str | None = None) -> Step:
-    return Step("end-orphans", host, f"read the open requests of {', '.join(prefills)} and of every decode; end each "
-                f"prefill half that no decode holds (held {GRACE_S:g}s or more; one younger is read again once it is "
-                f"{GRACE_S:g}s old) with /abort_request by its rid, named "
-                "in the journal, never sent again; read again to prove each one ended", 90, kind="end-orphans",
-                params={"prefills": list(prefills)})
-
-
 def do_end_orphans(ctx: RunContext, step: Step) -> Outcome:
     pl: Placement = ctx.placement
     reading = read(ctx.pool, pl, ctx.inv, prefills=step.params["prefills"])

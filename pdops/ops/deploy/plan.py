@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pdops.steps.orphans import end_orphans_step
+from pdops.steps.builders import end_orphans_step
 from pdops.model.inventory import Inventory
-from pdops.ops.prometheus import targets_step
-from pdops.ops.record_store import member_start_steps
+from pdops.steps.builders import member_start_steps, targets_step
 from pdops.model.placement import Placement, place
 from pdops.model.render import RenderedFile, gateway_paths, manifest, render_files
 from pdops.plans import Plan, Step

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdops.errors import InvalidInput, Refused
 from pdops.model.inventory import Inventory
-from pdops.ops.prometheus import targets_step
+from pdops.steps.builders import targets_step
 from pdops.model.placement import Instance, Placement
 from pdops.plans import Plan, Step
 from pdops.record.local import Revision, StateDir

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pdops.errors import Refused
 from pdops.model.inventory import Inventory
-from pdops.ops.prometheus import targets_step
+from pdops.steps.builders import targets_step
 from pdops.model.placement import Instance, Placement
 from pdops.model.render import RenderedFile
 from pdops.plans import Plan, Step

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.steps.orphans import end_orphans_step
+from pdops.steps.builders import end_orphans_step
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.plans import Step
