@@ -178,6 +178,15 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {}),
                                             **({"always": [s.name for s in plan.always]} if plan.always else {}),
                                             **({"walks": walked} if walked else {})})
+    verdict = walk_body(plan, ctx)
+    verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))
+    return verdict
+
+
+def walk_body(plan: Plan, ctx: RunContext) -> dict:
+    """A plan's steps, then on a failure its rescue, then (either way) its always steps: the one walk
+    of a plan, whether it is the operation's or a plan one of its steps walks (:func:`do_walk_plan`).
+    Returns what the steps and the always steps verified and could not; re-raises the first failure."""
     try:
         verdict = run_steps(plan.steps, ctx)
     except KeyboardInterrupt:
@@ -194,7 +203,6 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]
     verdict["unverified"] += last["unverified"]
-    verdict.update(operation=plan.operation, notes=list(plan.notes) + verdict.get("notes", []))
     return verdict
 
 
@@ -299,19 +307,14 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
                        old_placement=step.params.get("old_placement", ctx.old_placement),
                        replacing=frozenset(step.params.get("replacing", ())))
     try:
-        got = run_steps(sub.steps, child)
+        got = walk_body(sub, child)
     except Exception as exc:
-        if sub.rescue:
-            child.failure = exc
-            run_rescue(sub.rescue, child)
-        run_rescue(sub.always, child, label="always")
         note = child.output("halt_verdict")
         if note and isinstance(exc, PdopsError):
             exc.message += "\n" + note
         raise
-    last = run_rescue(sub.always, child, label="always")
     ctx.give(step, "plan_verdicts", {step.name: dict(child.verdict)})
     return Outcome(evidence={"walked": sub.operation, "steps": len(sub.steps), **child.verdict},
-                   verified=got["verified"] + last["verified"], unverified=got["unverified"] + last["unverified"])
+                   verified=got["verified"], unverified=got["unverified"])
 
 
