@@ -264,32 +264,16 @@ def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> No
 def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=False, force_after=False, wait=None):
     """A verified restart of one instance that `inv status` does not call ok: name its lost work, leave
     the gateway, drain, verified stop, start, health, canary its P x D pairs, register, record."""
-    from pdops.ops import scale as sc
-    from pdops.remote.hosts import connections
     from pdops.model.inventory import load_inventory
-    from pdops.reads.observation import Seen
-    from pdops.ops.repair import check_instance_id, plan_repair
-    from pdops.reads.status import read_status
+    from pdops.ops.repair import check_instance_id, repair as run_repair
 
     iid = check_instance_id(instance)
     wait_s = seconds(wait, "--wait")
     inv = load_inventory(inventory)
-    state = rec.open_record(inv)
-    doc, obs = read_status(inv, state, remember=False)
-    plan = plan_repair(inv, state, iid, doc, force=force, force_after=force_after, wait_s=wait_s,
-                       seen=Seen.of(obs) if obs is not None else None)
-    if isinstance(plan, str):
-        print(f"no change: {plan}")
-        return
-    print(plan.render())
-    if dry_run:
-        return
-    with connections(inv) as conns:
-        v = sc.execute_scale(plan, state, **conns)
-    r = plan.repair
-    lost = v.get("lost") or []
-    print_verdict(f"repaired {iid} (observed {r['state']}) as revision {v['revision']}, now current; "
-                  f"{len(lost)} request(s) lost with its ended process" + (f": {', '.join(lost)}" if lost else ""), v)
+    _, v = run_repair(inv, rec.open_record(inv), iid, force=force, force_after=force_after, wait_s=wait_s,
+                      dry_run=dry_run)
+    if v is not None:
+        print_verdict(v["headline"], v)
 
 
 @task(help={"inventory": "inventory dir or file", "dry_run": "print the plan only"})
@@ -297,19 +281,13 @@ def repair(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=F
 def end_orphans(c, inventory=DEFAULT_INVENTORY, dry_run=False):
     """End the prefill halves no decode holds (their decode process ended or restarted): each by its
     request ID with /abort_request, named in the journal as lost work, never sent again."""
-    from pdops.remote.hosts import connections
     from pdops.model.inventory import load_inventory
-    from pdops.ops.repair import execute_end_orphans, plan_end_orphans
+    from pdops.ops.repair import end_orphans as run_end_orphans
 
     inv = load_inventory(inventory)
-    state = rec.open_record(inv)
-    plan, pl = plan_end_orphans(inv, state)
-    print(plan.render())
-    if dry_run:
-        return
-    with connections(inv) as conns:
-        v = execute_end_orphans(plan, pl, inv, state, **conns)
-    print_verdict("orphaned halves read on every prefill; what was found is ended and named above.", v)
+    v = run_end_orphans(inv, rec.open_record(inv), dry_run=dry_run)
+    if v is not None:
+        print_verdict("orphaned halves read on every prefill; what was found is ended and named above.", v)
 
 
 @task(help={"instance": "instance to stop, e.g. p07", "inventory": "inventory dir or file",

@@ -30,6 +30,9 @@ from pdops.runner import RunContext, walk
 from pdops.steps.builders import baseline_step, connect_step
 from pdops.record.local import new_op_id
 from pdops.reads.looks import move_baseline
+from pdops.reads.observation import Seen
+from pdops.reads.status import read_status
+from pdops.remote.hosts import connections
 
 INSTANCE_ID = re.compile(r"^[pd]\d{2,}$")
 
@@ -183,3 +186,37 @@ def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=pr
             raise
         ctx.journal.step(op, "verdict", "ok", verdict)
         return verdict
+
+
+def repair(inv: Inventory, state, instance_id: str, *, force: bool = False, force_after: bool = False,
+           wait_s: float | None = None, dry_run: bool = False, say=print) -> tuple[Plan | str, dict | None]:
+    """`inv repair`: read the cluster as `inv status` does (systemd, the gateways, each instance's
+    state word), plan the repair of `instance_id` from that, print it, and walk it (a change of one
+    instance). Returns (the plan, or why nothing is to be done; the verdict, None when nothing was
+    walked); the verdict's `headline` says what was repaired and what was lost."""
+    doc, obs = read_status(inv, state, remember=False)
+    plan = plan_repair(inv, state, instance_id, doc, force=force, force_after=force_after, wait_s=wait_s,
+                       seen=Seen.of(obs) if obs is not None else None)
+    if isinstance(plan, str):
+        say(f"no change: {plan}")
+        return plan, None
+    say(plan.render())
+    if dry_run:
+        return plan, None
+    with connections(inv) as conns:
+        v = sc.execute_scale(plan, state, say, **conns)
+    lost = v.get("lost") or []
+    v["headline"] = (f"repaired {instance_id} (observed {plan.repair['state']}) as revision {v['revision']}, now "
+                     f"current; {len(lost)} request(s) lost with its ended process"
+                     + (f": {', '.join(lost)}" if lost else ""))
+    return plan, v
+
+
+def end_orphans(inv: Inventory, state, *, dry_run: bool = False, say=print) -> dict | None:
+    """`inv end-orphans`: plan, print, and (unless `dry_run`) walk; the verdict, None when not walked."""
+    plan, pl = plan_end_orphans(inv, state)
+    say(plan.render())
+    if dry_run:
+        return None
+    with connections(inv) as conns:
+        return execute_end_orphans(plan, pl, inv, state, say, **conns)

@@ -146,7 +146,7 @@ def test_a_fenced_generation_change_under_load_fails_no_request(lab, cluster):
     def watch():
         while not done.is_set():
             p = cli(inv_dir, "status")
-            seen.append((p.returncode, p.stdout))
+            seen.append((p.returncode, p.stdout + p.stderr))
     watcher = threading.Thread(target=watch, daemon=True)
     with cpu_hog(), Load(inv.admission.url, AUTH, prefix="gen-fenced", requests=12, concurrency=6, max_new_tokens=40) as load:
         watcher.start()

@@ -184,7 +184,7 @@ def test_inv_repair_plans_with_what_the_status_reading_saw(lab_inv, live, monkey
     """The task passes the Observation `inv status` judged to the planner: with the gateway observed
     down, the dry run starts it first (the planner alone, given no observation, would not)."""
     import pdops.record as rec
-    from pdops.reads import status as st
+    from pdops.ops import repair as st  # the operation reads the status as `inv status` does
     from pdops.cli import core
     from pdops.reads.observation import Seen
 
