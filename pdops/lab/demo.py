@@ -22,7 +22,7 @@ from pdops.ops import drain as dr
 from pdops.ops.bench import compute_figures, format_table
 from pdops.reads.status import collect_status, format_status
 from pdops.remote.hosts import HostPool, connections
-from pdops.remote.load import send
+from pdops.remote.loadgen import send
 from pdops.runner import Say
 
 

@@ -289,7 +289,7 @@ class Load:
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        from pdops.remote.load import send
+        from pdops.remote.loadgen import send
 
         n = 0
         try:

@@ -109,7 +109,7 @@ def test_gateway_keeps_retries_and_its_token_bucket_off(lab, cluster):
 def _admission_checks(inv):
     """What `inv verify` judges of the admission layer, read on its host (one round trip)."""
     from pdops.remote.hosts import HostPool
-    from pdops.reads.verify.checks import host_command, host_plans, judge, read_facts
+    from pdops.reads.verify.host_state import host_command, host_plans, judge, read_facts
 
     plan = next(p for p in host_plans(open_record(inv).current_revision()) if p.admission_units)
     with HostPool(inv) as pool:
@@ -305,7 +305,7 @@ def test_after_a_reboot_of_every_host_one_deploy_opens_the_front_door_again(lab,
     and HAProxy, and waits until HAProxy sees the gateway UP: `inv verify` 0, requests through the
     front door served. (Near the end of this file: it reboots the module's cluster.)"""
     from pdops import lab as lab_api
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     inv_dir, inv, keys, _, _ = cluster
     cfg = parse_admission(inv.vars, inv)
@@ -334,7 +334,7 @@ def test_after_a_reboot_the_real_way_the_enabled_units_serve_again_and_one_deplo
     runbook's deploy waits for each engine's /health, canaries, records the processes it proved:
     `inv status` and `inv verify` 0, requests through the front door served."""
     from pdops import lab as lab_api
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     inv_dir, inv, keys, _, _ = cluster
     cfg = parse_admission(inv.vars, inv)

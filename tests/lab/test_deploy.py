@@ -16,7 +16,7 @@ from tests.lab.clusters import deployed, derived_inventory, inv_cmd, record, sto
 from pdops.remote import ansible
 from pdops.remote.gateway import GatewayClient
 from pdops.model.inventory import load_inventory
-from pdops.remote.load import send
+from pdops.remote.loadgen import send
 
 pytestmark = pytest.mark.lab
 

@@ -17,7 +17,7 @@ import pytest
 from pdops.facts import requestlog
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
-from pdops.remote.load import send
+from pdops.remote.loadgen import send
 from pdops.model.placement import Placement
 from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd, wait_for
 

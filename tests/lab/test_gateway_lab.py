@@ -17,7 +17,7 @@ import pytest
 from pdops.facts import requestlog
 from pdops.remote.gateway import GatewayClient
 from pdops.model.inventory import load_inventory
-from pdops.remote.load import send
+from pdops.remote.loadgen import send
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from tests.lab.clusters import deployed, host_run, inv_cmd, record, waited

@@ -67,7 +67,7 @@ def _routable(inv) -> dict[str, set[str]]:
 
 
 def _load(url: str, seconds: float, prefix: str) -> tuple[threading.Thread, list]:
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     rows: list = []
     t = threading.Thread(target=lambda: rows.extend(send(

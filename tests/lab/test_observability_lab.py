@@ -60,7 +60,7 @@ def query(base: str, expr: str) -> list[dict]:
 
 
 def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(prometheus):
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     base, inv_dir, _ = prometheus
     inv = load_inventory(inv_dir)
@@ -127,7 +127,7 @@ def test_a_drained_instance_leaves_the_targets_within_one_refresh(prometheus):
 def test_a_decode_killed_mid_stream_makes_its_instance_down_alert_go_pending(lab, prometheus):
     import threading
 
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     base, inv_dir, _ = prometheus
     inv = load_inventory(inv_dir)

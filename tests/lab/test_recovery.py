@@ -21,7 +21,7 @@ import yaml
 from pdops import lab as lab_api
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
-from pdops.remote.load import send
+from pdops.remote.loadgen import send
 from pdops.model.placement import Placement
 from tests.lab.clusters import Load, derived_inventory, inv_cmd, main_pids, queue, record, set_bundle, stop_all, wait_for
 
@@ -200,7 +200,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     assert status.returncode == 0, status.stdout + status.stderr
     doc = json.loads(status.stdout)
     assert sorted(r["instance"] for r in doc["instances"] if r["healthy"]) == ["d01", "d02", "p01", "p02"]
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     after = send(inv.gateway.first.url, requests=8, concurrency=4, max_new_tokens=4, stream_every=2, rid_prefix="after-halt")
     assert all(r.ok for r in after), [r.to_dict() for r in after if not r.ok]

@@ -62,7 +62,7 @@ class Batch:
     fault, so the loss is exactly what was in flight); every row counted."""
 
     def __init__(self, url: str, n: int, tokens: int, prefix: str, prompt_words: int = 0):
-        from pdops.remote.load import send
+        from pdops.remote.loadgen import send
         from pdops.sim.tokens import make_prompt
 
         self.rows: list = []

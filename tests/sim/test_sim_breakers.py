@@ -69,7 +69,7 @@ def test_a_stream_cut_after_its_head_counts_against_the_decode_alone():
     import threading
     import time
 
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     p = start_sim(["--disaggregation-mode", "prefill", "--enable-metrics"])
     d = start_sim(["--disaggregation-mode", "decode", "--enable-metrics"], env={"PDOPS_SIM_DECODE_STEP_MS": "20"})

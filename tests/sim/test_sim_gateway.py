@@ -148,7 +148,7 @@ def test_smg_routes_nothing_to_a_worker_once_its_removal_is_accepted(sims):
     """pdops's drain relies on this: after `DELETE /workers/{id}` answers 202 the worker is
     `draining` (then gone); a stream already on it finishes; no new request reaches it."""
     from pdops.remote.gateway import GatewayClient, deadline_in
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
     from pdops.sim.testing import start_gateway
 
     from pdops.facts import requestlog

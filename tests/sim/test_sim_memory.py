@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from pdops.remote.load import send_pair
+from pdops.remote.loadgen import send_pair
 from pdops.sim.memory import GIB, MemoryModel
 from pdops.sim.testing import free_port
 from pdops.sim.tokens import make_prompt

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pdops.ops import bench as b
 from pdops.errors import InvalidInput, Refused
-from pdops.remote.load import LedgerRow
+from pdops.remote.loadgen import LedgerRow
 from pdops.record.local import StateDir
 
 # ---------------------------------------------------------------- workload strings
@@ -365,7 +365,7 @@ def test_run_bench_over_http_one_row_per_request_no_retries(tmp_path, lab_inv, m
 
 
 def test_load_duration_mode_stops_sending_and_waits_out_in_flight(tmp_path):
-    from pdops.remote.load import send
+    from pdops.remote.loadgen import send
 
     with _Server() as srv:
         rows = send(srv.url, duration=0.3, concurrency=3, max_new_tokens=4, stream_every=1, prompt="a b c")
@@ -388,7 +388,7 @@ def test_load_marks_a_stream_without_done_as_error():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        from pdops.remote.load import run_load
+        from pdops.remote.loadgen import run_load
 
         try:
             return await run_load(f"http://127.0.0.1:{port}", requests=2, concurrency=2, stream_every=1)

@@ -248,7 +248,7 @@ def test_status_warns_about_a_single_way_in(two, tmp_path):
 
 
 def test_verify_checks_the_admission_port_not_its_internal_socket():
-    from pdops.reads.verify.checks import parse_binds
+    from pdops.reads.verify.host_state import parse_binds
 
     text = "    bind 127.0.10.3:18082\n    bind abns@pdops-admission-127.0.10.3-18082\n    bind [::1]:8405\n"
     assert parse_binds(text) == [("127.0.10.3", 18082), ("::1", 8405)]

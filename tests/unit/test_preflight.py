@@ -16,7 +16,7 @@ from pdops import facts as batch_protocol
 from pdops.reads.preflight import checks as pchecks
 from pdops.reads.preflight import expected as pexp
 from pdops.reads.preflight import pairing as ppair
-from pdops.reads import checks as checks_mod
+from pdops.reads import check_result as checks_mod
 from pdops.reads.preflight import results as presults
 from pdops.errors import InvalidInput, Refused, RemoteCommandFailed, Unreachable
 from pdops.facts import Skipped, nvidia, rdma

@@ -11,7 +11,7 @@ import pytest
 
 from pdops.ops import probe as pr
 from pdops.errors import InvalidInput, Refused
-from pdops.remote.load import LedgerRow
+from pdops.remote.loadgen import LedgerRow
 from pdops.model.commands import engine_args, override_args
 from pdops.record.local import StateDir
 from tests.unit.recorded import deployed

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdops.errors import InvalidInput, Refused, Unreachable, Unverified
-from pdops.model.inventory.model import EtcdSetting
+from pdops.model.inventory.schema import EtcdSetting
 from pdops.record import HostStore, LocalTransport, SharedRecord, operations, unlock
 from pdops.record.etcdstore import EtcdSession, EtcdStore
 from pdops.remote import etcd as E
@@ -296,7 +296,7 @@ def _opener(tmp_path, setting, who="alice"):
 def _inv(tmp_path, setting, backend="host"):
     from types import SimpleNamespace
 
-    from pdops.model.inventory.model import StateLocation
+    from pdops.model.inventory.schema import StateLocation
 
     return SimpleNamespace(cluster="lab", state=StateLocation("localhost", str(tmp_path / "shared"), backend, setting))
 
@@ -607,7 +607,7 @@ def test_a_hung_member_costs_one_timeout_then_every_request_goes_to_a_member_tha
 def test_a_migration_with_no_etcd_named_is_an_input_error_either_way(tmp_path):
     from types import SimpleNamespace
 
-    from pdops.model.inventory.model import StateLocation
+    from pdops.model.inventory.schema import StateLocation
     from pdops.ops.record_store import migrate
 
     inv = SimpleNamespace(cluster="lab", state=StateLocation("localhost", str(tmp_path / "shared")))

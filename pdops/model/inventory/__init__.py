@@ -13,7 +13,7 @@ The package, by concern (each module imports only those listed before it):
 """
 
 from pdops.model.inventory.load import load_inventory
-from pdops.model.inventory.model import (MOONCAKE_RPC_PORTS, Gateway, GatewayNode, Host, Inventory, Nic, Ports, Profile, StateLocation, EtcdSetting, ETCD_CLIENT_PORT, ETCD_PEER_PORT,
+from pdops.model.inventory.schema import (MOONCAKE_RPC_PORTS, Gateway, GatewayNode, Host, Inventory, Nic, Ports, Profile, StateLocation, EtcdSetting, ETCD_CLIENT_PORT, ETCD_PEER_PORT,
                                    max_slots)
 from pdops.model.inventory.parse import load_profile, single_file_doc
 from pdops.model.inventory.read import ANSIBLE_CFG, inventory_files, read_with_ansible, sources_digest

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pdops.errors import InvalidInput
 
-from pdops.model.inventory.model import Inventory
+from pdops.model.inventory.schema import Inventory
 from pdops.model.inventory.read import (cache_reading, cached_reading, inventory_files, read_with_ansible, read_yaml,
                                   sources_digest)
 from pdops.model.inventory.validate import validate

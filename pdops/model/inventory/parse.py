@@ -12,7 +12,7 @@ from typing import Any
 
 from pdops.errors import InvalidInput
 
-from pdops.model.inventory.model import DEVICES, HOST_NAME_RE, Host, LINK_LAYERS, Nic, PROFILES_DIR, Profile, TRANSFER_BACKENDS
+from pdops.model.inventory.schema import DEVICES, HOST_NAME_RE, Host, LINK_LAYERS, Nic, PROFILES_DIR, Profile, TRANSFER_BACKENDS
 from pdops.model.inventory.read import inventory_files, read_with_ansible, read_yaml
 
 

@@ -15,7 +15,7 @@ from pdops.model.admission import parse_admission
 from pdops.errors import InvalidInput, one_of
 from pdops.model.prometheus_setting import parse_prometheus
 
-from pdops.model.inventory.model import (DEFAULT_STATE_DIR, ENGINES, ETCD_CLIENT_PORT, EtcdSetting, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
+from pdops.model.inventory.schema import (DEFAULT_STATE_DIR, ENGINES, ETCD_CLIENT_PORT, EtcdSetting, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
                                    Profile, StateLocation, max_slots)
 from pdops.model.inventory.parse import (cluster_vars, load_profile, parse_host, port_number, required, resolve_engine_python,
                                    resolve_gateway_python)

@@ -3,7 +3,7 @@
 Read / plan / do:
 - read: the current revision (number, topology, placement) and a mark of the state dir
   that changes whenever a revision is written or `current` moves (`revision_mark`);
-- do: `run_bench` drives the gateway with `pdops.remote.load` at a fixed concurrency, one
+- do: `run_bench` drives the gateway with `pdops.remote.loadgen` at a fixed concurrency, one
   ledger row per request, never retrying a failed or unknown-state request;
 - record: the ledger as CSV and JSONL next to `manifest.json` (revision, topology,
   profile, parameters, versions, the revision check and the figures).

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from pdops.errors import InvalidInput
-from pdops.remote.load import LedgerRow
+from pdops.remote.loadgen import LedgerRow
 
 from pdops.ops.bench.figures import Figures, compute_figures
 from pdops.record.local import atomic_write

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdops.errors import InvalidInput, Refused
-from pdops.remote.load import LedgerRow, send
+from pdops.remote.loadgen import LedgerRow, send
 
 from pdops.ops.bench.figures import Figures, compute_figures, format_table
 from pdops.ops.bench.ledger import LEDGER_CSV, LEDGER_JSONL, MANIFEST, write_ledger
@@ -131,7 +131,7 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
               say: Callable[[str], None] = print) -> BenchResult:
     """Drive the gateway of the current revision at a fixed concurrency; write ledger + manifest.
 
-    `load(base_url, **kw) -> rows` defaults to `pdops.remote.load.send`. The run is marked
+    `load(base_url, **kw) -> rows` defaults to `pdops.remote.loadgen.send`. The run is marked
     invalid when the revision changed between its start and its end.
     """
 
@@ -157,7 +157,7 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
         "parameters": {"workload": str(wl), "input_tokens": wl.input_tokens, "output_tokens": wl.output_tokens,
                        "concurrency": conc, "requests": n_req, "duration_s": dur, "ignore_eos": ignore_eos,
                        "stream": True, "timeout_s": timeout, "retries": 0},
-        "gateway": inv.gateway.first.url, "versions": _versions(inv), "load_client": "pdops.remote.load",
+        "gateway": inv.gateway.first.url, "versions": _versions(inv), "load_client": "pdops.remote.loadgen",
         "inventory_digest": inv.digest,
         "inventory_matches_revision": inv.matches(rev.inventory_hash),
         "routing": "not resolved (hook resolve_routing not wired)" if resolve_routing is None else "resolved",

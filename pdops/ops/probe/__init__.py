@@ -14,7 +14,7 @@ A probe, under the cluster lock, on the runner:
   `--keep` (every request ok) it restarts on the bundle's files instead and that is recorded as the
   new revision.
 
-The requests come from the ledgered client (`pdops.remote.load.run_pair`), one row per request, never
+The requests come from the ledgered client (`pdops.remote.loadgen.run_pair`), one row per request, never
 retried. Each request's outcome (ok / OOM / transfer failure / bootstrap failure / timeout / HTTP
 status) is read from the answers of both sides and the engines' journals; the failure signatures
 (exception, top frames, allocation size, transfer error line) are harvested from the journal of

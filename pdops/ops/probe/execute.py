@@ -16,7 +16,7 @@ from pdops.record.local import default_operator, new_op_id
 from pdops.ops.probe.plan import ProbePlan
 from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures
 from pdops.facts import q
-from pdops.remote.load import send_pair
+from pdops.remote.loadgen import send_pair
 from pdops.model.render import files_of, render_files
 
 

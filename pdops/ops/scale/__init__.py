@@ -38,7 +38,7 @@ The package, by concern (each module imports only those listed before it):
 """
 
 from pdops.ops.scale.execute import execute_scale, walk_scale
-from pdops.ops.scale.model import ScalePlan, ScaleStep, cordoned_hosts, instance_files, union_placement
+from pdops.ops.scale.change import ScalePlan, ScaleStep, cordoned_hosts, instance_files, union_placement
 from pdops.ops.scale.operations import (plan_apply, plan_drain_host, plan_rollback, plan_scale, plan_uncordon,
                                         rollback_conditions)
 from pdops.ops.scale.planner import compile_steps, plan_change

@@ -16,7 +16,7 @@ from pdops.plans import Outcome, Step
 from pdops.runner import RunContext, Say, walk
 from pdops.record.local import Revision, StateDir, new_op_id
 
-from pdops.ops.scale.model import ChangeFacts, ScalePlan, instance_files, union_placement
+from pdops.ops.scale.change import ChangeFacts, ScalePlan, instance_files, union_placement
 from pdops.facts import q
 from pdops.model.admission import UNIT, server_state_command, standby_server
 from pdops.steps.actions import configs_of, deliver, processes_of, register_one

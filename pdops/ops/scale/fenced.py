@@ -37,7 +37,7 @@ from pdops.steps.builders import (canary_step, connect_step, delivery_steps, fro
                                     register_steps, start_steps, verify_running_step)
 from pdops.ops.drain.plan import drain_steps, side_by_side
 from pdops.ops.scale.steps import rescue_steps
-from pdops.ops.scale.model import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
+from pdops.ops.scale.change import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
                                    shared_files, slot_key)
 
 SHIFTS = (10, 50, 100)

@@ -13,7 +13,7 @@ from pdops.model.render import manifest, render_files
 from pdops.record.local import Revision, StateDir
 from pdops.model.topology import Topology
 
-from pdops.ops.scale.model import (ROLES, ScalePlan, cordoned_hosts, current_revision_of, file_changes,
+from pdops.ops.scale.change import (ROLES, ScalePlan, cordoned_hosts, current_revision_of, file_changes,
                                    instance_files, refuse_changed_inventory, slot_key)
 from pdops.ops.scale.planner import generation_change, plan_change
 

@@ -14,7 +14,7 @@ from pdops.model.placement import Instance, Placement, gpu_slots, make_instance,
 from pdops.model.render import GATEWAY_UNIT, UNIT_DIR, files_of, manifest, render_admission_files, render_files
 from pdops.record.local import Revision
 
-from pdops.ops.scale.model import (GenerationChange, ROLES, ScalePlan, ScaleStep, cordoned_hosts, file_changes,
+from pdops.ops.scale.change import (GenerationChange, ROLES, ScalePlan, ScaleStep, cordoned_hosts, file_changes,
                                    gpu_range, gpu_set, instance_files, shared_files, slot_key)
 from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps

@@ -12,7 +12,7 @@ from pdops.plans import Outcome, Step
 from pdops.runner import RunContext, run_steps
 from pdops.model.topology import Topology
 
-from pdops.ops.scale.model import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
+from pdops.ops.scale.change import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
 from pdops.ops.scale.execute import instances_doc
 from pdops.ops.scale.steps import undo_steps
 from pdops.facts.engine import failed_session_wait_s

@@ -16,7 +16,7 @@ from pdops.steps.builders import (baseline_step, canary_step, close_breakers_ste
                                   register_steps, start_steps, verify_running_step)
 from pdops.model.topology import Topology
 
-from pdops.ops.scale.model import ScalePlan, change_facts, instance_files
+from pdops.ops.scale.change import ScalePlan, change_facts, instance_files
 
 
 def runner_steps(plan: ScalePlan) -> list[Step]:

@@ -39,7 +39,7 @@ from pdops.reads.preflight.batch import SECTIONS, Section, gid_section, parse_se
 from pdops.reads.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
 from pdops.reads.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
 from pdops.reads.preflight.report import PreflightReport
-from pdops.reads.checks import CheckResult, FAIL, PASS, SKIPPED, fail_result, skip_result
+from pdops.reads.check_result import CheckResult, FAIL, PASS, SKIPPED, fail_result, skip_result
 from pdops.reads.preflight.results import VIRTUAL_REASON
 from pdops.record.local import default_operator
 

@@ -14,7 +14,7 @@ from pdops.model.inventory import MOONCAKE_RPC_PORTS, Host, Inventory
 from pdops.model.placement import Placement
 from pdops.facts.host import Disk, GpuDirect, TimeSync, nccl_version
 from pdops.reads.preflight.expected import describe_holders, expected_ports, expected_units, gpus_in_use, held_by_owner, instances_on, port_holders
-from pdops.reads.checks import CheckResult, fail_result, ok_result, skip_result
+from pdops.reads.check_result import CheckResult, fail_result, ok_result, skip_result
 from pdops.reads.preflight.results import DEFAULT_MIN_LOG_GIB, GATEWAY_UNIT, MIN_FREE_RPC_PORTS
 
 # ================================================================ checks (pure)

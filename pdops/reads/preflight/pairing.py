@@ -18,7 +18,7 @@ from pdops.model.placement import Placement
 from pdops.fanout import run_parallel
 from pdops.reads.preflight.checks import Facts, PAIRING
 from pdops.reads.preflight.expected import PortUse, describe_holders, free_rpc_port, held_by_owner, port_holders
-from pdops.reads.checks import CheckResult, fail_result, ok_result
+from pdops.reads.check_result import CheckResult, fail_result, ok_result
 from pdops.reads.preflight.results import LISTEN_UNIT_PREFIX, PROBE_TIMEOUT_S
 
 def script(name: str) -> str:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdops.reads.preflight.checks import CHECK_NAMES
 from pdops.reads.preflight.pairing import Matrix
-from pdops.reads.checks import CheckResult, FAIL, PASS, SKIPPED
+from pdops.reads.check_result import CheckResult, FAIL, PASS, SKIPPED
 
 # ================================================================ the report
 

@@ -1,4 +1,4 @@
-"""The constants every part of preflight shares (a check's result is pdops.reads.checks.CheckResult)."""
+"""The constants every part of preflight shares (a check's result is pdops.reads.check_result.CheckResult)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`inv verify`: the deployed state of the current revision, its host checks read in one SSH
-command per host (pdops.reads.verify.checks), then what runs now against the revision (pdops.reads.observe,
+command per host (pdops.reads.verify.host_state), then what runs now against the revision (pdops.reads.observe,
 a few more reads per host: units, MainPIDs, the files each process runs, the gateway's workers
 and start-up list)."""
 
@@ -9,8 +9,8 @@ from collections import Counter
 
 from pdops.errors import PdopsError, Refused, Unverified
 from pdops.model.inventory import Inventory
-from pdops.reads.checks import PASS, SKIPPED, CheckResult, fail_result
-from pdops.reads.verify.checks import host_command, host_plans, judge, read_facts
+from pdops.reads.check_result import PASS, SKIPPED, CheckResult, fail_result
+from pdops.reads.verify.host_state import host_command, host_plans, judge, read_facts
 from pdops.remote.hosts import connections
 from pdops.reads.observe import observe
 from pdops.fanout import run_parallel

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdops.reads.checks import CheckResult, fail_result, ok_result, skip_result
+from pdops.reads.check_result import CheckResult, fail_result, ok_result, skip_result
 from pdops.facts import q
 from pdops.facts import files as file_facts
 from pdops.facts.files import FileFact

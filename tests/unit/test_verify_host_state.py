@@ -1,4 +1,4 @@
-"""`inv verify`'s host checks (pdops.reads.verify.checks) judged from output in the documented formats
+"""`inv verify`'s host checks (pdops.reads.verify.host_state) judged from output in the documented formats
 (`systemctl show`, `ss -Hltnp`, proc(5) limits, `stat`/`sha256sum`), no host: a healthy host
 passes every check, and each fault a user would care about fails the one check that owns it."""
 
@@ -11,7 +11,7 @@ from pdops.model.render import render_files
 from pdops.facts import batch_command
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
-from pdops.reads.verify.checks import ADMISSION_KEYS_SUFFIX, HostPlan, host_command, host_plans, judge, read_facts
+from pdops.reads.verify.host_state import ADMISSION_KEYS_SUFFIX, HostPlan, host_command, host_plans, judge, read_facts
 from tests.unit.recorded import REPO
 
 ADMISSION_UNIT = "/etc/systemd/system/pdops-admission.service"
