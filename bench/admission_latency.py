@@ -17,7 +17,7 @@ import tempfile
 
 from pdops.model.admission import AdmissionConfig
 from pdops.sim.testing import start_haproxy
-from pdops.remote.load import send
+from pdops.remote.loadgen import send
 from pdops.sim.testing import free_port, start_gateway, start_sim
 
 KEY = "bench-admission-key-0123456789"

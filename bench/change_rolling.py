@@ -29,7 +29,7 @@ from pdops.ops import scale as sc  # noqa: E402
 from pdops.remote.gateway import GatewayClient  # noqa: E402
 from pdops.remote.hosts import connections  # noqa: E402
 from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402
-from pdops.remote.load import send  # noqa: E402
+from pdops.remote.loadgen import send  # noqa: E402
 from pdops.model.topology import parse_topology  # noqa: E402
 
 QUIET = {"say": lambda s: None}

@@ -22,7 +22,7 @@ from pdops.ops import drain as dr  # noqa: E402
 from pdops import lab as lab_api  # noqa: E402
 from pdops.remote.hosts import connections  # noqa: E402
 from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402
-from pdops.remote.load import send  # noqa: E402
+from pdops.remote.loadgen import send  # noqa: E402
 from pdops.model.topology import Topology  # noqa: E402
 
 INTERVAL_S = 1.0

@@ -5,7 +5,7 @@ One lab cluster: 2p2d (TP8, one instance per lab host) on 8 hosts, smg on lab07 
 on lab07 in front of both (a key, cap 16), the sim's decode step 10 ms. A closed loop of concurrent
 streams goes through HAProxy for the length of each phase (each stream sends its next request when
 its previous one ended; 0.1 s pause after a failed one, so a refusal is not retried in a tight loop).
-Every request is a ledger row (pdops.remote.load), never retried.
+Every request is a ledger row (pdops.remote.loadgen), never retried.
 
 (a) a planned restart of every gateway: `health_check_interval_secs` changed in the inventory, then
     `inv deploy --topology 2p2d` (the gateways restart one at a time, each drained in HAProxy first):
@@ -87,7 +87,7 @@ class ClosedLoop:
     async def _run(self) -> None:
         import aiohttp
 
-        from pdops.remote.load import LedgerRow, _one
+        from pdops.remote.loadgen import LedgerRow, _one
 
         headers = {"Authorization": f"Bearer {KEY}"}
         conn = aiohttp.TCPConnector(limit=0)

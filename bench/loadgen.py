@@ -1,9 +1,9 @@
-"""Benchmark of pdops's load generator (pdops.remote.load): can one core drive >= 1,000 concurrent
+"""Benchmark of pdops's load generator (pdops.remote.loadgen): can one core drive >= 1,000 concurrent
 streams without becoming the bottleneck, and does it agree with SGLang's own client?
 
 Starts a PD pair behind the real gateway on 127.0.0.1: one prefill and one decode sim engine
 (`python -m pdops.sim`, each its own process) registered with `smg launch --pd-disaggregation`
-(the sglang-router binary, as deployed), drives the gateway with `pdops.remote.load.run_load` from
+(the sglang-router binary, as deployed), drives the gateway with `pdops.remote.loadgen.run_load` from
 this process at a fixed concurrency, and prints:
 requests/s, total TPM (the ledger formula of pdops.ops.bench), the peak number of streams
 actually in flight (from the ledger), the client's CPU time (resource.getrusage of this
@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdops.ops import bench as b  # noqa: E402
-from pdops.remote.load import run_load  # noqa: E402
+from pdops.remote.loadgen import run_load  # noqa: E402
 from pdops.sim.testing import start_gateway, start_sim  # noqa: E402
 
 PEER_VENV = Path(__file__).resolve().parents[1] / ".venv-bench" / "bin" / "python"
@@ -118,7 +118,7 @@ def run_pdops(url: str, args) -> dict:
                                 stream_every=1, timeout=600, rid_prefix="loadgen", prompt_for=b.prompt_maker(wl)))
     wall, cpu = time.monotonic() - t0, cpu_self() - c0
     f = b.compute_figures(rows)
-    return {"client": "pdops.remote.load", "sent": f.sent, "ok": f.ok, "failures": f.failures, "wall_s": round(f.wall_s, 3),
+    return {"client": "pdops.remote.loadgen", "sent": f.sent, "ok": f.ok, "failures": f.failures, "wall_s": round(f.wall_s, 3),
             "requests_per_s": round(f.ok / f.wall_s, 1), "total_tpm": round(f.total_tpm or 0),
             "output_tpm": round(f.output_tpm or 0), "ttft_p99_s": f.ttft_p99, "peak_streams": peak_in_flight(rows),
             "mean_streams": round(sum(r.end - r.start for r in rows if r.end is not None) / f.wall_s, 1),
@@ -146,7 +146,7 @@ def build_word_tokenizer(folder: Path) -> Path:
 # SGLang's client opens a new aiohttp session (and so a new connection) for every request
 # (sglang/benchmark/serving.py, _create_bench_client_session, used by async_request_sglang_generate).
 # With --peer-keepalive this shim runs the same benchmark with one session per event loop, as
-# pdops.remote.load does: the difference between the two peer runs is what that choice costs.
+# pdops.remote.loadgen does: the difference between the two peer runs is what that choice costs.
 KEEPALIVE_SHIM = """
 import asyncio, sys, aiohttp, sglang.benchmark.serving as s
 _sessions = {}
@@ -216,7 +216,7 @@ def main() -> int:
                     help="the sim's decode step (PDOPS_SIM_DECODE_STEP_MS); longer steps leave the server cores "
                     "idle enough that the timing model, not CPU, sets the throughput")
     ap.add_argument("--peer-keepalive", action="store_true",
-                    help="also run SGLang's client with one shared session (KEEPALIVE_SHIM), as pdops.remote.load does")
+                    help="also run SGLang's client with one shared session (KEEPALIVE_SHIM), as pdops.remote.loadgen does")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--peer-python", default=str(PEER_VENV if PEER_VENV.exists() else sys.executable),
                     help="python with sglang.benchmark importable (default: .venv-bench, from `make bench-env`)")
@@ -276,7 +276,7 @@ def main() -> int:
           f"{args.repeats} runs per client (clients on CPU {result['client_cpus']}, gateway and sims on "
           f"{result['server_cpus']}), real gateway + 1 prefill + 1 decode sim on loopback, "
           f"sim decode step {args.decode_step_ms:g} ms")
-    print(f"pdops.remote.load: {mine['ok']}/{mine['sent']} ok, peak {mine['peak_streams']} streams in flight, "
+    print(f"pdops.remote.loadgen: {mine['ok']}/{mine['sent']} ok, peak {mine['peak_streams']} streams in flight, "
           f"mean {mine['mean_streams']}, {mine['requests_per_s']} req/s, total TPM {mine['total_tpm']:,}, wall {mine['wall_s']} s, "
           f"client CPU {mine['client_cpu_s']} s ({mine['client_cpu_per_wall']:.0%} of one core) -> "
           + ("SATURATED a core: the client may be the bottleneck" if mine["saturated_a_core"]
@@ -298,7 +298,7 @@ def main() -> int:
     for c in clients[1:]:
         if f"tpm_difference_vs_{c}" in result:
             d = result[f"tpm_difference_vs_{c}"]
-            print(f"total TPM, pdops.remote.load vs {med[c]['client']}: {d:+.2%} ({'within' if abs(d) <= 0.02 else 'OUTSIDE'} 2%)")
+            print(f"total TPM, pdops.remote.loadgen vs {med[c]['client']}: {d:+.2%} ({'within' if abs(d) <= 0.02 else 'OUTSIDE'} 2%)")
     return 0
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from pdops import lab as lab_api  # noqa: E402
 from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402
-from pdops.remote.load import send  # noqa: E402
+from pdops.remote.loadgen import send  # noqa: E402
 
 ENGINES = {
     "sim": {},
