@@ -5,7 +5,7 @@ An executor is named here as ``"module:function"`` and imported by the runner th
 needs it (pdops.runner.executor), never registered by importing its module: which modules an
 operation imports says nothing about which kinds it can run, and no module is imported only for a
 side effect. A plan whose kinds are not all here is refused before its first step
-(pdops.runner.walk); tests/unit/test_kinds.py resolves every entry and checks every output name.
+(pdops.runner.walk); tests/unit/ops/test_plans.py resolves every entry and checks every output name.
 """
 
 from __future__ import annotations

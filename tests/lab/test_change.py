@@ -194,7 +194,7 @@ def test_a_host_added_then_taken_to_maintenance_and_back(lab, tmp_path):
     """lab04 added to a 3-host inventory and scaled onto, the rest untouched; then `inv drain --host
     lab02` (no free slot: p02 drained, its role shrinks) cordons lab02, placement avoids it, and
     `inv uncordon` lets a scale put p02 back there. (Moving an instance off a host into a free slot
-    first: tests/unit/test_scale_plan.py.)"""
+    first: tests/unit/ops/test_scale_plan.py.)"""
     stop_all(lab)
     where = tmp_path / "grow"
 
