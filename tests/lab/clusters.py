@@ -26,6 +26,30 @@ from pdops.lab import own_record
 REPO = Path(__file__).resolve().parents[2]
 
 
+def api_keys_file(path: Path, key: str) -> Path:
+    """The front door's API keys file, one key, mode 0600 before the key is written (as an operator keeps
+    it: outside the inventory dir)."""
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(key + "\n")
+    return path
+
+
+def two_gateways_behind_haproxy(gateways: Sequence[str], port: int, keys: Path, *, fence_hold_s: float | None = None):
+    """The lab's front-door shape, as an inventory mutation for `derived_inventory` and `deployed`: smg on
+    each of `gateways`, HAProxy on the first with the API keys in `keys`, 16 requests at once and 16
+    queued (60 s, then 429); `fence_hold_s`: a fenced change's hold at each shift."""
+    def mutate(doc):
+        v = doc["all"]["vars"]
+        v["pdops_gateway"].pop("host", None)
+        v["pdops_gateway"]["hosts"] = list(gateways)
+        v["pdops_admission"] = {"host": gateways[0], "port": port, "cap": 16, "queue": 16, "queue_timeout_s": 60,
+                                "overflow_status": 429, "api_keys_file": str(keys)}
+        if fence_hold_s is not None:
+            v["pdops_fence_hold_s"] = fence_hold_s
+    return mutate
+
+
 def derived_inventory(lab, where: Path, *, mutate=None, profile: dict | None = None) -> Path:
     """A copy of the lab's inventory with its own record (a state dir of its own on the gateway
     host, and an operator dir of its own here), and an optional change.

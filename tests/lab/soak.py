@@ -72,7 +72,8 @@ import yaml
 from pdops import lab as lab_api
 from pdops.model.inventory import load_inventory, single_file_doc
 from pdops.model.placement import Placement
-from tests.lab.clusters import Load, derived_inventory, inv_cmd, record, stop_all
+from tests.lab.clusters import (Load, api_keys_file, derived_inventory, inv_cmd, record, stop_all,
+                                two_gateways_behind_haproxy)
 
 pytestmark = pytest.mark.lab
 
@@ -513,21 +514,15 @@ def soak_cluster(lab, where: Path, shape: str = "one-gateway") -> Path:
         raise ValueError(f"SOAK_SHAPE {shape!r} is not one of {', '.join(SHAPES)}")
     stop_all(lab)
     where.mkdir(parents=True, exist_ok=True)
-    keys = where.parent / f"{where.name}.keys"  # outside the inventory dir: a 0600 file, as an operator keeps it
-    keys.touch(mode=0o600)
-    keys.chmod(0o600)
-    keys.write_text(SOAK_KEY + "\n")
+    keys = api_keys_file(where.parent / f"{where.name}.keys", SOAK_KEY)
+    # the fenced change's hold before the old pool stops: 2 s, as in tests/lab/test_generation_lab.py
+    front_door = two_gateways_behind_haproxy(FRONT_GATEWAYS, 18085, keys, fence_hold_s=2)
 
     def shaped(doc):
         _hosts(doc).pop(SPARE, None)
         if shape == "front-door":
+            front_door(doc)
             v = doc["all"]["vars"]
-            v["pdops_gateway"].pop("host")
-            v["pdops_gateway"]["hosts"] = list(FRONT_GATEWAYS)
-            v["pdops_admission"] = {"host": FRONT_GATEWAYS[0], "port": 18085, "cap": 16, "queue": 16,
-                                    "queue_timeout_s": 60, "overflow_status": 429, "api_keys_file": str(keys)}
-            # the fenced change's hold before the old pool stops: 2 s, as in tests/lab/test_generation_lab.py
-            v["pdops_fence_hold_s"] = 2
             state = v["pdops_state"]  # a prefix of this cluster's own in the members' keyspace
             state.update({"backend": "etcd", "etcd": {"members": list(ETCD_MEMBERS),
                                                       "prefix": "/pdops/" + state["dir"].rsplit("/", 1)[1] + "/"}})

@@ -21,8 +21,8 @@ from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import Load, REPO, cli, cpu_hog, deployed, never_twice, record, waited
-from tests.lab.clusters import host_run
+from tests.lab.clusters import (Load, REPO, api_keys_file, cli, cpu_hog, deployed, host_run, never_twice, record,
+                                two_gateways_behind_haproxy, waited)
 
 pytestmark = pytest.mark.lab
 
@@ -35,17 +35,7 @@ def cluster(lab, tmp_path_factory):
     import yaml
 
     root = tmp_path_factory.mktemp("gateways")
-    keys = root / "admission.keys"
-    keys.touch(mode=0o600)
-    keys.write_text(KEY + "\n")
-
-    def two_gateways(doc):
-        gv = doc["all"]["vars"]["pdops_gateway"]
-        gv.pop("host")
-        gv["hosts"] = list(GATEWAYS)
-        doc["all"]["vars"]["pdops_admission"] = {"host": GATEWAYS[0], "port": 18082, "cap": 16, "queue": 16,
-                                                 "queue_timeout_s": 60, "overflow_status": 429,
-                                                 "api_keys_file": str(keys)}
+    two_gateways = two_gateways_behind_haproxy(GATEWAYS, 18082, api_keys_file(root / "admission.keys", KEY))
     base_env = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())["env"]
     with deployed(lab, root / "inv", "2p1d", mutate=two_gateways,
                   profile={"env": {**base_env, "PDOPS_SIM_DECODE_STEP_MS": "10"}}) as (inv_dir, proc):

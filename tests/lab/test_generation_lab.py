@@ -25,7 +25,8 @@ import yaml
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.remote.gateway import Gateways
-from tests.lab.clusters import Load, REPO, cli, cpu_hog, deployed, never_twice, record
+from tests.lab.clusters import (Load, REPO, api_keys_file, cli, cpu_hog, deployed, never_twice, record,
+                                two_gateways_behind_haproxy)
 
 KEY = "pdops-lab-key-F-" + "f" * 16  # the front door's API key of this module's cluster
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,17 +39,8 @@ GATEWAYS = ["lab03", "lab04"]
 @pytest.fixture(scope="module")
 def cluster(lab, tmp_path_factory):
     root = tmp_path_factory.mktemp("generation")
-    keys = root / "admission.keys"
-    keys.touch(mode=0o600)
-    keys.write_text(KEY + "\n")
-
-    def two_gateways(doc):
-        v = doc["all"]["vars"]
-        v["pdops_gateway"].pop("host")
-        v["pdops_gateway"]["hosts"] = list(GATEWAYS)
-        v["pdops_admission"] = {"host": GATEWAYS[0], "port": 18083, "cap": 16, "queue": 16, "queue_timeout_s": 60,
-                                "overflow_status": 429, "api_keys_file": str(keys)}
-        v["pdops_fence_hold_s"] = 2
+    two_gateways = two_gateways_behind_haproxy(GATEWAYS, 18083, api_keys_file(root / "admission.keys", KEY),
+                                               fence_hold_s=2)
     base = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
     with deployed(lab, root / "inv", "1p1d", mutate=two_gateways,
                   profile={"env": {**base["env"], "PDOPS_SIM_DECODE_STEP_MS": "10"},
