@@ -95,7 +95,7 @@ KINDS: dict[str, Kind] = {
     # pdops.ops.scale.rescue
     "undo-added": Kind("pdops.ops.scale.rescue:do_undo_added", gives=("halt",), needs=("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?", "committed?")),
     "restore-service": Kind("pdops.ops.scale.rescue:do_restore_service", gives=("workers", "halt"), needs=("drained?", "replaced_out?", "left_gateway?")),
-    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict",), needs=("drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?")),
+    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?")),
     # pdops.ops.sweep.execute
     "open-matrix": Kind("pdops.ops.sweep.execute:do_open_matrix", gives=("sweep_matrix",)),
     "sweep-scale": Kind("pdops.ops.sweep.execute:do_sweep_scale", gives=("sweep_failed_rows",), needs=("sweep_matrix",)),

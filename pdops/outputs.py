@@ -21,6 +21,8 @@ OUTPUTS: dict[str, str] = {
     "orphans_ended": "prefill id -> the rids of the orphaned halves `end-orphans` aborted (empty: none)",
     "halt": "what a halted change's R1 kept, undid and left ({kept_added, undone, left})",
     "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
+    "halt_record": "what a halted change's failed verdict records (current, partial, live, replaced, out of service, ...)",
+    "failure": "the error of the step that failed, for the rescue steps that answer it (given by the runner itself)",
     "admission_keys": "admission host -> what its check read: {main_pid, added, revoked} (a key rotation)",
     "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
     "probe_result": "a probe's measured outcome per request",

@@ -47,7 +47,6 @@ class RunContext:
     old_placement: Any = None
     replacing: frozenset = frozenset()
     done: list[str] = field(default_factory=list)  # ids of the steps that completed (ok or noop)
-    failure: Exception | None = None  # the step failure a plan's rescue steps answer (set by `walk`)
     verdict: dict = field(default_factory=dict)  # what the record step adds to the verdict (the revision)
     timing: list = field(default_factory=list)  # the runner's own time per batch (bench/runner_overhead.py)
     after_failed: list[str] = field(default_factory=list)  # rescue/always steps that failed: "<id>: <error>"
@@ -196,7 +195,8 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
         raise
     except Exception as exc:
         if plan.rescue:
-            ctx.failure = exc
+            with ctx._lock:  # the one output no step gives: what the rescue answers (pdops.outputs)
+                ctx._outputs["failure"] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             run_rescue(plan.rescue, ctx)
         ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
         raise
@@ -204,16 +204,6 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
     verdict["verified"] += last["verified"]
     verdict["unverified"] += last["unverified"]
     return verdict
-
-
-def walk_journalled(plan: Plan, ctx: RunContext) -> dict:
-    """:func:`walk`, with a failure journalled as the operation's failed verdict before it is raised
-    (the caller journals the verdict of a walk that passed, with what it adds)."""
-    try:
-        return walk(plan, ctx)
-    except PdopsError as exc:
-        ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render()})
-        raise
 
 
 def run_rescue(steps: list[Step], ctx: RunContext, *, label: str = "rescue") -> dict:

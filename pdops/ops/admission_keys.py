@@ -22,8 +22,8 @@ from pdops.facts import q
 from pdops.remote.hosts import HostPool, http_json
 from pdops.model.inventory import Inventory
 from pdops.plans import Outcome, Plan, Step
-from pdops.runner import RunContext, Say, walk_journalled
-from pdops.record.local import new_op_id
+from pdops.runner import RunContext, Say
+from pdops.ops.operate import run_operation
 
 PROBE_MAX = 50  # keys probed each way (a key file may hold thousands)
 
@@ -190,14 +190,15 @@ def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.
     """Deliver the operator's key file as the new key map, reload, verify (with the runner), under
     the lock of the record `state`. Returns the evidence and the verdict."""
     plan = plan_rotate_keys(inv, state, deadline_s)
-    op = new_op_id("admission-keys")
-    with state.lock("admission-keys", op_id=op):
-        ctx = RunContext(inv, state, op, say, pool, gateways)
-        verdict = walk_journalled(plan, ctx)
-        cfg = inv.admission
+    cfg = inv.admission
+    got: dict = {}
+
+    def finish(ctx: RunContext, verdict: dict) -> None:
         verdict.update(keys=len(cfg.keys), map_sha256=plan.head["map_sha256"])
-        ctx.journal.step(op, "verdict", "ok", verdict)
-        keys = ctx.output("admission_keys")[cfg.host]
-        return {"op": op, "host": cfg.host, "hosts": list(cfg.hosts), "keys": len(cfg.keys), "added": [key_id(k) for k in keys["added"]],
-                "revoked": [key_id(k) for k in keys["revoked"]], "map_sha256": plan.head["map_sha256"],
-                "verdict": verdict}
+        got.update(op=ctx.op, keys=ctx.output("admission_keys")[cfg.host])
+
+    verdict = run_operation(plan, inv, state, say, pool=pool, gateways=gateways, kind="admission-keys", finish=finish)
+    keys = got["keys"]
+    return {"op": got["op"], "host": cfg.host, "hosts": list(cfg.hosts), "keys": len(cfg.keys),
+            "added": [key_id(k) for k in keys["added"]], "revoked": [key_id(k) for k in keys["revoked"]],
+            "map_sha256": plan.head["map_sha256"], "verdict": verdict}

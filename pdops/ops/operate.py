@@ -2,17 +2,20 @@
 planned first from the record alone, so that bad input and a rule's refusal come before any connection;
 then, with the hosts, systemd and the gateways read (pdops.reads.observe), planned again from what
 serves now: that plan is the one printed and walked (a refusal of the first plan stands only if this one
-refuses too: a floor counts what serves now); walked on the connections opened once for it."""
+refuses too: a floor counts what serves now); walked on the connections opened once for it. And how any plan is carried out (`run_operation`): under
+the cluster lock, from the revision it was planned from, the walk, and one verdict in the journal."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from pdops.errors import Refused
+from pdops.errors import PdopsError, Refused
+from pdops.plans import Plan
 from pdops.reads.observation import Seen
 from pdops.reads.observe import observe
 from pdops.remote.hosts import connections
-from pdops.runner import Say
+from pdops.record.local import new_op_id
+from pdops.runner import RunContext, Say, walk
 
 
 def operate(inv, state, make_plan: Callable[[Seen | None], Any], walk: Callable[[Any, dict], dict], *,
@@ -45,3 +48,47 @@ def operate(inv, state, make_plan: Callable[[Seen | None], Any], walk: Callable[
         if dry_run or getattr(plan, "noop", None):
             return plan, None
         return plan, walk(plan, conns)
+
+
+# What an operation's failure hook returns: the verdict's status and its evidence (the error is added).
+Failed = Callable[[RunContext, PdopsError], tuple[str, dict]]
+
+
+def run_operation(plan: Plan, inv, state, say: Say = print, *, pool, gateways, kind: str | None = None,
+                  basis: int | None = None, context: dict | None = None, failed: Failed | None = None,
+                  finish: Callable[[RunContext, dict], None] | None = None, op: str | None = None,
+                  lock_held: bool = False, context_type: type = RunContext) -> dict:
+    """The one way a plan is carried out: the cluster lock taken for it (`kind`, default the plan's
+    operation; the operation's id `op`, default a new one; `lock_held`: the caller holds the lock for
+    `op` already: `inv sweep` between its rows, a migration holding two records' locks), the record's `current` checked to still be `basis` (the revision it was planned from; None:
+    not checked), a context for its steps (`context`: placement, old_placement, replacing), the walk
+    (pdops.runner.walk: steps, rescue, always), then one verdict in the journal: `ok`, with what
+    `finish(ctx, verdict)` adds, or on a failure the status and evidence `failed(ctx, exc)` returns
+    (default: `failed`, the error and the steps completed), the error raised on; on Ctrl-C, `interrupted`.
+    `context_type`: a RunContext that carries more (a sweep's). No executor writes a verdict."""
+    kind = kind or plan.operation
+    op = op or new_op_id(kind)
+    if lock_held:
+        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type)
+    with state.lock(kind, op_id=op):
+        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type)
+
+
+def _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type) -> dict:
+    if basis is not None:
+        state.check_basis(basis)
+    ctx = context_type(inv, state, op, say, pool, gateways, **(context or {}))
+    try:
+        verdict = walk(plan, ctx)
+    except PdopsError as exc:
+        error = exc.render()  # as the step failed: the hook may add to the message the operator reads
+        status, evidence = failed(ctx, exc) if failed else ("failed", {"completed": ctx.done})
+        ctx.journal.step(op, "verdict", status, {"error": error, **evidence})
+        raise
+    except KeyboardInterrupt:  # the plan's always steps ran first where it asks for them (always_on_interrupt)
+        ctx.journal.step(op, "verdict", "interrupted", {"error": "interrupted by the operator", "completed": ctx.done})
+        raise
+    if finish is not None:
+        finish(ctx, verdict)
+    ctx.journal.step(op, "verdict", "ok", verdict)
+    return verdict

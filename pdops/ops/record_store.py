@@ -19,7 +19,8 @@ from pdops.record.local import default_machine, default_operator, new_op_id
 from pdops.remote import ansible
 from pdops.remote import etcd as E
 from pdops.plans import Outcome, Plan, Step
-from pdops.runner import RunContext, Say, walk_journalled
+from pdops.runner import RunContext, Say
+from pdops.ops.operate import run_operation
 
 OTHER = {"etcd": "host", "host": "etcd"}
 
@@ -198,14 +199,18 @@ def migrate(inv, to: str, open_record, say: Say = print, *, dry_run: bool = Fals
     op = new_op_id("state-migrate")
     with source.lock("state-migrate", op_id=op, say=say):
         with target.lock("state-migrate", op_id=op, say=say, migrating=True) as tlk:
-            ctx = RunContext(inv, source, op, say)
-            verdict = walk_journalled(plan, ctx)
-            got = digest(ctx.output("source_record"))
-            target.journal().step(op, "lock.held", "ok", {k: tlk.holder.get(k) for k in (
-                "operator", "machine", "operation", "client_pid", "since")})
-            target.journal().step(op, "state.migrated", "ok", {"from": source.location, **got})
-            verdict.update(copied=got, to=target.location)
-            ctx.journal.step(op, "verdict", "ok", verdict)
+            got: dict = {}
+
+            def finish(ctx: RunContext, verdict: dict) -> None:
+                got.update(digest(ctx.output("source_record")))
+                target.journal().step(op, "lock.held", "ok", {k: tlk.holder.get(k) for k in (
+                    "operator", "machine", "operation", "client_pid", "since")})
+                target.journal().step(op, "state.migrated", "ok", {"from": source.location, **got})
+                verdict.update(copied=got, to=target.location)
+
+            # both locks held here: the source's (whose journal the walk writes) and the target's
+            verdict = run_operation(plan, inv, source, say, pool=None, gateways=None, op=op, lock_held=True,
+                                    finish=finish)
     return {"op": op, "plan": plan, "verdict": verdict, "copied": got, "to": target.location,
             "message": f"the record of {inv.cluster} is now in {target.location} ({got['revisions']} revisions, "
                        f"{got['journal_lines']} journal lines, digests equal); {source.location} is marked as moved. "
@@ -303,15 +308,16 @@ def restore_from_cache(inv, record, say: Say = print, *, dry_run: bool = False) 
     if dry_run:
         return {"plan": plan, "message": "nothing was changed"}
     op = new_op_id("state-restore")
-    with record.lock("state-restore", op_id=op, say=say, restoring=True):
-        ctx = RunContext(inv, record, op, say)
-        verdict = walk_journalled(plan, ctx)
+    def finish(ctx: RunContext, verdict: dict) -> None:
         verdict.setdefault("unverified", []).extend(f"not restored: {x}" for x in plan.head["not_restored"])
         verdict["unverified"].append("that the hosts run the restored revision: run `inv verify`")
         ctx.journal.step(op, "state.restored", "ok", {"from_cache": str(record.cache_file), **{
             k: cache[k] for k in ("fetched_at", "location", "current")}, "revisions": sorted(cache["revisions"]),
             "not_restored": plan.head["not_restored"]})
-        ctx.journal.step(op, "verdict", "ok", verdict)
+
+    with record.lock("state-restore", op_id=op, say=say, restoring=True):  # a lock of its own kind: held here
+        verdict = run_operation(plan, inv, record, say, pool=None, gateways=None, op=op, lock_held=True,
+                                finish=finish)
     return {"op": op, "plan": plan, "verdict": verdict,
             "message": f"restored revisions {', '.join(map(str, sorted(cache['revisions'])))} (current "
                        f"{cache['current']}) of {inv.cluster} into {record.location} from this machine's cache"}
@@ -424,9 +430,8 @@ def etcd_up(inv, say: Say = print, *, pool, journal_state) -> dict:
     state host's record; the etcd record cannot be, before its members run)."""
     plan = plan_etcd_up(inv)
     op = new_op_id("state-etcd-up")
-    ctx = RunContext(inv, journal_state, op, say, pool)
-    verdict = walk_journalled(plan, ctx)
-    ctx.journal.step(op, "verdict", "ok", verdict)
+    # no cluster lock: the record it would be taken in is not running yet
+    verdict = run_operation(plan, inv, journal_state, say, pool=pool, gateways=None, op=op, lock_held=True)
     return {"op": op, "plan": plan, "verdict": verdict}
 
 

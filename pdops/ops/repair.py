@@ -26,9 +26,9 @@ from pdops.model.render import manifest, render_files
 from pdops.ops import scale as sc
 from pdops.model.placement import Placement
 from pdops.plans import Outcome, Plan, Step
-from pdops.runner import RunContext, walk
+from pdops.runner import RunContext
+from pdops.ops.operate import run_operation
 from pdops.steps.builders import baseline_step, connect_step
-from pdops.record.local import new_op_id
 from pdops.reads.looks import move_baseline
 from pdops.reads.observation import Seen
 from pdops.reads.status import read_status
@@ -176,16 +176,7 @@ def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
 
 def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateways) -> dict:
     """Walk it under the cluster lock; the verdict names what was ended."""
-    op = new_op_id("end-orphans")
-    with state.lock("end-orphans", op_id=op):
-        ctx = RunContext(inv, state, op, say, pool, gateways, placement=pl)
-        try:
-            verdict = walk(plan, ctx)
-        except PdopsError as exc:
-            ctx.journal.step(op, "verdict", "failed", {"error": exc.render(), "completed": ctx.done})
-            raise
-        ctx.journal.step(op, "verdict", "ok", verdict)
-        return verdict
+    return run_operation(plan, inv, state, say, pool=pool, gateways=gateways, context={"placement": pl})
 
 
 def repair(inv: Inventory, state, instance_id: str, *, force: bool = False, force_after: bool = False,

@@ -7,13 +7,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pdops.steps.actions  # noqa: E402
-import pdops.model.render  # noqa: E402
 import pdops.model.versions  # noqa: E402
 
 version = sys.argv[1]
-for mod in (pdops.model.versions, pdops.model.render, pdops.steps.actions):
-    mod.SGLANG_VERSION = version
+pdops.model.versions.SGLANG_VERSION = version  # what every module imported from here on reads
+for mod in [m for name, m in sys.modules.items() if name.startswith("pdops.")]:  # and any already loaded
+    if hasattr(mod, "SGLANG_VERSION"):
+        mod.SGLANG_VERSION = version
 
 from invoke import Program  # noqa: E402
 

@@ -13,7 +13,7 @@ The cluster's record is opened by the caller (``pdops.record.open_record``) and 
 
 from __future__ import annotations
 
-from pdops.ops.deploy.execute import execute_deploy, operate_deploy, walk_deploy
+from pdops.ops.deploy.execute import execute_deploy, operate_deploy
 from pdops.ops.deploy.plan import DeployPlan, plan_deploy, plan_reconcile
 
-__all__ = ["DeployPlan", "execute_deploy", "operate_deploy", "plan_deploy", "plan_reconcile", "walk_deploy"]
+__all__ = ["DeployPlan", "execute_deploy", "operate_deploy", "plan_deploy", "plan_reconcile"]

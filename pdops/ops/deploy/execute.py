@@ -17,14 +17,13 @@ from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, last_bootstrap_ports
 from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of, write_build
 from pdops.plans import Outcome, Step
-from pdops.runner import RunContext, Say, walk
-from pdops.record.local import new_op_id
+from pdops.runner import RunContext, Say
 
 from pdops.steps.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
                                   wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan, plan_reconcile
-from pdops.ops.operate import operate
+from pdops.ops.operate import operate, run_operation
 from pdops.ops.scale import execute_scale
 from pdops.reads.observe import observe
 from pdops.remote.hosts import connections
@@ -360,48 +359,34 @@ def do_undo_register(ctx: RunContext, step: Step) -> Outcome:
 # the executors of the step kinds made here (scale, rollback, repair and probe reuse the kinds)
 
 
-def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateways: Gateways) -> dict:
-    """Walk a deploy plan with the runner, under the cluster lock (`walk_deploy`). Returns the verdict:
-    the new revision, what was verified and what could not be (skipped checks never count as
-    verified). Raises with a verdict on failure. `pool` and `gateway` are the operation's connections,
-    opened by the caller (pdops.remote.hosts.connections)."""
+def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gateways: Gateways,
+                   op: str | None = None) -> dict:
+    """Walk a deploy plan under the cluster lock (pdops.ops.operate.run_operation; `op`: an operation
+    whose lock the caller holds, `inv sweep` between its rows). Returns the verdict: the new revision,
+    what was verified and what could not be (skipped checks never count as verified). Raises with a
+    verdict on failure. `pool` and `gateway` are the operation's connections, opened by the caller
+    (pdops.remote.hosts.connections)."""
     if plan.change is not None:  # the deploy is a rolling change of the live cluster: the change's walk
         raise PdopsError("a deploy plan whose `change` is a rolling change was given to execute_deploy: nothing "
                          "was run", fix="walk plan.change with pdops.ops.scale.execute_scale (as `inv deploy` does)")
     if plan.state is None:
         raise PdopsError("a deploy plan without the record it was read from (plan it with plan_deploy): nothing was run",
                          fix="a pdops bug to report")
-    op = new_op_id("deploy")
-    with plan.state.lock("deploy", op_id=op):
-        return walk_deploy(plan, op, say, pool=pool, gateways=gateways)
-
-
-def walk_deploy(plan: DeployPlan, op: str, say: Say = print, *, pool: HostPool, gateways: Gateways) -> dict:
-    """Walk a deploy plan under a lock the caller holds (`execute_deploy`, or `inv sweep` between its
-    rows): the verdict journalled, or the failure with what runs and what is current."""
     if plan.live is not None and not plan.steps:
         raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "
                       "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
-    state = plan.state
-    state.check_basis(plan.basis)
-    ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=plan.placement)
-    try:
-        verdict = walk(plan.plan, ctx)
-    except PdopsError as exc:
-        _deploy_failed(ctx, exc)
-        raise
-    state.journal().step(op, "verdict", "ok", verdict)
-    return verdict
+    return run_operation(plan.plan, plan.inv, plan.state, say, pool=pool, gateways=gateways, kind="deploy",
+                         basis=plan.basis, context={"placement": plan.placement}, failed=_deploy_failed, op=op,
+                         lock_held=op is not None)
 
 
-def _deploy_failed(ctx: RunContext, exc: PdopsError) -> None:
+def _deploy_failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
     """The failure verdict (after the plan's rescue ran): what runs, what is current."""
     started = ctx.output("started", [])
     current = ctx.state.current()
-    ctx.journal.step(ctx.op, "verdict", "failed", {"error": exc.render(), "left_running": started,
-                                                   "current": current, "completed": ctx.done})
     exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
                     f"units started by this deploy (left for inspection): {', '.join(started) or 'nothing'}")
+    return "failed", {"left_running": started, "current": current, "completed": ctx.done}
 
 
 def operate_deploy(inv, state, make_plan, *, dry_run: bool, say: Say = print) -> tuple[str, object, dict | None]:

@@ -17,8 +17,9 @@ from pdops.remote.hosts import HostPool
 from pdops.model.placement import Instance, Placement, last_bootstrap_ports
 from pdops.model.render import SLICE_UNIT, UNIT_DIR, snapshot_subset
 from pdops.plans import Outcome, Step
-from pdops.runner import RunContext, Say, walk, walk_journalled
-from pdops.record.local import StateDir, new_op_id
+from pdops.runner import RunContext, Say
+from pdops.ops.operate import run_operation
+from pdops.record.local import StateDir
 
 from pdops.ops.drain.plan import DrainPlan, GONE_WAIT_S, KillPlan
 from pdops.ops.drain.stopping import (alive_survivors, describe_survivor, kill_command, last_stop_record, leave_gateway,
@@ -76,16 +77,14 @@ def do_verify_gone(ctx: RunContext, step: Step) -> Outcome:
 def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool,
                            gateways: Gateways) -> dict:
     """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
-    op = new_op_id("stop")
-    with state.lock("stop", op_id=op):
-        state.check_basis(plan.rev.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=Placement.from_dict(plan.rev.placement))
-        verdict = walk_journalled(plan.plan, ctx)
+    def finish(ctx: RunContext, verdict: dict) -> None:
         verdict["instance"] = plan.instance.id
         verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
                                 f"{plan.instance.id}` resumes the drain and records it")
-        state.journal().step(op, "verdict", "ok", verdict)
-    return verdict
+
+    return run_operation(plan.plan, plan.inv, state, say, pool=pool, gateways=gateways, kind="stop",
+                         basis=plan.rev.number, context={"placement": Placement.from_dict(plan.rev.placement)},
+                         finish=finish)
 
 
 # ---------------------------------------------------------------- doing: one executor per step kind
@@ -446,21 +445,14 @@ def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: H
     is never recorded as stopped unless the stop was verified. Re-running the same drain resumes:
     a worker already removed is a no-op, an instance already stopped is only accepted when an
     earlier drain of it passed both empty checks."""
-    op = new_op_id(plan.plan.operation)
-    with state.lock(plan.plan.operation, op_id=op):
-        state.check_basis(plan.rev.number)
-        ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=plan.placement)
-        try:
-            verdict = walk(plan.plan, ctx)
-        except PdopsError as exc:
-            last = ctx.done[-1] if ctx.done else "none"
-            current = state.current()
-            ctx.journal.step(op, "verdict", "interrupted", {"error": exc.render(), "last_completed_step": last,
-                                                           "current": current})
-            exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
-                            f"current revision: {current}. Re-run the same command to resume "
-                            "(each step re-checks what is already done).")
-            raise
-        verdict["instance"] = plan.instance.id
-        ctx.journal.step(op, "verdict", "ok", verdict)
-        return verdict
+    def failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
+        last = ctx.done[-1] if ctx.done else "none"
+        current = state.current()
+        exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
+                        f"current revision: {current}. Re-run the same command to resume "
+                        "(each step re-checks what is already done).")
+        return "interrupted", {"last_completed_step": last, "current": current}
+
+    return run_operation(plan.plan, plan.inv, state, say, pool=pool, gateways=gateways, basis=plan.rev.number,
+                         context={"placement": plan.placement}, failed=failed,
+                         finish=lambda ctx, verdict: verdict.update(instance=plan.instance.id))

@@ -37,7 +37,7 @@ The package, by concern (each module imports only those listed before it):
   uncordon), each planned by plan_change.
 """
 
-from pdops.ops.scale.execute import execute_scale, walk_scale
+from pdops.ops.scale.execute import execute_scale
 from pdops.ops.scale.change import ScalePlan, ScaleStep, cordoned_hosts, instance_files, union_placement
 from pdops.ops.scale.operations import (plan_apply, plan_drain_host, plan_rollback, plan_scale, plan_uncordon,
                                         rollback_conditions)
@@ -45,4 +45,4 @@ from pdops.ops.scale.planner import compile_steps, plan_change
 
 __all__ = ["ScalePlan", "ScaleStep", "compile_steps", "cordoned_hosts", "execute_scale", "instance_files", "plan_apply",
            "plan_change", "plan_drain_host", "plan_rollback", "plan_scale", "plan_uncordon", "rollback_conditions",
-           "union_placement", "walk_scale"]
+           "union_placement"]

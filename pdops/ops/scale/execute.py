@@ -13,8 +13,9 @@ from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.commands import gateway_grace_s
 from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, manifest, snapshot_of)
 from pdops.plans import Outcome, Step
-from pdops.runner import RunContext, Say, walk
-from pdops.record.local import Revision, StateDir, new_op_id
+from pdops.runner import RunContext, Say
+from pdops.record.local import Revision, StateDir
+from pdops.ops.operate import run_operation
 
 from pdops.ops.scale.change import ChangeFacts, ScalePlan, instance_files, union_placement
 from pdops.facts import q
@@ -312,34 +313,26 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
 
 
 def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
-                  gateways: Gateways) -> dict:
-    """Walk a scale or rollback plan with the runner; returns the verdict (with the new revision).
-    Raises ScaleFailed with a verdict on failure, after undoing what it can."""
+                  gateways: Gateways, op: str | None = None) -> dict:
+    """Walk a change plan (scale, rollback, repair, a deploy's change) under the cluster lock
+    (pdops.ops.operate.run_operation; `op`: an operation whose lock the caller holds, `inv sweep`
+    between its rows); returns the verdict (with the new revision). Raises ScaleFailed, its message
+    ending with the verdict line the plan's rescue wrote, after undoing what it can."""
     if plan.noop:
         raise Refused(f"nothing to do: {plan.noop}")
-    kind = plan.operation
-    op = new_op_id(kind)
-    with state.lock(kind, op_id=op):
-        state.check_basis(plan.current.number)
-        return walk_scale(plan, state, op, say, pool=pool, gateways=gateways)
 
-
-def walk_scale(plan: ScalePlan, state: StateDir, op: str, say: Say = print, *, pool: HostPool,
-               gateways: Gateways) -> dict:
-    """Walk a change plan under a lock the caller holds (`execute_scale`, or `inv sweep` between its
-    rows); the verdict, or ScaleFailed with the failure verdict its rescue steps wrote."""
-    ctx = RunContext(plan.inv, state, op, say, pool, gateways, placement=union_placement(plan),
-                     old_placement=plan.current_placement, replacing=frozenset(i.id for i in plan.replaced))
-    try:
-        verdict = walk(plan.plan, ctx)
-    except PdopsError as exc:
-        if isinstance(exc, DeployFailed):  # a shared step (start, canary, register) failed in a change
-            exc = ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix)
+    def failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
         exc.message += "\n" + ctx.output("halt_verdict", "verdict: the rescue did not finish (see the journal: "
-                                                            f"`inv history --op {op}`); read `inv status`")
-        raise exc from None
-    ctx.journal.step(op, "verdict", "ok", verdict)
-    return verdict
+                                                          f"`inv history --op {ctx.op}`); read `inv status`")
+        return "failed", ctx.output("halt_record") or {"completed": ctx.done}
+
+    try:
+        return run_operation(plan.plan, plan.inv, state, say, pool=pool, gateways=gateways, basis=plan.current.number,
+                             context={"placement": union_placement(plan), "old_placement": plan.current_placement,
+                                      "replacing": frozenset(i.id for i in plan.replaced)}, failed=failed, op=op,
+                             lock_held=op is not None)
+    except DeployFailed as exc:  # a shared step (start, canary, register) failed in a change
+        raise ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix) from None
 
 
 def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | None],

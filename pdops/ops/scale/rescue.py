@@ -127,10 +127,10 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
 
 def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     """R3: what runs after the rescue, recorded (a `partial` revision when something was stopped or
-    replaced), and the failure verdict journalled."""
+    replaced, naming the failure the runner gave the rescue), and the verdict line and the evidence of the
+    failed verdict given to the operation (pdops.ops.operate.run_operation journals it)."""
     plan: ChangeFacts = step.params["change"]
-    exc = ctx.failure
-    err = exc if isinstance(exc, PdopsError) else PdopsError(f"{type(exc).__name__}: {exc}")
+    why = ctx.get(step, "failure", "the walk stopped")
     halt = dict(ctx.get(step, "halt", {}))
     workers, main_pids = dict(ctx.get(step, "workers", {})), ctx.get(step, "main_pids", {})
     removed_ids = {i.id for i in plan.removed} | {i.id for i in plan.replaced}
@@ -141,9 +141,9 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     out_of_gateway = [i for i in ctx.get(step, "left_gateway", []) if i not in drained and i not in replaced_out
                       and i not in down and i not in restored]
     if replaced_out:
-        verdict, rev = _halt_rolling(plan, ctx, err, drained + down, replaced_out, halt, workers, main_pids)
+        verdict, rev = _halt_rolling(plan, ctx, why, drained + down, replaced_out, halt, workers, main_pids)
     elif drained or down:
-        verdict, rev = _halt_partial(plan, ctx, err, drained + down, halt, workers)
+        verdict, rev = _halt_partial(plan, ctx, why, drained + down, halt, workers)
     else:
         live = [i.id for i in plan.current_placement.instances]
         verdict, rev = (f"verdict: the change stopped; current revision unchanged: {plan.current.number} "
@@ -159,8 +159,8 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     if halt.get("left"):
         verdict += "; NOT undone: " + "; ".join(halt["left"])
     ctx.give(step, "halt_verdict", verdict)
-    ctx.journal.step(ctx.op, "verdict", "failed", {
-        "error": err.render(), "current": rev.number if rev else plan.current.number, "partial": rev is not None,
+    ctx.give(step, "halt_record", {  # the failed verdict's evidence (pdops.ops.operate.run_operation journals it)
+        "current": rev.number if rev else plan.current.number, "partial": rev is not None,
         "live": sorted(rev.instances) if rev else [i.id for i in plan.current_placement.instances],
         "replaced": halt.get("replaced", []), "out_of_service": halt.get("out_of_service", []) + down,
         "restored": restored, "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []),
@@ -171,7 +171,7 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"revision {rev.number} (partial) recorded and current"])
 
 
-def _halt_partial(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: list[str], halt: dict, workers: dict):
+def _halt_partial(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[str], halt: dict, workers: dict):
     """Something was drained (or is down): the old revision no longer describes the hosts."""
     kept_added = set(halt.get("kept_added", []))
     cur = plan.current
@@ -185,7 +185,7 @@ def _halt_partial(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
     rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
                                    manifest=all_mf, instances=instances_doc(plan, pl, workers),
                                    outcome="partial", op_id=ctx.op,
-                                   extra={"scale_failed": exc.message, "from_revision": cur.number,
+                                   extra={"scale_failed": why, "from_revision": cur.number,
                                           "target": str(plan.target.topology), "drained": drained,
                                           "gateways": plan.inv.gateway.urls, "rollback": {"to_revision": cur.number}})
     ctx.state.set_current(rev.number)
@@ -194,7 +194,7 @@ def _halt_partial(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
             f"`inv rollback` returns to revision {cur.number}"), rev
 
 
-def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: list[str], replaced_out: list[str],
+def _halt_rolling(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[str], replaced_out: list[str],
                   halt: dict, workers: dict, main_pids: dict):
     """The rollout halted after replacing (or taking out) some instances: record what is live as a
     `partial` revision whose every instance is described by the files its process runs: the ones not
@@ -231,7 +231,7 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, exc: PdopsError, drained: 
         manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
         instances=instances_doc(plan, pl, workers, main_pids),
         outcome="partial", op_id=ctx.op,
-        extra={"scale_failed": exc.message, "from_revision": cur.number, "target": str(plan.target.topology),
+        extra={"scale_failed": why, "from_revision": cur.number, "target": str(plan.target.topology),
                "drained": drained, "replaced": done, "out_of_service": out_now, "gateways": plan.inv.gateway.urls,
                "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
                "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or

@@ -31,7 +31,8 @@ from pdops.errors import PdopsError
 from pdops.model.topology import Topology, parse_topology
 from pdops.record.local import new_op_id
 from pdops.plans import Outcome, Step
-from pdops.runner import RunContext, Say, walk
+from pdops.runner import RunContext, Say
+from pdops.ops.operate import run_operation
 
 from pdops.ops.sweep.plan import FAILED, MEASURED, NOT_TRIED, PLANNED, SweepPlan, parse_min_gain
 from pdops.ops.sweep.matrix import Matrix, write_matrix
@@ -224,24 +225,18 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, stat
         plan = dataclasses.replace(plan, **changes)
     if plan.out_dir is None:
         raise PdopsError("a sweep plan without its folder: nothing was run", fix="a pdops bug to report")
-    walked = plan.plan
-    op = op or new_op_id("sweep")
-    with state.lock("sweep", op_id=op):
-        ctx = SweepContext(inv, state, op, say, scale_to=scale_to, run_cell=run_cell, verify=verify)
-        try:
-            verdict = walk(walked, ctx)
-        except PdopsError as exc:
-            ctx.journal.step(op, "verdict", "failed", {"error": exc.render(), "completed": ctx.done})
-            raise
-        except KeyboardInterrupt:  # the `always` step wrote the matrix and the plots of what was measured
-            ctx.journal.step(op, "verdict", "interrupted", {"error": "interrupted by the operator",
-                                                            "completed": ctx.done})
-            raise
+    got: dict = {}
+
+    def finish(ctx: SweepContext, verdict: dict) -> None:
         m: Matrix = ctx.output("sweep_matrix")
+        got["matrix"] = m
         verdict.update(out_dir=plan.out_dir, cells={s: sum(c.state == s for c in m.cells)
                                                     for s in (MEASURED, FAILED, NOT_TRIED, PLANNED)})
-        ctx.journal.step(op, "verdict", "ok", verdict)
-    return m
+
+    # the interrupted verdict comes after the `always` step wrote the matrix and the plots of what was measured
+    run_operation(plan.plan, inv, state, say, pool=None, gateways=None, kind="sweep", finish=finish, op=op,
+                  context={"scale_to": scale_to, "run_cell": run_cell, "verify": verify}, context_type=SweepContext)
+    return got["matrix"]
 
 
 def scale_live(inv, state, say: Say = print) -> ScaleTo:
@@ -249,7 +244,7 @@ def scale_live(inv, state, say: Say = print) -> ScaleTo:
     a deploy when nothing is live, else the change planner's plan from the revision current now,
     allowing the capacity dip (the sweep owns the cluster: no traffic to protect, and 3p1d -> 2p2d
     on four hosts must free a host before placing its new instance). The plan is printed, then
-    walked with `walk_scale` (or the deploy's walk) as an operation of its own in the journal, on
+    walked with `execute_scale` (or `execute_deploy`) as an operation of its own in the journal, on
     connections opened for it. Returns what it walked: {how, op, revision}."""
 
     def scale_to(topo: Topology) -> dict:
@@ -258,7 +253,7 @@ def scale_live(inv, state, say: Say = print) -> ScaleTo:
             say(plan.render())
             op = new_op_id("deploy")
             with connections(inv) as conns:
-                v = dep.walk_deploy(plan, op, say, **conns)
+                v = dep.execute_deploy(plan, say, op=op, **conns)
             return {"how": f"deployed as {op}", "op": op, "revision": (v or {}).get("revision")}
         plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
         say(plan.render())
@@ -266,8 +261,7 @@ def scale_live(inv, state, say: Say = print) -> ScaleTo:
             return {"how": f"nothing to change: {plan.noop}", "op": None, "revision": state.current()}
         op = new_op_id(plan.operation)
         with connections(inv) as conns:
-            state.check_basis(plan.current.number)
-            v = scale_mod.walk_scale(plan, state, op, say, **conns)
+            v = scale_mod.execute_scale(plan, state, say, op=op, **conns)
         return {"how": f"changed as {op}", "op": op, "revision": (v or {}).get("revision")}
 
     return scale_to

@@ -78,37 +78,6 @@ from pdops.runner import DeadlineExceeded, RunContext, walk  # noqa: E402
 from pdops.record.local import StateDir  # noqa: E402
 
 
-class _Kinds(dict):
-    """The table of kinds for one test: `table["k"] = fn` binds kind k to fn (no outputs); `bind` with
-    the outputs it gives and reads."""
-
-    def __setitem__(self, kind, fn):
-        from pdops.kinds import Kind
-
-        super().__setitem__(kind, fn if isinstance(fn, Kind) else Kind(fn))
-
-    def update(self, other=(), **kw):
-        for k, v in dict(other, **kw).items():
-            self[k] = v
-
-    def bind(self, table: dict, *, gives: dict | None = None, needs: dict | None = None):
-        from pdops.kinds import Kind
-
-        for kind, fn in table.items():
-            self[kind] = Kind(fn, tuple((gives or {}).get(kind, ())), tuple((needs or {}).get(kind, ())))
-
-
-@pytest.fixture
-def registry(monkeypatch):
-    """The table of kinds (pdops.kinds.KINDS) the runner reads, emptied for the test: it binds the kinds it
-    walks."""
-    import pdops.kinds
-
-    table = _Kinds()
-    monkeypatch.setattr(pdops.kinds, "KINDS", table)
-    return table
-
-
 def _ctx(tmp_path, said=None):
     return RunContext(inv=None, state=StateDir("t", tmp_path / "state"), op="op-1",
                       say=(said.append if said is not None else (lambda s: None)))

@@ -3,7 +3,6 @@ import dataclasses
 import pytest
 
 from pdops.errors import InvalidInput
-from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement, place, placement_table
 from pdops.model.topology import Topology, parse_topology
 

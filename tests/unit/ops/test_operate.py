@@ -94,3 +94,80 @@ def test_an_operation_on_one_instance_reads_the_units_it_names(hosts):
     op.operate("inv", _Record(), lambda seen: _Plan("drain"), lambda p, c: {}, dry_run=False,
                units_of=lambda rev: frozenset({"p01", "p02"}), say=lambda s: None)
     assert hosts["observed"] == [{"units_of": frozenset({"p01", "p02"})}]
+
+
+# ---------------------------------------------------------------- run_operation: how any plan is carried out
+
+def _ran(state, op_id: str) -> list[tuple[str, str]]:
+    return [(r["step"], r["status"]) for r in state.journal().read(op_id)]
+
+
+def test_a_plan_runs_under_the_lock_from_its_basis_and_journals_one_verdict(tmp_path, registry):
+    from pdops.plans import Outcome, Plan, Step
+    from pdops.record.local import StateDir
+
+    state = StateDir("t", tmp_path / "state")
+    seen = {}
+
+    def step(ctx, s):
+        seen["holder"] = state.lock("x").holder()  # what another operator would read now
+        seen["placement"] = ctx.placement
+        return Outcome(verified=["did it"])
+
+    registry["do"] = step
+    plan = Plan("demo", "plan: demo", [Step("one", None, "one step", kind="do")])
+    v = op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None, basis=None,
+                         context={"placement": "pl"}, finish=lambda ctx, verdict: verdict.update(extra=1))
+    assert seen["holder"] is not None and seen["holder"].operation == "demo" and seen["placement"] == "pl"
+    assert state.lock("x").holder() is None  # released
+    op_id = state.journal().operations()[-1]
+    assert op_id.startswith("demo-") and _ran(state, op_id) == [("plan", "ok"), ("one", "ok"), ("verdict", "ok")]
+    assert v["verified"] == ["did it"] and v["extra"] == 1
+    assert state.journal().read(op_id)[-1]["evidence"]["extra"] == 1
+
+
+def test_a_basis_that_moved_refuses_before_any_step_and_a_failure_is_one_verdict_with_the_hooks_evidence(
+        tmp_path, registry):
+    from pdops.errors import PdopsError, Refused
+    from pdops.plans import Plan, Step
+    from pdops.record.local import StateDir
+
+    state = StateDir("t", tmp_path / "state")
+    ran = []
+    registry["do"] = lambda ctx, s: ran.append(s.name)
+    plan = Plan("demo", "plan: demo", [Step("one", None, "one step", kind="do")])
+    with pytest.raises(Refused, match="moved from revision 3"):
+        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None, basis=3)
+    assert not ran
+
+    def boom(ctx, s):
+        raise PdopsError("the step failed")
+
+    registry["boom"] = boom
+
+    def failed(ctx, exc):
+        exc.message += "\n  what the operator reads next"
+        return "interrupted", {"last": ctx.done[-1]}
+
+    plan = Plan("demo", "plan: demo", [Step("one", None, "one", kind="do"), Step("two", None, "two", kind="boom")])
+    with pytest.raises(PdopsError) as ei:
+        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None, failed=failed)
+    assert ei.value.message.endswith("what the operator reads next")
+    op_id = state.journal().operations()[-1]
+    verdict = state.journal().read(op_id)[-1]
+    assert (verdict["step"], verdict["status"]) == ("verdict", "interrupted") and verdict["evidence"]["last"] == "one"
+    assert "the step failed" in verdict["evidence"]["error"] and "reads next" not in verdict["evidence"]["error"]
+    assert state.lock("x").holder() is None
+
+
+def test_an_operation_whose_lock_the_caller_holds_runs_under_it_with_its_own_id(tmp_path, registry):
+    from pdops.plans import Plan, Step
+    from pdops.record.local import StateDir
+
+    state = StateDir("t", tmp_path / "state")
+    registry["do"] = lambda ctx, s: None
+    plan = Plan("scale", "plan: scale", [Step("one", None, "one step", kind="do")])
+    with state.lock("sweep", op_id="sweep-1"):
+        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None, op="scale-2", lock_held=True)
+        assert state.lock("x").holder().operation == "sweep"
+    assert _ran(state, "scale-2") == [("plan", "ok"), ("one", "ok"), ("verdict", "ok")]

@@ -408,11 +408,12 @@ def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without
     monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo), st is state))
                         or Plan())
     monkeypatch.setattr(sweep_exec, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
-    monkeypatch.setattr(dep, "walk_deploy", lambda plan, op, say, **conns: calls.append(("deploy", op[:7]))
+    monkeypatch.setattr(dep, "execute_deploy", lambda plan, say, op, **conns: calls.append(("deploy", op[:7]))
                         or {"revision": 1})
     monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))
                         or Plan())
-    monkeypatch.setattr(scale_mod, "walk_scale", lambda plan, st, op, say, **conns: calls.append(("walk_scale", op[:6]))
+    # under the sweep's lock: each walk is an operation of its own id, its basis checked by run_operation
+    monkeypatch.setattr(scale_mod, "execute_scale", lambda plan, st, say, op, **conns: calls.append(("execute_scale", op[:6]))
                         or {"revision": 2})
     scale_to = cli_bench._live_scale_to(object(), state)
     assert scale_to(parse_topology("3p1d"))["revision"] == 1
@@ -420,5 +421,4 @@ def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without
     got = scale_to(parse_topology("2p2d"))
     assert got["revision"] == 2 and got["how"] == f"changed as {got['op']}" and got["op"].startswith("scale-")
     assert calls[:2] == [("plan_deploy", "3p1d", True), ("deploy", "deploy-")]
-    assert calls[2:] == [("plan_scale", "2p2d", {"allow_capacity_dip": True}), ("check_basis", 1),
-                         ("walk_scale", "scale-")]
+    assert calls[2:] == [("plan_scale", "2p2d", {"allow_capacity_dip": True}), ("execute_scale", "scale-")]
