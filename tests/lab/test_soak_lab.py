@@ -3,13 +3,14 @@ one 2p2d lab cluster of the soak's front-door shape (two gateways behind HAProxy
 it with an API key, the record on etcd members pdops runs) under a closed loop of streaming requests
 (tests/lab/soak.py, which `make soak` runs for 100).
 
-Every kind once but host-add (it needs a fifth lab host; tests/lab/test_change.py adds one), and the
-reboot twice, once each way a host boots: drain, scale (there and back), rolling change, rollback, host
-maintenance (drain --host, uncordon, deploy), engine SIGKILL + repair, a gateway SIGKILLed + deploy, a
-reboot of every host + the runbook (the real way: every enabled unit starts by itself; the lab's way:
-nothing does, etcd first), a change halted by a bundle whose engines cannot start, a planned restart of
-both gateways, a fenced change of generation, a gateway's host powered off, an etcd member SIGKILLed
-during a drain. After each one the cluster serves with every instance ok; every request that did not
+Ten operations: every fault kind, the reboot twice (once each way a host boots), and the operations only
+the front door has, with the rollback: engine SIGKILL + repair, a gateway SIGKILLed + deploy, a reboot of
+every host + the runbook (the real way: every enabled unit starts by itself; the lab's way: nothing does,
+etcd first), a change halted by a bundle whose engines cannot start, a gateway's host powered off, an
+etcd member SIGKILLed during a drain, a planned restart of both gateways, a fenced change of generation,
+and a rollback. The soak's other kinds (drain, scale, rolling change, host maintenance, host-add) are each
+a lab test of their own (test_drain, test_scale, test_change) and in `make soak`'s sequences; they left the
+make-test soak to keep it to the ten operations the suite's time allows. After each one the cluster serves with every instance ok; every request that did not
 get its whole answer falls inside a fault's window or was named by pdops as lost; none reached two
 prefills or two decodes.
 """
@@ -28,13 +29,19 @@ from tests.lab.soak import SHAPES, Soak, per_kind_table, soak_cluster
 
 pytestmark = pytest.mark.lab
 
-SEED = 11
+# seed 37: the rollback follows the gateways' planned restart, after the change of generation, so that it
+# returns to a revision of the same generation (a real rollback of HAProxy's and smg's files), not a refusal
+SEED = 37
+# every fault kind, and what only the front door has (module doc)
+KINDS = ("engine-kill", "gateway-kill", "reboot", "halted-change", "gateway-host-off", "etcd-kill", "gateway-restart",
+         "generation", "rollback")
 
 
 def test_every_operation_and_fault_behind_the_front_door_with_the_record_on_etcd_loses_nothing_unnamed(
         lab, tmp_path):
-    kinds = [op for op in SHAPES["front-door"] if op != "host-add"]  # host-add needs a fifth lab host
+    kinds = [op for op in SHAPES["front-door"] if op in KINDS]
     sequence = kinds + ["reboot"]  # both ways a host boots
+    assert len(sequence) == 10
     random.Random(SEED).shuffle(sequence)
     lab.ensure_up()
     inv_dir = soak_cluster(lab, tmp_path / "soak", "front-door")
