@@ -290,12 +290,13 @@ def cpu_hog():
 
 class Load:
     """Requests through the gateway (every other one streamed) in small batches until stopped; every
-    request is counted in its ledger row. Three in flight at every moment, 32 tokens each: on the sim
-    that is ~20 requests a second for a fifth of a core (measured; 8 tokens each made ~64 a second for a
-    third of a core, of a suite that keeps both cores busy), and each request spans more of an operation."""
+    request is counted in its ledger row. Three in flight at every moment, 64 tokens each: on the sim
+    about 10 requests a second (8 tokens each made ~64 a second for a third of a core, 32 ~20 for a
+    fifth, of a suite that keeps both cores busy: the loop's cost is per request), and each request
+    spans more of an operation, so a drain or a restart meets requests in flight more often."""
 
     def __init__(self, url: str, headers: dict | None = None, *, prefix: str = "scale-load", requests: int = 6,
-                 concurrency: int = 3, max_new_tokens: int = 32, distinct_prompts: bool = False,
+                 concurrency: int = 3, max_new_tokens: int = 64, distinct_prompts: bool = False,
                  stream_every: int = 2):
         self.url = url
         # distinct prompts: a cache-aware policy spreads them over the workers instead of keeping one
