@@ -16,4 +16,4 @@ ns.add_collection(Collection.from_module(lab), name="lab")
 ns.add_collection(Collection(state.push, state.show, state.migrate, state.restore, state.etcd_up), name="state")
 ns.add_collection(Collection.from_module(audit), name="audit")
 ns.add_collection(Collection.from_module(admission), name="admission")
-ns.add_collection(Collection.from_module(prometheus), name="observe")  # the fleet's Prometheus and Grafana files
+ns.add_collection(Collection.from_module(prometheus), name="prometheus")  # the fleet's Prometheus and Grafana files

@@ -1,4 +1,4 @@
-"""`inv observe.*`: the Prometheus target file, rules and Grafana dashboard for a cluster."""
+"""`inv prometheus.*`: the Prometheus target file, rules and Grafana dashboard for a cluster."""
 
 from __future__ import annotations
 

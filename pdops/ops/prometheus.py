@@ -297,7 +297,7 @@ def targets_after_record(pool, inv, rev) -> tuple[dict, list[str], list[str]]:
     except Exception as exc:  # noqa: BLE001 - reported in the verdict, never fatal after the record
         msg = getattr(exc, "message", None) or str(exc)
         return ({"targets_error": msg}, [],
-                [f"Prometheus target file of revision {rev.number} not written ({msg}); `inv observe.targets` writes it"])
+                [f"Prometheus target file of revision {rev.number} not written ({msg}); `inv prometheus.targets` writes it"])
     where = ev.get("delivered") or ev["targets_file"]
     return ({"prometheus_targets": ev},
             [f"Prometheus targets follow revision {rev.number}: {ev['targets']} target(s) in {where}"], [])

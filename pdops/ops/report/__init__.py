@@ -2,7 +2,7 @@
 per operation"): the plan, each journalled step as a bar on a timeline (start, end, outcome;
 rescue and always steps marked; waves and instances labelled), the verdict with what was
 verified and what was not; and, where the cluster's Prometheus answers, the dashboard's own
-panels (`pdops.ops.prometheus.PANELS`, the queries `inv observe.dashboard` ships) over the
+panels (`pdops.ops.prometheus.PANELS`, the queries `inv prometheus.dashboard` ships) over the
 operation's window plus a margin, on the same time axis. Where no Prometheus is configured or
 none answers, the page says so in words. Times in the operator's zone, UTC beside them.
 
@@ -73,7 +73,7 @@ def _prometheus(src: Source, cluster: str, start, end, query) -> tuple[dict, lis
     panels = metrics.fetch(src.url, cluster, start, end, query=query or metrics.query_range)
     return {"state": "answered", "url": src.url, "why": src.why, "version": version,
             "step_s": metrics.step_s(start, end),
-            "words": f"From Prometheus {version} at {src.url} ({src.why}): the panels of `inv observe.dashboard`, "
+            "words": f"From Prometheus {version} at {src.url} ({src.why}): the panels of `inv prometheus.dashboard`, "
                      f"their queries as shipped, every revision, one sample every {metrics.step_s(start, end)} s."}, panels
 
 

@@ -1,5 +1,5 @@
 """What the cluster served during an operation, from its Prometheus: every panel of the dashboard
-`inv observe.dashboard` ships (pdops.ops.prometheus.PANELS), each query as the dashboard has it
+`inv prometheus.dashboard` ships (pdops.ops.prometheus.PANELS), each query as the dashboard has it
 (`panel_queries`, every revision), over a window, with `query_range`.
 
 Which Prometheus: `--prometheus URL`, else the inventory's `pdops_prometheus_url`, else the host of
@@ -95,7 +95,7 @@ class Panel:
             return "Prometheus did not answer its query: " + "; ".join(self.errors)
         hints = []
         if any("pdops:" in q for q in self.queries):
-            hints.append("it reads pdops's recording rules: is the file of `inv observe.rules` loaded?")
+            hints.append("it reads pdops's recording rules: is the file of `inv prometheus.rules` loaded?")
         if any("smg_" in q for q in self.queries):
             hints.append("it reads the gateway's metrics (job pdops-gateway): is the gateway scraped?")
         if any("sglang:" in q or "up{" in q for q in self.queries):
@@ -104,7 +104,7 @@ class Panel:
 
 
 def dashboard_panels(cluster: str) -> list[Panel]:
-    """The dashboard's panels in its order, each with its queries as `inv observe.dashboard` ships them
+    """The dashboard's panels in its order, each with its queries as `inv prometheus.dashboard` ships them
     (every revision: an operation moves `current`)."""
     queries: dict[str, list[str]] = {}
     for title, q in obs.panel_queries(cluster, ".*"):

@@ -236,7 +236,7 @@ def test_a_panel_without_data_says_why_instead_of_an_empty_chart(lab_inv, journa
     data = rep.embedded_data(r.html)
     assert not any(p["drawn"] for p in data["panels"]) and r.html.count("data:image/png") == 1
     tpm = next(p for p in data["panels"] if p["title"] == "Total TPM (input + output)")
-    assert "is the file of `inv observe.rules` loaded?" in tpm["words"]
+    assert "is the file of `inv prometheus.rules` loaded?" in tpm["words"]
     assert "no data in the window" in r.html
 
 
