@@ -192,8 +192,25 @@ def _failed_tests(junit: Path) -> list[str]:
     return failed
 
 
+def in_file_order(tests: list[str]) -> list[str]:
+    """`tests` with the ids of one file in the order the file defines them (files in the order given):
+    a lab module's tests share its cluster, each starting from what the one before it left, as
+    `make test` runs them (given out of order, a test met a gateway an earlier one had stopped)."""
+    def line(test: str) -> int:
+        path, _, name = test.partition("::")
+        if not name:
+            return -1  # a whole file first
+        for node in ast.parse((REPO / path).read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name.split("[")[0]:
+                return node.lineno
+        return 1 << 30
+    files = list(dict.fromkeys(t.partition("::")[0] for t in tests))
+    return [t for f in files for t in sorted((t for t in tests if t.partition("::")[0] == f), key=line)]
+
+
 def _pytest(python: str, tests: list[str]) -> tuple[list[str], int]:
-    """Run `tests`; (the failed test ids, pytest's exit status)."""
+    """Run `tests` (in file order); (the failed test ids, pytest's exit status)."""
+    tests = in_file_order(tests)
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
