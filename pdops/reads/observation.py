@@ -129,11 +129,20 @@ class InstanceObservation:
         out = [f"unit {d}" for d in self.down] + self.restarted + self.stale + self.edited
         if self.gateway_problem:
             out.append(self.gateway_problem)
-        missing = sorted(h for h, v in self.listed.items() if v is False)
-        if missing:
-            out.append("not in the gateway's start-up list" if len(self.listed) == 1
-                       else f"not in the start-up list of gateway {', '.join(missing)}")
+        if self.list_problem():
+            out.append(self.list_problem())
         return out
+
+    def list_problem(self, *, consequence: bool = False) -> str | None:
+        """Which gateways' start-up lists lack it (None: every list has it); `consequence`: with what a
+        restart of that gateway would do (`inv status` says it)."""
+        missing = sorted(h for h, v in self.listed.items() if v is False)
+        if not missing:
+            return None
+        if len(self.listed) == 1:
+            return "not in the gateway's start-up list" + (" (a gateway restart would drop it)" if consequence else "")
+        return f"not in the start-up list of gateway {', '.join(missing)}" + (" (its restart would drop it)"
+                                                                             if consequence else "")
 
 
 @dataclass

@@ -89,10 +89,8 @@ def judge(o, *, gateway_down: bool, loads_error: str | None, failures: dict[str,
     reasons = []
     if o.gateway_problem:
         reasons.append(o.gateway_problem)
-    missing = sorted(h for h, v in o.listed.items() if v is False)
-    if missing:
-        reasons.append("not in the gateway's start-up list (a gateway restart would drop it)" if len(o.listed) == 1
-                       else f"not in the start-up list of gateway {', '.join(missing)} (its restart would drop it)")
+    if o.list_problem():
+        reasons.append(o.list_problem(consequence=True))
     reasons += [f"{n} +{d} since the last look" for n, d in failures.items() if d > 0]
     reasons += [f"stray process in its cgroup, not under MainPID: {s}" for s in strays]
     if loads_error:
