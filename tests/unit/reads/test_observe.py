@@ -493,3 +493,17 @@ def test_an_edit_replaced_by_a_deploy_counts_only_what_serves_for_the_floor(live
     assert p.change is not None
     assert [w for w in p.change.waves] == [["d01"], ["d02"]], p.render()
     assert "observed not serving" in p.change.why["d01"] and "changed on the host" in p.change.why["d02"]
+
+
+def test_an_instance_missing_from_the_start_up_list_is_degraded_naming_what_a_gateway_restart_would_do():
+    """The observation's finding and `inv status`'s reason are one wording; status adds the consequence."""
+    from pdops.model.placement import place
+    from pdops.model.topology import parse_topology
+    from tests.unit.observed import obs, word
+
+    d01 = place(load_inventory(REPO / "inventory" / "lab"), parse_topology("1p1d")).get("d01")
+    o = obs(d01, in_list=False)
+    assert o.findings() == ["not in the gateway's start-up list"]
+    h = word(o)
+    assert h.state == "degraded" and "not in the gateway's start-up list (a gateway restart would drop it)" in h.reasons
+    assert word(obs(d01)).state == "ok" and obs(d01).list_problem() is None

@@ -14,6 +14,7 @@ from pdops.steps.orphans import abort_orphans
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
 from pdops.model.topology import parse_topology
+from tests.unit.observed import obs
 from tests.unit.recorded import REPO
 
 
@@ -97,8 +98,7 @@ def test_an_orphan_whose_rid_prefixes_another_open_request_is_named_not_aborted(
 def test_status_calls_a_prefill_with_orphans_degraded_and_names_them():
     from pdops.reads.status import judge
 
-    o = types.SimpleNamespace(id="p01", units={}, down=[], restarted=[], workers={"lab01": object()},
-                              gateway_problem=None, listed={"lab01": True}, stale=[], edited=[])
+    o = obs(place(load_inventory(REPO / "inventory" / "lab"), parse_topology("1p1d")).get("p01"))
     h = judge(o, gateway_down=False, loads_error=None, failures={}, strays=[],
               orphans=[orphans.Orphan("p01", "r1", 40.0, 1_800_000_000.0)])
     assert h.state == "degraded" and h.action.startswith("inv end-orphans")
