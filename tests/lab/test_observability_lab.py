@@ -76,7 +76,7 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     rows = send(inv.gateway.first.url, requests=80, concurrency=8, max_new_tokens=16, stream_every=2,
                 prompt_for=lambda i: make_prompt(30, i))
     assert all(r.ok for r in rows)
-    from pdops.steps.actions import canary_pair
+    from pdops.steps.canary import canary_pair
 
     for p in pl.role("prefill"):
         for d in pl.role("decode"):

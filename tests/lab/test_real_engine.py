@@ -65,6 +65,20 @@ def real(lab, tmp_path_factory):
         path.unlink(missing_ok=True)
 
 
+@pytest.fixture
+def serving(real):
+    """The module's pair as deployed, before a test that needs it. A test that failed midway may leave it
+    otherwise (seen in CI: a repair halted by its canary moved `current` to 1p0d, and the tests after it
+    failed on a missing d01, not on what they test). pdops repairs it from what it observes (`inv deploy`),
+    and the test says so; a pair it cannot repair fails the test with pdops's own words."""
+    st = cli(real.inv_dir, "status")
+    if st.returncode != 0:
+        print("the pair is not as deployed; `inv deploy` repairs it first:\n" + st.stdout[-1500:])
+        r = cli(real.inv_dir, "deploy", "--topology", TOPOLOGY)
+        assert r.returncode == 0, "the pair could not be repaired for this test:\n" + r.stdout[-4000:] + r.stderr
+    return real
+
+
 def _placement(inv_dir):
     from pdops.model.placement import Placement
 
@@ -146,7 +160,7 @@ def test_deploy_runs_real_sglang_and_each_step_is_proved_by_it(lab, real):
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-def test_a_decode_killed_mid_stream_takes_its_scheduler_with_it_and_the_repair_names_the_request_it_lost(lab, real):
+def test_a_decode_killed_mid_stream_takes_its_scheduler_with_it_and_the_repair_names_the_request_it_lost(lab, real, serving):
     """The decode's MainPID (SGLang's HTTP main) SIGKILLed while it generates a long stream.
     sglang#23627: a SIGKILL of the HTTP main process leaves `sglang::scheduler` holding memory when
     SGLang runs bare. Under pdops's unit (KillMode=mixed) systemd ends the whole cgroup at once: the
@@ -205,7 +219,7 @@ def test_a_decode_killed_mid_stream_takes_its_scheduler_with_it_and_the_repair_n
     assert cli(real.inv_dir, "status").returncode == 0
 
 
-def test_an_orphaned_prefill_half_is_named_by_status_and_ended_by_its_id(lab, real):
+def test_an_orphaned_prefill_half_is_named_by_status_and_ended_by_its_id(lab, real, serving):
     """The prefill half of a request whose decode never comes (what a decode killed before the KV transfer
     leaves): real SGLang's prefill holds it in its bootstrap queue; `inv status` names it, `inv end-orphans`
     aborts exactly that request ID, and the client is answered at once, not served twice."""
@@ -241,7 +255,7 @@ def test_an_orphaned_prefill_half_is_named_by_status_and_ended_by_its_id(lab, re
     assert after.returncode == 0, after.stdout
 
 
-def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_real_tree(lab, real):
+def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_real_tree(lab, real, serving):
     d01 = _instance(real.inv_dir, "d01")
     host, unit = d01.units[0]
     procs = _unit_procs(lab, host, unit)
@@ -291,7 +305,7 @@ def _health(url: str) -> int | str:
 
 
 def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pair_and_one_deploy_restores_it(
-        lab, real):
+        lab, real, serving):
     """A generation mismatch made by hand: d01's launch script edited on its host to `--page-size 16`
     (the prefill keeps SGLang's default, 1) and the unit restarted. Real SGLang does not fail the
     request cleanly: the first request that pairs them makes the decode's scheduler raise

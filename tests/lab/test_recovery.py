@@ -158,7 +158,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     import threading
     import uuid
 
-    from pdops.steps.actions import both_sides  # the canary's own way of reaching exactly one pair
+    from pdops.steps.canary import both_sides  # the canary's own way of reaching exactly one pair
 
     stop_all(lab)
     inv_dir = derived_inventory(lab, tmp_path / "halted", profile={"env": {"PDOPS_SIM_DECODE_STEP_MS": "20"}},

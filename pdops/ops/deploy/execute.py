@@ -19,7 +19,8 @@ from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, manifest, snapshot_of
 from pdops.plans import Outcome, Step
 from pdops.runner import RunContext, Say
 
-from pdops.steps.actions import (canary_pairs, configs_of, deliver, processes_of, preflight_unverified, register_workers,
+from pdops.steps.canary import canary_pairs
+from pdops.steps.actions import (configs_of, deliver, processes_of, preflight_unverified, register_workers,
                                   running_evidence, start_admission, start_gateway, start_instance, undo_registrations,
                                   wait_healthy)
 from pdops.ops.deploy.plan import DeployPlan, plan_reconcile

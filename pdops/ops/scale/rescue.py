@@ -16,7 +16,8 @@ from pdops.ops.scale.change import ROLES, ChangeFacts, cordoned_hosts, instance_
 from pdops.ops.scale.execute import instances_doc
 from pdops.ops.scale.steps import undo_steps
 from pdops.facts.engine import failed_session_wait_s
-from pdops.steps.actions import canary_pairs, register
+from pdops.steps.actions import register
+from pdops.steps.canary import canary_pairs
 from pdops.remote.hosts import http_json
 
 
