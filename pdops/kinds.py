@@ -96,6 +96,11 @@ KINDS: dict[str, Kind] = {
     "undo-added": Kind("pdops.ops.scale.rescue:do_undo_added", gives=("halt",), needs=("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?", "committed?")),
     "restore-service": Kind("pdops.ops.scale.rescue:do_restore_service", gives=("workers", "halt"), needs=("drained?", "replaced_out?", "left_gateway?")),
     "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?")),
+    # pdops.ops.bench.run
+    "bench-mark": Kind("pdops.ops.bench.run:do_bench_mark", gives=("bench_mark",)),
+    "bench-load": Kind("pdops.ops.bench.run:do_bench_load", gives=("bench_rows",)),
+    "bench-check": Kind("pdops.ops.bench.run:do_bench_check", gives=("bench_check",), needs=("bench_mark",)),
+    "bench-write": Kind("pdops.ops.bench.run:do_bench_write", gives=("bench_result",), needs=("bench_rows", "bench_check")),
     # pdops.ops.sweep.execute
     "open-matrix": Kind("pdops.ops.sweep.execute:do_open_matrix", gives=("sweep_matrix",)),
     "sweep-scale": Kind("pdops.ops.sweep.execute:do_sweep_scale", gives=("sweep_failed_rows",), needs=("sweep_matrix",)),

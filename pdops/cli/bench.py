@@ -112,7 +112,8 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
 
     def run_cell(run: sw.CellRun):
         return run_bench(inv, state, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
-                         run.run_dir, timeout=run.timeout_s, say=lambda s: None)
+                         run.run_dir, timeout=run.timeout_s, say=lambda s: None,
+                         lock_held=True)  # each cell its own operation, under the sweep's lock
 
     m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, state), run_cell=run_cell, state=state, op=op, inv=inv)
     print(sw.render_matrix(m))

@@ -57,7 +57,8 @@ Failed = Callable[[RunContext, PdopsError], tuple[str, dict]]
 def run_operation(plan: Plan, inv, state, say: Say = print, *, pool, gateways, kind: str | None = None,
                   basis: int | None = None, context: dict | None = None, failed: Failed | None = None,
                   finish: Callable[[RunContext, dict], None] | None = None, op: str | None = None,
-                  lock_held: bool = False, context_type: type = RunContext) -> dict:
+                  lock_held: bool = False, context_type: type = RunContext,
+                  started: Callable[[RunContext], None] | None = None) -> dict:
     """The one way a plan is carried out: the cluster lock taken for it (`kind`, default the plan's
     operation; the operation's id `op`, default a new one; `lock_held`: the caller holds the lock for
     `op` already: `inv sweep` between its rows, a migration holding two records' locks), the record's `current` checked to still be `basis` (the revision it was planned from; None:
@@ -65,19 +66,23 @@ def run_operation(plan: Plan, inv, state, say: Say = print, *, pool, gateways, k
     (pdops.runner.walk: steps, rescue, always), then one verdict in the journal: `ok`, with what
     `finish(ctx, verdict)` adds, or on a failure the status and evidence `failed(ctx, exc)` returns
     (default: `failed`, the error and the steps completed), the error raised on; on Ctrl-C, `interrupted`.
-    `context_type`: a RunContext that carries more (a sweep's). No executor writes a verdict."""
+    `context_type`: a RunContext that carries more (a sweep's); `started(ctx)`: given the context before the
+    walk, for a caller that reads its outputs however the walk ends (a probe's result). No executor
+    writes a verdict."""
     kind = kind or plan.operation
     op = op or new_op_id(kind)
     if lock_held:
-        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type)
+        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
     with state.lock(kind, op_id=op):
-        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type)
+        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
 
 
-def _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type) -> dict:
+def _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type, started) -> dict:
     if basis is not None:
         state.check_basis(basis)
     ctx = context_type(inv, state, op, say, pool, gateways, **(context or {}))
+    if started is not None:
+        started(ctx)
     try:
         verdict = walk(plan, ctx)
     except PdopsError as exc:

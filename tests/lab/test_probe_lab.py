@@ -103,6 +103,11 @@ def test_three_probes_the_table_and_the_restored_baseline(lab, live):
     assert "changes 2 variable(s)" in out and "multi-variable" in out
     assert "probe T1 of bundle 'T2' on p02, d02: 0/4 ok, 4/4 OOM [multi-variable]" in out
     assert_baseline(lab, inv_dir, before, out)
+    # `inv journal` lists it as every operation: one verdict (a probe once ended with its result alone)
+    from pdops.record.commands import operations
+
+    row = operations(record(inv_dir).journal())[-1]
+    assert (row["operation"], row["verdict"]) == ("probe", "ok"), row
 
     out = probe(inv_dir, root, "ok")
     assert_journal_walks_the_printed_plan(record(inv_dir), "probe", out, {"probe-remove"})

@@ -126,9 +126,14 @@ def test_the_sweep_is_one_plan_in_the_journal_each_step_by_its_id(swept):
     scaled = {r["step"]: r["evidence"] for r in walked if r["step"].startswith("sweep-scale")}
     assert scaled["sweep-scale 3p1d"]["op"].startswith("deploy-") and scaled["sweep-scale 3p1d"]["revision"] == 1
     assert scaled["sweep-scale 2p2d"]["op"].startswith("scale-") and scaled["sweep-scale 2p2d"]["revision"] == 2
-    for ev in scaled.values():
+    # and each cell's bench too: its plan's four steps and its verdict, by the op its sweep-run step names
+    benched = [r["evidence"] for r in walked if r["step"].startswith("sweep-run")]
+    assert all(ev["op"].startswith("bench-") for ev in benched), benched
+    for ev in list(scaled.values()) + benched:
         inner = record(root / "c").journal().read(ev["op"])
         assert inner[-1]["step"] == "verdict" and inner[-1]["status"] == "ok", inner[-1]
+    assert [r["step"] for r in inner if r["step"].startswith("bench-")] == [
+        "bench-mark", "bench-load", "bench-check", "bench-write"]
 
 
 def test_every_ledger_has_one_row_per_request_and_the_matrix_is_the_ledgers(swept):
@@ -210,3 +215,9 @@ def test_bench_writes_ledger_and_manifest_with_revision_topology_profile_version
     assert manifest["invalid"] is None and manifest["prompt_tokens_mismatch"] == 0
     assert b.figures_of_run(root / "bench").to_dict() == manifest["figures"]
     assert "verdict: all 4 requests succeeded" in proc.stdout
+    # an operation as every other: its plan printed, then each step and one verdict in the journal
+    assert "plan: bench " in proc.stdout and " 2. bench-load — " in proc.stdout, proc.stdout
+    recs = record(root / "c").journal().read(manifest["run_id"])
+    assert [r["step"] for r in recs if r["step"] != "lock.held"] == [
+        "plan", "bench-mark", "bench-load", "bench-check", "bench-write", "verdict"], recs
+    assert recs[-1]["status"] == "ok" and recs[-1]["evidence"]["invalid"] is None

@@ -20,6 +20,8 @@ from pdops.model.topology import parse_topology
 from pdops.record.journal import now_iso
 from pdops.record.local import new_op_id
 from pdops.ops.report.runs import Span, runs_page
+from pdops.ops.operate import run_operation
+from pdops.plans import Outcome, Plan, Step
 
 
 @dataclass(frozen=True)
@@ -128,17 +130,18 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
               duration: float | str | None = None, ignore_eos: bool = True, out_dir: str | os.PathLike | None = None,
               *, timeout: float = 3600.0, load: Callable | None = None, prompt_for: Callable[[int], str] | None = None,
               resolve_routing: Callable[[list[LedgerRow]], None] | None = None,
-              say: Callable[[str], None] = print) -> BenchResult:
+              say: Callable[[str], None] = print, lock_held: bool = False) -> BenchResult:
     """Drive the gateway of the current revision at a fixed concurrency; write ledger + manifest.
 
-    `load(base_url, **kw) -> rows` defaults to `pdops.remote.loadgen.send`. The run is marked
-    invalid when the revision changed between its start and its end.
-    """
+    An operation as every other (pdops.ops.operate.run_operation): its plan (mark, load, check, write),
+    under the cluster lock (`lock_held`: the caller holds it, `inv sweep` between its cells), from the
+    revision it was planned from, each step and one verdict in the journal. The lock keeps every change
+    off the cluster while it is measured; a change made anyway (the record written around the lock) marks
+    the run invalid. `load(base_url, **kw) -> rows` defaults to `pdops.remote.loadgen.send`."""
 
     wl = workload if isinstance(workload, Workload) else parse_workload(workload)
     conc = parse_concurrency(concurrency)
     n_req, dur = stop_condition(requests, duration)
-    before = revision_mark(state)
     rev = state.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to benchmark",
@@ -163,29 +166,85 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
         "routing": "not resolved (hook resolve_routing not wired)" if resolve_routing is None else "resolved",
     }
     what = f"{n_req} requests" if n_req is not None else f"{dur:g} s"
-    say(f"bench: {wl} at C{conc}, {what}, against {inv.gateway.first.url} (revision {rev.number}, {rev.topology}, "
-        f"{gpus} GPUs); ledger -> {run_dir}")
     kw = dict(requests=n_req, duration=dur, concurrency=conc, max_new_tokens=wl.output_tokens, stream_every=1,
               timeout=timeout, rid_prefix=run_id, ignore_eos=ignore_eos, headers=_read_key(inv.gateway.api_key_file),
               prompt_for=prompt_for or prompt_maker(wl))
-    manifest["started"] = now_iso()
-    t0 = time.monotonic()
-    rows = (load or send)(inv.gateway.first.url, **kw)
-    manifest["ended"] = now_iso()
-    manifest["client_elapsed_s"] = round(time.monotonic() - t0, 3)
-    after = revision_mark(state)
+    plan = bench_plan(inv.cluster, rev.number, run_dir, manifest, load or send, kw, resolve_routing, what)
+    say(plan.render())
+    got: dict = {}
+    run_operation(plan, inv, state, say, pool=None, gateways=None, op=run_id, lock_held=lock_held,
+                  basis=rev.number, finish=lambda ctx, verdict: got.update(result=ctx.output("bench_result")) or
+                  verdict.update(run_dir=str(run_dir), invalid=got["result"].manifest["invalid"]))
+    return got["result"]
+
+
+def bench_plan(cluster: str, revision: int, run_dir: Path, manifest: dict, load: Callable, kw: dict,
+               resolve_routing: Callable | None, what: str) -> Plan:
+    """The bench's four steps: the record's mark read, the load sent, the mark read again, the files written."""
+    p = manifest["parameters"]
+    url = manifest["gateway"]
+    steps = [
+        Step("bench-mark", None, "read the record's mark: the current revision, the newest one, the pointer's "
+             "write (nothing may change them during the run)", kind="bench-mark"),
+        Step("bench-load", None, f"{what} of {p['workload']} at C{p['concurrency']} to {url}, streamed; each "
+             "request sent once, never retried (a failure is a row); one ledger row each", kind="bench-load",
+             params={"load": load, "url": url, "kw": kw}),
+        Step("bench-check", None, "read the mark again: a revision recorded or the pointer moved or rewritten "
+             "makes the run INVALID (its figures are kept, marked)", kind="bench-check"),
+        Step("bench-write", None, f"ledger (csv, jsonl), manifest, figures and page into {run_dir}",
+             kind="bench-write", params={"run_dir": run_dir, "manifest": manifest, "resolve_routing": resolve_routing}),
+    ]
+    return Plan("bench", f"plan: bench {cluster}: {p['workload']} at C{p['concurrency']}, {what}, against {url} "
+                f"(revision {revision}, {manifest['topology']}, {manifest['gpus']} GPUs); under the cluster lock, "
+                "the steps:", steps,
+                head={"revision": revision, "run_dir": str(run_dir), "parameters": p})
+
+
+def do_bench_mark(ctx, step: Step) -> Outcome:
+    mark = revision_mark(ctx.state)
+    ctx.give(step, "bench_mark", mark)
+    return Outcome(evidence={"mark": asdict(mark)}, verified=[f"the record's mark before the run: {mark.describe()}"])
+
+
+def do_bench_load(ctx, step: Step) -> Outcome:
+    par = step.params
+    started, t0 = now_iso(), time.monotonic()
+    rows = par["load"](par["url"], **par["kw"])
+    elapsed = round(time.monotonic() - t0, 3)
+    ctx.give(step, "bench_rows", {"rows": rows, "started": started, "ended": now_iso(), "client_elapsed_s": elapsed})
+    ok = sum(1 for r in rows if r.ok)
+    return Outcome(evidence={"sent": len(rows), "ok": ok, "not_ok": len(rows) - ok, "client_elapsed_s": elapsed},
+                   verified=[f"{len(rows)} request(s) sent, each once, each a ledger row: {ok} ok"])
+
+
+def do_bench_check(ctx, step: Step) -> Outcome:
+    before, after = ctx.get(step, "bench_mark"), revision_mark(ctx.state)
     invalid = revision_change(before, after)
-    manifest["revision_check"] = {"before": asdict(before), "after": asdict(after), "changed": invalid}
-    manifest["invalid"] = invalid
-    if resolve_routing is not None:
-        resolve_routing(rows)
-    mismatched = sum(1 for r in rows if r.ok and r.prompt_tokens != wl.input_tokens)
-    manifest["prompt_tokens_mismatch"] = mismatched
-    figs = compute_figures(rows, gpus=gpus, invalid=invalid)
+    check = {"before": asdict(before), "after": asdict(after), "changed": invalid}
+    ctx.give(step, "bench_check", check)
+    if invalid:
+        return Outcome(evidence=check, unverified=[f"INVALID run: {invalid}"])
+    return Outcome(evidence=check, verified=[f"the record did not change during the run ({after.describe()})"])
+
+
+def do_bench_write(ctx, step: Step) -> Outcome:
+    par = step.params
+    load, check = ctx.get(step, "bench_rows"), ctx.get(step, "bench_check")
+    rows, invalid = load["rows"], check["changed"]
+    manifest = {**par["manifest"], "started": load["started"], "ended": load["ended"],
+                "client_elapsed_s": load["client_elapsed_s"], "revision_check": check, "invalid": invalid}
+    if par["resolve_routing"] is not None:
+        par["resolve_routing"](rows)
+    wanted = manifest["parameters"]["input_tokens"]
+    manifest["prompt_tokens_mismatch"] = sum(1 for r in rows if r.ok and r.prompt_tokens != wanted)
+    figs = compute_figures(rows, gpus=manifest["gpus"], invalid=invalid)
     manifest["figures"] = figs.to_dict()
+    run_dir = par["run_dir"]
     write_ledger(run_dir, rows, manifest)
     write_page(run_dir, rows, manifest)
-    return BenchResult(run_dir, manifest, rows, figs)
+    ctx.give(step, "bench_result", BenchResult(run_dir, manifest, rows, figs))
+    return Outcome(evidence={"run_dir": str(run_dir), "figures": figs.to_dict()},
+                   verified=[f"ledger, manifest and page written into {run_dir}"])
 
 
 PAGE = "report.html"

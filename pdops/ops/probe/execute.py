@@ -9,9 +9,10 @@ from pdops.steps.actions import deliver, running_evidence
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement
 from pdops.plans import Outcome, Step
-from pdops.runner import RunContext, walk
+from pdops.runner import RunContext
 from pdops.record.journal import now_iso
 from pdops.record.local import default_operator, new_op_id
+from pdops.ops.operate import run_operation
 
 from pdops.ops.probe.plan import ProbePlan
 from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatures, mixed_reasons, result_line, signatures
@@ -127,35 +128,44 @@ def next_probe_id(journal) -> str:
 
 
 def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
-    """Walk a probe's one plan under the cluster lock: its steps, then its way back (the plan's
-    `always` steps: they run whether the probe's own steps passed or not, and after Ctrl-C). The
-    probe-result record (also in the journal) says what was measured and where the pair is now."""
+    """Walk a probe's one plan as every operation is walked (pdops.ops.operate.run_operation: under the
+    cluster lock, from the revision it was planned from, one verdict in the journal): its steps, then its
+    way back (the plan's `always` steps: they run whether the probe's own steps passed or not, and after
+    Ctrl-C). A step that fails is the probe's result, not the command's error: the probe-result record
+    (also in the journal, after the verdict) says what was measured and where the pair is now; only a
+    way back that did not complete is raised."""
     state = plan.state
     op = new_op_id("probe")
     p, d = plan.pair
-    with state.lock("probe", op_id=op):
-        state.check_basis(plan.rev.number)
+    with state.lock("probe", op_id=op):  # held before the probe is numbered: two probes never share a number
         j = state.journal()
         pid = next_probe_id(j)
         say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
         union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
-        ctx = RunContext(plan.probe_inv, state, op, say, pool, gateways, placement=union, old_placement=plan.baseline)
         walked = plan.plan
         walked.head["probe"] = pid
+        ran: dict = {}
         failure: PdopsError | None = None
         interrupted = False
         proven: dict = {"verified": [], "unverified": []}
         try:
-            v = walk(walked, ctx)
+            v = run_operation(walked, plan.probe_inv, state, say, pool=pool, gateways=gateways, op=op, lock_held=True,
+                              basis=plan.rev.number, context={"placement": union, "old_placement": plan.baseline},
+                              started=lambda c: ran.update(ctx=c))
             proven["verified"] += v["verified"]
             proven["unverified"] += v["unverified"]
         except PdopsError as exc:
+            if "ctx" not in ran:  # refused before the walk (the basis moved): nothing ran, nothing to record
+                raise
             failure = exc
             say(f"probe {pid}: stopped at a step: {exc.message}")
         except KeyboardInterrupt:  # the way back ran (always_on_interrupt): a candidate is never left behind
+            if "ctx" not in ran:
+                raise
             interrupted = True
             failure = PdopsError("interrupted by the operator")
             say(f"probe {pid}: interrupted; the requests in flight were abandoned (never sent again)")
+        ctx = ran["ctx"]
         if failure is not None:  # the walk raised: what its way back (the always steps) proved still counts
             proven["verified"] += ctx.always_outcome.get("verified", [])
             proven["unverified"] += ctx.always_outcome.get("unverified", [])

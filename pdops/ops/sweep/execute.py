@@ -153,7 +153,11 @@ def do_sweep_run(ctx: SweepContext, step: Step) -> Outcome:
                   p.get("duration"), bool(p.get("ignore_eos")), p.get("timeout_s"))
     ev = {"ratio": p["ratio"], "topology": str(topo), "concurrency": p["concurrency"], "repeat": p["repeat"]}
     try:
-        figs, rd = _figures_of(ctx.run_cell(run))
+        result = ctx.run_cell(run)
+        figs, rd = _figures_of(result)
+        bench_op = (getattr(result, "manifest", None) or {}).get("run_id")  # its own operation in the journal
+        if bench_op:
+            ev["op"] = bench_op
     except Exception as exc:  # noqa: BLE001 - the run failed: recorded in its cell, the sweep goes on
         entry = {"error": _error_text(exc), "run_dir": str(run_dir)}
         ctx.say(f"    failed: {entry['error']}")

@@ -247,6 +247,27 @@ def test_run_bench_records_ledger_and_manifest(tmp_path, lab_inv):
     assert [s["label"] for s in page["spans"]] == ["bench C4"]
 
 
+def test_a_bench_is_an_operation_under_the_lock_its_steps_and_verdict_in_the_journal(tmp_path, lab_inv):
+    """`inv bench` once ran with no plan, no lock and no journal: a change could start beside it, and
+    `inv journal` never named it. Now its plan is printed, another operator's lock refuses it before a
+    request is sent, and its steps and one verdict are journalled under its run id."""
+    st = _state(tmp_path, lab_inv)
+    calls, said = [], []
+    with st.lock("scale", op_id="scale-1"):
+        with pytest.raises(Refused, match="locked by .* running 'scale'"):
+            b.run_bench(lab_inv, st, "2000/64", 2, requests=2, out_dir=tmp_path / "no", load=_fake_load(calls),
+                        say=lambda s: None)
+    assert calls == [] and not (tmp_path / "no").exists()
+    res = b.run_bench(lab_inv, st, "2000/64", 2, requests=2, out_dir=tmp_path / "run", load=_fake_load(calls),
+                      say=said.append)
+    assert said[0].startswith("plan: bench lab: 2k/64 at C2, 2 requests") and " 2. bench-load — " in said[0]
+    recs = st.journal().read(res.manifest["run_id"])
+    assert [(r["step"], r["status"]) for r in recs] == [
+        ("plan", "ok"), ("bench-mark", "ok"), ("bench-load", "ok"), ("bench-check", "ok"), ("bench-write", "ok"),
+        ("verdict", "ok")]
+    assert recs[2]["evidence"]["sent"] == 2 and recs[-1]["evidence"]["run_dir"] == str(tmp_path / "run")
+
+
 def test_run_bench_marks_the_run_invalid_when_the_revision_changes_mid_run(tmp_path, lab_inv):
     st = _state(tmp_path, lab_inv)
 

@@ -171,3 +171,30 @@ def test_an_operation_whose_lock_the_caller_holds_runs_under_it_with_its_own_id(
         op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None, op="scale-2", lock_held=True)
         assert state.lock("x").holder().operation == "sweep"
     assert _ran(state, "scale-2") == [("plan", "ok"), ("one", "ok"), ("verdict", "ok")]
+
+
+def test_a_caller_that_records_its_own_result_reads_the_context_however_the_walk_ends(tmp_path, registry):
+    """`inv probe`: a step that fails is the probe's result. The context reaches the caller before the walk
+    (`started`), so it reads the outputs a failed walk gave; the operation still has its one verdict."""
+    from pdops.errors import PdopsError
+    from pdops.plans import Outcome, Plan, Step
+    from pdops.record.local import StateDir
+
+    state = StateDir("t", tmp_path / "state")
+
+    def measure(ctx, s):
+        ctx.give(s, "probe_result", {"result": "0/4 ok"})
+        raise PdopsError("the requests failed")
+
+    registry.bind({"measure": measure, "back": lambda ctx, s: Outcome(verified=["the way back ran"])},
+                  gives={"measure": ("probe_result",)})
+    plan = Plan("probe", "plan: probe", [Step("requests", None, "requests", kind="measure")],
+                always=[Step("back", None, "back", kind="back")])
+    got = {}
+    with pytest.raises(PdopsError):
+        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None,
+                         started=lambda ctx: got.update(ctx=ctx))
+    assert got["ctx"].output("probe_result") == {"result": "0/4 ok"}
+    assert got["ctx"].always_outcome["verified"] == ["the way back ran"]
+    op_id = state.journal().operations()[-1]
+    assert _ran(state, op_id)[-1] == ("verdict", "failed")
