@@ -38,7 +38,7 @@ class RunContext:
     and the outputs earlier steps gave (read and given only as each step declares: get, give)."""
 
     inv: Any
-    state: Any
+    record: Any
     op: str
     say: Say
     pool: Any = None
@@ -58,7 +58,7 @@ class RunContext:
 
     @property
     def journal(self):
-        return self.state.journal()
+        return self.record.journal()
 
     def deadline(self, step: Step) -> float | None:
         """The absolute time.monotonic() deadline of `step`, set when the runner started it."""
@@ -292,7 +292,7 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
     outputs of its own), under the lock and journal of the operation. A failure is raised with
     the rescue's verdict line (`halt_verdict`) added. Gives its verdict in `plan_verdicts`."""
     sub: Plan = step.params["plan"]
-    child = RunContext(step.params.get("inv", ctx.inv), ctx.state, ctx.op, ctx.say, ctx.pool, ctx.gateways,
+    child = RunContext(step.params.get("inv", ctx.inv), ctx.record, ctx.op, ctx.say, ctx.pool, ctx.gateways,
                        placement=step.params.get("placement", ctx.placement),
                        old_placement=step.params.get("old_placement", ctx.old_placement),
                        replacing=frozenset(step.params.get("replacing", ())))

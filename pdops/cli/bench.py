@@ -99,9 +99,9 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
             raise InvalidInput(name, "missing", fix="e.g. inv sweep --budget 96 --ratios 2:1,3:1,5:1 --concurrency 8,16,32")
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
-    state = rec.open_record(inv)
+    record = rec.open_record(inv)
     op = new_op_id("sweep")  # the sweep's operation in the journal, and its folder's name
-    folder = Path(out) if out else state.path / "sweeps" / op
+    folder = Path(out) if out else record.path / "sweeps" / op
     plan = sw.plan_sweep(budget, ratios, concurrency, wl, gpus_per_instance=inv.profile.gpus_per_instance, inv=inv,
                          repeats=repeats, allow_partial=allow_partial, out_dir=folder,
                          min_gain=sw.DEFAULT_MIN_GAIN if min_gain is None else min_gain, requests=requests,
@@ -111,24 +111,24 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
         return
 
     def run_cell(run: sw.CellRun):
-        return run_bench(inv, state, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
+        return run_bench(inv, record, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
                          run.run_dir, timeout=run.timeout_s, say=lambda s: None,
                          lock_held=True)  # each cell its own operation, under the sweep's lock
 
-    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, state), run_cell=run_cell, state=state, op=op, inv=inv)
+    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, record), run_cell=run_cell, record=record, op=op, inv=inv)
     print(sw.render_matrix(m))
     print(f"sweep folder: {folder} (matrix.txt, matrix.csv, matrix.json, runs/<cell>/ledger.*, plots); "
           f"journal: `inv journal --op {op}`; its page: `inv report --op {op}`")
 
 
-def _live_scale_to(inv, state):
+def _live_scale_to(inv, record):
     """The seam to deploy/scale, for the sweep's walk: bring the cluster to a topology, verified, or
     raise. It runs inside the sweep's `sweep-scale` steps, under the lock the sweep holds for its whole
     walk, on that same record (`state`): it plans from the revision current then and walks the deploy
     or the change without taking the lock (pdops.ops.sweep.scale_live)."""
     from pdops.ops import sweep as sw
 
-    return sw.scale_live(inv, state)
+    return sw.scale_live(inv, record)
 
 
 @task(auto_shortflags=False, help={"inventory": "inventory (profile, GPUs per instance, NICs per instance); optional",

@@ -65,13 +65,13 @@ def deploy(c, topology, inventory=DEFAULT_INVENTORY, dry_run=False, skip_check=N
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory)
-    state = rec.open_record(inv)
+    record = rec.open_record(inv)
 
     def make(seen):
-        return dep.plan_deploy(inv, topo, state, set(skip_check or ()), max_unavailable=mu, force=force,
+        return dep.plan_deploy(inv, topo, record, set(skip_check or ()), max_unavailable=mu, force=force,
                                allow_capacity_dip=allow_capacity_dip, seen=seen, unfenced=unfenced)
 
-    how, plan, v = dep.operate_deploy(inv, state, make, dry_run=dry_run)
+    how, plan, v = dep.operate_deploy(inv, record, make, dry_run=dry_run)
     if v is None:
         return
     if how == "change":
@@ -107,13 +107,13 @@ def whole_cluster(v, flag: str, default: int = 1) -> int:
     return n
 
 
-def run_change(inv, state, make, dry_run: bool, *, observe: bool = True) -> None:
+def run_change(inv, record, make, dry_run: bool, *, observe: bool = True) -> None:
     """A change of the live cluster (`make(seen)` -> ScalePlan), planned and walked by pdops.ops.operate
     (`observe=False`: the record alone, a change that starts and stops nothing); its verdict printed."""
     from pdops.ops import scale as sc
     from pdops.ops.operate import operate
 
-    plan, v = operate(inv, state, make, lambda p, conns: sc.execute_scale(p, state, **conns), dry_run=dry_run,
+    plan, v = operate(inv, record, make, lambda p, conns: sc.execute_scale(p, record, **conns), dry_run=dry_run,
                       observe_first=observe)
     if v is not None:
         print_change_verdict(plan, v)
@@ -180,8 +180,8 @@ def _instance_op(instance, inventory, dry_run, make_plan, execute, headline: str
     if not instance:
         raise InvalidInput("--instance", "missing", fix="name the instance, e.g. --instance p07 (see `inv status`)")
     inv = load_inventory(inventory)
-    state = rec.open_record(inv)
-    _, v = operate(inv, state, lambda seen: make_plan(inv, state, seen), lambda p, conns: execute(p, state, **conns),
+    record = rec.open_record(inv)
+    _, v = operate(inv, record, lambda seen: make_plan(inv, record, seen), lambda p, conns: execute(p, record, **conns),
                    dry_run=dry_run, observe_first=observe, units_of=lambda rev: near(rev, instance))
     if v is not None:
         print_verdict(headline, v)
@@ -206,7 +206,7 @@ def _drain_or_stop(instance, inventory, dry_run, force, wait, interval, force_af
     from pdops.ops import drain as dr
 
     _instance_op(instance, inventory, dry_run,
-                 lambda inv, state, seen: dr.plan_drain(inv, state, instance, force=force, wait_s=wait,
+                 lambda inv, record, seen: dr.plan_drain(inv, record, instance, force=force, wait_s=wait,
                                                         interval_s=interval, force_after=force_after,
                                                         skip_gateway=skip_gateway, seen=seen),
                  dr.execute_drain, f"{instance} {'drained and stopped' if not skip_gateway else 'stopped'}.",
@@ -230,7 +230,7 @@ def drain(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, force=Fa
         from pdops.ops import scale as sc
 
         return _host_op(host, inventory, dry_run,
-                        lambda inv, state, seen: sc.plan_drain_host(inv, state, host, force=force, seen=seen))
+                        lambda inv, record, seen: sc.plan_drain_host(inv, record, host, force=force, seen=seen))
     _drain_or_stop(instance, inventory, dry_run, force, seconds(wait, "--wait"), seconds(interval, "--interval"),
                    force_after, False)
 
@@ -242,7 +242,7 @@ def uncordon(c, host=None, inventory=DEFAULT_INVENTORY, dry_run=False):
     """Let placement use a host again after maintenance (nothing starts there until a change needs it)."""
     from pdops.ops import scale as sc
 
-    _host_op(host, inventory, dry_run, lambda inv, state, seen: sc.plan_uncordon(inv, state, host), observe=False)
+    _host_op(host, inventory, dry_run, lambda inv, record, seen: sc.plan_uncordon(inv, record, host), observe=False)
 
 
 def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> None:
@@ -251,8 +251,8 @@ def _host_op(host, inventory, dry_run, make_plan, *, observe: bool = True) -> No
     if not host:
         raise InvalidInput("--host", "missing", fix="name an inventory host, e.g. --host lab04")
     inv = load_inventory(inventory)
-    state = rec.open_record(inv)
-    run_change(inv, state, lambda seen: make_plan(inv, state, seen), dry_run, observe=observe)
+    record = rec.open_record(inv)
+    run_change(inv, record, lambda seen: make_plan(inv, record, seen), dry_run, observe=observe)
 
 
 @task(help={"instance": "the instance to repair, e.g. d01 (see `inv status`)", "inventory": "inventory dir or file",
@@ -302,5 +302,5 @@ def stop(c, inventory=DEFAULT_INVENTORY, instance=None, dry_run=False, kill_surv
         return
     from pdops.ops import drain as dr
 
-    _instance_op(instance, inventory, dry_run, lambda inv, state, seen: dr.plan_kill_survivors(inv, state, instance),
+    _instance_op(instance, inventory, dry_run, lambda inv, record, seen: dr.plan_kill_survivors(inv, record, instance),
                  dr.execute_kill_survivors, f"the survivors of {instance}'s stop are ended; the stop is verified.")

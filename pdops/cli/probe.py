@@ -75,8 +75,8 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
     pr.check_options(instances=instances, spare=spare, requests=n_req, concurrency=n_conc, keep=keep)
     inv = load_inventory(inventory)
     pr.parse_workload(workload, inv.profile)  # all of it before the record is read (over SSH)
-    state = rec.open_record(inv)
-    plan = pr.plan_probe(inv, state, b, instances=instances, spare=spare, requests=n_req, concurrency=n_conc,
+    record = rec.open_record(inv)
+    plan = pr.plan_probe(inv, record, b, instances=instances, spare=spare, requests=n_req, concurrency=n_conc,
                          workload=workload, keep=keep, timeout_s=tmo)
     print(plan.render())
     if dry_run:

@@ -30,8 +30,8 @@ def scale(c, inventory=None, topology=None, dry_run=False, allow_capacity_dip=Fa
     topo = parse_topology(topology)
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
-    state = rec.open_record(inv)
-    run_change(inv, state, lambda seen: sc.plan_scale(inv, topo, state, allow_capacity_dip=allow_capacity_dip,
+    record = rec.open_record(inv)
+    run_change(inv, record, lambda seen: sc.plan_scale(inv, topo, record, allow_capacity_dip=allow_capacity_dip,
                                                       skip_checks=set(skip_check or ()), max_unavailable=mu,
                                                       force=force, seen=seen, unfenced=unfenced), dry_run)
 
@@ -52,8 +52,8 @@ def rollback(c, inventory=None, to=None, dry_run=False, allow_capacity_dip=False
 
     mu = whole_cluster(max_unavailable, "--max-unavailable")
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
-    state = rec.open_record(inv)
-    run_change(inv, state, lambda seen: sc.plan_rollback(inv, state, to, allow_capacity_dip=allow_capacity_dip,
+    record = rec.open_record(inv)
+    run_change(inv, record, lambda seen: sc.plan_rollback(inv, record, to, allow_capacity_dip=allow_capacity_dip,
                                                          skip_checks=set(skip_check or ()), max_unavailable=mu,
                                                          force=force, seen=seen), dry_run)
 
@@ -67,8 +67,8 @@ def history(c, inventory=None, json=False):
     from pdops.reads.history import format_history, history_rows
     from pdops.model.inventory import load_inventory
 
-    state = rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
-    print(_json.dumps(history_rows(state), indent=2) if json else format_history(state))
+    record = rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
+    print(_json.dumps(history_rows(record), indent=2) if json else format_history(record))
 
 
 @task(help={"inventory": "inventory dir or file", "a": "revision number", "b": "revision number",
@@ -85,6 +85,6 @@ def diff(c, a=None, b=None, inventory=None, json=False):
 
     if a is None or b is None:
         raise InvalidInput("diff", "needs two revision numbers", fix="e.g. `inv diff 3 4` (see `inv history`)")
-    state = rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
-    d = diff_revisions(state, a, b)
+    record = rec.open_record(load_inventory(inventory or DEFAULT_INVENTORY), cached_ok=True)
+    d = diff_revisions(record, a, b)
     print(_json.dumps(d, indent=2) if json else format_diff(d))

@@ -30,12 +30,12 @@ def journal(c, inventory=None, op=None, last="20", json=False):
 
     if not str(last).isdigit() or int(last) < 1:
         raise InvalidInput("--last", f"{last!r} is not a positive number of operations", fix="e.g. --last 50")
-    state = _record(inventory)
-    j = state.journal()
+    record = _record(inventory)
+    j = record.journal()
     if op:
         steps = j.read(op)
         if not steps:
-            raise InvalidInput("--op", f"no operation {op!r} in the journal on {state.location}",
+            raise InvalidInput("--op", f"no operation {op!r} in the journal on {record.location}",
                                fix="see `inv journal` for operation ids")
         if json:
             print(_json.dumps(steps, indent=2))
@@ -50,7 +50,7 @@ def journal(c, inventory=None, op=None, last="20", json=False):
         print(_json.dumps(rows, indent=2))
         return
     print(format_table(rows) if rows else "no operation journalled yet")
-    print(f"(journal: {state.location}, the last {n} operations)")
+    print(f"(journal: {record.location}, the last {n} operations)")
 
 
 @task(help={"inventory": "inventory dir or file", "force": "take the lock over (needs --reason)",
@@ -81,25 +81,25 @@ def show(c, inventory=None, json=False):
 
     from pdops.record import lock_line
 
-    state = _record(inventory, cached_ok=True)
-    state._check_local_record = False
-    state.allow_moved = True
-    doc = {"location": state.location, "store": state.store.kind, "current": state.current(),
-           "revisions": state.revision_numbers(), "lock": state.lock_holder(), "moved": state.snapshot().get("moved"),
-           "cached": state.cached, "cache_file": str(state.cache_file),
-           "local_record": state.local_record().revision_numbers(), "local_dir": str(state.path)}
+    record = _record(inventory, cached_ok=True)
+    record._check_local_record = False
+    record.allow_moved = True
+    doc = {"location": record.location, "store": record.store.kind, "current": record.current(),
+           "revisions": record.revision_numbers(), "lock": record.lock_holder(), "moved": record.snapshot().get("moved"),
+           "cached": record.cached, "cache_file": str(record.cache_file),
+           "local_record": record.local_record().revision_numbers(), "local_dir": str(record.path)}
     if json:
         print(_json.dumps(doc, indent=2, default=str))
         return
-    print(f"record of {state.cluster}: {doc['location']}" + (" (READ-ONLY CACHED COPY)" if doc["cached"] else ""))
+    print(f"record of {record.cluster}: {doc['location']}" + (" (READ-ONLY CACHED COPY)" if doc["cached"] else ""))
     if doc["moved"]:
         print(f"  MOVED to {doc['moved'].get('to')} at {doc['moved'].get('at')} by {doc['moved'].get('by')}: set "
               f"pdops_state.backend: {doc['moved'].get('backend')}")
     print(f"  current: {doc['current']}; revisions: {', '.join(map(str, doc['revisions'])) or 'none'}")
     print(f"  {lock_line(doc['lock'])}")
     print(f"  this machine: {doc['local_dir']} (cache {doc['cache_file']})")
-    if state.cache_error:
-        print(f"  note: {state.cache_error}")
+    if record.cache_error:
+        print(f"  note: {record.cache_error}")
     if doc["local_record"]:
         print(f"  this machine also holds a record of its own (revisions {doc['local_record']}): `inv state.push`")
 

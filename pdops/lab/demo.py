@@ -9,7 +9,7 @@ import time
 
 import yaml
 
-from pdops import record
+from pdops.record import open_record
 from pdops.facts import q
 from pdops.lab import lifecycle, report
 from pdops.lab.inventory import own_record
@@ -51,7 +51,7 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     _stop_previous(inv, say)
 
     _section(say, "3. deploy 2p1d: Ansible delivers, Fabric starts in order, gateway registers, canary")
-    plan = dep.plan_deploy(inv, parse_topology("2p1d"), record.open_record(inv))
+    plan = dep.plan_deploy(inv, parse_topology("2p1d"), open_record(inv))
     say(plan.render())
     with connections(inv) as conns:
         v = dep.execute_deploy(plan, say, **conns)
@@ -70,11 +70,11 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     t = threading.Thread(target=lambda: background.extend(send(
         inv.gateway.first.url, requests=30, concurrency=6, max_new_tokens=64, stream_every=2, rid_prefix="demo-bg")))
     t.start()
-    state = record.open_record(inv)
-    dplan = dr.plan_drain(inv, state, "p02", interval_s=1)
+    record = open_record(inv)
+    dplan = dr.plan_drain(inv, record, "p02", interval_s=1)
     say(dplan.render())
     with connections(inv) as conns:
-        verdict = dr.execute_drain(dplan, state, say, **conns)
+        verdict = dr.execute_drain(dplan, record, say, **conns)
     t.join()
     for item in verdict["verified"]:
         say(f"  verified: {item}")
@@ -84,8 +84,8 @@ def run_demo(hosts: int = 4, say: Say = print) -> None:
     say(f"traffic during the drain: {ok}/{len(background)} requests succeeded")
 
     _section(say, "6. status")
-    say(format_status(collect_status(inv, state)))
-    say(f"\nrecord and journal (on the state host): {state.location}\nthis machine's cache and builds: {state.path}\n"
+    say(format_status(collect_status(inv, record)))
+    say(f"\nrecord and journal (on the state host): {record.location}\nthis machine's cache and builds: {record.path}\n"
         f"inventory: {where / 'hosts.yml'}\n"
         f"try: inv status -i {where}   |   inv journal -i {where}   |   inv verify -i {where}   |   "
         "inv lab.down (removes the lab)")

@@ -79,13 +79,13 @@ def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple
         time.sleep(interval_s)
 
 
-def plan_rotate_keys(inv: Inventory, state, deadline_s: float = 30.0) -> Plan:
+def plan_rotate_keys(inv: Inventory, record, deadline_s: float = 30.0) -> Plan:
     """The key rotation as steps (pure apart from reading the record `state`)."""
     cfg = inv.admission  # load_inventory just read and validated the operator's key file
     if cfg is None:
         raise InvalidInput("pdops_admission", "this inventory has no admission layer",
                            fix="set pdops_admission (docs/admission.md) and deploy first")
-    if state.current() is None:
+    if record.current() is None:
         raise Refused(f"{inv.cluster} has no deployed revision", fix="deploy the cluster first (`inv deploy`)")
     new_map = keys_map(cfg.keys)
     sha = hashlib.sha256(new_map.encode()).hexdigest()
@@ -185,11 +185,11 @@ def do_verify_keys(ctx: RunContext, step: Step) -> Outcome:
                                           f"{min(len(keys['revoked']), PROBE_MAX)} revoked key(s) refused with 401"])
 
 
-def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool,
+def rotate_keys(inv: Inventory, record, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool,
                 gateways=None) -> dict:
     """Deliver the operator's key file as the new key map, reload, verify (with the runner), under
     the lock of the record `state`. Returns the evidence and the verdict."""
-    plan = plan_rotate_keys(inv, state, deadline_s)
+    plan = plan_rotate_keys(inv, record, deadline_s)
     cfg = inv.admission
     got: dict = {}
 
@@ -197,7 +197,7 @@ def rotate_keys(inv: Inventory, state, say: Say = print, deadline_s: float = 30.
         verdict.update(keys=len(cfg.keys), map_sha256=plan.head["map_sha256"])
         got.update(op=ctx.op, keys=ctx.output("admission_keys")[cfg.host])
 
-    verdict = run_operation(plan, inv, state, say, pool=pool, gateways=gateways, kind="admission-keys", finish=finish)
+    verdict = run_operation(plan, inv, record, say, pool=pool, gateways=gateways, kind="admission-keys", finish=finish)
     keys = got["keys"]
     return {"op": got["op"], "host": cfg.host, "hosts": list(cfg.hosts), "keys": len(cfg.keys),
             "added": [key_id(k) for k in keys["added"]], "revoked": [key_id(k) for k in keys["revoked"]],

@@ -18,7 +18,7 @@ from pdops.record.local import new_op_id
 from pdops.runner import RunContext, Say, walk
 
 
-def operate(inv, state, make_plan: Callable[[Seen | None], Any], walk: Callable[[Any, dict], dict], *,
+def operate(inv, record, make_plan: Callable[[Seen | None], Any], walk: Callable[[Any, dict], dict], *,
             dry_run: bool, observe_first: bool = True, units_of: Callable | None = None, first=None,
             say: Say = print) -> tuple[Any, dict | None]:
     """`make_plan(seen)` -> a plan (`seen`: None, planned from the record alone); `walk(plan, conns)` -> its
@@ -32,7 +32,7 @@ def operate(inv, state, make_plan: Callable[[Seen | None], Any], walk: Callable[
             first = make_plan(None)
         except Refused as exc:
             refused = exc
-    rev = state.current_revision()
+    rev = record.current_revision()
     if not observe_first or rev is None:
         if refused:
             raise refused
@@ -54,7 +54,7 @@ def operate(inv, state, make_plan: Callable[[Seen | None], Any], walk: Callable[
 Failed = Callable[[RunContext, PdopsError], tuple[str, dict]]
 
 
-def run_operation(plan: Plan, inv, state, say: Say = print, *, pool, gateways, kind: str | None = None,
+def run_operation(plan: Plan, inv, record, say: Say = print, *, pool, gateways, kind: str | None = None,
                   basis: int | None = None, context: dict | None = None, failed: Failed | None = None,
                   finish: Callable[[RunContext, dict], None] | None = None, op: str | None = None,
                   lock_held: bool = False, context_type: type = RunContext,
@@ -72,15 +72,15 @@ def run_operation(plan: Plan, inv, state, say: Say = print, *, pool, gateways, k
     kind = kind or plan.operation
     op = op or new_op_id(kind)
     if lock_held:
-        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
-    with state.lock(kind, op_id=op):
-        return _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
+        return _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
+    with record.lock(kind, op_id=op):
+        return _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
 
 
-def _run(plan, inv, state, say, op, pool, gateways, basis, context, failed, finish, context_type, started) -> dict:
+def _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, started) -> dict:
     if basis is not None:
-        state.check_basis(basis)
-    ctx = context_type(inv, state, op, say, pool, gateways, **(context or {}))
+        record.check_basis(basis)
+    ctx = context_type(inv, record, op, say, pool, gateways, **(context or {}))
     if started is not None:
         started(ctx)
     try:

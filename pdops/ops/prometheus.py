@@ -282,7 +282,7 @@ def panel_queries(cluster: str, revision: str = ".*") -> list[tuple[str, str]]:
 
 
 def do_publish_targets(ctx: RunContext, step: Step) -> Outcome:
-    rev = ctx.state.current_revision()
+    rev = ctx.record.current_revision()
     if rev is None:
         return Outcome.noop("nothing is deployed: no revision to describe")
     ev, ok, no = targets_after_record(ctx.pool, ctx.inv, rev)

@@ -58,7 +58,7 @@ def _epoch(iso: str) -> float:
     return t.timestamp()
 
 
-def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, force: bool = False,
+def plan_repair(inv: Inventory, record, instance_id: str, status_doc: dict, *, force: bool = False,
                 force_after: bool = False, wait_s: float | None = None, seen=None):
     """The repair plan of one instance, decided from `status_doc` (pdops.reads.status.read_status, read
     now) and `seen` (pdops.reads.observation.Seen of the same reading; None: not read): a gateway that does not
@@ -66,7 +66,7 @@ def plan_repair(inv: Inventory, state, instance_id: str, status_doc: dict, *, fo
     canary pair goes through it. Returns a ScalePlan, or a str saying why there is nothing to do."""
 
     iid = check_instance_id(instance_id)
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused("nothing is deployed (no current revision)", fix="`inv deploy --topology T` first")
     pl = Placement.from_dict(rev.placement)
@@ -159,10 +159,10 @@ def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
                                 if absorbed else " (no failure counter rose)")])
 
 
-def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
+def plan_end_orphans(inv: Inventory, record) -> tuple[Plan, Placement]:
     """`inv end-orphans`: every prefill's halves that no decode holds (pdops.reads.orphans), ended by rid
     and named. Read-only until the walk: which requests are orphaned is read when the step runs."""
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: no prefill to look at",
                       fix="deploy first (`inv deploy --topology 1p1d`)")
@@ -174,19 +174,19 @@ def plan_end_orphans(inv: Inventory, state) -> tuple[Plan, Placement]:
                 head={"revision": rev.number}), pl
 
 
-def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, state, say=print, *, pool, gateways) -> dict:
+def execute_end_orphans(plan: Plan, pl: Placement, inv: Inventory, record, say=print, *, pool, gateways) -> dict:
     """Walk it under the cluster lock; the verdict names what was ended."""
-    return run_operation(plan, inv, state, say, pool=pool, gateways=gateways, context={"placement": pl})
+    return run_operation(plan, inv, record, say, pool=pool, gateways=gateways, context={"placement": pl})
 
 
-def repair(inv: Inventory, state, instance_id: str, *, force: bool = False, force_after: bool = False,
+def repair(inv: Inventory, record, instance_id: str, *, force: bool = False, force_after: bool = False,
            wait_s: float | None = None, dry_run: bool = False, say=print) -> tuple[Plan | str, dict | None]:
     """`inv repair`: read the cluster as `inv status` does (systemd, the gateways, each instance's
     state word), plan the repair of `instance_id` from that, print it, and walk it (a change of one
     instance). Returns (the plan, or why nothing is to be done; the verdict, None when nothing was
     walked); the verdict's `headline` says what was repaired and what was lost."""
-    doc, obs = read_status(inv, state, remember=False)
-    plan = plan_repair(inv, state, instance_id, doc, force=force, force_after=force_after, wait_s=wait_s,
+    doc, obs = read_status(inv, record, remember=False)
+    plan = plan_repair(inv, record, instance_id, doc, force=force, force_after=force_after, wait_s=wait_s,
                        seen=Seen.of(obs) if obs is not None else None)
     if isinstance(plan, str):
         say(f"no change: {plan}")
@@ -195,7 +195,7 @@ def repair(inv: Inventory, state, instance_id: str, *, force: bool = False, forc
     if dry_run:
         return plan, None
     with connections(inv) as conns:
-        v = sc.execute_scale(plan, state, say, **conns)
+        v = sc.execute_scale(plan, record, say, **conns)
     lost = v.get("lost") or []
     v["headline"] = (f"repaired {instance_id} (observed {plan.repair['state']}) as revision {v['revision']}, now "
                      f"current; {len(lost)} request(s) lost with its ended process"
@@ -203,11 +203,11 @@ def repair(inv: Inventory, state, instance_id: str, *, force: bool = False, forc
     return plan, v
 
 
-def end_orphans(inv: Inventory, state, *, dry_run: bool = False, say=print) -> dict | None:
+def end_orphans(inv: Inventory, record, *, dry_run: bool = False, say=print) -> dict | None:
     """`inv end-orphans`: plan, print, and (unless `dry_run`) walk; the verdict, None when not walked."""
-    plan, pl = plan_end_orphans(inv, state)
+    plan, pl = plan_end_orphans(inv, record)
     say(plan.render())
     if dry_run:
         return None
     with connections(inv) as conns:
-        return execute_end_orphans(plan, pl, inv, state, say, **conns)
+        return execute_end_orphans(plan, pl, inv, record, say, **conns)

@@ -37,11 +37,11 @@ def _who(rev: Revision) -> tuple[str, str]:
     return user, machine or "-"
 
 
-def history_rows(state) -> list[dict]:
+def history_rows(record) -> list[dict]:
     """One row per recorded revision, oldest first, with the current one marked."""
-    cur = state.current()
+    cur = record.current()
     rows = []
-    for rev in state.history():
+    for rev in record.history():
         operator, machine = _who(rev)
         rows.append({"current": "*" if rev.number == cur else "", "revision": rev.number, "topology": rev.topology,
                      "created": rev.created, "operator": operator, "machine": machine, "outcome": rev.outcome,
@@ -49,26 +49,26 @@ def history_rows(state) -> list[dict]:
     return rows
 
 
-def format_history(state) -> str:
-    rows = history_rows(state)
-    head = record_lines(record_doc(state))
-    where = getattr(state, "location", str(state.path))
+def format_history(record) -> str:
+    rows = history_rows(record)
+    head = record_lines(record_doc(record))
+    where = getattr(record, "location", str(record.path))
     if not rows:
-        return "\n".join(head + [f"{state.cluster}: no revision recorded yet (record: {where})"])
+        return "\n".join(head + [f"{record.cluster}: no revision recorded yet (record: {where})"])
     return "\n".join(head + [format_table(rows), f"(* = current; record: {where})"])
 
 
-def _read(state, n) -> Revision:
+def _read(record, n) -> Revision:
     try:
         num = int(n)
     except (TypeError, ValueError):
         raise InvalidInput("revision", f"{n!r} is not a revision number", fix="see `inv history`") from None
-    return state.read_revision(num)
+    return record.read_revision(num)
 
 
-def diff_revisions(state, a, b) -> dict:
+def diff_revisions(record, a, b) -> dict:
     """What changed from revision `a` to revision `b`: instances added/removed/moved, files per host."""
-    ra, rb = _read(state, a), _read(state, b)
+    ra, rb = _read(record, a), _read(record, b)
     pa, pb = Placement.from_dict(ra.placement), Placement.from_dict(rb.placement)
     ia, ib = {i.id: i for i in pa.instances}, {i.id: i for i in pb.instances}
 

@@ -42,13 +42,13 @@ STATES = ("ok", "restarted", "degraded", "down", "not registered", "unknown")
 QUEUES = ("running", "waiting", "prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
 
 
-def record_doc(state) -> dict:
+def record_doc(record) -> dict:
     """Where the record was read from, whether it is the cached copy (and then the banner that says which
     store cannot be reached and how to bring it back), who holds the lock."""
-    cached = getattr(state, "cached", None)
-    return {"location": getattr(state, "location", str(state.path)), "cached": cached,
-            "banner": state.cache_banner() if cached else None,
-            "lock": state.lock_holder() if hasattr(state, "lock_holder") else None}
+    cached = getattr(record, "cached", None)
+    return {"location": getattr(record, "location", str(record.path)), "cached": cached,
+            "banner": record.cache_banner() if cached else None,
+            "lock": record.lock_holder() if hasattr(record, "lock_holder") else None}
 
 
 @dataclass
@@ -161,19 +161,19 @@ def _instance_strays(o, obs) -> list[str] | str:
     return out
 
 
-def collect_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None) -> dict:
+def collect_status(inv: Inventory, record, *, remember: bool = True, prometheus: str | None = None) -> dict:
     """Read every source and judge each instance and the gateway (see the module's doc)."""
-    return read_status(inv, state, remember=remember, prometheus=prometheus)[0]
+    return read_status(inv, record, remember=remember, prometheus=prometheus)[0]
 
 
-def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str | None = None):
+def read_status(inv: Inventory, record, *, remember: bool = True, prometheus: str | None = None):
     """`collect_status`'s document and the Observation (pdops.reads.observe) it judged; None when nothing is
     deployed. `remember=False` (`inv repair` deciding): compare with the last look, do not become it."""
 
-    rev = state.current_revision()
-    record = record_doc(state)
+    rev = record.current_revision()
+    where = record_doc(record)
     if rev is None:
-        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateways": [], "record": record,
+        return {"cluster": inv.cluster, "revision": None, "instances": [], "gateways": [], "record": where,
                 "note": "nothing deployed yet (no current revision)", "ok": True}, None
     with HostPool(inv) as pool:
         obs = observe(inv, rev, pool, Gateways.of(inv), cgroups=True)
@@ -273,7 +273,7 @@ def read_status(inv: Inventory, state, *, remember: bool = True, prometheus: str
     return {"cluster": inv.cluster, "revision": rev.number, "topology": rev.topology, "instances": rows,
             "gateways": gateways, "front_door": list(obs.front_door), "admission_down": obs.admission_findings(),
             "store_down": obs.store_findings(),
-            "warnings": warnings, "record": record, "cordoned": list((rev.extra or {}).get("cordoned", [])),
+            "warnings": warnings, "record": where, "cordoned": list((rev.extra or {}).get("cordoned", [])),
             "orphans_unread": orphaned.unknown, "ok": ok, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, obs
 
 

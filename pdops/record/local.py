@@ -307,15 +307,15 @@ class ClusterLock:
     A ``flock`` on ``lock.flock`` serialises check-and-take between local processes.
     """
 
-    def __init__(self, state: StateDir, operation: str, *, op_id: str | None = None,
+    def __init__(self, record: StateDir, operation: str, *, op_id: str | None = None,
                  operator: str | None = None, journal: Journal | None = None):
-        self.state = state
+        self.record = record
         self.operation = operation
         self.op_id = op_id or new_op_id(operation)
         self.operator = operator or default_operator()
-        self.journal = journal or state.journal()
-        self.path = state.path / "lock"
-        self._flock_path = state.path / "lock.flock"
+        self.journal = journal or record.journal()
+        self.path = record.path / "lock"
+        self._flock_path = record.path / "lock.flock"
         self._token = uuid.uuid4().hex
         self.held = False
         self.took_over: LockHolder | None = None
@@ -347,7 +347,7 @@ class ClusterLock:
 
     # -- taking
     def acquire(self) -> "ClusterLock":
-        self.state.path.mkdir(parents=True, exist_ok=True)
+        self.record.path.mkdir(parents=True, exist_ok=True)
         with open(self._flock_path, "a") as guard:
             fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
             try:
@@ -368,7 +368,7 @@ class ClusterLock:
         if holder is not None:
             if not self.is_stale(holder):
                 raise Refused(
-                    f"cluster '{self.state.cluster}' is locked by {holder.describe()}",
+                    f"cluster '{self.record.cluster}' is locked by {holder.describe()}",
                     fix=("wait for it to finish; if that operation is dead on another host, "
                          f"check it there and remove {self.path} by hand"),
                     evidence=json.dumps(asdict(holder), indent=2),
@@ -388,7 +388,7 @@ class ClusterLock:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             # only a process not honouring lock.flock can get here
-            raise Refused(f"cluster '{self.state.cluster}' lock appeared while taking it") from None
+            raise Refused(f"cluster '{self.record.cluster}' lock appeared while taking it") from None
         try:
             os.write(fd, (json.dumps(asdict(rec), indent=2) + "\n").encode())
             os.fsync(fd)

@@ -38,20 +38,20 @@ class RevisionMark:
         return f"current={self.current} latest={self.latest}"
 
 
-def revision_mark(state) -> RevisionMark:
+def revision_mark(record) -> RevisionMark:
     """Read the mark of a record: the shared one is read again from its state host; a local
     StateDir also gives its `current` file's mtime and inode (no host is contacted)."""
-    if hasattr(state, "refresh"):
-        state.refresh()
+    if hasattr(record, "refresh"):
+        record.refresh()
         mtime = ino = None
     else:
         try:
-            st = state.current_file.stat()
+            st = record.current_file.stat()
             mtime, ino = st.st_mtime_ns, st.st_ino
         except FileNotFoundError:
             mtime = ino = None
-    nums = state.revision_numbers()
-    return RevisionMark(state.current(), nums[-1] if nums else None, mtime, ino)
+    nums = record.revision_numbers()
+    return RevisionMark(record.current(), nums[-1] if nums else None, mtime, ino)
 
 
 def revision_change(before: RevisionMark, after: RevisionMark) -> str | None:
@@ -126,7 +126,7 @@ def gpus_of_revision(rev, gpus_per_instance: int) -> int:
     return (t.prefill + t.decode) * gpus_per_instance
 
 
-def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requests: int | str | None = None,
+def run_bench(inv, record, workload: Workload | str, concurrency: int | str, requests: int | str | None = None,
               duration: float | str | None = None, ignore_eos: bool = True, out_dir: str | os.PathLike | None = None,
               *, timeout: float = 3600.0, load: Callable | None = None, prompt_for: Callable[[int], str] | None = None,
               resolve_routing: Callable[[list[LedgerRow]], None] | None = None,
@@ -142,13 +142,13 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
     wl = workload if isinstance(workload, Workload) else parse_workload(workload)
     conc = parse_concurrency(concurrency)
     n_req, dur = stop_condition(requests, duration)
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to benchmark",
                       fix="deploy first (`inv deploy --topology 1p1d`)")
     gpus = gpus_of_revision(rev, inv.profile.gpus_per_instance)
     run_id = new_op_id("bench")
-    run_dir = Path(out_dir) if out_dir is not None else state.path / "bench" / run_id
+    run_dir = Path(out_dir) if out_dir is not None else record.path / "bench" / run_id
     manifest = {
         "run_id": run_id, "cluster": inv.cluster, "kind": "bench",
         "revision": {"number": rev.number, "topology": rev.topology, "inventory_hash": rev.inventory_hash,
@@ -172,7 +172,7 @@ def run_bench(inv, state, workload: Workload | str, concurrency: int | str, requ
     plan = bench_plan(inv.cluster, rev.number, run_dir, manifest, load or send, kw, resolve_routing, what)
     say(plan.render())
     got: dict = {}
-    run_operation(plan, inv, state, say, pool=None, gateways=None, op=run_id, lock_held=lock_held,
+    run_operation(plan, inv, record, say, pool=None, gateways=None, op=run_id, lock_held=lock_held,
                   basis=rev.number, finish=lambda ctx, verdict: got.update(result=ctx.output("bench_result")) or
                   verdict.update(run_dir=str(run_dir), invalid=got["result"].manifest["invalid"]))
     return got["result"]
@@ -201,7 +201,7 @@ def bench_plan(cluster: str, revision: int, run_dir: Path, manifest: dict, load:
 
 
 def do_bench_mark(ctx, step: Step) -> Outcome:
-    mark = revision_mark(ctx.state)
+    mark = revision_mark(ctx.record)
     ctx.give(step, "bench_mark", mark)
     return Outcome(evidence={"mark": asdict(mark)}, verified=[f"the record's mark before the run: {mark.describe()}"])
 
@@ -218,7 +218,7 @@ def do_bench_load(ctx, step: Step) -> Outcome:
 
 
 def do_bench_check(ctx, step: Step) -> Outcome:
-    before, after = ctx.get(step, "bench_mark"), revision_mark(ctx.state)
+    before, after = ctx.get(step, "bench_mark"), revision_mark(ctx.record)
     invalid = revision_change(before, after)
     check = {"before": asdict(before), "after": asdict(after), "changed": invalid}
     ctx.give(step, "bench_check", check)

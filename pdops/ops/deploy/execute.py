@@ -53,7 +53,7 @@ def do_preflight(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_render(ctx: RunContext, step: Step) -> Outcome:
-    build = ctx.state.path / "builds" / ctx.op
+    build = ctx.record.path / "builds" / ctx.op
     write_build(step.params["files"], build, {"op": ctx.op, **step.params["meta"]})
     ctx.give(step, "build", build)
     return Outcome(evidence={"build": str(build), "files": len(step.params["files"])})
@@ -281,14 +281,14 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
     instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
                         "worker_id": workers[i.id], "url": i.url,
                         "main_pids": main_pids.get(i.id)} for i in pl.instances}
-    rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
+    rev = ctx.record.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
                                    placement=pl.to_dict(), manifest=manifest(files), instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"gateways": ctx.inv.gateway.urls, "build": str(ctx.get(step, "build")),
                                           "configs": configs_of(running), **processes_of(running, ctx.inv),
                                           "last_bootstrap": last_bootstrap_ports({}, pl)},
                                    snapshot=snapshot_of(ctx.inv, files))
-    ctx.state.set_current(rev.number)
+    ctx.record.set_current(rev.number)
     ctx.verdict["revision"] = rev.number
     return Outcome(evidence={"revision": rev.number}, verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
 
@@ -312,15 +312,15 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
     # the inventory this deploy ran with renders the live files (plan_deploy compared them): it is the
     # revision's inventory from now on, with its snapshot when it is not the recorded one
     same_inventory = ctx.inv.matches(live.inventory_hash)
-    rev = ctx.state.write_revision(topology=live.topology, inventory_hash=ctx.inv.digest,
+    rev = ctx.record.write_revision(topology=live.topology, inventory_hash=ctx.inv.digest,
                                    placement=live.placement, manifest=live.manifest, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={**live.extra, "repair_of": live.number, "repaired": step.params["findings"],
                                           **({"configs": configs_of(running), **processes_of(running, ctx.inv)}
                                              if running is not None else {})},
-                                   snapshot=ctx.state.revision_snapshot(live.number) if same_inventory
+                                   snapshot=ctx.record.revision_snapshot(live.number) if same_inventory
                                    else snapshot_of(ctx.inv, files))
-    ctx.state.set_current(rev.number)
+    ctx.record.set_current(rev.number)
     ctx.verdict["revision"] = rev.number
     return Outcome(evidence={"revision": rev.number, "main_pids": seen, "inventory_hash": ctx.inv.digest},
                    verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
@@ -370,13 +370,13 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
     if plan.change is not None:  # the deploy is a rolling change of the live cluster: the change's walk
         raise PdopsError("a deploy plan whose `change` is a rolling change was given to execute_deploy: nothing "
                          "was run", fix="walk plan.change with pdops.ops.scale.execute_scale (as `inv deploy` does)")
-    if plan.state is None:
+    if plan.record is None:
         raise PdopsError("a deploy plan without the record it was read from (plan it with plan_deploy): nothing was run",
                          fix="a pdops bug to report")
     if plan.live is not None and not plan.steps:
         raise Refused(f"revision {plan.live.number} is live with these files: what to repair is decided from "
                       "observation", fix="plan it with plan_reconcile (as `inv deploy` does)")
-    return run_operation(plan.plan, plan.inv, plan.state, say, pool=pool, gateways=gateways, kind="deploy",
+    return run_operation(plan.plan, plan.inv, plan.record, say, pool=pool, gateways=gateways, kind="deploy",
                          basis=plan.basis, context={"placement": plan.placement}, failed=_deploy_failed, op=op,
                          lock_held=op is not None)
 
@@ -384,13 +384,13 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
 def _deploy_failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
     """The failure verdict (after the plan's rescue ran): what runs, what is current."""
     started = ctx.output("started", [])
-    current = ctx.state.current()
+    current = ctx.record.current()
     exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
                     f"units started by this deploy (left for inspection): {', '.join(started) or 'nothing'}")
     return "failed", {"left_running": started, "current": current, "completed": ctx.done}
 
 
-def operate_deploy(inv, state, make_plan, *, dry_run: bool, say: Say = print) -> tuple[str, object, dict | None]:
+def operate_deploy(inv, record, make_plan, *, dry_run: bool, say: Say = print) -> tuple[str, object, dict | None]:
     """`inv deploy`, the whole of it (the CLI prints what it returns): `make_plan(seen)` -> a DeployPlan.
     A change of the live cluster (topology, inventory, files) is planned and walked as any change
     (pdops.ops.operate); a first deploy is walked as planned; a deploy of the live revision decides what to
@@ -399,8 +399,8 @@ def operate_deploy(inv, state, make_plan, *, dry_run: bool, say: Say = print) ->
     walked)."""
     plan = make_plan(None)
     if plan.change is not None:  # a rolling change: planned again from what runs now
-        change, v = operate(inv, state, lambda seen: make_plan(seen).change,
-                            lambda p, conns: execute_scale(p, state, **conns), dry_run=dry_run, first=plan.change,
+        change, v = operate(inv, record, lambda seen: make_plan(seen).change,
+                            lambda p, conns: execute_scale(p, record, **conns), dry_run=dry_run, first=plan.change,
                             say=say)
         return "change", change, v
     if plan.live is None:
@@ -413,7 +413,7 @@ def operate_deploy(inv, state, make_plan, *, dry_run: bool, say: Say = print) ->
         plan = plan_reconcile(plan, observe(plan.inv, plan.live, conns["pool"], conns["gateways"]))
         say(plan.render())
         if plan.change is not None:  # processes that run other files: replaced, rolling
-            return "change", plan.change, None if dry_run else execute_scale(plan.change, state, **conns)
+            return "change", plan.change, None if dry_run else execute_scale(plan.change, record, **conns)
         if dry_run or plan.noop:
             return "repair", plan, None
         return "repair", plan, execute_deploy(plan, say, **conns)

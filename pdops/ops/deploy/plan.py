@@ -43,7 +43,7 @@ class DeployPlan:
     live: Revision | None = None
     findings: list[str] = field(default_factory=list)
     # the record the plan was read from, and its `current` then (checked again under the lock)
-    state: object = field(default=None, repr=False, compare=False)
+    record: object = field(default=None, repr=False, compare=False)
     basis: int | None = None
     # on a live cluster whose topology or rendered files differ, or whose processes run other
     # files: the deploy is this rolling change (pdops.ops.scale.ScalePlan), walked by execute_scale
@@ -87,7 +87,7 @@ class DeployPlan:
         return self.plan.render()
 
 
-def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | None = None, *,
+def plan_deploy(inv: Inventory, topo: Topology, record, skip_checks: set[str] | None = None, *,
                 max_unavailable: int = 1, force: bool = False, allow_capacity_dip: bool = False, seen=None,
                 unfenced: bool = False):
     """Pure apart from reading the record: what a deploy of `topo` will do, or why not; always a
@@ -96,12 +96,12 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     (`change`: pdops.ops.scale.plan_apply: keep, replace, add, remove)."""
 
     skip_checks = validate_skip(skip_checks)
-    current = state.current_revision()
+    current = record.current_revision()
     previous = Placement.from_dict(current.placement) if current else None
     if current is not None:
 
         # one placement and one rendering: the change planner's, from the record
-        change = sc.plan_apply(inv, topo, state, skip_checks=skip_checks, max_unavailable=max_unavailable,
+        change = sc.plan_apply(inv, topo, record, skip_checks=skip_checks, max_unavailable=max_unavailable,
                                force=force, allow_capacity_dip=allow_capacity_dip, seen=seen, unfenced=unfenced)
         if change.noop and seen is None and change.target == previous and manifest(change.files) == current.manifest:
             # same placement, same files (every one: the change planner's no-op does not count shared
@@ -109,9 +109,9 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
             # done is read from the hosts and the gateway (plan_reconcile), not assumed from the record
             pl, files = change.target, change.files
             return DeployPlan(inv, pl, files, [], hosts=sorted({f.host for f in files}), skip_checks=skip_checks,
-                              previous=previous, live=current, state=state, basis=current.number)
+                              previous=previous, live=current, record=record, basis=current.number)
         return DeployPlan(inv, change.target, change.files, [], noop=change.noop, skip_checks=skip_checks,
-                          previous=previous, state=state, basis=current.number, change=change)
+                          previous=previous, record=record, basis=current.number, change=change)
     pl = place(inv, topo, previous)
     files = render_files(inv, pl)
     hosts = sorted({f.host for f in files})
@@ -129,7 +129,7 @@ def plan_deploy(inv: Inventory, topo: Topology, state, skip_checks: set[str] | N
     steps.append(verify_running_step(pl, inv, files))
     steps.append(Step("record", None, "write the revision, move `current` to it", kind="record-deploy",
                       params={"placement": pl, "files": files}))
-    return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, state=state,
+    return DeployPlan(inv, pl, files, steps, hosts=hosts, skip_checks=skip_checks, previous=previous, record=record,
                       basis=current.number if current else None)
 
 

@@ -74,7 +74,7 @@ def do_verify_gone(ctx: RunContext, step: Step) -> Outcome:
                    unverified=[f"GPU processes: skipped: {sk.reason}"] if sk is not None else [])
 
 
-def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *, pool: HostPool,
+def execute_kill_survivors(plan: KillPlan, record: StateDir, say: Say = print, *, pool: HostPool,
                            gateways: Gateways) -> dict:
     """End the recorded survivors by PID and start time, then verify the stop again (with the runner)."""
     def finish(ctx: RunContext, verdict: dict) -> None:
@@ -82,7 +82,7 @@ def execute_kill_survivors(plan: KillPlan, state: StateDir, say: Say = print, *,
         verdict["notes"].append(f"{plan.instance.id} is still in revision {plan.rev.number}: `inv drain --instance "
                                 f"{plan.instance.id}` resumes the drain and records it")
 
-    return run_operation(plan.plan, plan.inv, state, say, pool=pool, gateways=gateways, kind="stop",
+    return run_operation(plan.plan, plan.inv, record, say, pool=pool, gateways=gateways, kind="stop",
                          basis=plan.rev.number, context={"placement": Placement.from_dict(plan.rev.placement)},
                          finish=finish)
 
@@ -423,22 +423,22 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
                "cordoned": list(rev0.extra.get("cordoned") or []),
                # the slot remembers its last prefill's bootstrap port: a re-add takes the other one
                "last_bootstrap": last_bootstrap_ports(rev0.extra.get("last_bootstrap") or {}, pl0)}
-    rev = ctx.state.write_revision(topology=str(new_pl.topology), inventory_hash=rev0.inventory_hash,
+    rev = ctx.record.write_revision(topology=str(new_pl.topology), inventory_hash=rev0.inventory_hash,
                                    placement=new_pl.to_dict(), manifest=hosts_files, instances=instances,
                                    outcome="deployed", op_id=ctx.op,
                                    extra={"drained": inst.id, "rollback": rollback,
                                           **{k: rev0.extra[k] for k in ("gateway", "gateways", "gateway_main_pid",
                                                                         "gateway_main_pids") if k in rev0.extra},
                                           **carried},
-                                   snapshot=snapshot_subset(ctx.state.revision_snapshot(rev0.number), hosts_files))
-    ctx.state.set_current(rev.number)
+                                   snapshot=snapshot_subset(ctx.record.revision_snapshot(rev0.number), hosts_files))
+    ctx.record.set_current(rev.number)
     return Outcome(evidence={"revision": rev.number, "rollback": rollback},
                    verified=[f"revision {rev.number} ({new_pl.topology}) is current"])
 
 
 
 
-def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: HostPool,
+def execute_drain(plan: DrainPlan, record: StateDir, say: Say = print, *, pool: HostPool,
                   gateways: Gateways) -> dict:
     """Walk a drain (or stop) plan with the runner. An interruption (SSH lost, engine unreachable,
     a check failing) ends with a journalled verdict naming the last completed step; the instance
@@ -447,12 +447,12 @@ def execute_drain(plan: DrainPlan, state: StateDir, say: Say = print, *, pool: H
     earlier drain of it passed both empty checks."""
     def failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
         last = ctx.done[-1] if ctx.done else "none"
-        current = state.current()
+        current = record.current()
         exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
                         f"current revision: {current}. Re-run the same command to resume "
                         "(each step re-checks what is already done).")
         return "interrupted", {"last_completed_step": last, "current": current}
 
-    return run_operation(plan.plan, plan.inv, state, say, pool=pool, gateways=gateways, basis=plan.rev.number,
+    return run_operation(plan.plan, plan.inv, record, say, pool=pool, gateways=gateways, basis=plan.rev.number,
                          context={"placement": plan.placement}, failed=failed,
                          finish=lambda ctx, verdict: verdict.update(instance=plan.instance.id))

@@ -42,14 +42,14 @@ class DrainPlan:
         return self.plan.render()
 
 
-def plan_drain(inv: Inventory, state: StateDir, instance_id: str, *, force: bool = False,
+def plan_drain(inv: Inventory, record: StateDir, instance_id: str, *, force: bool = False,
                wait_s: float | None = None, interval_s: float | None = None, force_after: bool = False,
                skip_gateway: bool = False, seen=None) -> DrainPlan:
     """What a drain of `instance_id` will do, or why it is refused. Reads the state dir and, with
     `seen` (pdops.reads.observation.Seen), what serves now: the floor counts only instances that serve; one
     that does not serve may be drained even if it is the last of its role (nothing is lost that
     serves), and one whose units are not running is not waited for."""
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to drain", fix="deploy first (inv deploy)")
     if not inv.matches(rev.inventory_hash):
@@ -204,14 +204,14 @@ class KillPlan:
         return self.plan.render()
 
 
-def plan_kill_survivors(inv: Inventory, state: StateDir, instance_id: str) -> KillPlan:
+def plan_kill_survivors(inv: Inventory, record: StateDir, instance_id: str) -> KillPlan:
     """What `inv stop --kill-survivors` will do: the survivors the last stop of the instance
     recorded, or Refused when none is recorded. Reads only the state dir."""
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision", fix="nothing was deployed by pdops here")
     inst = Placement.from_dict(rev.placement).get(instance_id)
-    rec = last_stop_record(state.journal(), inst.id)
+    rec = last_stop_record(record.journal(), inst.id)
     survivors = (rec or {}).get("evidence", {}).get("survivors") or []
     if not survivors:
         raise Refused(f"no stop of {inst.id} with surviving processes is recorded: nothing to end",

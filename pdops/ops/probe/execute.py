@@ -83,7 +83,7 @@ def do_probe_remove_files(ctx: RunContext, step: Step) -> Outcome:
 
 def do_probe_verify_baseline(ctx: RunContext, step: Step) -> Outcome:
     rev, baseline = step.params["revision"], step.params["placement"]
-    snap = ctx.state.revision_snapshot(rev.number)
+    snap = ctx.record.revision_snapshot(rev.number)
     if snap is not None:
         files = files_of(snap)
     else:  # checked at plan time: the inventory renders the revision's files
@@ -134,11 +134,11 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
     Ctrl-C). A step that fails is the probe's result, not the command's error: the probe-result record
     (also in the journal, after the verdict) says what was measured and where the pair is now; only a
     way back that did not complete is raised."""
-    state = plan.state
+    record = plan.record
     op = new_op_id("probe")
     p, d = plan.pair
-    with state.lock("probe", op_id=op):  # held before the probe is numbered: two probes never share a number
-        j = state.journal()
+    with record.lock("probe", op_id=op):  # held before the probe is numbered: two probes never share a number
+        j = record.journal()
         pid = next_probe_id(j)
         say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
         union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
@@ -149,7 +149,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
         interrupted = False
         proven: dict = {"verified": [], "unverified": []}
         try:
-            v = run_operation(walked, plan.probe_inv, state, say, pool=pool, gateways=gateways, op=op, lock_held=True,
+            v = run_operation(walked, plan.probe_inv, record, say, pool=pool, gateways=gateways, op=op, lock_held=True,
                               basis=plan.rev.number, context={"placement": union, "old_placement": plan.baseline},
                               started=lambda c: ran.update(ctx=c))
             proven["verified"] += v["verified"]

@@ -27,7 +27,7 @@ from pdops.model.topology import Topology
 class ProbePlan:
     inv: Inventory
     probe_inv: Inventory  # the inventory with the bundle's flags on the probed instances
-    state: object
+    record: object
     rev: object
     bundle: Bundle
     mode: str  # "spare" | "instances"
@@ -115,7 +115,7 @@ def check_options(*, instances, spare: bool, requests, concurrency, keep: bool) 
     return conc
 
 
-def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None = None, spare: bool = False,
+def plan_probe(inv: Inventory, record, bundle: Bundle, *, instances: str | None = None, spare: bool = False,
                requests: int = 4, concurrency: int | None = None, workload=None, keep: bool = False,
                timeout_s: float | None = None) -> ProbePlan:
     """The probe's plan, from the record only (pure apart from reading it)."""
@@ -125,7 +125,7 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
     conc = check_options(instances=instances, spare=spare, requests=requests, concurrency=concurrency, keep=keep)
     tmo = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
     work = parse_workload(workload, inv.profile)
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to probe against",
                       fix="deploy first (`inv deploy --topology 1p1d`)")
@@ -201,7 +201,7 @@ def plan_probe(inv: Inventory, state, bundle: Bundle, *, instances: str | None =
                                                            if keep else ""), tmo + 120, kind="probe-requests",
                       params={"pair": (p, d), "workload": work, "requests": requests, "concurrency": conc,
                               "timeout_s": tmo, "keep": keep}))
-    plan = ProbePlan(inv, probe_inv, state, rev, bundle, "spare" if spare else "instances", (p, d), cur_pl, work,
+    plan = ProbePlan(inv, probe_inv, record, rev, bundle, "spare" if spare else "instances", (p, d), cur_pl, work,
                      requests, conc, tmo, keep, variables, steps, files)
     plan.always = way_back_steps(plan)
     return plan

@@ -96,14 +96,14 @@ def check_note(probe_id, note) -> tuple[str, str]:
     return pid, text
 
 
-def add_note(state, probe_id: str, note: str) -> dict:
+def add_note(record, probe_id: str, note: str) -> dict:
     """An operator's reading of a probe, appended to the journal under the lock."""
     pid, text = check_note(probe_id, note)
-    known = {r.get("probe") for r in probe_table(state.journal())}
+    known = {r.get("probe") for r in probe_table(record.journal())}
     if pid not in known:
         raise InvalidInput("--note", f"no probe {pid} in this cluster's table",
                            fix=f"one of: {', '.join(sorted(known, key=lambda x: int(x[1:]))) or 'none yet'}")
     op = new_op_id("probe-note")
-    with state.lock("probe-note", op_id=op):
-        rec = state.journal().step(op, "probe-note", "ok", {"probe": pid, "note": text, "operator": default_operator()})
+    with record.lock("probe-note", op_id=op):
+        rec = record.journal().step(op, "probe-note", "ok", {"probe": pid, "note": text, "operator": default_operator()})
     return rec

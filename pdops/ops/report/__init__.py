@@ -43,13 +43,13 @@ class Report:
                 f"panels with data from {prom['url']}")
 
 
-def worker_names(state) -> dict[str, str]:
+def worker_names(record) -> dict[str, str]:
     """Worker URL -> instance id, from the record's revisions (the breakers' legend)."""
 
     out: dict[str, str] = {}
     try:
-        for n in state.revision_numbers():
-            rev = state.read_revision(n)
+        for n in record.revision_numbers():
+            rev = record.read_revision(n)
             for i in Placement.from_dict(rev.placement).instances:
                 out[i.url] = i.id
     except (PdopsError, KeyError, TypeError, ValueError):
@@ -77,13 +77,13 @@ def _prometheus(src: Source, cluster: str, start, end, query) -> tuple[dict, lis
                      f"their queries as shipped, every revision, one sample every {metrics.step_s(start, end)} s."}, panels
 
 
-def build_report(inv, state, op: str, src: Source, *, margin_s: float = DEFAULT_MARGIN_S, zone: Zone | None = None,
+def build_report(inv, record, op: str, src: Source, *, margin_s: float = DEFAULT_MARGIN_S, zone: Zone | None = None,
                  now: _dt.datetime | None = None, query=None) -> Report:
     """The page of operation `op` of the cluster's journal (`state`: its record). `query`: how a
     panel's query is asked (default: Prometheus's query_range over HTTP)."""
-    records = state.journal().read(op)
+    records = record.journal().read(op)
     if not records:
-        raise InvalidInput("--op", f"no operation {op!r} in the journal on {getattr(state, 'location', '?')}",
+        raise InvalidInput("--op", f"no operation {op!r} in the journal on {getattr(record, 'location', '?')}",
                            fix="see `inv journal` for operation ids")
     zone = zone or operator_zone()
     now = now or _dt.datetime.now(_dt.timezone.utc)
@@ -95,7 +95,7 @@ def build_report(inv, state, op: str, src: Source, *, margin_s: float = DEFAULT_
     tl_png = charts.timeline_png(tl, zone, start, end)
     pngs: dict[str, bytes] = {}
     panel_docs = []
-    workers = worker_names(state) if panels else {}
+    workers = worker_names(record) if panels else {}
     for p in panels or []:
         doc = {"title": p.title, "unit": p.unit, "queries": p.queries, "errors": p.errors, "points": p.points,
                "drawn": False, "series": []}

@@ -308,8 +308,8 @@ def refuse_changed_inventory(inv: Inventory, cur: Revision) -> None:
                           f"--topology {cur.topology}`; a topology change keeps the inventory")
 
 
-def current_revision_of(inv: Inventory, state: StateDir, what: str) -> Revision:
-    cur = state.current_revision()
+def current_revision_of(inv: Inventory, record: StateDir, what: str) -> Revision:
+    cur = record.current_revision()
     if cur is None:
         raise Refused(f"{inv.cluster} has no current revision: nothing to {what}",
                       fix="deploy first (`inv deploy --topology 1p1d`)")

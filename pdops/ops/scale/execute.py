@@ -297,9 +297,9 @@ def do_deliver_wave(ctx: RunContext, step: Step) -> Outcome:
 
 def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
     plan: ChangeFacts = step.params["change"]
-    rev = record_change(plan, ctx.state, ctx.op, ctx.get(step, "workers", {}), ctx.get(step, "build"),
+    rev = record_change(plan, ctx.record, ctx.op, ctx.get(step, "workers", {}), ctx.get(step, "build"),
                         ctx.get(step, "main_pids"), ctx.get(step, "running"), ctx.get(step, "lost_work", {}))
-    ctx.state.set_current(rev.number)
+    ctx.record.set_current(rev.number)
     ctx.verdict.update(revision=rev.number, topology=str(plan.target.topology))
     if plan.repair:  # what the repaired instance's ended process lost (its lost-work step named it)
         ctx.verdict["lost"] = (rev.extra.get("repair") or {}).get("lost") or []
@@ -312,7 +312,7 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
 # kinds, registered by those modules (imported at the top of this one)
 
 
-def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: HostPool,
+def execute_scale(plan: ScalePlan, record: StateDir, say: Say = print, *, pool: HostPool,
                   gateways: Gateways, op: str | None = None) -> dict:
     """Walk a change plan (scale, rollback, repair, a deploy's change) under the cluster lock
     (pdops.ops.operate.run_operation; `op`: an operation whose lock the caller holds, `inv sweep`
@@ -327,7 +327,7 @@ def execute_scale(plan: ScalePlan, state: StateDir, say: Say = print, *, pool: H
         return "failed", ctx.output("halt_record") or {"completed": ctx.done}
 
     try:
-        return run_operation(plan.plan, plan.inv, state, say, pool=pool, gateways=gateways, basis=plan.current.number,
+        return run_operation(plan.plan, plan.inv, record, say, pool=pool, gateways=gateways, basis=plan.current.number,
                              context={"placement": union_placement(plan), "old_placement": plan.current_placement,
                                       "replacing": frozenset(i.id for i in plan.replaced)}, failed=failed, op=op,
                              lock_held=op is not None)
@@ -354,7 +354,7 @@ def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | Non
     return out
 
 
-def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
+def record_change(plan: ChangeFacts, record: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
                   running: dict | None = None, lost_work: dict | None = None) -> Revision:
 
     cur, tgt = plan.current, plan.target
@@ -390,7 +390,7 @@ def record_change(plan: ChangeFacts, state: StateDir, op: str, workers: dict, bu
         inv_hash = plan.rollback_inventory_hash or plan.inv.digest
     else:
         snap, inv_hash = snapshot_of(plan.inv, plan.files), plan.inv.digest
-    return state.write_revision(topology=str(tgt.topology), inventory_hash=inv_hash,
+    return record.write_revision(topology=str(tgt.topology), inventory_hash=inv_hash,
                                 placement=tgt.to_dict(), manifest=new_mf,
                                 instances=instances_doc(plan, tgt, workers, main_pids), outcome="deployed", op_id=op,
                                 extra=extra, snapshot=snap)

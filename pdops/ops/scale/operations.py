@@ -21,23 +21,23 @@ if TYPE_CHECKING:
     from pdops.reads.observation import Seen
 
 
-def plan_apply(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+def plan_apply(inv: Inventory, target: Topology, record: StateDir, *, allow_capacity_dip: bool = False,
                skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
                replace_ids: dict[str, str] | None = None, avoid: frozenset[str] | None = None,
                seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """What `inv deploy --topology T` (or `inv scale`) does on a live cluster: the smallest change from
     the current revision to what the inventory, `target` and this pdops render now. Reads only the record."""
-    cur = current_revision_of(inv, state, "change")
+    cur = current_revision_of(inv, record, "change")
     cur_pl = Placement.from_dict(cur.placement)
     cordoned = frozenset(avoid if avoid is not None else cordoned_hosts(cur))
     target_pl = place_change(inv, target, cur_pl, avoid=cordoned, last_ports=(cur.extra or {}).get("last_bootstrap"))
     return plan_change(inv, cur, target_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
                        max_unavailable=max_unavailable, force=force, replace_ids=replace_ids, seen=seen,
-                       cur_snapshot=state.revision_snapshot(cur.number), unfenced=unfenced,
+                       cur_snapshot=record.revision_snapshot(cur.number), unfenced=unfenced,
                        shift_hold_s=shift_hold_s)
 
 
-def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool = False,
+def plan_drain_host(inv: Inventory, record: StateDir, host: str, *, force: bool = False,
                     skip_checks: set[str] | None = None, seen: Seen | None = None) -> ScalePlan:
     """`inv drain --host H` (maintenance): every instance with a rank on H leaves it. Where free
     slots off the cordoned hosts allow, each is replaced there first (a new id, started and
@@ -45,7 +45,7 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
     role would be left with no serving instance unless `force`. H is cordoned in the revision."""
 
     inv.host(host)  # InvalidInput naming the hosts when unknown
-    cur = current_revision_of(inv, state, "drain")
+    cur = current_revision_of(inv, record, "drain")
     cur_pl = Placement.from_dict(cur.placement)
     cordoned = sorted(set(cordoned_hosts(cur)) | {host})
     leaving = [i for i in cur_pl.instances if host in i.hosts]
@@ -72,18 +72,18 @@ def plan_drain_host(inv: Inventory, state: StateDir, host: str, *, force: bool =
         raise Refused(f"draining {host} ({', '.join(i.id for i in leaving)}) would leave no serving "
                       f"{' and no '.join(zero)} instance, and no free slot off the cordoned hosts takes its place",
                       fix="add a host (or uncordon one) so the instance moves there first, or --force")
-    refuse_generation_change(inv, state, cur, target, f"drain --host {host}")
+    refuse_generation_change(inv, record, cur, target, f"drain --host {host}")
     return plan_change(inv, cur, target, skip_checks=skip_checks, force=force, cordoned=cordoned,
-                       allow_capacity_dip=True, seen=seen, cur_snapshot=state.revision_snapshot(cur.number),
+                       allow_capacity_dip=True, seen=seen, cur_snapshot=record.revision_snapshot(cur.number),
                        moves=moved)
 
 
-def refuse_generation_change(inv: Inventory, state: StateDir, cur, target: Placement, what: str) -> None:
+def refuse_generation_change(inv: Inventory, record: StateDir, cur, target: Placement, what: str) -> None:
     """Host maintenance moves instances; it does not carry a change of generation (model, page size, KV
     dtype, SGLang pin) that the inventory on disk holds and no deploy has applied: rolled in waves, its
     instances would be paired with the old generation's. Refused, naming the fields and the command
     that fences it (docs/changes.md)."""
-    snap = state.revision_snapshot(cur.number)
+    snap = record.revision_snapshot(cur.number)
     if snap is None:
         return  # a revision recorded before snapshots: its generation is not known (the plan says so)
     gen = generation_change(snap, Placement.from_dict(cur.placement), render_files(inv, target), target)
@@ -95,25 +95,25 @@ def refuse_generation_change(inv: Inventory, state: StateDir, cur, target: Place
                           f"then `inv {what}`; or restore the inventory of revision {cur.number}")
 
 
-def plan_uncordon(inv: Inventory, state: StateDir, host: str) -> ScalePlan:
+def plan_uncordon(inv: Inventory, record: StateDir, host: str) -> ScalePlan:
     """`inv uncordon --host H`: placement may use H again (nothing starts there by itself)."""
     inv.host(host)
-    cur = current_revision_of(inv, state, "uncordon")
+    cur = current_revision_of(inv, record, "uncordon")
     was = cordoned_hosts(cur)
     if host not in was:
         raise Refused(f"{host} is not cordoned in revision {cur.number} (cordoned: {', '.join(was) or 'none'})",
                       fix="`inv status` shows the cordoned hosts")
     pl = Placement.from_dict(cur.placement)
-    refuse_generation_change(inv, state, cur, pl, f"uncordon --host {host}")
+    refuse_generation_change(inv, record, cur, pl, f"uncordon --host {host}")
     return plan_change(inv, cur, pl, cordoned=[h for h in was if h != host],
-                       cur_snapshot=state.revision_snapshot(cur.number))
+                       cur_snapshot=record.revision_snapshot(cur.number))
 
 
-def plan_scale(inv: Inventory, target: Topology, state: StateDir, *, allow_capacity_dip: bool = False,
+def plan_scale(inv: Inventory, target: Topology, record: StateDir, *, allow_capacity_dip: bool = False,
                skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
                seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """`inv scale --topology T`: the same planner as `inv deploy` of a live cluster (plan_apply)."""
-    return plan_apply(inv, target, state, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
+    return plan_apply(inv, target, record, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
                       max_unavailable=max_unavailable, force=force, seen=seen, unfenced=unfenced,
                       shift_hold_s=shift_hold_s)
 
@@ -155,16 +155,16 @@ def rollback_conditions(inv: Inventory, cur: Revision, tgt: Revision) -> list[st
     return changed
 
 
-def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
+def plan_rollback(inv: Inventory, record: StateDir, to: int | None = None, *, allow_capacity_dip: bool = False,
                   skip_checks: set[str] | None = None, max_unavailable: int = 1, force: bool = False,
                   seen: Seen | None = None, unfenced: bool = False, shift_hold_s: float | None = None) -> ScalePlan:
     """A change back to the previous deployed revision (or revision `to`): to its recorded placement
     and the files recorded with it (its snapshot), whatever the inventory on disk renders now; only
     its hosts must still be in the inventory (to be reached). A revision recorded before snapshots:
     returned to only while the inventory and the rendering are unchanged (Refused naming what changed)."""
-    cur = current_revision_of(inv, state, "roll back")
+    cur = current_revision_of(inv, record, "roll back")
     if to is None:
-        tgt = state.previous()
+        tgt = record.previous()
         if tgt is None:
             raise Refused(f"{inv.cluster} has no deployed revision before revision {cur.number}: nothing to roll "
                           "back to", fix="`inv history` lists the recorded revisions")
@@ -176,11 +176,11 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
         if n == cur.number:
             raise Refused(f"revision {n} is already current: nothing to roll back",
                           fix="name an earlier revision (`inv history`)")
-        tgt = state.read_revision(n)
+        tgt = record.read_revision(n)
         if tgt.outcome != "deployed":
             raise Refused(f"revision {n} ended '{tgt.outcome}': only a deployed revision can be returned to",
                           fix="choose a revision whose outcome is deployed (`inv history`)")
-    snap = state.revision_snapshot(tgt.number)
+    snap = record.revision_snapshot(tgt.number)
     if snap is not None:
         tgt_pl = Placement.from_dict(tgt.placement)
         known = {h.name for h in inv.hosts}
@@ -191,7 +191,7 @@ def plan_rollback(inv: Inventory, state: StateDir, to: int | None = None, *, all
                           f"placement of revision {tgt.number} are recorded; only the hosts' addresses are read from it)")
         return plan_change(inv, cur, tgt_pl, allow_capacity_dip=allow_capacity_dip, skip_checks=skip_checks,
                            rollback_of=tgt.number, snapshot=snap, max_unavailable=max_unavailable, force=force,
-                           seen=seen, cur_snapshot=state.revision_snapshot(cur.number), unfenced=unfenced,
+                           seen=seen, cur_snapshot=record.revision_snapshot(cur.number), unfenced=unfenced,
                            shift_hold_s=shift_hold_s, inventory_hash=tgt.inventory_hash)
     refuse_changed_inventory(inv, cur)
     changed = rollback_conditions(inv, cur, tgt)

@@ -183,13 +183,13 @@ def _halt_partial(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[st
     pl = Placement(Topology(sum(i.role == "prefill" for i in live_insts), sum(i.role == "decode" for i in live_insts)),
                    tuple(live_insts))
     all_mf = manifest(render_files(plan.inv, pl))
-    rev = ctx.state.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
+    rev = ctx.record.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
                                    manifest=all_mf, instances=instances_doc(plan, pl, workers),
                                    outcome="partial", op_id=ctx.op,
                                    extra={"scale_failed": why, "from_revision": cur.number,
                                           "target": str(plan.target.topology), "drained": drained,
                                           "gateways": plan.inv.gateway.urls, "rollback": {"to_revision": cur.number}})
-    ctx.state.set_current(rev.number)
+    ctx.record.set_current(rev.number)
     return (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
             f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}; "
             f"`inv rollback` returns to revision {cur.number}"), rev
@@ -227,7 +227,7 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[st
                 cfg[f"{h}:{u}"] = src_cfg[f"{h}:{u}"]
     for gw_key in (k for k in old_cfg if k.endswith(":pdops-gateway.service")):
         cfg[gw_key] = old_cfg[gw_key]
-    rev = ctx.state.write_revision(
+    rev = ctx.record.write_revision(
         topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
         manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
         instances=instances_doc(plan, pl, workers, main_pids),
@@ -238,7 +238,7 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[st
                "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
                                                       last_bootstrap_ports({}, cur_pl), pl),
                "rollback": {"to_revision": cur.number}})
-    ctx.state.set_current(rev.number)
+    ctx.record.set_current(rev.number)
     not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
     return (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
             f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "

@@ -201,7 +201,7 @@ def do_write_matrix(ctx: SweepContext, step: Step) -> Outcome:
 
 # ---------------------------------------------------------------- the walk
 
-def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, state,
+def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, record,
                   out_dir: str | os.PathLike | None = None, verify: Callable[[Topology], None] | None = None,
                   say: Say = print, plots: bool | None = None, min_gain: float | None = None,
                   op: str | None = None, inv=None) -> Matrix:
@@ -238,12 +238,12 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, stat
                                                     for s in (MEASURED, FAILED, NOT_TRIED, PLANNED)})
 
     # the interrupted verdict comes after the `always` step wrote the matrix and the plots of what was measured
-    run_operation(plan.plan, inv, state, say, pool=None, gateways=None, kind="sweep", finish=finish, op=op,
+    run_operation(plan.plan, inv, record, say, pool=None, gateways=None, kind="sweep", finish=finish, op=op,
                   context={"scale_to": scale_to, "run_cell": run_cell, "verify": verify}, context_type=SweepContext)
     return got["matrix"]
 
 
-def scale_live(inv, state, say: Say = print) -> ScaleTo:
+def scale_live(inv, record, say: Say = print) -> ScaleTo:
     """The live `scale_to` seam, for a sweep walked under `state`'s lock (which it does not take):
     a deploy when nothing is live, else the change planner's plan from the revision current now,
     allowing the capacity dip (the sweep owns the cluster: no traffic to protect, and 3p1d -> 2p2d
@@ -252,20 +252,20 @@ def scale_live(inv, state, say: Say = print) -> ScaleTo:
     connections opened for it. Returns what it walked: {how, op, revision}."""
 
     def scale_to(topo: Topology) -> dict:
-        if state.current() is None:  # nothing live yet: deploy
-            plan = dep.plan_deploy(inv, topo, state)
+        if record.current() is None:  # nothing live yet: deploy
+            plan = dep.plan_deploy(inv, topo, record)
             say(plan.render())
             op = new_op_id("deploy")
             with connections(inv) as conns:
                 v = dep.execute_deploy(plan, say, op=op, **conns)
             return {"how": f"deployed as {op}", "op": op, "revision": (v or {}).get("revision")}
-        plan = scale_mod.plan_scale(inv, topo, state, allow_capacity_dip=True)
+        plan = scale_mod.plan_scale(inv, topo, record, allow_capacity_dip=True)
         say(plan.render())
         if plan.noop:
-            return {"how": f"nothing to change: {plan.noop}", "op": None, "revision": state.current()}
+            return {"how": f"nothing to change: {plan.noop}", "op": None, "revision": record.current()}
         op = new_op_id(plan.operation)
         with connections(inv) as conns:
-            v = scale_mod.execute_scale(plan, state, say, op=op, **conns)
+            v = scale_mod.execute_scale(plan, record, say, op=op, **conns)
         return {"how": f"changed as {op}", "op": op, "revision": (v or {}).get("revision")}
 
     return scale_to

@@ -16,11 +16,11 @@ from pdops.reads.observe import observe
 from pdops.fanout import run_parallel
 
 
-def run_verify(inv: Inventory, state) -> str:
+def run_verify(inv: Inventory, record) -> str:
     """Every check on every host of the current revision, and the observation; Unverified naming
     each failure if any fails, else one line of what passed and what was skipped, and why."""
 
-    rev = state.current_revision()
+    rev = record.current_revision()
     if rev is None:
         raise Refused(f"{inv.cluster} has no current revision to verify", fix="deploy first (inv deploy)")
     plans = {p.host: p for p in host_plans(rev)}

@@ -79,7 +79,7 @@ from pdops.record.local import StateDir  # noqa: E402
 
 
 def _ctx(tmp_path, said=None):
-    return RunContext(inv=None, state=StateDir("t", tmp_path / "state"), op="op-1",
+    return RunContext(inv=None, record=StateDir("t", tmp_path / "state"), op="op-1",
                       say=(said.append if said is not None else (lambda s: None)))
 
 

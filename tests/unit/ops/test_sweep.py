@@ -142,7 +142,7 @@ def test_knee_on_the_report_numbers():
 def sweep(plan, tmp_path, *, run_cell, scale_to=lambda t: None, out=None, **kw):
     """execute_sweep with fakes for the cluster, its record (lock, journal) in tmp_path/state."""
     return sw.execute_sweep(plan, scale_to=scale_to, run_cell=run_cell, out_dir=tmp_path if out is None else out,
-                            state=StateDir("lab", tmp_path / "state"), say=lambda s: None, **kw)
+                            record=StateDir("lab", tmp_path / "state"), say=lambda s: None, **kw)
 
 
 def _run_report_sweep(tmp_path, *, scale_fail=None, cell_fail=None, plots=True):
@@ -328,7 +328,7 @@ def test_the_journal_has_the_plan_and_every_step_by_id_and_a_failed_scale_is_a_r
             raise Unverified("p09 did not become healthy")
         return {"how": "changed as scale-1", "op": "scale-1", "revision": 2}
 
-    m = sw.execute_sweep(small_plan(), scale_to=scale_to, run_cell=lambda r: figs(1e6, r.concurrency), state=state,
+    m = sw.execute_sweep(small_plan(), scale_to=scale_to, run_cell=lambda r: figs(1e6, r.concurrency), record=state,
                          out_dir=tmp_path / "out", say=lambda s: None, plots=False, op="sweep-test")
     assert held == ["sweep", "sweep"]
     recs = state.journal().read("sweep-test")
@@ -361,7 +361,7 @@ def test_an_interrupted_sweep_keeps_what_it_measured_and_still_writes_the_matrix
 
     state = StateDir("lab", tmp_path / "state")
     with pytest.raises(KeyboardInterrupt):
-        sw.execute_sweep(small_plan(), scale_to=lambda t: None, run_cell=run_cell, state=state,
+        sw.execute_sweep(small_plan(), scale_to=lambda t: None, run_cell=run_cell, record=state,
                          out_dir=tmp_path / "out", say=lambda s: None, op="sweep-int")
     back = sw.load_matrix(tmp_path / "out")
     assert back.cell("2:1", 16).state == sw.MEASURED and len(back.cell("2:1", 16).runs) == 2
