@@ -113,7 +113,7 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
     def run_cell(run: sw.CellRun):
         return run_bench(inv, record, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
                          run.run_dir, timeout=run.timeout_s, say=lambda s: None,
-                         lock_held=True)  # each cell its own operation, under the sweep's lock
+                         lock_held=True, op=run.op)  # each cell its own operation, under the sweep's lock
 
     m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, record), run_cell=run_cell, record=record, op=op, inv=inv)
     print(sw.render_matrix(m))
@@ -124,7 +124,7 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
 def _live_scale_to(inv, record):
     """The seam to deploy/scale, for the sweep's walk: bring the cluster to a topology, verified, or
     raise. It runs inside the sweep's `sweep-scale` steps, under the lock the sweep holds for its whole
-    walk, on that same record (`state`): it plans from the revision current then and walks the deploy
+    walk, on that same record (`record`): it plans from the revision current then and walks the deploy
     or the change without taking the lock (pdops.ops.sweep.scale_live)."""
     from pdops.ops import sweep as sw
 

@@ -172,10 +172,10 @@ def etcd_up(c, inventory=None, dry_run=False):
             # the record is in the etcd this brings up: no lock can be taken by anyone; journalled here
             where = StateDir(inv.cluster, local_dir(inv) / "etcd-up")
             print(f"note: {e.message}; journalled on this machine in {where.path}")
-            res = do_etcd_up(inv, pool=conns["pool"], journal_state=where)
+            res = do_etcd_up(inv, pool=conns["pool"], journal_record=where)
         else:
             try:
-                res = do_etcd_up(inv, pool=conns["pool"], journal_state=record)
+                res = do_etcd_up(inv, pool=conns["pool"], journal_record=record)
             finally:
                 lock.release()
     print_verdict(f"etcd members of {inv.cluster} up (op {res['op']})", res["verdict"])

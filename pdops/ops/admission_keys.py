@@ -80,7 +80,7 @@ def wait_keys_applied(cfg: AdmissionConfig, new: tuple[str, ...], revoked: tuple
 
 
 def plan_rotate_keys(inv: Inventory, record, deadline_s: float = 30.0) -> Plan:
-    """The key rotation as steps (pure apart from reading the record `state`)."""
+    """The key rotation as steps (pure apart from reading the `record`)."""
     cfg = inv.admission  # load_inventory just read and validated the operator's key file
     if cfg is None:
         raise InvalidInput("pdops_admission", "this inventory has no admission layer",
@@ -188,7 +188,7 @@ def do_verify_keys(ctx: RunContext, step: Step) -> Outcome:
 def rotate_keys(inv: Inventory, record, say: Say = print, deadline_s: float = 30.0, *, pool: HostPool,
                 gateways=None) -> dict:
     """Deliver the operator's key file as the new key map, reload, verify (with the runner), under
-    the lock of the record `state`. Returns the evidence and the verdict."""
+    the lock of the `record`. Returns the evidence and the verdict."""
     plan = plan_rotate_keys(inv, record, deadline_s)
     cfg = inv.admission
     got: dict = {}

@@ -56,7 +56,7 @@ Failed = Callable[[RunContext, PdopsError], tuple[str, dict]]
 
 def run_operation(plan: Plan, inv, record, say: Say = print, *, pool, gateways, kind: str | None = None,
                   basis: int | None = None, context: dict | None = None, failed: Failed | None = None,
-                  finish: Callable[[RunContext, dict], None] | None = None, op: str | None = None,
+                  finish: Callable[[RunContext, dict], str | None] | None = None, op: str | None = None,
                   lock_held: bool = False, context_type: type = RunContext,
                   started: Callable[[RunContext], None] | None = None) -> dict:
     """The one way a plan is carried out: the cluster lock taken for it (`kind`, default the plan's
@@ -64,7 +64,7 @@ def run_operation(plan: Plan, inv, record, say: Say = print, *, pool, gateways, 
     `op` already: `inv sweep` between its rows, a migration holding two records' locks), the record's `current` checked to still be `basis` (the revision it was planned from; None:
     not checked), a context for its steps (`context`: placement, old_placement, replacing), the walk
     (pdops.runner.walk: steps, rescue, always), then one verdict in the journal: `ok`, with what
-    `finish(ctx, verdict)` adds, or on a failure the status and evidence `failed(ctx, exc)` returns
+    `finish(ctx, verdict)` adds (the status it returns instead, if any: a probe whose way back failed), or on a failure the status and evidence `failed(ctx, exc)` returns
     (default: `failed`, the error and the steps completed), the error raised on; on Ctrl-C, `interrupted`.
     `context_type`: a RunContext that carries more (a sweep's); `started(ctx)`: given the context before the
     walk, for a caller that reads its outputs however the walk ends (a probe's result). No executor
@@ -93,7 +93,6 @@ def _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, fin
     except KeyboardInterrupt:  # the plan's always steps ran first where it asks for them (always_on_interrupt)
         ctx.journal.step(op, "verdict", "interrupted", {"error": "interrupted by the operator", "completed": ctx.done})
         raise
-    if finish is not None:
-        finish(ctx, verdict)
-    ctx.journal.step(op, "verdict", "ok", verdict)
+    status = finish(ctx, verdict) if finish is not None else None
+    ctx.journal.step(op, "verdict", status or "ok", verdict)
     return verdict

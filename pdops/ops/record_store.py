@@ -425,13 +425,13 @@ def do_etcd_member_start(ctx: RunContext, step: Step) -> Outcome:
     return Outcome(evidence={"started": step.params["hosts"]})
 
 
-def etcd_up(inv, say: Say = print, *, pool, journal_state) -> dict:
-    """Deliver, start and check the members. `journal_state`: where the operation is journalled (the
+def etcd_up(inv, say: Say = print, *, pool, journal_record) -> dict:
+    """Deliver, start and check the members. `journal_record`: where the operation is journalled (the
     state host's record; the etcd record cannot be, before its members run)."""
     plan = plan_etcd_up(inv)
     op = new_op_id("state-etcd-up")
     # no cluster lock: the record it would be taken in is not running yet
-    verdict = run_operation(plan, inv, journal_state, say, pool=pool, gateways=None, op=op, lock_held=True)
+    verdict = run_operation(plan, inv, journal_record, say, pool=pool, gateways=None, op=op, lock_held=True)
     return {"op": op, "plan": plan, "verdict": verdict}
 
 

@@ -130,14 +130,15 @@ def run_bench(inv, record, workload: Workload | str, concurrency: int | str, req
               duration: float | str | None = None, ignore_eos: bool = True, out_dir: str | os.PathLike | None = None,
               *, timeout: float = 3600.0, load: Callable | None = None, prompt_for: Callable[[int], str] | None = None,
               resolve_routing: Callable[[list[LedgerRow]], None] | None = None,
-              say: Callable[[str], None] = print, lock_held: bool = False) -> BenchResult:
+              say: Callable[[str], None] = print, lock_held: bool = False, op: str | None = None) -> BenchResult:
     """Drive the gateway of the current revision at a fixed concurrency; write ledger + manifest.
 
     An operation as every other (pdops.ops.operate.run_operation): its plan (mark, load, check, write),
     under the cluster lock (`lock_held`: the caller holds it, `inv sweep` between its cells), from the
     revision it was planned from, each step and one verdict in the journal. The lock keeps every change
     off the cluster while it is measured; a change made anyway (the record written around the lock) marks
-    the run invalid. `load(base_url, **kw) -> rows` defaults to `pdops.remote.loadgen.send`."""
+    the run invalid. `load(base_url, **kw) -> rows` defaults to `pdops.remote.loadgen.send`; `op`: the
+    run's id (default a new one), which a sweep names before the run."""
 
     wl = workload if isinstance(workload, Workload) else parse_workload(workload)
     conc = parse_concurrency(concurrency)
@@ -147,7 +148,7 @@ def run_bench(inv, record, workload: Workload | str, concurrency: int | str, req
         raise Refused(f"{inv.cluster} has no current revision: nothing to benchmark",
                       fix="deploy first (`inv deploy --topology 1p1d`)")
     gpus = gpus_of_revision(rev, inv.profile.gpus_per_instance)
-    run_id = new_op_id("bench")
+    run_id = op or new_op_id("bench")
     run_dir = Path(out_dir) if out_dir is not None else record.path / "bench" / run_id
     manifest = {
         "run_id": run_id, "cluster": inv.cluster, "kind": "bench",
@@ -187,8 +188,9 @@ def bench_plan(cluster: str, revision: int, run_dir: Path, manifest: dict, load:
         Step("bench-mark", None, "read the record's mark: the current revision, the newest one, the pointer's "
              "write (nothing may change them during the run)", kind="bench-mark"),
         Step("bench-load", None, f"{what} of {p['workload']} at C{p['concurrency']} to {url}, streamed; each "
-             "request sent once, never retried (a failure is a row); one ledger row each", kind="bench-load",
-             params={"load": load, "url": url, "kw": kw}),
+             "request sent once, never retried (a failure is a row); one ledger row each, written at once (the "
+             "manifest says unchecked until bench-write)", kind="bench-load",
+             params={"load": load, "url": url, "kw": kw, "run_dir": run_dir, "manifest": manifest}),
         Step("bench-check", None, "read the mark again: a revision recorded or the pointer moved or rewritten "
              "makes the run INVALID (its figures are kept, marked)", kind="bench-check"),
         Step("bench-write", None, f"ledger (csv, jsonl), manifest, figures and page into {run_dir}",
@@ -211,6 +213,10 @@ def do_bench_load(ctx, step: Step) -> Outcome:
     started, t0 = now_iso(), time.monotonic()
     rows = par["load"](par["url"], **par["kw"])
     elapsed = round(time.monotonic() - t0, 3)
+    # the rows are written before anything else can fail (a lock taken over, a journal that cannot be
+    # written): a run is never lost, only left unchecked; bench-write writes the checked files over them
+    write_ledger(par["run_dir"], rows, {**par["manifest"], "started": started, "client_elapsed_s": elapsed,
+                                        "invalid": "unchecked: the run ended before its revision check (bench-check)"})
     ctx.give(step, "bench_rows", {"rows": rows, "started": started, "ended": now_iso(), "client_elapsed_s": elapsed})
     ok = sum(1 for r in rows if r.ok)
     return Outcome(evidence={"sent": len(rows), "ok": ok, "not_ok": len(rows) - ok, "client_elapsed_s": elapsed},

@@ -127,6 +127,21 @@ def next_probe_id(journal) -> str:
     return f"T{n + 1}"
 
 
+def _back_failures(plan: ProbePlan, ctx: RunContext) -> list[str]:
+    """The way back's steps (the plan's `always`) that failed, each with its error."""
+    return [f for f in ctx.after_failed if f.split(":", 1)[0] in {s.name for s in plan.always}]
+
+
+def _way_back_failed(plan: ProbePlan, ctx: RunContext, verdict: dict) -> str | None:
+    """The verdict is `failed` when the way back did not complete, though every probe step passed: the
+    pair may still run the bundle (the probe-result record says so too, and the command fails)."""
+    back = _back_failures(plan, ctx)
+    if back:
+        verdict["error"] = "the way back did not complete: " + "; ".join(back)
+        return "failed"
+    return None
+
+
 def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
     """Walk a probe's one plan as every operation is walked (pdops.ops.operate.run_operation: under the
     cluster lock, from the revision it was planned from, one verdict in the journal): its steps, then its
@@ -151,7 +166,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
         try:
             v = run_operation(walked, plan.probe_inv, record, say, pool=pool, gateways=gateways, op=op, lock_held=True,
                               basis=plan.rev.number, context={"placement": union, "old_placement": plan.baseline},
-                              started=lambda c: ran.update(ctx=c))
+                              started=lambda c: ran.update(ctx=c), finish=lambda c, v: _way_back_failed(plan, c, v))
             proven["verified"] += v["verified"]
             proven["unverified"] += v["unverified"]
         except PdopsError as exc:
@@ -171,7 +186,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
             proven["unverified"] += ctx.always_outcome.get("unverified", [])
         result = ctx.output("probe_result")
         kept = bool(ctx.output("probe_keep"))
-        back_failed = [f for f in ctx.after_failed if f.split(":", 1)[0] in {s.name for s in plan.always}]
+        back_failed = _back_failures(plan, ctx)
         back_error = PdopsError("; ".join(back_failed)) if back_failed else None
         verdicts = ctx.output("plan_verdicts", {})
         if back_error is not None:

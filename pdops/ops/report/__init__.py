@@ -79,7 +79,7 @@ def _prometheus(src: Source, cluster: str, start, end, query) -> tuple[dict, lis
 
 def build_report(inv, record, op: str, src: Source, *, margin_s: float = DEFAULT_MARGIN_S, zone: Zone | None = None,
                  now: _dt.datetime | None = None, query=None) -> Report:
-    """The page of operation `op` of the cluster's journal (`state`: its record). `query`: how a
+    """The page of operation `op` of the cluster's journal (`record`). `query`: how a
     panel's query is asked (default: Prometheus's query_range over HTTP)."""
     records = record.journal().read(op)
     if not records:

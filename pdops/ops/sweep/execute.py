@@ -55,6 +55,7 @@ class CellRun:
     duration: float | None = None
     ignore_eos: bool = False
     timeout_s: float | None = None
+    op: str | None = None  # the bench's operation id, named in the sweep-run step however the run ends
 
 
 # brings the cluster to a topology (verified) or raises; may return what it walked (evidence)
@@ -150,14 +151,12 @@ def do_sweep_run(ctx: SweepContext, step: Step) -> Outcome:
     run_dir = Path(p["run_dir"])
     ctx.say(f"[{p['ratio']}] {topo} C{p['concurrency']} repeat {p['repeat']}/{p['repeats']}")
     run = CellRun(p["ratio"], topo, p["concurrency"], p["repeat"], run_dir, p["workload"], p.get("requests"),
-                  p.get("duration"), bool(p.get("ignore_eos")), p.get("timeout_s"))
-    ev = {"ratio": p["ratio"], "topology": str(topo), "concurrency": p["concurrency"], "repeat": p["repeat"]}
+                  p.get("duration"), bool(p.get("ignore_eos")), p.get("timeout_s"), op=new_op_id("bench"))
+    # its bench is an operation of its own in the journal, named here whether it ends well or not
+    ev = {"ratio": p["ratio"], "topology": str(topo), "concurrency": p["concurrency"], "repeat": p["repeat"],
+          "op": run.op}
     try:
-        result = ctx.run_cell(run)
-        figs, rd = _figures_of(result)
-        bench_op = (getattr(result, "manifest", None) or {}).get("run_id")  # its own operation in the journal
-        if bench_op:
-            ev["op"] = bench_op
+        figs, rd = _figures_of(ctx.run_cell(run))
     except Exception as exc:  # noqa: BLE001 - the run failed: recorded in its cell, the sweep goes on
         entry = {"error": _error_text(exc), "run_dir": str(run_dir)}
         ctx.say(f"    failed: {entry['error']}")
@@ -206,7 +205,7 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, reco
                   say: Say = print, plots: bool | None = None, min_gain: float | None = None,
                   op: str | None = None, inv=None) -> Matrix:
     """Walk the sweep's one plan (:attr:`SweepPlan.plan`) with the runner, under the cluster lock
-    of `state` (the record: its lock, its journal), and return the matrix it filled. `out_dir`,
+    of `record` (its lock, its journal), and return the matrix it filled. `out_dir`,
     `plots` and `min_gain` given here replace the plan's own before its steps are made.
 
     The seams: `scale_to(topology)` brings the cluster to a topology (verified) or raises, and may
@@ -244,7 +243,7 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, reco
 
 
 def scale_live(inv, record, say: Say = print) -> ScaleTo:
-    """The live `scale_to` seam, for a sweep walked under `state`'s lock (which it does not take):
+    """The live `scale_to` seam, for a sweep walked under `record`'s lock (which it does not take):
     a deploy when nothing is live, else the change planner's plan from the revision current now,
     allowing the capacity dip (the sweep owns the cluster: no traffic to protect, and 3p1d -> 2p2d
     on four hosts must free a host before placing its new instance). The plan is printed, then

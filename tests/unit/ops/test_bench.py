@@ -268,6 +268,25 @@ def test_a_bench_is_an_operation_under_the_lock_its_steps_and_verdict_in_the_jou
     assert recs[2]["evidence"]["sent"] == 2 and recs[-1]["evidence"]["run_dir"] == str(tmp_path / "run")
 
 
+def test_a_bench_whose_later_steps_fail_keeps_every_row_marked_unchecked(tmp_path, lab_inv):
+    """The requests sent are never lost to a failure after them (a lock taken over, a journal that cannot
+    be written, here the routing hook): bench-load wrote the ledger, its manifest saying unchecked."""
+    from pdops.errors import PdopsError
+
+    st = _state(tmp_path, lab_inv)
+
+    def routing_fails(rows):
+        raise PdopsError("the engines' request logs cannot be read")
+
+    with pytest.raises(PdopsError):
+        b.run_bench(lab_inv, st, "2000/64", 2, requests=3, out_dir=tmp_path / "run", load=_fake_load([]),
+                    resolve_routing=routing_fails, say=lambda s: None)
+    rows, manifest = b.read_ledger(tmp_path / "run")
+    assert len(rows) == 3 and manifest["invalid"].startswith("unchecked")
+    op = st.journal().operations()[-1]
+    assert st.journal().read(op)[-1]["step"] == "verdict" and st.journal().read(op)[-1]["status"] == "failed"
+
+
 def test_run_bench_marks_the_run_invalid_when_the_revision_changes_mid_run(tmp_path, lab_inv):
     st = _state(tmp_path, lab_inv)
 

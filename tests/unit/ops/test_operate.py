@@ -198,3 +198,26 @@ def test_a_caller_that_records_its_own_result_reads_the_context_however_the_walk
     assert got["ctx"].always_outcome["verified"] == ["the way back ran"]
     op_id = state.journal().operations()[-1]
     assert _ran(state, op_id)[-1] == ("verdict", "failed")
+
+
+def test_a_finish_hook_may_fail_the_verdict_of_a_walk_whose_steps_passed(tmp_path, registry):
+    """A probe whose measuring steps passed but whose way back (an always step) failed: the pair may still
+    run the bundle, so `inv journal` must not list it ok."""
+    from pdops.errors import PdopsError
+    from pdops.ops.probe.execute import _way_back_failed
+    from pdops.plans import Plan, Step
+    from pdops.record.local import StateDir
+
+    state = StateDir("t", tmp_path / "state")
+
+    def back(ctx, s):
+        raise PdopsError("the revision's files could not be put back")
+
+    registry.update({"do": lambda ctx, s: None, "back": back})
+    plan = Plan("probe", "plan: probe", [Step("requests", None, "requests", kind="do")],
+                always=[Step("restore", None, "restore", kind="back")])
+    v = op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None,
+                         finish=lambda ctx, verdict: _way_back_failed(plan, ctx, verdict))
+    rec = state.journal().read(state.journal().operations()[-1])[-1]
+    assert (rec["step"], rec["status"]) == ("verdict", "failed")
+    assert "the way back did not complete: restore" in v["error"] and "could not be put back" in v["error"]

@@ -422,3 +422,23 @@ def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without
     assert got["revision"] == 2 and got["how"] == f"changed as {got['op']}" and got["op"].startswith("scale-")
     assert calls[:2] == [("plan_deploy", "3p1d", True), ("deploy", "deploy-")]
     assert calls[2:] == [("plan_scale", "2p2d", {"allow_capacity_dip": True}), ("execute_scale", "scale-")]
+
+
+def test_each_cells_bench_is_named_by_its_step_before_it_runs_even_when_it_fails(tmp_path):
+    """Every cell's bench is an operation of its own (`inv journal --op <id>`): the sweep-run step names
+    it, whether the run ended well or raised (its failed verdict is then found by that id)."""
+    state = StateDir("lab", tmp_path / "state")
+    given = []
+
+    def run_cell(run):
+        given.append(run.op)
+        if run.concurrency == 16:
+            raise RuntimeError("the gateway refused every request")
+        return figs(1e6, run.concurrency)
+
+    sw.execute_sweep(small_plan(), scale_to=lambda t: None, run_cell=run_cell, record=state,
+                     out_dir=tmp_path / "out", say=lambda s: None, plots=False, op="sweep-ops")
+    runs = [r for r in state.journal().read("sweep-ops") if r["step"].startswith("sweep-run")]
+    assert [r["evidence"]["op"] for r in runs] == given and len(set(given)) == len(given)
+    assert all(op.startswith("bench-") for op in given)
+    assert any(r["evidence"].get("error") and r["evidence"]["op"] for r in runs)
