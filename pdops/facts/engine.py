@@ -268,6 +268,11 @@ def counter(metrics: dict, name: str) -> float:
 # A decode started again at the same address takes the same session (seen in the lab: docs/sim.md).
 FAILED_SESSION = "is not alive"
 PROBE_MAX_ENV = "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S"
+# What a prefill answers when Mooncake could not write the KV to the decode. One cause seen in the lab: a
+# decode started again under its old Mooncake name (host:RPC port) while the prefill keeps the old
+# process's segment descriptor (Mooncake caches it for good unless MC_DISABLE_METACACHE or
+# MC_TE_METADATA_REFRESH_INTERVAL_SECONDS): every send to it fails until the prefill restarts.
+SEND_FAILED = "Failed to send kv chunk"
 
 
 def failed_session_wait_s(env: dict) -> float:

@@ -10,7 +10,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from pdops.errors import DeployFailed, PdopsError, Unverified
-from pdops.facts.engine import FAILED_SESSION, PROBE_MAX_ENV
+from pdops.facts.engine import FAILED_SESSION, PROBE_MAX_ENV, SEND_FAILED
 from pdops.fanout import failures, run_parallel
 from pdops.model.placement import Instance
 from pdops.remote.hosts import http_json
@@ -106,6 +106,23 @@ def _wait_for_probe(bad: dict, say: Say, session_wait_s: float, deadline_s: floa
     return True
 
 
+def canary_fix(bad: dict) -> str:
+    """What the operator does next, from what the failed pairs' prefills answered."""
+    said = " ".join(f"{e} {getattr(e, 'evidence', '')}" for e in bad.values())
+    if FAILED_SESSION in said:
+        return ("a prefill refuses a decode's Mooncake session it saw fail until its next probe: wait for it and "
+                f"deploy again, or set SGLANG_FAILED_SESSION_PROBE_INTERVAL_S and {PROBE_MAX_ENV} lower in the "
+                "profile's env")
+    if SEND_FAILED in said:
+        return ("the prefill could not write the KV to the decode. If the decode was just started again at its old "
+                "address, it may have drawn its old Mooncake name (host:RPC port): the prefill still aims at the old "
+                "process (Mooncake caches a peer's descriptor for good). Restart the prefill (`inv repair --instance "
+                "<prefill> --force`), or set MC_TE_METADATA_REFRESH_INTERVAL_SECONDS (or MC_DISABLE_METACACHE) in "
+                "the profile's env; otherwise check the transfer settings (NIC/GID) with `inv preflight`")
+    return ("the named pair cannot serve; check its transfer settings (bootstrap port reachable, NIC/GID) with "
+            "`inv preflight`")
+
+
 def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once: bool = False,
                  deadline_s: float | None = None, session_wait_s: float = 0.0) -> dict:
     """One canary through each pair, in parallel; DeployFailed naming every pair that failed.
@@ -138,12 +155,7 @@ def canary_pairs(pairs: list[tuple[Instance, Instance]], say: Say, *, retry_once
             bad = failures(again)
     if bad:
         names = ", ".join(f"{p.id} x {d.id}" for p, d in bad)
-        dead = any(FAILED_SESSION in f"{e} {getattr(e, 'evidence', '')}" for e in bad.values())
-        raise DeployFailed(f"canary failed for {names}", fix=(
-            "a prefill refuses a decode's Mooncake session it saw fail until its next probe: wait for it and deploy "
-            f"again, or set SGLANG_FAILED_SESSION_PROBE_INTERVAL_S and {PROBE_MAX_ENV} lower in the profile's env"
-            if dead else "the named pair cannot serve; check its transfer settings (bootstrap port reachable, "
-                         "NIC/GID) with `inv preflight`"),
+        raise DeployFailed(f"canary failed for {names}", fix=canary_fix(bad),
                            evidence="\n".join(f"{e}" + (f": {e.evidence}" if getattr(e, "evidence", None) else "")
                                               for e in bad.values()))
     say(f"  canary ok through {len(pairs)} prefill x decode pair(s)")

@@ -128,3 +128,17 @@ def test_a_prefill_still_holding_the_room_is_aborted_after_the_grace(monkeypatch
         canary.canary_pair(_Pair("p01"), _Pair("d01"), timeout=5)
     assert len(aborted) == 1 and aborted[0].startswith("pdops-canary-p01-d01-")
     assert e.value.message.endswith("decode answered HTTP 500")
+
+
+def test_a_send_that_fails_after_the_probe_names_a_decode_under_its_old_mooncake_name(monkeypatch):
+    """Seen in make test: a drained decode added back drew its old Mooncake name; the prefill refused the
+    session, then, after its probe, failed every send to the old process's descriptor. The halt says
+    what to do (restart the prefill, or the profile's Mooncake setting), not only `inv preflight`."""
+    sent = Unverified("canary p01 x d01: prefill answered HTTP 500; decode answered HTTP 500",
+                      evidence="prefill: Prefill transfer failed ... Failed to send kv chunk of 204 to 127.0.10.1:46833")
+    calls, slept = _world(monkeypatch, [Unverified(DEAD), sent, sent])
+    with pytest.raises(DeployFailed) as e:
+        canary.canary_pairs([(_I("p01"), _I("d01"))], lambda s: None, retry_once=True, deadline_s=120,
+                            session_wait_s=4)
+    assert slept == [5.0] and len(calls) == 2  # the refusal is waited out once; a send failure is not
+    assert "Restart the prefill" in e.value.fix and "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS" in e.value.fix
