@@ -6,4 +6,4 @@ SGLANG_VERSION = "0.5.23"
 # gateway host (pdops_gateway.python), which holds no torch and no SGLang.
 SMG_VERSION = "1.13.0"
 TORCH_CPU_VERSION = "2.13.0"
-MOONCAKE_VERSION = "0.3.7"
+MOONCAKE_VERSION = "0.3.13.post1"

@@ -14,6 +14,7 @@ from pdops.facts import host as hf
 from pdops.reads.preflight import batch as pbatch
 from pdops import facts as batch_protocol
 from pdops.reads.preflight import checks as pchecks
+from pdops.model.versions import MOONCAKE_VERSION
 from pdops.reads.preflight import expected as pexp
 from pdops.reads.preflight import pairing as ppair
 from pdops.reads import check_result as checks_mod
@@ -310,7 +311,7 @@ def test_two_sglang_versions_in_one_venv_fail_naming_both(fleet):
 def test_production_host_without_mooncake_fails(fleet):
     v = hf.parse_versions(read("versions_lab_venv.txt"))
     [r] = pf.CHECKS["ver-mooncake"].evaluate(fleet, fleet.hosts[0], None, {"versions": v})
-    assert r.status == pf.FAIL and "not installed" in r.reason and "0.3.7" in r.fix
+    assert r.status == pf.FAIL and "not installed" in r.reason and MOONCAKE_VERSION in r.fix
 
 
 # ------------------------------------------------------------------ ports, memlock, disk
