@@ -47,10 +47,11 @@ def _workload(profile, workload):
             "duration": "send for this many seconds (or use --requests)",
             "ignore_eos": "generate exactly the output length (synthetic capacity track)",
             "inventory": "inventory dir or file", "out": "run folder (default <state>/bench/<run id>)",
-            "timeout": "per-request timeout, seconds (a timed-out request is recorded, never retried)"})
+            "timeout": "per-request timeout, seconds (a timed-out request is recorded, never retried)",
+            "dry_run": "print the plan only (nothing sent, no lock taken, nothing written)"})
 @cli_errors
 def bench(c, concurrency, inventory=DEFAULT_INVENTORY, workload=None, requests=None, duration=None,
-          ignore_eos=False, out=None, timeout=3600):
+          ignore_eos=False, out=None, timeout=3600, dry_run=False):
     """Drive the current revision's gateway at a fixed concurrency; one ledger row per request."""
     from pdops.ops import bench as b
     from pdops.model.inventory import load_inventory
@@ -58,7 +59,9 @@ def bench(c, concurrency, inventory=DEFAULT_INVENTORY, workload=None, requests=N
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
     res = b.run_bench(inv, rec.open_record(inv), wl, concurrency, requests, duration, ignore_eos, out,
-                      timeout=_num(timeout, "--timeout"))
+                      timeout=_num(timeout, "--timeout"), dry_run=dry_run)
+    if res is None:
+        return
     print(b.format_result(res))
     if not ignore_eos:
         print("note: without --ignore-eos the output length is an upper bound; the figures use reported tokens")

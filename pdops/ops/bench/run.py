@@ -130,7 +130,8 @@ def run_bench(inv, record, workload: Workload | str, concurrency: int | str, req
               duration: float | str | None = None, ignore_eos: bool = True, out_dir: str | os.PathLike | None = None,
               *, timeout: float = 3600.0, load: Callable | None = None, prompt_for: Callable[[int], str] | None = None,
               resolve_routing: Callable[[list[LedgerRow]], None] | None = None,
-              say: Callable[[str], None] = print, lock_held: bool = False, op: str | None = None) -> BenchResult:
+              say: Callable[[str], None] = print, lock_held: bool = False, op: str | None = None,
+              dry_run: bool = False) -> BenchResult | None:
     """Drive the gateway of the current revision at a fixed concurrency; write ledger + manifest.
 
     An operation as every other (pdops.ops.operate.run_operation): its plan (mark, load, check, write),
@@ -138,7 +139,8 @@ def run_bench(inv, record, workload: Workload | str, concurrency: int | str, req
     revision it was planned from, each step and one verdict in the journal. The lock keeps every change
     off the cluster while it is measured; a change made anyway (the record written around the lock) marks
     the run invalid. `load(base_url, **kw) -> rows` defaults to `pdops.remote.loadgen.send`; `op`: the
-    run's id (default a new one), which a sweep names before the run."""
+    run's id (default a new one), which a sweep names before the run. `dry_run`: print the plan, send
+    nothing, take no lock, write nothing; None."""
 
     wl = workload if isinstance(workload, Workload) else parse_workload(workload)
     conc = parse_concurrency(concurrency)
@@ -172,6 +174,8 @@ def run_bench(inv, record, workload: Workload | str, concurrency: int | str, req
               prompt_for=prompt_for or prompt_maker(wl))
     plan = bench_plan(inv.cluster, rev.number, run_dir, manifest, load or send, kw, resolve_routing, what)
     say(plan.render())
+    if dry_run:
+        return None
     got: dict = {}
     run_operation(plan, inv, record, say, pool=None, gateways=None, op=run_id, lock_held=lock_held,
                   basis=rev.number, finish=lambda ctx, verdict: got.update(result=ctx.output("bench_result")) or

@@ -266,6 +266,13 @@ def test_a_bench_is_an_operation_under_the_lock_its_steps_and_verdict_in_the_jou
         ("plan", "ok"), ("bench-mark", "ok"), ("bench-load", "ok"), ("bench-check", "ok"), ("bench-write", "ok"),
         ("verdict", "ok")]
     assert recs[2]["evidence"]["sent"] == 2 and recs[-1]["evidence"]["run_dir"] == str(tmp_path / "run")
+    # --dry-run: the same plan printed, nothing sent, no lock, nothing journalled or written
+    benches, said = [o for o in st.journal().operations() if o.startswith("bench-")], []
+    with st.lock("scale", op_id="scale-2"):  # a held lock does not matter to a dry run
+        assert b.run_bench(lab_inv, st, "2000/64", 2, requests=2, out_dir=tmp_path / "dry", load=_fake_load(calls),
+                           say=said.append, dry_run=True) is None
+    assert " 2. bench-load — " in said[0] and len(calls) == 1 and not (tmp_path / "dry").exists()
+    assert [o for o in st.journal().operations() if o.startswith("bench-")] == benches
 
 
 def test_a_bench_whose_later_steps_fail_keeps_every_row_marked_unchecked(tmp_path, lab_inv):
