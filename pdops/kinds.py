@@ -93,9 +93,9 @@ KINDS: dict[str, Kind] = {
     "unfence-gateway": Kind("pdops.ops.scale.fence_exec:do_unfence_gateway", needs=("fence?",)),
     "leave-old-pool": Kind("pdops.ops.scale.fence_exec:do_leave_old_pool", needs=("drained?",)),
     # pdops.ops.scale.rescue
-    "undo-added": Kind("pdops.ops.scale.rescue:do_undo_added", gives=("halt",), needs=("started_instances?", "workers?", "posted?", "healthy?", "drained?", "replaced_out?", "committed?")),
+    "undo-decide": Kind("pdops.ops.scale.rescue:do_undo_decide", gives=("halt", "undo_drain", "undo_stop"), needs=("started_instances?", "workers?", "posted?", "drained?", "replaced_out?", "committed?")),
     "restore-service": Kind("pdops.ops.scale.rescue:do_restore_service", gives=("workers", "halt"), needs=("drained?", "replaced_out?", "left_gateway?")),
-    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?")),
+    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?", "plan_verdicts?", "undo_drain?", "undo_stop?")),
     # pdops.ops.bench.run
     "bench-mark": Kind("pdops.ops.bench.run:do_bench_mark", gives=("bench_mark",)),
     "bench-load": Kind("pdops.ops.bench.run:do_bench_load", gives=("bench_rows",)),

@@ -33,9 +33,10 @@ class Step:
     group: str | None = None
     verifies: str = ""
     # (output name, True/False): the step runs only if that output, given by an earlier step, is
-    # truthy (True) or not (False; also when no step gave it); otherwise it is journalled as a no-op
-    # naming the condition. Printed with the step ("only if probe_keep").
-    when: tuple[str, bool] | None = None
+    # truthy (True) or not (False; also when no step gave it); (output name, True/False, key): only if
+    # that output (a set, list or dict) holds `key` (True) or not (False). Otherwise it is journalled
+    # as a no-op naming the condition. Printed with the step ("only if probe_keep", "only if p03 in undo").
+    when: tuple[str, bool] | tuple[str, bool, str] | None = None
 
     @property
     def gives(self) -> tuple[str, ...]:
@@ -65,8 +66,24 @@ class Step:
         where = f"[{self.host}] " if self.host else ""
         budget = f" (within {self.deadline:g}s)" if self.deadline else ""
         par = " (in parallel with the rest of its group)" if self.group else ""
-        cond = "" if self.when is None else f" (only if {'' if self.when[1] else 'not '}{self.when[0]})"
-        return f"{self.name} — {where}{self.description}{budget}{par}{cond}"
+        return f"{self.name} — {where}{self.description}{budget}{par}{self.condition()}"
+
+    def condition(self) -> str:
+        """The step's `when`, as a plan prints it and a skipped step's journal record names it."""
+        if self.when is None:
+            return ""
+        name, want, *key = self.when
+        if key:
+            return f" (only if {key[0]} {'in' if want else 'not in'} {name})"
+        return f" (only if {'' if want else 'not '}{name})"
+
+    def holds(self, value) -> bool:
+        """Whether the output `value` meets the step's `when` (a step with none always runs)."""
+        if self.when is None:
+            return True
+        _, want, *key = self.when
+        have = key[0] in (value or ()) if key else bool(value)
+        return have == want
 
 
 @dataclass
@@ -114,12 +131,11 @@ class Plan:
 
     def all_steps(self):
         """Every step the plan may run: its steps, rescue and always, and those nested in them (a
-        walk-plan step's plan, a step's may-run steps)."""
+        walk-plan step's plan)."""
         for s in self.steps + self.rescue + self.always:
             yield s
             if s.kind == "walk-plan":
                 yield from s.params["plan"].all_steps()
-            yield from s.params.get("may_run", ())
 
     def _numbered(self) -> list[tuple[str, Step]]:
         return ([(f"{n}", s) for n, s in enumerate(self.steps, 1)] + [(f"R{n}", s) for n, s in enumerate(self.rescue, 1)]
@@ -183,9 +199,6 @@ class Plan:
             lines += uses(num, s)
             if s.kind == "walk-plan":  # the plan it walks, step by step
                 lines += ["      " + ln for ln in s.params["plan"].render().splitlines()[1:]]
-            elif s.params.get("may_run"):  # the steps it may run, as it decides (each journalled by id)
-                lines.append("        may run, as the step decides:")
-                lines += [f"      {k:2d}. {sub.line()}" for k, sub in enumerate(s.params["may_run"], 1)]
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -139,12 +139,10 @@ def _run_step(ctx: RunContext, step: Step) -> Outcome:
     fn = executor(step.kind)
     if fn is None:
         raise PdopsError(f"no executor for step kind {step.kind!r} ({step.name})")
-    if step.when is not None:
-        name, want = step.when
-        have = bool(ctx.output(name))
-        if have != want:
-            return Outcome.noop(f"not run: only if {'' if want else 'not '}{name} ({OUTPUTS.get(name, name)}), "
-                                f"and it is {'' if have else 'not '}so")
+    if step.when is not None and not step.holds(ctx.output(step.when[0])):
+        name = step.when[0]
+        return Outcome.noop(f"not run: {step.condition().strip()[1:-1]} ({name}: {OUTPUTS.get(name, name)}), "
+                            "and that does not hold")
     t0 = time.monotonic()
     if step.deadline:
         ctx._deadlines[step.name] = t0 + step.deadline
@@ -171,8 +169,6 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
     plan.check()
     walked = {s.name: s.params["plan"].step_ids() + [r.name for r in s.params["plan"].rescue + s.params["plan"].always]
               for s in plan.steps + plan.rescue + plan.always if s.kind == "walk-plan"}
-    walked.update({s.name: [sub.name for sub in s.params["may_run"]] for s in plan.steps + plan.rescue + plan.always
-                   if s.params.get("may_run")})
     ctx.journal.step(ctx.op, "plan", "ok", {**plan.head, "operation": plan.operation, "steps": plan.step_ids(),
                                             **({"rescue": [s.name for s in plan.rescue]} if plan.rescue else {}),
                                             **({"always": [s.name for s in plan.always]} if plan.always else {}),

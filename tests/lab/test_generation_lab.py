@@ -98,11 +98,12 @@ def test_a_fenced_rollout_whose_new_pool_fails_leaves_the_old_generation_serving
     op = [o for o in j.operations() if o.startswith("scale-")][-1]
     steps = {r["step"]: r["status"] for r in j.read(op)}
     assert steps.get("front-door back") == "ok" and steps.get("unfence") == "ok", steps
-    assert steps.get("undo-added") == "ok", steps
+    # the new pool never registered: undo-decide names each for the verified stop alone
+    assert steps.get("undo-decide") == "ok" and steps.get("undo-stop p02") == "ok" and steps.get("undo p02") == "noop", steps
     # runbook "A failure": the journal of the operation, then verify and status
     jr = cli(inv_dir, "journal", "--op", op)
     assert jr.returncode == 0, jr.stdout + jr.stderr
-    for s in ("canary new pool", "front-door back", "undo-added", "unfence"):
+    for s in ("canary new pool", "front-door back", "undo-decide", "undo-stop p02", "unfence"):
         assert f" {s}  " in jr.stdout, (s, jr.stdout)
     never_twice(lab, inv_dir, "gen-halt")
     assert cli(inv_dir, "verify").returncode == 0

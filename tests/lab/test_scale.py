@@ -179,10 +179,17 @@ def test_a_change_that_fails_midway_leaves_the_old_topology_serving(cluster, lab
     _assert_status(cluster, 4, "2p1d", ["p01", "p02", "d01"])
     verdicts = [r for r in cluster.state.journal().records() if r["step"] == "verdict"]
     assert verdicts[-1]["status"] == "failed" and verdicts[-1]["evidence"]["current"] == 4
-    # the rescue that ran is the one the plan printed before it started: R1 undo-added (and the steps
-    # it may run, printed under it: here the verified stop of p03, never registered), R2 record-halt
-    walked = assert_journal_walks_the_printed_plan(cluster.state, "scale", proc.stdout, {"undo-added"})
-    assert "start p03" in walked and walked[-3:] == ["undo-added", "record-halt", "publish-targets"], walked
+    # the rescue that ran is the one the plan printed before it started: undo-decide, then p03's two
+    # ways back, each a plan printed under its step: `undo p03` (its drain) not run, since p03 was never
+    # registered; `undo-stop p03` (the verified stop alone) walked; then record-halt
+    walked = assert_journal_walks_the_printed_plan(cluster.state, "scale", proc.stdout, {"undo p03", "undo-stop p03"})
+    assert "start p03" in walked and walked[-8:] == [
+        "undo-decide", "undo p03", "undo-stop p03: record-identity", "undo-stop p03: stop", "undo-stop p03: verify-stop",
+        "undo-stop p03", "record-halt", "publish-targets"], walked
+    recs = {r["step"]: r for r in cluster.state.journal().read(
+        [o for o in cluster.state.journal().operations() if o.startswith("scale-")][-1])}
+    assert recs["undo p03"]["status"] == "noop" and "only if p03 in undo_drain" in recs["undo p03"]["evidence"]["reason"]
+    assert recs["undo-decide"]["evidence"]["stop"] == ["p03"]
 
 
 def test_rollback_returns_to_3p1d_under_load(cluster):

@@ -23,7 +23,8 @@ from pdops.record.local import StateDir
 
 from pdops.ops.drain.plan import DrainPlan, GONE_WAIT_S, KillPlan
 from pdops.ops.drain.stopping import (alive_survivors, describe_survivor, kill_command, last_stop_record, leave_gateway,
-                                  read_emptiness, record_identities, stop_evidence, stop_units, verify_units_stopped)
+                                  read_emptiness, record_identities, stop_evidence, stop_units, verify_units_stopped,
+                                  held_ports, instance_ports)
 
 
 def do_check_units(ctx: RunContext, step: Step) -> Outcome:
@@ -316,9 +317,13 @@ def do_record_identity(ctx: RunContext, step: Step) -> Outcome:
     if st["already_stopped"]:
         return Outcome.noop(f"{inst.id}'s units are already inactive")
     idents = record_identities(ctx.pool, inst)
-    ctx.give(step, "drain_state", {inst.id: {**st, "idents": idents}})
-    return Outcome(evidence={u: {"main_pid": i.main_pid, "cgroup": i.control_group, "pids": sorted(i.tree)}
-                             for u, i in idents.items()})
+    # the ports its verified stop must find closed: every one of the instance's, or (an instance that
+    # may never have listened: `check_ports: held`) those its own processes listen on now
+    ports = held_ports(ctx.pool, inst, idents) if step.params.get("check_ports") == "held" else \
+        instance_ports(inst) if step.params.get("check_ports", True) else []
+    ctx.give(step, "drain_state", {inst.id: {**st, "idents": idents, "ports": ports}})
+    return Outcome(evidence={**{u: {"main_pid": i.main_pid, "cgroup": i.control_group, "pids": sorted(i.tree)}
+                                for u, i in idents.items()}, "ports_to_close": ports})
 
 
 def do_stop(ctx: RunContext, step: Step) -> Outcome:
@@ -337,8 +342,7 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
     if st["already_stopped"]:
         out = _verify_resumed_stop(ctx, inst)
     else:
-        res = verify_units_stopped(ctx.pool, inst, st["idents"], st["seconds"],
-                                   check_ports=step.params.get("check_ports", True), say=ctx.say)
+        res = verify_units_stopped(ctx.pool, inst, st["idents"], st["seconds"], ports=st.get("ports"), say=ctx.say)
         verified = [f"cgroup empty, every recorded PID gone or reused, ports closed ({inst.id})"]
         if res.strays:
             verified.append(f"stray process(es) found in the cgroup and stopped with it: {'; '.join(res.strays)}")
@@ -356,8 +360,7 @@ def do_verify_stop(ctx: RunContext, step: Step) -> Outcome:
         unverified += [f"{e.host}:{e.runtime_dir}" for e in res.evidence
                        if e.runtime_dir and not e.runtime_dir.endswith("removed by systemd")]
         out = Outcome(evidence=stop_evidence(inst, res), verified=verified, unverified=unverified)
-    wid = step.params.get("gateway_worker")
-    if wid and ctx.gateways is not None:
+    if step.params.get("gateway_gone") and ctx.gateways is not None:
         # right after the stop smg may still list the removed worker as draining: the drain ends when
         # each gateway's view is the revision's (an `inv status` at once then counts what runs)
         try:

@@ -105,12 +105,13 @@ GONE_WAIT_S = 30.0
 
 def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s: float, interval_s: float,
                 force_after: bool = False, gateway: bool = True, prefix: str = "", in_change: bool = False,
-                check_ports: bool = True, resume: bool = True, extra: dict | None = None,
+                check_ports: bool | str = True, resume: bool = True, extra: dict | None = None,
                 wait: bool = True, guard: bool = False) -> list[Step]:
     """Rule 4 for one instance as steps: the one drain sub-plan that drain, scale and rollback
     embed (`prefix` names the instance in the step ids when an operation has several drains).
-    `gateway=False`: the verified stop alone (`inv stop`); `check_ports=False` for an instance
-    that never listened (its port may be someone else's); `resume=False` (undoing an add): always
+    `gateway=False`: the verified stop alone (`inv stop`); `check_ports="held"` for an instance that
+    may never have listened (its port may be someone else's): only the ports its own processes listen
+    on when its identity is recorded must be closed after the stop; `resume=False` (undoing an add): always
     stop, never accept units found stopped as the work of an earlier drain. `wait=False` (repairing
     an instance observed down: nothing of it runs to wait for): leave the gateway, then the verified
     stop, without the wait and the empty checks. `guard` (not with --force): while the instance is
@@ -152,10 +153,11 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
         Step(f"{prefix}verify-stop", inst.head.host, "cgroup empty (or removed), every recorded PID gone or reused, "
              "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)"
              + (f"; {'the gateway no longer lists' if len(inv.gateway.nodes) == 1 else 'no gateway lists'} "
-                f"worker {worker_id} (smg drops a removed worker seconds after it is "
-                f"empty; still listed after {GONE_WAIT_S:g}s: not verified)" if gateway and worker_id else ""),
-             60 + (GONE_WAIT_S if gateway and worker_id else 0),
-             kind="verify-stop", params={**p, "gateway_worker": worker_id if gateway else None}),
+                + (f"worker {worker_id}" if worker_id else "a worker at its URL")
+                + f" (smg drops a removed worker seconds after it is empty; still listed after {GONE_WAIT_S:g}s: "
+                "not verified)" if gateway else ""),
+             60 + (GONE_WAIT_S if gateway else 0),
+             kind="verify-stop", params={**p, "gateway_gone": gateway}),
     ]
     return steps
 

@@ -260,12 +260,28 @@ def stop_units(pool: HostPool, inst: Instance, stop_timeout_s: float, say: Say |
     return round(time.monotonic() - t0, 2)
 
 
-def verify_units_stopped(pool: HostPool, inst: Instance, idents: dict, seconds: float, *, check_ports: bool = True,
-                         say: Say | None = None) -> StopResult:
-    """Prove the stop from what the hosts report now (see :func:`verify_stopped`)."""
+def instance_ports(inst: Instance) -> list[int]:
+    """The ports the instance's head rank serves on (HTTP, and a prefill's bootstrap server)."""
+    return [p for p in (inst.http_port, inst.bootstrap_port) if p]
+
+
+def held_ports(pool: HostPool, inst: Instance, idents: dict) -> list[int]:
+    """Of the instance's ports, those its head rank's own processes (the recorded tree) listen on now
+    (`ss -Hltnp`): what its verified stop must find closed when it may never have listened (an
+    instance a halted change started: its port may be another process's, the reason it failed)."""
+    head_host, head_unit = inst.units[0]
+    mine = set(idents[head_unit].tree)
+    listeners = port_facts.parse(pool.run(head_host, port_facts.command()).stdout)
+    return sorted({ln.port for ln in listeners if ln.port in instance_ports(inst) and mine & set(ln.pids)})
+
+
+def verify_units_stopped(pool: HostPool, inst: Instance, idents: dict, seconds: float, *,
+                         ports: list[int] | None = None, say: Say | None = None) -> StopResult:
+    """Prove the stop from what the hosts report now (see :func:`verify_stopped`); `ports`: those that
+    must be closed (default: every port of the instance)."""
     head_unit = inst.units[0][1]
     strays = [f"{i.host}:{i.unit} {s}" for i in idents.values() for s in i.strays]
-    ports = [p for p in (inst.http_port, inst.bootstrap_port) if p] if check_ports else []
+    ports = instance_ports(inst) if ports is None else ports
     evidence = [verify_stopped(pool, idents[u], ports if u == head_unit else [], inst.head.data_addr)
                 for h, u in inst.units]
     result = StopResult(idents, evidence, strays, seconds)

@@ -92,8 +92,8 @@ class Timeline:
 
 
 def phases(plan: dict) -> dict[str, str]:
-    """Step id -> main, rescue or always, from the plan record (the steps a walk-plan step walks, or
-    a step may run, take the phase of that step)."""
+    """Step id -> main, rescue or always, from the plan record (the steps a walk-plan step walks take
+    the phase of that step)."""
     out: dict[str, str] = {}
     for key, phase in (("steps", "main"), ("rescue", "rescue"), ("always", "always")):
         for s in plan.get(key) or ():

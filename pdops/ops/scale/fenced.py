@@ -36,7 +36,7 @@ from pdops.plans import Step
 from pdops.steps.builders import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
                                     register_steps, start_steps, verify_running_step)
 from pdops.ops.drain.plan import drain_steps, side_by_side
-from pdops.ops.scale.steps import rescue_steps
+from pdops.ops.scale.steps import rescue_steps, undo_group
 from pdops.ops.scale.change import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
                                    shared_files, slot_key)
 
@@ -252,12 +252,7 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
                 kind="front-door-set", params={"admission_hosts": adms, "weights": {g: 0, **{h: FULL_WEIGHT for h in others}},
                                                "drain": [g], "ready": others, "only_if_fenced": True},
                 when=("committed", False))]
-    if "undo-added" in base:
-        undo = base["undo-added"]
-        undo.params["fenced"] = True  # the new pool is kept only once committed (a shrink is no reason)
-        undo.description = undo.description.replace("kept if it serves in place of one already drained or replaced "
-                                                     "(its `register` step passed)", "kept only after `commit`")
-        out.append(undo)
+    out += undo_group(plan, fenced=True)  # the new pool is kept only once committed (a shrink is no reason)
     if "restore-service" in base:
         rs = base["restore-service"]
         rs.when = ("committed", False)

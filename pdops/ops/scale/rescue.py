@@ -9,12 +9,11 @@ from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import config_ids, manifest, render_files
 from pdops.plans import Outcome, Step
-from pdops.runner import RunContext, run_steps
+from pdops.runner import RunContext
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.change import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
 from pdops.ops.scale.execute import instances_doc
-from pdops.ops.scale.steps import undo_steps
 from pdops.facts.engine import failed_session_wait_s
 from pdops.steps.actions import register
 from pdops.steps.canary import canary_pairs
@@ -28,38 +27,43 @@ from pdops.remote.hosts import http_json
 # `--dry-run`: R1 undoes what the change added and cannot keep, R2 puts back in service every
 # instance the change took out of the gateway but did not stop, R3 records what runs.
 
-def do_undo_added(ctx: RunContext, step: Step) -> Outcome:
-    """R1: an added instance that is registered stays only if a drain or a replacement already
-    happened (undoing it would drop capacity further); a replaced instance registered with its new
-    files serves on. Everything else this change started is drained (if registered) or stopped."""
-    plan: ChangeFacts = step.params["change"]
-    started = {i: inst for i, inst in ctx.get(step, "started_instances", {}).items() if i in step.params["instances"]}
-    workers, posted, healthy = ctx.get(step, "workers", {}), ctx.get(step, "posted", set()), ctx.get(step, "healthy", set())
-    # a fenced rollout that committed serves from the new pool alone: it is kept like a replacement
+def do_undo_decide(ctx: RunContext, step: Step) -> Outcome:
+    """R1: which instances the change started are undone, and how, from what the walk did. An added
+    instance that is registered stays only if a drain or a replacement already happened (undoing it
+    would drop capacity further); a replaced instance registered with its new files serves on (in a
+    fenced rollout: only once committed). Every other one the change started is drained (if its
+    registration was sent) or stopped; the `undo <id>` and `undo-stop <id>` plans after this step
+    run only for the instances it names."""
+    started = [i for i in ctx.get(step, "started_instances", {}) if i in step.params["instances"]]
+    workers, posted = ctx.get(step, "workers", {}), ctx.get(step, "posted", set())
     changed = ctx.get(step, "committed") if step.params.get("fenced") else \
         ctx.get(step, "drained") or ctx.get(step, "replaced_out")
-    replaced_ids = {i.id for i in plan.replaced}
-    kept, undone, left = [], [], []
-    for iid, inst in reversed(list(started.items())):
-        if (changed or iid in replaced_ids) and iid in workers:
-            kept.append(iid)
-            continue
-        try:
-            run_steps(undo_steps(inst, plan, registered=iid in posted, listened=iid in healthy,
-                                 worker_id=workers.get(iid)), ctx, progress=False)
-            undone.append(f"{iid} (drained and stopped, verified)" if iid in posted
-                          else f"{iid} (never registered; stopped, verified)")
-        except PdopsError as e2:
-            left.append(f"{iid}: undo failed: {e2.message}")
-    ctx.give(step, "halt", {"kept_added": kept, "undone": undone, "left": left})
+    replaced = set(step.params.get("replaced", ()))
+    kept = [i for i in started if (changed or i in replaced) and i in workers]
+    drain = [i for i in started if i not in kept and i in posted]
+    stop = [i for i in started if i not in kept and i not in posted]
+    ctx.give(step, "undo_drain", set(drain))
+    ctx.give(step, "undo_stop", set(stop))
+    ctx.give(step, "halt", {"kept_added": kept})
     if not started:
         return Outcome.noop("no start step ran")
-    if left:
-        exc = Unverified("not every added instance was undone", evidence="\n".join(left))
-        exc.journal_evidence = {"kept": kept, "undone": undone, "left": left}
-        raise exc
-    return Outcome(evidence={"kept": kept, "undone": undone},
-                   verified=[f"undone: {u}" for u in undone] + [f"kept, serving: {k}" for k in kept])
+    ev = {"kept": kept, "drain": drain, "stop": stop}
+    return Outcome(evidence=ev, verified=[f"kept, serving: {k}" for k in kept])
+
+
+def undo_outcome(step: Step, ctx: RunContext) -> dict:
+    """What R1's undo plans did: `undone` (each plan walked to its end), `left` (one that failed: its
+    steps and error are journalled under `undo <id>` / `undo-stop <id>`)."""
+    walked = ctx.get(step, "plan_verdicts", {})
+    undone, left = [], []
+    for name, ids in (("undo", ctx.get(step, "undo_drain", set())), ("undo-stop", ctx.get(step, "undo_stop", set()))):
+        for iid in sorted(ids):
+            if f"{name} {iid}" in walked:
+                undone.append(f"{iid} (drained and stopped, verified)" if name == "undo"
+                              else f"{iid} (never registered; stopped, verified)")
+            else:
+                left.append(f"{iid}: undo failed (journal: step `{name} {iid}`)")
+    return {"undone": undone, "left": left}
 
 
 def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
@@ -132,7 +136,7 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     failed verdict given to the operation (pdops.ops.operate.run_operation journals it)."""
     plan: ChangeFacts = step.params["change"]
     why = ctx.get(step, "failure", "the walk stopped")
-    halt = dict(ctx.get(step, "halt", {}))
+    halt = {**ctx.get(step, "halt", {}), **undo_outcome(step, ctx)}
     workers, main_pids = dict(ctx.get(step, "workers", {})), ctx.get(step, "main_pids", {})
     removed_ids = {i.id for i in plan.removed} | {i.id for i in plan.replaced}
     drained = [i for i in ctx.get(step, "drained", []) if i in removed_ids]

@@ -9,7 +9,7 @@ from pdops.model.admission import UNIT as ADMISSION_UNIT
 from pdops.steps.builders import end_orphans_step
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
-from pdops.plans import Step
+from pdops.plans import Plan, Step
 from pdops.ops.drain.plan import drain_steps, side_by_side
 from pdops.steps.builders import (baseline_step, canary_step, close_breakers_step, connect_step, delivery_steps,
                                   front_door_step, gateway_restart_steps, healthy_steps, lost_work_step, preflight_step,
@@ -222,13 +222,42 @@ def wave_steps(plan: ScalePlan, wave: list[Instance], live: set[str]) -> list[St
     return out
 
 
-def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool, listened: bool, worker_id: str | None) -> list[Step]:
-    """Undo of one added instance: drain it if it was registered, else the verified stop alone."""
-
+def undo_steps(inst: Instance, plan: ScalePlan, *, registered: bool) -> list[Step]:
+    """Undo of one added instance: its drain if it was registered (leave the gateway, wait empty, the
+    verified stop); else the verified stop alone, closing only the ports its own processes listen on
+    (it may never have listened: its port may be another process's, the reason it failed)."""
     inv = plan.inv
-    return drain_steps(inv, inst, worker_id, wait_s=float(inv.drain_budget_s),
+    return drain_steps(inv, inst, None, wait_s=float(inv.drain_budget_s),
                        interval_s=float(inv.vars.get("pdops_empty_check_interval_s", 5)), gateway=registered,
-                       prefix=f"undo {inst.id}: ", check_ports=listened, resume=False)
+                       prefix=f"undo {inst.id}: " if registered else f"undo-stop {inst.id}: ",
+                       check_ports=True if registered else "held", resume=False)
+
+
+def undo_group(plan: ScalePlan, *, fenced: bool = False) -> list[Step]:
+    """R1 of a halted change (pure): `undo-decide` names, from what the walk did, which instances the
+    change started are kept and which are undone and how; then each started instance's two ways of
+    being undone, each a plan of its own that the walker walks only if the decision named it (printed
+    in full by `--dry-run`, journalled step by step)."""
+    inv = plan.inv
+    started = [s.instance for s in plan.steps if s.kind in ("add", "replace-in")]
+    if not started:
+        return []
+    ids = ", ".join(i.id for i in started)
+    keep = ("kept only after `commit` (the new generation serves alone then)" if fenced else
+            "kept if it serves in place of one already drained or replaced (its `register` step passed)")
+    out = [Step("undo-decide", None, f"each of {ids} that its `start` step started: {keep}; otherwise undone: "
+                "drained if its `register` step ran, else the verified stop alone", 30, kind="undo-decide",
+                params={"instances": [i.id for i in started], "replaced": [i.id for i in plan.replaced],
+                        "fenced": fenced})]
+    budget = float(inv.drain_budget_s) + inv.stop_timeout_s + 180
+    for inst in started:
+        for registered, output, how in ((True, "undo_drain", "drained (it was registered)"),
+                                        (False, "undo_stop", "stopped (never registered)")):
+            sub = Plan("undo", f"undo {inst.id}: {how}", undo_steps(inst, plan, registered=registered))
+            out.append(Step(f"undo {inst.id}" if registered else f"undo-stop {inst.id}", None,
+                            f"{inst.id} {how}, each stop verified", budget, kind="walk-plan",
+                            params={"plan": sub, "instance": inst.id}, when=(output, True, inst.id)))
+    return out
 
 
 def rescue_steps(plan: ScalePlan) -> list[Step]:
@@ -238,20 +267,7 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
     if plan.noop or not (plan.steps or plan.gateway_restart or plan.admission_reload):
         return []
     inv = plan.inv
-    out: list[Step] = []
-    started_insts = [s.instance for s in plan.steps if s.kind in ("add", "replace-in")]
-    started = [i.id for i in started_insts]
-    if started:
-        # the most each undo may run (a registered instance's drain; an unregistered one runs only
-        # its verified stop, the last three of them): printed under the step, journalled by id
-        may_run = [s for i in started_insts for s in undo_steps(i, plan, registered=True, listened=True,
-                                                                              worker_id="<its register step's>")]
-        budget = float(inv.drain_budget_s) + inv.stop_timeout_s + 180
-        out.append(Step("undo-added", None, f"each of {', '.join(started)} that its `start` step started: kept if it "
-                        "serves in place of one already drained or replaced (its `register` step passed), otherwise "
-                        "drained if its `register` step ran (leave the gateway, wait empty, verified stop), else the "
-                        "verified stop alone", budget * len(started), kind="undo-added",
-                        params={"instances": started, "change": change_facts(plan), "may_run": may_run}))
+    out: list[Step] = undo_group(plan)
     taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
     if taken_out:
         out.append(Step("restore-service", inv.gateway.step_host, f"each of {', '.join(taken_out)} whose `leave-gateway` "

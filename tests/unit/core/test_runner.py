@@ -307,3 +307,33 @@ def test_a_walk_plan_step_walks_its_declared_plan_only_when_its_condition_holds(
     v = walk(plan, ctx)
     assert ran[-1] == "inner: undo" and any("sub step broke" in u for u in v["unverified"])
     assert ctx.after_failed and ctx.after_failed[0].startswith("keep: ")
+
+
+def test_a_step_keyed_on_an_instance_runs_only_for_the_instances_an_earlier_step_named(tmp_path, registry):
+    """(output, True, key): the step runs only if the output an earlier step gave holds `key` (a halted
+    change's undo plans run for the instances `undo-decide` named); the dry run prints the condition,
+    a step not run is journalled as a no-op naming it."""
+    import pdops.runner as runner
+
+    registry.bind({"walk-plan": runner.do_walk_plan}, gives={"walk-plan": ("plan_verdicts",)})
+    ran = []
+
+    def decide(c, s):
+        c.give(s, "undo_drain", {"p02"})
+        return Outcome()
+
+    registry.bind({"decide": decide, "note": lambda c, s: ran.append(s.name) or Outcome()},
+                  gives={"decide": ("undo_drain",)})
+    undo = [Step(f"undo {i}", None, f"drain {i}", kind="walk-plan", when=("undo_drain", True, i),
+                 params={"plan": Plan("undo", f"undo {i}", [Step(f"undo {i}: stop", None, "", kind="note")])})
+            for i in ("p02", "p03")]
+    plan = Plan("demo", "t", [Step("decide", None, "", kind="decide")] + undo)
+    assert "undo p03 — drain p03 (only if p03 in undo_drain)" in plan.render()
+    assert "undo p03: stop" in plan.render()  # each walked plan printed in full
+    ctx = _ctx(tmp_path)
+    walk(plan, ctx)
+    assert ran == ["undo p02: stop"]
+    recs = {r["step"]: r for r in ctx.journal.read("op-1")}
+    assert recs["undo p02"]["status"] == "ok" and recs["undo p03"]["status"] == "noop"
+    assert "only if p03 in undo_drain" in recs["undo p03"]["evidence"]["reason"]
+    assert Step("x", None, "", kind="note", when=("undo_drain", False, "p03")).holds({"p02"})

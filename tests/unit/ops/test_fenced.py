@@ -91,7 +91,10 @@ def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, sta
     assert rescue["restore-service"].when == ("committed", False)  # never the old generation back after commit
     # the front door goes back only if the fence happened; the new pool is kept only once committed;
     # after commit what of the old pool is not yet drained leaves the other gateways before the join
-    assert rescue["front-door back"].params["only_if_fenced"] and rescue["undo-added"].params["fenced"]
+    assert rescue["front-door back"].params["only_if_fenced"] and rescue["undo-decide"].params["fenced"]
+    # each instance of the new pool has its two ways back, each a plan walked only if undo-decide names it
+    assert rescue["undo p02"].when == ("undo_drain", True, "p02") and rescue["undo-stop p02"].when == ("undo_stop", True, "p02")
+    assert rescue["undo p02"].params["plan"].step_ids()[0] == "undo p02: leave-gateway"
     names = [s.name for s in plan.rescue]
     assert names.index("rescue leave old pool") < names.index("rescue join register p02")
     assert rescue["rescue leave old pool"].when == ("committed", True)
