@@ -94,8 +94,11 @@ KINDS: dict[str, Kind] = {
     "leave-old-pool": Kind("pdops.ops.scale.fence_exec:do_leave_old_pool", needs=("drained?",)),
     # pdops.ops.scale.rescue
     "undo-decide": Kind("pdops.ops.scale.rescue:do_undo_decide", gives=("halt", "undo_drain", "undo_stop"), needs=("started_instances?", "workers?", "posted?", "drained?", "replaced_out?", "committed?")),
-    "restore-service": Kind("pdops.ops.scale.rescue:do_restore_service", gives=("workers", "halt"), needs=("drained?", "replaced_out?", "left_gateway?")),
-    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?", "plan_verdicts?", "undo_drain?", "undo_stop?")),
+    "restore-check": Kind("pdops.ops.scale.rescue:do_restore_check", gives=("restore", "halt"), needs=("drained?", "replaced_out?", "left_gateway?")),
+    "restore-canary": Kind("pdops.ops.scale.rescue:do_restore_canary", gives=("restore_canaried", "not_restored"), needs=("restore?",)),
+    "restore-register": Kind("pdops.ops.scale.rescue:do_restore_register", gives=("workers", "restored", "not_restored")),
+    "restore-list": Kind("pdops.ops.scale.rescue:do_restore_list", needs=("restored?",)),
+    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?", "plan_verdicts?", "undo_drain?", "undo_stop?", "restored?", "not_restored?")),
     # pdops.ops.bench.run
     "bench-mark": Kind("pdops.ops.bench.run:do_bench_mark", gives=("bench_mark",)),
     "bench-load": Kind("pdops.ops.bench.run:do_bench_load", gives=("bench_rows",)),

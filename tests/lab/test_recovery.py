@@ -170,7 +170,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     set_bundle(inv_dir, max_running_requests=32)
     dry = cli(inv_dir, "deploy", "--topology", "2p2d", "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    assert "if a step fails, then (rescue)" in dry.stdout and "R2. restore-service" in dry.stdout, dry.stdout
+    assert "if a step fails, then (rescue)" in dry.stdout and "restore-check — " in dry.stdout, dry.stdout
     pl = Placement.from_dict(record(inv_dir).current_revision().placement)
     p01, d01 = pl.get("p01"), pl.get("d01")
     rid = f"halt-long-{uuid.uuid4().hex[:8]}"
@@ -195,7 +195,10 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     assert st.current() == rev_before  # nothing was stopped: the revision still describes what runs
     assert main_pids(inv_dir) == pids_before
     steps = {r["step"]: r["status"] for r in st.journal().read(st.journal().operations()[-1])}
-    assert steps["restore-service"] == "ok" and steps["record-halt"] == "noop", steps
+    # the restore, one decision a step: both running, canaried, each registered again, listed
+    assert all(steps[s] == "ok" for s in ("restore-check", "restore-canary", "restore register p01",
+                                          "restore register d01", "restore gateway-list")), steps
+    assert steps["record-halt"] == "noop", steps
     status = cli(inv_dir, "status", "--json")
     assert status.returncode == 0, status.stdout + status.stderr
     doc = json.loads(status.stdout)

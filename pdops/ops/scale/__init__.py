@@ -27,7 +27,7 @@ The package, by concern (each module imports only those listed before it):
 - ``model``: ScaleStep, ScalePlan and how it prints, ChangeFacts (what its record and rescue
   steps carry); comparing two revisions' files;
 - ``steps``: a plan compiled into the runner's steps (adds, waves, drains, the gateway first,
-  the rescue: R1 undo-decide and each started instance's undo plan, R2 restore-service, R3 record-halt);
+  the rescue: R1 undo-decide and each started instance's undo plan, R2 the restore steps, R3 record-halt);
 - ``execute``: the executors of a change's own kinds, the walk under the lock, the record;
 - ``rescue``: the executors of the rescue's kinds;
 - ``fenced``: a change of generation planned as a fenced (blue/green) rollout, its steps and rescue;

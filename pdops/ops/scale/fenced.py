@@ -36,7 +36,7 @@ from pdops.plans import Step
 from pdops.steps.builders import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
                                     register_steps, start_steps, verify_running_step)
 from pdops.ops.drain.plan import drain_steps, side_by_side
-from pdops.ops.scale.steps import rescue_steps, undo_group
+from pdops.ops.scale.steps import rescue_steps, restore_steps, undo_group
 from pdops.ops.scale.change import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
                                    shared_files, slot_key)
 
@@ -253,10 +253,10 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
                                                "drain": [g], "ready": others, "only_if_fenced": True},
                 when=("committed", False))]
     out += undo_group(plan, fenced=True)  # the new pool is kept only once committed (a shrink is no reason)
-    if "restore-service" in base:
-        rs = base["restore-service"]
-        rs.when = ("committed", False)
-        out.append(rs)
+    restore = restore_steps(plan, [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")])
+    if restore:
+        restore[0].when = ("committed", False)  # never the old generation back after commit; the rest follow its outputs
+        out += restore
     out.append(Step("unfence", g, f"{g} gets the old pool's workers back (those serving: registered, in its start-up "
                     f"list), then HAProxy on {adm} sets it ready at weight 100", 120, kind="unfence-gateway",
                     params={"gateway": g, "admission_hosts": adms,

@@ -66,14 +66,12 @@ def undo_outcome(step: Step, ctx: RunContext) -> dict:
     return {"undone": undone, "left": left}
 
 
-def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
-    """R2: an instance out of the gateway whose process was not stopped goes back in service, after
-    a canary through it; one whose units are not active (or whose /health does not answer) is named
-    out of service. Read from systemd, the instance and the gateway now."""
-
+def do_restore_check(ctx: RunContext, step: Step) -> Outcome:
+    """R2a: of the instances the change took out of the gateway and did not stop, those whose units
+    are active and whose /health answers (read from systemd and the instance now) are to go back in
+    service (`restore`); the others are named out of service."""
     stopped = set(ctx.get(step, "drained", [])) | set(ctx.get(step, "replaced_out", []))
     cands = [i for i in step.params["instances"] if i in ctx.get(step, "left_gateway", []) and i not in stopped]
-    halt: dict = {}
     if not cands:
         return Outcome.noop("no instance left the gateway without being stopped")
     old: Placement = ctx.old_placement
@@ -85,49 +83,61 @@ def do_restore_service(ctx: RunContext, step: Step) -> Outcome:
             health = http_json("GET", f"{inst.url}/health", timeout=5)[0]
         except PdopsError:
             health = None
-        (running if all(st.is_active for st in states) and health == 200 else down).append(inst)
-    halt["down"] = [i.id for i in down]
-    deadline = ctx.deadline(step)
+        (running if all(st.is_active for st in states) and health == 200 else down).append(iid)
+    ctx.give(step, "restore", set(running))
+    ctx.give(step, "halt", {"down": down})
+    return Outcome(evidence={"running": running, "down": down},
+                   verified=[f"{i}: units active, /health 200" for i in running],
+                   unverified=[f"not back in service: {i}: units not active or /health not answering" for i in down])
+
+
+def do_restore_canary(ctx: RunContext, step: Step) -> Outcome:
+    """R2b: a canary through each instance to restore and the instances the gateways route to now
+    (and each other); those whose pairs all answered may be registered again (`restore_canaried`)."""
+    old: Placement = ctx.old_placement
+    back = [old.get(i) for i in sorted(ctx.get(step, "restore", set()))]
     by_url = {i.url.rstrip("/"): i for i in ctx.placement.instances + old.instances}
     serving_now = [by_url[u] for u in sorted(ctx.gateways.routable_everywhere()) if u in by_url]
-    restored: dict[str, str] = {}
-    failed: list[str] = [f"{i.id}: units not active or /health not answering" for i in down]
-    back = list(running)
-    if back:
-        pairs = []
-        for x in back:
-            for o in serving_now + back:
-                if o.role != x.role and o.id != x.id:
-                    pair = (x, o) if x.role == "prefill" else (o, x)
-                    if pair not in pairs:
-                        pairs.append(pair)
-        if pairs:
-            try:
-                canary_pairs(pairs, ctx.say, retry_once=True, deadline_s=max(deadline - time.monotonic(), 30),
-                             session_wait_s=failed_session_wait_s(ctx.inv.profile.env))
-            except PdopsError as exc:
-                failed += [f"{x.id}: canary failed: {exc.message}" for x in back]
-                back = []
+    pairs = []
     for x in back:
-        try:  # register() waits out the worker the drain left draining at this URL
-            restored[x.id] = register(ctx.gateways, x, ctx.say,
-                                      max(deadline - time.monotonic(), 15))[ctx.inv.gateway.hosts[0]]
+        for o in serving_now + back:
+            if o.role != x.role and o.id != x.id:
+                pair = (x, o) if x.role == "prefill" else (o, x)
+                if pair not in pairs:
+                    pairs.append(pair)
+    if pairs:
+        try:
+            canary_pairs(pairs, ctx.say, retry_once=True, deadline_s=max(ctx.deadline(step) - time.monotonic(), 30),
+                         session_wait_s=failed_session_wait_s(ctx.inv.profile.env))
         except PdopsError as exc:
-            failed.append(f"{x.id}: not registered again: {exc.message}")
-    if restored:
-        membership.update(ctx.pool, ctx.inv, add=[old.get(i) for i in restored])
-        ctx.give(step, "workers", dict(restored))
-    halt["restored"] = sorted(restored)
-    halt["not_restored"] = failed
-    ctx.give(step, "halt", halt)
-    ev = {"restored": restored, "not_restored": failed}
-    if failed and not restored:
-        exc = Unverified("no instance taken out of the gateway could be put back", evidence="\n".join(failed))
-        exc.journal_evidence = ev
-        raise exc
-    return Outcome(evidence=ev, verified=[f"{i} back in service: canaried, registered (worker {w}), in the "
-                                          "gateway's start-up list" for i, w in restored.items()],
-                   unverified=[f"not back in service: {f}" for f in failed])
+            ctx.give(step, "not_restored", [f"{x.id}: canary failed: {exc.message}" for x in back])
+            raise
+    ctx.give(step, "restore_canaried", {x.id for x in back})
+    return Outcome(evidence={"pairs": [f"{p.id}+{d.id}" for p, d in pairs]},
+                   verified=[f"canary through {', '.join(x.id for x in back)}: every pair answered"])
+
+
+def do_restore_register(ctx: RunContext, step: Step) -> Outcome:
+    """R2c: one instance registered again on every gateway (register() first waits out the worker its
+    drain left draining at its URL)."""
+    x = ctx.old_placement.get(step.instance)
+    try:
+        wid = register(ctx.gateways, x, ctx.say, step.deadline)[ctx.inv.gateway.hosts[0]]
+    except PdopsError as exc:
+        ctx.give(step, "not_restored", [f"{x.id}: not registered again: {exc.message}"])
+        raise
+    ctx.give(step, "workers", {x.id: wid})
+    ctx.give(step, "restored", {x.id})
+    return Outcome(evidence={"worker_id": wid},
+                   verified=[f"{x.id} back in service: canaried, registered (worker {wid})"])
+
+
+def do_restore_list(ctx: RunContext, step: Step) -> Outcome:
+    """R2d: the instances registered again, back in every gateway's start-up list."""
+    add = [ctx.old_placement.get(i) for i in sorted(ctx.get(step, "restored", set()))]
+    listed = membership.listed_ids(membership.update(ctx.pool, ctx.inv, add=add))
+    return Outcome(evidence={"gateway_list": listed},
+                   verified=[f"{', '.join(i.id for i in add)} in the gateway's start-up list"])
 
 
 def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
@@ -142,7 +152,7 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     drained = [i for i in ctx.get(step, "drained", []) if i in removed_ids]
     replaced_out = list(ctx.get(step, "replaced_out", []))
     down = list(halt.get("down", []))
-    restored = list(halt.get("restored", []))
+    restored = sorted(ctx.get(step, "restored", set()))
     out_of_gateway = [i for i in ctx.get(step, "left_gateway", []) if i not in drained and i not in replaced_out
                       and i not in down and i not in restored]
     if replaced_out:
@@ -158,9 +168,10 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
         verdict += f"; back in service (were out of the gateway, never stopped): {', '.join(restored)}"
     if down:
         verdict += f"; out of service (left the gateway, not running now): {', '.join(down)}"
+    why_not = list(ctx.get(step, "not_restored", []))
     if out_of_gateway:
         verdict += (f"; OUT OF THE GATEWAY but running, not restored: {', '.join(out_of_gateway)} "
-                    "(`inv deploy` puts them back)")
+                    + (f"({'; '.join(why_not)}) " if why_not else "") + "(`inv deploy` puts them back)")
     if halt.get("left"):
         verdict += "; NOT undone: " + "; ".join(halt["left"])
     ctx.give(step, "halt_verdict", verdict)
@@ -168,7 +179,7 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
         "current": rev.number if rev else plan.current.number, "partial": rev is not None,
         "live": sorted(rev.instances) if rev else [i.id for i in plan.current_placement.instances],
         "replaced": halt.get("replaced", []), "out_of_service": halt.get("out_of_service", []) + down,
-        "restored": restored, "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []),
+        "restored": restored, "not_restored": why_not, "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []),
         "left": halt.get("left", [])})
     if rev is None:
         return Outcome.noop(f"nothing was stopped or replaced: revision {plan.current.number} stays current")

@@ -260,6 +260,26 @@ def undo_group(plan: ScalePlan, *, fenced: bool = False) -> list[Step]:
     return out
 
 
+def restore_steps(plan: ScalePlan, taken_out: list[str]) -> list[Step]:
+    """R2 of a halted change (pure): what the change took out of the gateway and did not stop goes
+    back in service, one decision a step: which of them run, a canary through those, each registered
+    again (only if its canary passed), then the start-up list."""
+    if not taken_out:
+        return []
+    at, ids = plan.inv.gateway.step_host, ", ".join(taken_out)
+    out = [Step("restore-check", None, f"each of {ids} whose `leave-gateway` step ran and whose `stop` step did "
+                "not: running if its units are active and its /health answers (read now); otherwise named out "
+                "of service", 30 + 10 * len(taken_out), kind="restore-check", params={"instances": taken_out}),
+           Step("restore-canary", None, "a canary through each one running and the instances the gateways route "
+                "to now (one retry per pair)", 120, kind="restore-canary", when=("restore", True))]
+    out += [Step(f"restore register {i}", at, f"{i} registered again{plan.inv.gateway.on_each()} once the worker "
+                 "its drain left draining there is gone; listed healthy and ready", 60, kind="restore-register",
+                 params={"instance": i}, when=("restore_canaried", True, i)) for i in taken_out]
+    out.append(Step("restore gateway-list", at, "the instances registered again back in the gateway's start-up list",
+                    60, kind="restore-list", when=("restored", True)))
+    return out
+
+
 def rescue_steps(plan: ScalePlan) -> list[Step]:
     """The rescue of a change (pure): which instances each rescue step may touch is decided here;
     which of them it does touch depends on how far the walk got, and each step names the steps it
@@ -269,12 +289,7 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
     inv = plan.inv
     out: list[Step] = undo_group(plan)
     taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
-    if taken_out:
-        out.append(Step("restore-service", inv.gateway.step_host, f"each of {', '.join(taken_out)} whose `leave-gateway` "
-                        "step ran and whose `stop` step did not: if its units are active and its /health answers, a "
-                        "canary through it and the instances the gateway serves, then registered again and back in "
-                        "the gateway's start-up list; otherwise named out of service",
-                        120 + 60 * len(taken_out), kind="restore-service", params={"instances": taken_out}))
+    out += restore_steps(plan, taken_out)
     out.append(Step("record-halt", None, f"if the walk stopped or replaced an instance: record a `partial` revision "
                     "that describes what runs (replaced instances by their new files, the others by revision "
                     f"{plan.current.number}'s), and move `current` to it; otherwise "

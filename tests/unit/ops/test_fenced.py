@@ -88,7 +88,11 @@ def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, sta
     rescue = {s.name: s for s in plan.rescue}
     assert rescue["front-door back"].when == ("committed", False) and rescue["unfence"].when == ("committed", False)
     assert rescue["rescue join register p02"].when == ("committed", True)
-    assert rescue["restore-service"].when == ("committed", False)  # never the old generation back after commit
+    assert rescue["restore-check"].when == ("committed", False)  # never the old generation back after commit
+    # the rest of the restore follows restore-check's outputs: nothing to canary or register after commit
+    assert rescue["restore-canary"].when == ("restore", True)
+    assert [s.when for s in plan.rescue if s.kind == "restore-register"] == [("restore_canaried", True, "p01"),
+                                                                               ("restore_canaried", True, "d01")]
     # the front door goes back only if the fence happened; the new pool is kept only once committed;
     # after commit what of the old pool is not yet drained leaves the other gateways before the join
     assert rescue["front-door back"].params["only_if_fenced"] and rescue["undo-decide"].params["fenced"]
