@@ -158,3 +158,22 @@ def test_a_request_open_only_in_the_log_of_an_idle_engine_still_holds_the_drain_
     for busy in (dr.EmptyReading(["r"], {"num_waiting_reqs": 1}, {}, [], [], loads_read=True),
                  dr.EmptyReading(["r"], {}, {}, [], [], loads_read=False)):
         assert "request log only" not in busy.describe()
+
+
+def test_an_undone_instance_that_may_never_have_listened_must_close_only_the_ports_its_own_processes_hold():
+    """A halted change's instance that never registered is stopped with `check_ports: held`: its port
+    may be another process's (the reason its start failed), which its stop must not wait out; a port
+    its own tree (here the escaped child, still in its cgroup) listens on must be closed after."""
+    from pdops.model.placement import Instance, Rank
+    from pdops.ops.drain.stopping import held_ports
+
+    inst = Instance("p02", "prefill", (Rank(0, "lab02", "127.0.10.2", (0,)),), 0, 30010, 8998, None)
+    assert inst.units[0] == ("lab02", UNIT)
+    mine_and_theirs = ('LISTEN 0 128 127.0.10.2:30010 0.0.0.0:* users:(("nc",pid=9999,fd=3))\n'
+                       'LISTEN 0 128 127.0.10.2:8998 0.0.0.0:* users:(("python",pid=4242,fd=9))\n')
+    pool = RecordedPool(procs_now=[], listeners=mine_and_theirs)
+    assert held_ports(pool, inst, {UNIT: _identity()}) == [8998]
+    # a stop that leaves that port listening is not verified; the other process's port is not its matter
+    still = RecordedPool(procs_now=[], listeners=mine_and_theirs)
+    assert dr.verify_stopped(still, _identity(), [8998], "127.0.10.2").ports_open == [8998]
+    assert held_ports(RecordedPool(procs_now=[], listeners=""), inst, {UNIT: _identity()}) == []

@@ -52,7 +52,9 @@ def test_a_plans_steps_grow_linearly_with_the_fleet(tmp_path, count):
     """Steps at 16, 32 and 64 hosts lie on one line: each added host adds the same steps."""
     s16, s32, s64 = (count(tmp_path, n) for n in (16, 32, 64))
     assert s64 - s32 == 2 * (s32 - s16), (s16, s32, s64)
-    assert (s32 - s16) / 16 <= 20, f"{(s32 - s16) / 16} steps per added host"
+    # a rolling change: each added host's wave, and its rescue printed in full (the two ways its new
+    # instance is undone, each a plan of its own, and its restore register): 23 steps a host
+    assert (s32 - s16) / 16 <= 24, f"{(s32 - s16) / 16} steps per added host"
 
 
 def test_a_rolling_changes_first_delivery_leaves_the_replaced_instances_files_to_their_waves(tmp_path):
