@@ -125,7 +125,7 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
                  f"while {inst.id} is routable, first wait (up to {serving_wait_s(inv):g}s, else refuse, nothing "
                  f"changed) until another {inst.role} is routable on a gateway (healthy, ready, circuit closed); "
                  if guard else "") + "out of the gateway's start-up worker list, then DELETE "
-                 f"/workers/{worker_id}{inv.gateway.on_each()}; verify "
+                 f"/workers/{worker_id or '<its id, found by its URL>'}{inv.gateway.on_each()}; verify "
                  + ("the gateway lists" if len(inv.gateway.nodes) == 1 else "each gateway lists")
                  + " it draining (no new request) or not at all; requests already routed to it keep running",
                  30 * len(inv.gateway.nodes) + (serving_wait_s(inv) if guard else 0), kind="leave-gateway",
@@ -151,7 +151,9 @@ def drain_steps(inv: Inventory, inst: Instance, worker_id: str | None, *, wait_s
         Step(f"{prefix}stop", inst.head.host, "systemctl stop, rank 0 first, then the other ranks; disable the units",
              inv.stop_timeout_s + 60, kind="stop", params=p),
         Step(f"{prefix}verify-stop", inst.head.host, "cgroup empty (or removed), every recorded PID gone or reused, "
-             "ports closed, no GPU compute process of it (skipped where nvidia-smi is absent)"
+             + ("the ports its own processes listened on (read at record-identity) closed" if check_ports == "held"
+                else "ports closed" if check_ports else "its ports not checked (it never listened)")
+             + ", no GPU compute process of it (skipped where nvidia-smi is absent)"
              + (f"; {'the gateway no longer lists' if len(inv.gateway.nodes) == 1 else 'no gateway lists'} "
                 + (f"worker {worker_id}" if worker_id else "a worker at its URL")
                 + f" (smg drops a removed worker seconds after it is empty; still listed after {GONE_WAIT_S:g}s: "
