@@ -8,14 +8,16 @@ import logging
 import threading
 import urllib.error
 import urllib.request
-
-from fabric import Config, Connection
+from typing import TYPE_CHECKING
 
 from pdops.errors import Unreachable
 from pdops.facts import batch_command, q, split_sections, systemd as systemd_facts
 from pdops.model.inventory import Inventory
 from pdops.fanout import failures, run_parallel, run_remote
 from pdops.remote.gateway import Gateways
+
+if TYPE_CHECKING:
+    from fabric import Connection
 
 # A host that accepts TCP on its SSH port but does not speak SSH (sshd past MaxStartups, a load
 # balancer) fails paramiko's handshake in its transport thread, which logs the traceback at
@@ -36,6 +38,10 @@ class HostPool:
     def __getitem__(self, host: str) -> Connection:
         with self._lock:
             if host not in self._conns:
+                # Fabric (and paramiko under it) is loaded by the first connection, not at import: 65 ms
+                # that `inv plan`, `render` and `--dry-run`, which contact no host, do not pay
+                from fabric import Config, Connection
+
                 h = self.inv.host(host)
                 key = self.inv.vars.get("ansible_ssh_private_key_file")
                 kwargs: dict = {"key_filename": str(key), "look_for_keys": False, "allow_agent": False} if key else {}
