@@ -309,9 +309,6 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
                              f"({plan.kept_files} rendered files identical)"])
 
 
-# kinds, registered by those modules (imported at the top of this one)
-
-
 def execute_scale(plan: ScalePlan, record: StateDir, say: Say = print, *, pool: HostPool,
                   gateways: Gateways, op: str | None = None) -> dict:
     """Walk a change plan (scale, rollback, repair, a deploy's change) under the cluster lock

@@ -170,3 +170,28 @@ def test_the_layers_the_architecture_doc_states_are_the_ones_importlinter_holds(
     held = [sorted(m.strip().removeprefix("pdops.") for m in re.split(r"[:|]", line))
             for line in cfg["importlinter:contract:layers"]["layers"].split("\n") if line.strip()]
     assert stated == list(reversed(held)), (stated, held)
+
+
+def test_every_module_an_import_contract_names_is_named_by_the_architecture_doc():
+    """The contracts inside ops, reads and model, the sim/lab ban and the planners' ban: each module or
+    package .importlinter names there is named in docs/design/architecture.md's item for that contract
+    (a module added to a contract and not to the doc fails here)."""
+    import configparser
+    import re
+
+    doc = (REPO / "docs" / "design" / "architecture.md").read_text()
+    items = {int(m.group(1)): m.group(2) for m in re.finditer(r"^(\d)\. (.*?)(?=^\d\. |^\S)", doc, re.M | re.S)}
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / ".importlinter")
+
+    def names(contract: str, key: str, strip: str = "pdops.") -> set[str]:
+        return {m.strip().removeprefix(strip) for line in cfg[f"importlinter:contract:{contract}"][key].split("\n")
+                for m in re.split(r"[:|]", line) if m.strip()}
+
+    wanted = {2: names("ops-layers", "layers"), 3: names("reads-layers", "layers"),
+              4: names("model-layers", "layers"), 5: names("product-not-tools", "source_modules"),
+              7: names("planners-reach-no-host", "source_modules", "pdops.ops.") - {"pdops.steps.builders"}
+              | {"steps.builders"}}
+    missing = {n: sorted(m for m in mods if not re.search(rf"(?<![\w.]){re.escape(m)}(?![\w])", items[n]))
+               for n, mods in wanted.items()}
+    assert not any(missing.values()), missing
