@@ -21,6 +21,7 @@ import json
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -30,15 +31,24 @@ TIMEOUT_S = 5.0  # one request to one member; a member without quorum answers "r
 
 # gRPC status codes the gateway returns in its error body
 _UNAVAILABLE_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE: no leader, request timed out, stopping
+# What a live member answers while its cluster elects a leader (a leader killed or stopped): etcd's
+# ErrLeaderChanged and ErrNoLeader. A read that met only these and members that are down is tried again
+# until ELECTION_WAIT_S: an election takes etcd's election timeout (1 s by default), longer on a busy
+# machine (the make-test soak read the record once just after SIGKILLing the leader, beside a busy loop,
+# and both members left answered "leader changed"). A write is never sent again by the client: its
+# caller reads back first (pdops.record.etcdstore).
+_ELECTING = ("etcdserver: leader changed", "etcdserver: no leader")
+ELECTION_WAIT_S = 10.0
 
 
 class EtcdUnavailable(Unreachable):
     """No member answered (or none with a quorum). `maybe_applied`: a write was sent and its
-    outcome is unknown."""
+    outcome is unknown; `electing`: a member that answered said its cluster was electing a leader."""
 
     def __init__(self, message: str, *, maybe_applied: bool = False, **kw):
         super().__init__(message, **kw)
         self.maybe_applied = maybe_applied
+        self.electing = False
 
 
 def b64(data: bytes | str) -> str:
@@ -209,9 +219,17 @@ class Etcd:
             c.close()
 
     def call(self, path: str, body: dict, *, write: bool) -> dict:
-        """POST `body` to /v3/`path` on the first member that answers; its decoded answer."""
+        """POST `body` to /v3/`path` on the first member that answers; its decoded answer. A read that
+        found the members electing a leader is tried again, up to ELECTION_WAIT_S."""
+        deadline = time.monotonic() + ELECTION_WAIT_S
         with self._busy:
-            return self._call(path, body, write=write)
+            while True:
+                try:
+                    return self._call(path, body, write=write)
+                except EtcdUnavailable as exc:
+                    if write or not exc.electing or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.2)
 
     def _call(self, path: str, body: dict, *, write: bool) -> dict:
         errors = []
@@ -257,11 +275,13 @@ class Etcd:
             msg = doc.get("message") or doc.get("error") or f"HTTP {status}"
             raise Unverified(f"etcd {ep}: /v3/{path} refused: {msg}", evidence=json.dumps(body)[:500])
         tls = [e for e in errors if ": TLS: " in e]
-        raise EtcdUnavailable("no etcd member answered: " + "; ".join(errors),
+        exc = EtcdUnavailable("no etcd member answered: " + "; ".join(errors),
                               fix=("the TLS handshake failed: check pdops_state.etcd ca, cert and key against the "
                                    "members' certificates" if tls and len(tls) == len(errors) else
                                    self.down_fix or
                                    "check the members (`inv state.show` names them); two of three must be up"))
+        exc.electing = any(e.endswith(_ELECTING) for e in errors)
+        raise exc
 
     # -- keys
     def range(self, key: str, *, end=None, prefix: bool = False, limit: int = 0, count_only: bool = False,

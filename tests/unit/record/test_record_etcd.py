@@ -615,3 +615,41 @@ def test_a_migration_with_no_etcd_named_is_an_input_error_either_way(tmp_path):
         with pytest.raises(InvalidInput, match="no etcd to migrate") as e:
             migrate(inv, to, _opener(tmp_path, None), say=lambda s: None)
         assert e.value.field == "pdops_state.etcd"
+
+
+def test_a_read_while_the_members_elect_a_leader_is_tried_again_until_one_answers():
+    """The leader SIGKILLed: the members left answer "leader changed" until they elect one. A read is
+    tried again (the record is read, not refused as unreachable); a write is never sent twice."""
+    import http.server
+
+    answers = {"n": 0}
+
+    class Electing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            answers["n"] += 1
+            if answers["n"] <= 3:
+                code, doc = 503, {"error": "etcdserver: leader changed", "message": "etcdserver: leader changed",
+                                  "code": 14}
+            else:
+                code, doc = 200, {"header": {"revision": "7"}, "count": "0"}
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Electing)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        c = E.Etcd([f"http://127.0.0.1:{srv.server_port}", "http://127.0.0.1:9"])
+        assert c.range("/k").kvs == [] and answers["n"] == 4  # three "leader changed", then the answer
+        answers["n"] = 0
+        with pytest.raises(E.EtcdUnavailable) as e:
+            c.txn([], [E.put("/k", "v")])
+        assert e.value.maybe_applied and answers["n"] == 1  # the write: sent once, its outcome unknown
+    finally:
+        srv.shutdown()
