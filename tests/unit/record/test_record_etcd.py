@@ -554,17 +554,17 @@ def test_the_cache_is_kept_against_a_record_that_lacks_its_revisions_and_points_
     assert json.loads(fresh.cache_file.read_text())["snapshot"]["current"] == 2
 
 
-def test_a_member_answering_unavailable_to_a_write_leaves_its_outcome_unknown_and_the_next_try_elsewhere():
-    """A member that is stopping answers 503 "server stopped", possibly after committing: the write is
-    not known to have failed (read back before sending again), and the client moves to the next member."""
+def _member_answering(answer):
+    """An etcd member on 127.0.0.1 (a started HTTPServer: `.server_port`, `.shutdown()`) whose every POST is
+    answered with `answer()`: (HTTP status, JSON document)."""
     import http.server
 
-    class Stopping(http.server.BaseHTTPRequestHandler):
+    class Member(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            body = json.dumps({"error": "etcdserver: server stopped", "message": "etcdserver: server stopped",
-                               "code": 14}).encode()
-            self.send_response(503)
+            code, doc = answer()
+            body = json.dumps(doc).encode()
+            self.send_response(code)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -572,8 +572,16 @@ def test_a_member_answering_unavailable_to_a_write_leaves_its_outcome_unknown_an
         def log_message(self, *a):
             pass
 
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Stopping)
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Member)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_a_member_answering_unavailable_to_a_write_leaves_its_outcome_unknown_and_the_next_try_elsewhere():
+    """A member that is stopping answers 503 "server stopped", possibly after committing: the write is
+    not known to have failed (read back before sending again), and the client moves to the next member."""
+    srv = _member_answering(lambda: (503, {"error": "etcdserver: server stopped",
+                                           "message": "etcdserver: server stopped", "code": 14}))
     try:
         c = E.Etcd([f"http://127.0.0.1:{srv.server_port}", "http://127.0.0.1:9"])
         with pytest.raises(E.EtcdUnavailable) as e:
@@ -620,30 +628,15 @@ def test_a_migration_with_no_etcd_named_is_an_input_error_either_way(tmp_path):
 def test_a_read_while_the_members_elect_a_leader_is_tried_again_until_one_answers():
     """The leader SIGKILLed: the members left answer "leader changed" until they elect one. A read is
     tried again (the record is read, not refused as unreachable); a write is never sent twice."""
-    import http.server
-
     answers = {"n": 0}
 
-    class Electing(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            answers["n"] += 1
-            if answers["n"] <= 3:
-                code, doc = 503, {"error": "etcdserver: leader changed", "message": "etcdserver: leader changed",
-                                  "code": 14}
-            else:
-                code, doc = 200, {"header": {"revision": "7"}, "count": "0"}
-            body = json.dumps(doc).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def electing():
+        answers["n"] += 1
+        if answers["n"] <= 3:
+            return 503, {"error": "etcdserver: leader changed", "message": "etcdserver: leader changed", "code": 14}
+        return 200, {"header": {"revision": "7"}, "count": "0"}
 
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Electing)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = _member_answering(electing)
     try:
         c = E.Etcd([f"http://127.0.0.1:{srv.server_port}", "http://127.0.0.1:9"])
         assert c.range("/k").kvs == [] and answers["n"] == 4  # three "leader changed", then the answer
