@@ -53,10 +53,10 @@ class Mutation:
 MUTATIONS = (
     Mutation("stop: StopEvidence.verified always true", "StopEvidence.verified",
              (f"{VERIFIERS}::test_stop_with_an_escaped_process_holding_the_ports_is_not_verified_until_it_is_ended",
-              "tests/unit/ops/test_drain_verifiers.py"),
+              "tests/unit/steps/test_stopping.py"),
              body="return True"),
     Mutation("undo: an undone instance's stop checks none of the ports its processes held", "held_ports",
-             ("tests/unit/ops/test_drain_verifiers.py::test_an_undone_instance_that_may_never_have_listened_must_close_only_the_ports_its_own_processes_hold",),
+             ("tests/unit/steps/test_stopping.py::test_an_undone_instance_that_may_never_have_listened_must_close_only_the_ports_its_own_processes_hold",),
              body="return []"),
     Mutation("canary: canary_pair sends nothing", "canary_pair",
              (f"{VERIFIERS}::test_canary_names_exactly_the_pair_whose_transfer_fails_and_registers_nothing",),
@@ -75,7 +75,7 @@ MUTATIONS = (
              body='return type("Accepted", (), {"id": None, "url": url, "routable": True})()'),
     Mutation("empty checks: every reading is empty", "EmptyReading.empty",
              (f"{VERIFIERS}::test_empty_check_2_catches_work_that_arrived_after_check_1",
-              "tests/unit/ops/test_drain_verifiers.py"),
+              "tests/unit/steps/test_stopping.py"),
              body="return True"),
     Mutation("verdict: what a step could not check listed as verified", "run_steps",
              (f"{VERIFIERS}::test_verdict_lists_skipped_checks_as_not_verified_never_as_verified",
@@ -120,7 +120,7 @@ MUTATIONS = (
               "tests/unit/reads/test_observe.py::test_a_launch_script_edited_and_run_by_a_restart_is_replaced_from_the_revisions_files"),
              body="return None"),
     Mutation("stop: the unit's runtime directory (the engine's TMPDIR) said removed without reading it", "runtime_dir_left",
-             ("tests/unit/ops/test_drain_verifiers.py::test_what_systemd_left_of_the_units_runtime_directory_is_said",),
+             ("tests/unit/steps/test_stopping.py::test_what_systemd_left_of_the_units_runtime_directory_is_said",),
              body='return f"{RUN_DIR}/{runtime_dir(unit)} removed by systemd"'),
 )
 

@@ -31,7 +31,7 @@ def _emit(text: str, out: str | None, what: str) -> None:
 def targets(c, inventory=DEFAULT_INVENTORY, out=None, deliver=False):
     """The file_sd target file of the current revision (engines, gateway, admission; labels cluster,
     instance, role, host, revision). pdops rewrites it after every deploy, scale, rollback, drain, repair."""
-    from pdops.ops import prometheus as obs
+    from pdops.steps import targets as tg
     from pdops.errors import Refused
     from pdops.model.inventory import load_inventory
     from pdops.model.placement import Placement
@@ -45,10 +45,10 @@ def targets(c, inventory=DEFAULT_INVENTORY, out=None, deliver=False):
         from pdops.remote.hosts import HostPool
 
         with HostPool(inv) as pool:
-            ev = obs.publish(pool, inv, rev.number, pl)
+            ev = tg.publish(pool, inv, rev.number, pl)
         print(f"wrote the targets of revision {rev.number} to {ev.get('delivered') or ev['targets_file']}")
         return
-    _emit(obs.targets_text(obs.targets(inv, rev.number, pl)), out, f"the targets of revision {rev.number}")
+    _emit(tg.targets_text(tg.targets(inv, rev.number, pl)), out, f"the targets of revision {rev.number}")
 
 
 @task(help={"inventory": "inventory dir or file", "out": "write the file here (default: print it)"})
@@ -68,6 +68,7 @@ def dashboard(c, inventory=DEFAULT_INVENTORY, out=None):
     import json
 
     from pdops.ops import prometheus as obs
+
     from pdops.model.inventory import load_inventory
 
     _emit(json.dumps(obs.dashboard(load_inventory(inventory)), indent=2) + "\n", out, "the dashboard")
@@ -80,6 +81,7 @@ def scrape_config(c, inventory=DEFAULT_INVENTORY):
     import yaml
 
     from pdops.ops import prometheus as obs
+
     from pdops.model.inventory import load_inventory
 
     print(yaml.safe_dump(obs.scrape_config(load_inventory(inventory)), sort_keys=False), end="")

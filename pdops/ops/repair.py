@@ -18,18 +18,15 @@ from __future__ import annotations
 import datetime as _dt
 import re
 
-from pdops.errors import InvalidInput, PdopsError, Refused
+from pdops.errors import InvalidInput, Refused
 from pdops.steps.builders import end_orphans_step
-from pdops.facts import q, requestlog
 from pdops.model.inventory import Inventory
 from pdops.model.render import manifest, render_files
 from pdops.ops import scale as sc
 from pdops.model.placement import Placement
-from pdops.plans import Outcome, Plan, Step
-from pdops.runner import RunContext
+from pdops.plans import Plan
 from pdops.ops.operate import run_operation
 from pdops.steps.builders import baseline_step, connect_step
-from pdops.reads.looks import move_baseline
 from pdops.reads.observation import Seen
 from pdops.reads.status import read_status
 from pdops.remote.hosts import connections
@@ -112,51 +109,6 @@ def plan_repair(inv: Inventory, record, instance_id: str, status_doc: dict, *, f
         raise Refused(f"repairing {iid} would change more than {iid}",
                       evidence=plan.render(), fix=f"`inv deploy --topology {rev.topology}` plans the whole difference")
     return plan
-
-
-def do_lost_work(ctx: RunContext, step: Step) -> Outcome:
-    inst = ctx.old_placement.get(step.instance)
-    host, unit = inst.units[0]
-    out = ctx.pool.run(host, requestlog.invocations_command(unit, step.params.get("since", 0)), timeout=60).stdout
-    logs = requestlog.by_invocation(out)
-    st = ctx.pool.unit_states(host, [unit])[unit]
-    current = ctx.pool.run(host, f"systemctl show -p InvocationID --value {q(unit)}").stdout.strip() \
-        if st.active_state == "active" else None
-    lost, failed = requestlog.lost_work(logs, current)
-    ctx.give(step, "lost_work", {inst.id: {"lost": lost, "failed": failed}})
-    ended = [k for k in logs if k != current]
-    if lost:
-        ctx.say(f"  lost with {inst.id}'s ended process(es): {len(lost)} request(s): {', '.join(lost)} "
-                "(marked failed; pdops sends none of them again)")
-    ev = {"instance": inst.id, "lost": lost, "lost_status": "failed (not replayed)", "failed_with_error": failed,
-          "processes_read": len(logs), "ended_processes": len(ended)}
-    verified = [f"lost work named: {len(lost)} request(s) in flight when {inst.id}'s process ended"
-                + (f": {', '.join(lost)}" if lost else "") + " (failed, not replayed)"]
-    if failed:
-        verified.append(f"{len(failed)} request(s) ended with an error on {inst.id} since the revision "
-                        f"(answered, not replayed): {', '.join(failed[:20])}{' ...' if len(failed) > 20 else ''}")
-    return Outcome(evidence=ev, verified=verified)
-
-
-def do_status_baseline(ctx: RunContext, step: Step) -> Outcome:
-    """After the record: a baseline that cannot be read is said, never a failed repair (the repair is
-    verified and recorded by then; `inv status` then counts the fault's failures as new)."""
-
-    try:
-        absorbed = move_baseline(ctx.inv, ctx.pool, ctx.placement)
-    except (PdopsError, KeyError, OSError) as exc:
-        why = getattr(exc, "message", None) or str(exc)
-        return Outcome("noop", {"error": why}, unverified=[f"`inv status`'s baseline not moved ({why}): the "
-                                                           "failures of the fault may show as new at the next look"],
-                       reason=f"the failure counters could not be read: {why}")
-    if absorbed:
-        ctx.say("  failures inside the fault of " + step.params["instance"] + ": " + "; ".join(
-            f"{k} " + ", ".join(f"{c} +{d}" for c, d in v.items()) for k, v in sorted(absorbed.items())))
-    return Outcome(evidence={"fault_of": step.params["instance"], "failures_in_fault": absorbed},
-                   verified=["`inv status`'s baseline moved past the fault"
-                             + (": " + "; ".join(f"{k} " + ", ".join(f"{c} +{d}" for c, d in v.items())
-                                                 for k, v in sorted(absorbed.items())) + " reported with it"
-                                if absorbed else " (no failure counter rose)")])
 
 
 def plan_end_orphans(inv: Inventory, record) -> tuple[Plan, Placement]:

@@ -1,6 +1,6 @@
 """What a deploy does on the hosts and the gateway, step by step: deliver with Ansible, start the
 gateway, the admission layer and each instance (health-gated), register with the gateway, canary
-every pair, read what runs. Called by the executors (pdops.ops.deploy.execute) and by a change's."""
+every pair, read what runs. Called by the executors (pdops.steps.serve) and by a change's."""
 
 from __future__ import annotations
 

@@ -206,9 +206,10 @@ def running_prometheus(inv_dir: Path, root: Path, port: int) -> Iterator[str]:
     /-/ready answers 200, and stops it by its PID on leaving."""
     from pdops.model.inventory import load_inventory
     from pdops.ops import prometheus as obs
+    from pdops.steps import targets as tg
 
     inv = load_inventory(inv_dir)
-    targets_file = obs.local_targets_path(inv)
+    targets_file = tg.local_targets_path(inv)
     (root / "rules.yml").write_text(obs.rules_text(inv))
     job = obs.scrape_config(inv, str(targets_file))["scrape_configs"][0]
     job["file_sd_configs"][0]["refresh_interval"] = "1s"

@@ -19,6 +19,8 @@ from pdops.sim.testing import free_port
 from tests.lab.clusters import deployed, inv_cmd, prometheus_api, queue, record, running_prometheus, wait_for
 
 from pdops.ops import prometheus as obs
+
+from pdops.steps import targets as tg
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 
@@ -45,7 +47,7 @@ def cluster(lab, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(cluster):
     inv_dir, root = cluster
-    targets_file = obs.local_targets_path(load_inventory(inv_dir))
+    targets_file = tg.local_targets_path(load_inventory(inv_dir))
     assert targets_file.is_file()  # written by the plan's publish-targets step (an `always` step, run last)
     with running_prometheus(inv_dir, root, free_port()) as base:
         yield base, inv_dir, targets_file

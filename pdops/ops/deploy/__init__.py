@@ -7,7 +7,7 @@ step with its evidence, stops at the first failure and says what it left running
 The package, by concern (each module imports only those listed before it; the step builders and
 what the steps do on the hosts, shared with every operation, are in pdops.steps):
 - ``plan``: plan_deploy and plan_reconcile;
-- ``execute``: the executors, the records of a deploy and of a repair, the walk under the lock.
+- ``execute``: the walk under the lock, and `inv deploy` whole (observe, plan, walk).
 The cluster's record is opened by the caller (``pdops.record.open_record``) and passed in.
 """
 

@@ -6,17 +6,14 @@ independent empty-state checks separated in time; stop by identity (unit -> Main
 cgroup, process tree with start times recorded first) and prove it stopped; record a
 new revision without the instance, with the way back. Plan first, `--dry-run` prints it.
 
-The package, by concern (each module imports only those listed before it):
-- ``stopping``: reading an instance (queues, emptiness) and stopping it by identity, proven;
-  the survivors of a stop;
-- ``plan``: the drain's and the stop's plans, the drain sub-plan a change embeds, and the plan
-  that ends a stop's survivors;
-- ``execute``: the executors of those step kinds and the walk under the lock.
+The package, by concern (each module imports only those listed before it; the drain sub-plan every
+change embeds, its executors and the stop by identity are in pdops.steps: builders.drain_steps,
+stop, stopping):
+- ``plan``: the drain's and the stop's plans, and the plan that ends a stop's survivors;
+- ``execute``: the walk under the lock.
 """
 
 from pdops.ops.drain.execute import execute_drain, execute_kill_survivors
-from pdops.ops.drain.plan import GONE_WAIT_S, DrainPlan, KillPlan, drain_steps, plan_drain, plan_kill_survivors
-from pdops.ops.drain.stopping import EmptyReading, describe_survivor, kill_command, verify_stopped
+from pdops.ops.drain.plan import DrainPlan, KillPlan, plan_drain, plan_kill_survivors
 
-__all__ = ["GONE_WAIT_S", "DrainPlan", "EmptyReading", "KillPlan", "describe_survivor", "drain_steps", "execute_drain",
-           "execute_kill_survivors", "kill_command", "plan_drain", "plan_kill_survivors", "verify_stopped"]
+__all__ = ["DrainPlan", "KillPlan", "execute_drain", "execute_kill_survivors", "plan_drain", "plan_kill_survivors"]

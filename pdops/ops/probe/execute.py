@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pdops.ops.deploy.execute import do_canary
+from pdops.steps.serve import do_canary
 from pdops.steps.actions import deliver, running_evidence
 from pdops.errors import PdopsError, Unverified
 from pdops.model.placement import Placement

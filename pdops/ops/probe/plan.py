@@ -10,8 +10,7 @@ from pdops.errors import InvalidInput, PdopsError, Refused
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Instance, Placement, place_change
 from pdops.ops import scale as sc
-from pdops.steps.builders import canary_step, connect_step, delivery_steps, preflight_step, start_steps
-from pdops.ops.drain import drain_steps
+from pdops.steps.builders import canary_step, connect_step, delivery_steps, drain_steps, preflight_step, start_steps
 from pdops.ops.scale import instance_files, union_placement
 from pdops.plans import Plan, Step
 

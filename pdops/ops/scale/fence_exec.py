@@ -15,7 +15,7 @@ from pdops.model.admission import FULL_WEIGHT
 from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, set_front_door, wait_gateways_up
 from pdops.remote.hosts import http_json
 from pdops.steps.actions import register_one
-from pdops.ops.drain.stopping import leave_gateway
+from pdops.steps.stopping import leave_gateway
 from pdops.reads.looks import FAILURE_COUNTERS, GATEWAY_COUNTERS
 from pdops.plans import Outcome, Step
 from pdops.runner import RunContext

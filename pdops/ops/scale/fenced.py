@@ -33,9 +33,8 @@ from pdops.model.topology import Topology
 from pdops.record.local import Revision
 from pdops.plans import Step
 
-from pdops.steps.builders import (canary_step, connect_step, delivery_steps, front_door_step, preflight_step,
-                                    register_steps, start_steps, verify_running_step)
-from pdops.ops.drain.plan import drain_steps, side_by_side
+from pdops.steps.builders import (canary_step, connect_step, delivery_steps, drain_steps, front_door_step,
+                                  preflight_step, register_steps, side_by_side, start_steps, verify_running_step)
 from pdops.ops.scale.steps import rescue_steps, restore_steps, undo_group
 from pdops.ops.scale.change import (ROLES, cordoned_hosts, GenerationChange, ScalePlan, ScaleStep, change_facts, file_changes,
                                    shared_files, slot_key)

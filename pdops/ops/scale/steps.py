@@ -6,14 +6,13 @@ from __future__ import annotations
 
 
 from pdops.model.admission import UNIT as ADMISSION_UNIT
-from pdops.steps.builders import end_orphans_step
 from pdops.model.render import GATEWAY_UNIT, manifest
 from pdops.model.placement import Instance, Placement
 from pdops.plans import Plan, Step
-from pdops.ops.drain.plan import drain_steps, side_by_side
 from pdops.steps.builders import (baseline_step, canary_step, close_breakers_step, connect_step, delivery_steps,
-                                  front_door_step, gateway_restart_steps, healthy_steps, lost_work_step, preflight_step,
-                                  register_steps, start_steps, verify_running_step)
+                                  drain_steps, end_orphans_step, front_door_step, gateway_restart_steps,
+                                  healthy_steps, lost_work_step, preflight_step, register_steps, side_by_side,
+                                  start_steps, verify_running_step)
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.change import ScalePlan, change_facts, instance_files

@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from pdops.ops import prometheus as obs
+
+from pdops.steps import targets as tg
 from pdops.errors import InvalidInput
 from pdops.model.placement import Placement, place
 from pdops.model.prometheus_setting import PrometheusConfig, parse_prometheus
@@ -25,7 +27,7 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not os.
 
 def test_targets_name_every_engine_and_the_gateway_with_the_revision(lab_inv):
     pl = place(lab_inv, parse_topology("2p1d"))
-    doc = obs.targets(lab_inv, 7, pl)
+    doc = tg.targets(lab_inv, 7, pl)
     by = {t["labels"]["instance"]: t for t in doc}
     assert set(by) == {"p01", "p02", "d01", "gateway"}
     p01 = pl.get("p01")
@@ -36,8 +38,8 @@ def test_targets_name_every_engine_and_the_gateway_with_the_revision(lab_inv):
     assert by["gateway"]["labels"]["job"] == obs.JOB_GATEWAY
     # a drained instance is not in the next revision's file
     after = Placement(parse_topology("1p1d"), tuple(i for i in pl.instances if i.id != "p02"))
-    assert "p02" not in {t["labels"]["instance"] for t in obs.targets(lab_inv, 8, after)}
-    json.loads(obs.targets_text(doc))  # the file is JSON
+    assert "p02" not in {t["labels"]["instance"] for t in tg.targets(lab_inv, 8, after)}
+    json.loads(tg.targets_text(doc))  # the file is JSON
 
 
 def test_publish_writes_the_local_file_atomically_and_delivers_it_where_configured(lab_inv, tmp_path, monkeypatch):
@@ -51,11 +53,11 @@ def test_publish_writes_the_local_file_atomically_and_delivers_it_where_configur
         def run(self, host, command, timeout=60):
             ran.append((host, command))
 
-    ev = obs.publish(Pool(), lab_inv, 3, pl)
-    assert json.loads((tmp_path / "op" / "prometheus" / "pdops-lab.json").read_text()) == obs.targets(lab_inv, 3, pl)
+    ev = tg.publish(Pool(), lab_inv, 3, pl)
+    assert json.loads((tmp_path / "op" / "prometheus" / "pdops-lab.json").read_text()) == tg.targets(lab_inv, 3, pl)
     assert not ran and "delivered" not in ev
     inv = dataclasses.replace(lab_inv, prometheus=PrometheusConfig("lab01", "/etc/prometheus/file_sd"))
-    ev = obs.publish(Pool(), inv, 4, pl)
+    ev = tg.publish(Pool(), inv, 4, pl)
     assert ev["delivered"] == "lab01:/etc/prometheus/file_sd/pdops-lab.json"
     host, cmd = ran[0]
     assert host == "lab01" and "mv -f /etc/prometheus/file_sd/pdops-lab.json.tmp /etc/prometheus/file_sd/pdops-lab.json" in cmd
@@ -81,7 +83,7 @@ def test_nothing_secret_in_targets_and_keys_referenced_by_file(lab_inv, tmp_path
     key = tmp_path / "gw.key"
     key.write_text("sk-very-secret-0123456789\n")
     inv = dataclasses.replace(lab_inv, gateway=dataclasses.replace(lab_inv.gateway, api_key_file=str(key)))
-    text = obs.targets_text(obs.targets(inv, 1, place(inv, parse_topology("1p1d"))))
+    text = tg.targets_text(tg.targets(inv, 1, place(inv, parse_topology("1p1d"))))
     assert "sk-very-secret" not in text and str(key) not in text
     job = obs.scrape_config(inv)["scrape_configs"][0]
     assert job["authorization"] == {"type": "Bearer", "credentials_file": str(key)}

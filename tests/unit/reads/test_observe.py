@@ -365,7 +365,7 @@ def test_an_inventory_that_renders_the_same_files_is_recorded_so_a_drain_accepts
     assert "the inventory on disk" in p.steps[-1].description
     assert "nothing that runs differs from it, only the inventory" in p.render()
     # the record step writes the inventory on disk; then the drain accepts it
-    from pdops.ops.deploy.execute import do_record_repair
+    from pdops.steps.record import do_record_repair
     from pdops.runner import RunContext
 
     units, _, start_list = healthy_world(pl)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from pdops.ops import drain as dr
+from pdops.steps import stopping as dr
 from pdops.facts import SKIP_MARKER
 from pdops.facts import cgroup as cg
 from pdops.facts import procs as proc_facts
@@ -165,7 +165,7 @@ def test_an_undone_instance_that_may_never_have_listened_must_close_only_the_por
     may be another process's (the reason its start failed), which its stop must not wait out; a port
     its own tree (here the escaped child, still in its cgroup) listens on must be closed after."""
     from pdops.model.placement import Instance, Rank
-    from pdops.ops.drain.stopping import held_ports
+    from pdops.steps.stopping import held_ports
 
     inst = Instance("p02", "prefill", (Rank(0, "lab02", "127.0.10.2", (0,)),), 0, 30010, 8998, None)
     assert inst.units[0] == ("lab02", UNIT)
