@@ -10,13 +10,14 @@ import logging
 import os
 import sys
 
+from pdops.sim import procs
+from pdops.sim.args import parse_args
+from pdops.sim.faults import parse_faults
+from pdops.sim.memory import MemoryModel
+from pdops.sim.timing import TimingModel
+
 
 def main(argv: list[str] | None = None) -> int:
-    from pdops.sim import procs
-    from pdops.sim.args import parse_args
-    from pdops.sim.faults import parse_faults
-    from pdops.sim.timing import TimingModel
-
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     timing = TimingModel.from_env()
@@ -33,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aiohttp.server").addFilter(
         lambda r: not (r.exc_info and "PRI/Upgrade" in str(r.exc_info[1]))
     )
-    from pdops.sim.memory import MemoryModel
-
     mem = MemoryModel.from_env(args)
     if mem is not None and mem.startup_error():
         # as SGLang: the scheduler cannot allocate its pools, the server exits 1 before serving
@@ -50,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio  # the heavy imports come after the fork
 
     if args.node_rank >= 1:
-        from pdops.sim.follower import run_follower
+        from pdops.sim.follower import run_follower  # lazy: aiohttp and the engine load after the fork
 
         return asyncio.run(run_follower(args, children))
-    from pdops.sim.server import SimServer
+    from pdops.sim.server import SimServer  # lazy: aiohttp and the engine load after the fork
 
     server = SimServer(args, timing, faults, children, report_r)
     return asyncio.run(server.run())

@@ -88,7 +88,7 @@ ESCAPED_CGROUP = "pdops-sim-escaped"
 def escape_targets(mountinfo: str) -> list[str]:
     """``cgroup.procs`` files of a cgroup outside every unit (``/pdops-sim-escaped`` at the
     root of the cgroup2 and name=systemd hierarchies), from this process's mount table."""
-    from pdops.facts import cgroup as cg
+    from pdops.facts import cgroup as cg  # lazy: before the fork; only an escaping rank reads cgroups
 
     layout = cg.detect_layout(cg.parse_mountinfo(mountinfo))
     roots = [r for r in (layout.unified_root, layout.systemd_root) if r]

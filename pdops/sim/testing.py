@@ -356,8 +356,8 @@ def metric(handle: SimHandle, name: str, **labels) -> float:
 def write_haproxy_local(cfg, workdir: str | Path, *, stats_socket: str | None = None) -> Path:
     """Write config, key map and errorfile into `workdir` (no root, no systemd); returns the config.
     `stats_socket`: where HAProxy's runtime API listens (none by default)."""
-    from pdops.model import admission as adm
-    from pdops.model.render import haproxy_config
+    from pdops.model import admission as adm  # lazy: the admission model only for tests that run HAProxy
+    from pdops.model.render import haproxy_config  # lazy: rendering (jinja2) only for those tests
 
     d = Path(workdir)
     d.mkdir(parents=True, exist_ok=True)
@@ -374,7 +374,7 @@ def start_haproxy(cfg, workdir, timeout: float = 10.0, *, stats_socket: str | No
     wait until it answers (401 without a key). Stop it with `.kill_all()`; reload with `.signal(SIGUSR2)`."""
     import shutil
 
-    from pdops.model import admission as adm
+    from pdops.model import admission as adm  # lazy: the admission model only for tests that run HAProxy
 
     conf = write_haproxy_local(cfg, workdir, stats_socket=stats_socket)
     adm.check_config(conf)
