@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from pdops import lab  # noqa: E402
-from pdops.reads import preflight as pf  # noqa: E402
+from pdops.steps import preflight as pf  # noqa: E402
 from pdops.remote.hosts import HostPool  # noqa: E402
 from pdops.model.inventory import load_inventory, single_file_doc  # noqa: E402
 from pdops.model.topology import parse_topology  # noqa: E402

@@ -39,7 +39,7 @@ def admission(c, inventory=DEFAULT_INVENTORY, against_gateway=False, cap=None, t
     """Drive 2C long streams through the admission layer (or the gateway) and check: in-flight at
     the decodes never above C, queued served in order or refused at the queue timeout, 401
     without a key, and a client disconnect aborts the decode within a bound."""
-    from pdops.reads import audit
+    from pdops.ops import audit
     from pdops.errors import InvalidInput, Unverified
     from pdops.model.inventory import load_inventory
 

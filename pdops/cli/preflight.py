@@ -20,7 +20,7 @@ def preflight(c, inventory=DEFAULT_INVENTORY, topology=None, json=False, skip_ch
     """Run every applicable check on every host in parallel; print host x check (pass/fail/skipped) and the P x D matrix.
 
     Exit status 0 when nothing failed, 4 (refused) when a check failed: each failure names its fix."""
-    from pdops.reads import preflight as pf
+    from pdops.steps import preflight as pf
     from pdops.remote.hosts import HostPool
     from pdops.model.inventory import load_inventory
     from pdops.model.placement import Placement

@@ -18,6 +18,8 @@ operations (which steps, in which order, and what a failure undoes).
 - ``stop``: the executors of the drain and the verified stop, and of ending a stop's survivors;
 - ``record``: the executors that write a revision (deploy, repair, drain), name the work lost with
   an ended process, and move `inv status`'s baseline;
+- ``preflight``: the host checks before a start and the P x D pairing probe (its transient
+  listener units, started and stopped by it);
 - ``targets``: the Prometheus target file of a revision and the `publish-targets` step;
 - ``orphans``: ending the orphaned prefill halves pdops.reads.orphans finds (the `end-orphans` step).
 

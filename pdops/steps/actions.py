@@ -22,7 +22,7 @@ from pdops.reads.identity import record_identity
 from pdops.runner import Say
 from pdops.fanout import run_parallel
 from pdops.model.versions import MOONCAKE_VERSION, SGLANG_VERSION, SMG_VERSION
-from pdops.reads.preflight import SKIPPED
+from pdops.steps.preflight import SKIPPED
 from pdops.reads.observe import with_configs
 
 

@@ -18,7 +18,7 @@ from pdops.model.admission import server_state_command, standby_server
 from pdops.model.placement import Instance
 from pdops.model.render import GATEWAY_UNIT, STANDBY_UNIT, write_build
 from pdops.plans import Outcome, Step
-from pdops.reads.preflight import PASS, preflight_gate
+from pdops.steps.preflight import PASS, preflight_gate
 from pdops.remote.gateway import deadline_in
 from pdops.remote.haproxy import gateway_stats, runtime, set_front_door, wait_gateways_up
 from pdops.runner import RunContext

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from pdops.model.admission import AdmissionConfig, write_keys_map
-from pdops.reads.audit import audit
+from pdops.ops.audit import audit
 from pdops.sim.testing import free_port, http, start_gateway, start_haproxy, start_sim, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed: scripts/setup-system.sh")

@@ -19,7 +19,7 @@ from pdops.ops.scale.change import (GenerationChange, ROLES, ScalePlan, ScaleSte
 from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps
 from pdops.model.generation import Generation, LAYOUT, ROLES as GEN_ROLES, digest, generation_diff, generations
-from pdops.reads.preflight import validate_skip
+from pdops.steps.preflight import validate_skip
 
 if TYPE_CHECKING:
     from pdops.reads.observation import Seen

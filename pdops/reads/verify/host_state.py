@@ -1,5 +1,5 @@
 """`inv verify`'s host checks: the deployed state of the current revision, read on each host in
-ONE SSH round trip (the batch protocol preflight uses: pdops.reads.preflight.batch), then judged here.
+ONE SSH round trip (the batch protocol preflight uses: pdops.steps.preflight.batch), then judged here.
 
 What is read per host (one command, sections framed by markers with their exit codes):
   units    `systemctl show` of every unit the revision put there (engines, the gateway, the

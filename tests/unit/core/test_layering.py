@@ -80,14 +80,14 @@ def test_importing_admission_alone_loads_neither_render_nor_inventory():
 
 
 def test_facts_never_import_operations():
-    ops = {"pdops.ops.deploy", "pdops.ops.drain", "pdops.ops.scale", "pdops.reads.preflight", "pdops.runner"}
+    ops = {"pdops.ops.deploy", "pdops.ops.drain", "pdops.ops.scale", "pdops.steps.preflight", "pdops.runner"}
     for f in (REPO / "pdops" / "facts").glob("*.py"):
         bad = {m for m in _pdops_imports(f) if any(m == op or m.startswith(op + ".") for op in ops)}
         assert not bad, (f.name, bad)
 
 
 def test_host_scripts_are_package_files_that_compile():
-    scripts = list((REPO / "pdops" / "reads" / "preflight" / "scripts").glob("*.py")) + \
+    scripts = list((REPO / "pdops" / "steps" / "preflight" / "scripts").glob("*.py")) + \
         list((REPO / "pdops" / "facts" / "scripts").glob("*.py")) + list((REPO / "pdops" / "hostscripts").glob("*.py"))
     assert {s.name for s in scripts} >= {"listener.py", "waiter.py", "probe.py", "versions.py", "haproxy_runtime.py"}
     for s in scripts:

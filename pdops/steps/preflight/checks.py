@@ -13,9 +13,9 @@ from pdops.facts import Skipped, nvidia, rdma
 from pdops.model.inventory import MOONCAKE_RPC_PORTS, Host, Inventory
 from pdops.model.placement import Placement
 from pdops.facts.host import Disk, GpuDirect, TimeSync, nccl_version
-from pdops.reads.preflight.expected import describe_holders, expected_ports, expected_units, gpus_in_use, held_by_owner, instances_on, port_holders
+from pdops.steps.preflight.expected import describe_holders, expected_ports, expected_units, gpus_in_use, held_by_owner, instances_on, port_holders
 from pdops.reads.check_result import CheckResult, fail_result, ok_result, skip_result
-from pdops.reads.preflight.results import DEFAULT_MIN_LOG_GIB, GATEWAY_UNIT, MIN_FREE_RPC_PORTS
+from pdops.steps.preflight.results import DEFAULT_MIN_LOG_GIB, GATEWAY_UNIT, MIN_FREE_RPC_PORTS
 
 # ================================================================ checks (pure)
 

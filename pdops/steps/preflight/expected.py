@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pdops.facts import ports as port_facts
 from pdops.model.inventory import MOONCAKE_RPC_PORTS, Host, Inventory
 from pdops.model.placement import Instance, Placement
-from pdops.reads.preflight.results import GATEWAY_UNIT
+from pdops.steps.preflight.results import GATEWAY_UNIT
 
 # ================================================================ what each host runs
 

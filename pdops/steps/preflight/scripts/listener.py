@@ -1,4 +1,4 @@
-# Runs on a host with its system python3 (stdlib only), sent by pdops.reads.preflight.pairing as `python3 -c`.
+# Runs on a host with its system python3 (stdlib only), sent by pdops.steps.preflight.pairing as `python3 -c`.
 import selectors, socket, sys
 addr = sys.argv[1]
 sel = selectors.DefaultSelector()

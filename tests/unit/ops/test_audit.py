@@ -1,6 +1,6 @@
 """The admission audit's decisions, from samples and stream records: no host, no process."""
 
-from pdops.reads.audit import (AuditReport, Claim, DecodeSample, Round, StreamRecord, check_cap, check_cut,
+from pdops.ops.audit import (AuditReport, Claim, DecodeSample, Round, StreamRecord, check_cap, check_cut,
                          check_queue, check_unauthorized)
 
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from pdops.reads import preflight as pf
+from pdops.steps import preflight as pf
 from pdops.facts import host as hf
-from pdops.reads.preflight import batch as pbatch
+from pdops.steps.preflight import batch as pbatch
 from pdops import facts as batch_protocol
-from pdops.reads.preflight import checks as pchecks
+from pdops.steps.preflight import checks as pchecks
 from pdops.model.versions import MOONCAKE_VERSION
-from pdops.reads.preflight import expected as pexp
-from pdops.reads.preflight import pairing as ppair
+from pdops.steps.preflight import expected as pexp
+from pdops.steps.preflight import pairing as ppair
 from pdops.reads import check_result as checks_mod
-from pdops.reads.preflight import results as presults
+from pdops.steps.preflight import results as presults
 from pdops.errors import InvalidInput, Refused, RemoteCommandFailed, Unreachable
 from pdops.facts import Skipped, nvidia, rdma
 from pdops.facts import ports as port_facts

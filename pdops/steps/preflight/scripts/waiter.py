@@ -1,4 +1,4 @@
-# Runs on a host with its system python3 (stdlib only), sent by pdops.reads.preflight.pairing as `python3 -c`.
+# Runs on a host with its system python3 (stdlib only), sent by pdops.steps.preflight.pairing as `python3 -c`.
 # Waits until each port accepts. Given unit=NAME, it stops waiting as soon as that listener
 # unit is no longer running and says why: it binds the port itself, which fails with the
 # listener's own error (e.g. [Errno 99] Cannot assign requested address).

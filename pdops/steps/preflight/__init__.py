@@ -35,12 +35,12 @@ from pdops.fanout import run_parallel
 from pdops.model.topology import Topology
 from pdops.facts.host import ReadError
 from pdops.facts import batch_command
-from pdops.reads.preflight.batch import SECTIONS, Section, gid_section, parse_sections
-from pdops.reads.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
-from pdops.reads.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
-from pdops.reads.preflight.report import PreflightReport
+from pdops.steps.preflight.batch import SECTIONS, Section, gid_section, parse_sections
+from pdops.steps.preflight.checks import CHECKS, CHECK_NAMES, Facts, PAIRING, VERSION_CHECKS, VERSION_SECTIONS, validate_skip
+from pdops.steps.preflight.pairing import Matrix, pairing_hosts, pairing_results, run_pairing
+from pdops.steps.preflight.report import PreflightReport
 from pdops.reads.check_result import CheckResult, FAIL, PASS, SKIPPED, fail_result, skip_result
-from pdops.reads.preflight.results import VIRTUAL_REASON
+from pdops.steps.preflight.results import VIRTUAL_REASON
 from pdops.record.local import default_operator
 
 # ================================================================ plan

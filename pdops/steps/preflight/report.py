@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from pdops.reads.preflight.checks import CHECK_NAMES
-from pdops.reads.preflight.pairing import Matrix
+from pdops.steps.preflight.checks import CHECK_NAMES
+from pdops.steps.preflight.pairing import Matrix
 from pdops.reads.check_result import CheckResult, FAIL, PASS, SKIPPED
 
 # ================================================================ the report

@@ -16,13 +16,13 @@ from pdops.facts import q
 from pdops.model.inventory import Inventory
 from pdops.model.placement import Placement
 from pdops.fanout import run_parallel
-from pdops.reads.preflight.checks import Facts, PAIRING
-from pdops.reads.preflight.expected import PortUse, describe_holders, free_rpc_port, held_by_owner, port_holders
+from pdops.steps.preflight.checks import Facts, PAIRING
+from pdops.steps.preflight.expected import PortUse, describe_holders, free_rpc_port, held_by_owner, port_holders
 from pdops.reads.check_result import CheckResult, fail_result, ok_result
-from pdops.reads.preflight.results import LISTEN_UNIT_PREFIX, PROBE_TIMEOUT_S
+from pdops.steps.preflight.results import LISTEN_UNIT_PREFIX, PROBE_TIMEOUT_S
 
 def script(name: str) -> str:
-    """A host-side helper script shipped with pdops (pdops/reads/preflight/scripts/), as text for `python3 -c`."""
+    """A host-side helper script shipped with pdops (pdops/steps/preflight/scripts/), as text for `python3 -c`."""
     return (Path(__file__).parent / "scripts" / name).read_text()
 
 

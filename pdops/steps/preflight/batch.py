@@ -13,7 +13,7 @@ from pdops.facts import systemd as systemd_facts
 from pdops.model.inventory import Host, Inventory
 from pdops.model.placement import Placement
 from pdops.facts.host import ReadError, disk_command, gpudirect_command, memlock_command, parse_df, parse_gpudirect, parse_memlock, parse_pids, parse_time, parse_versions, pids_command, time_command, versions_command
-from pdops.reads.preflight.expected import expected_units
+from pdops.steps.preflight.expected import expected_units
 
 @dataclass(frozen=True)
 class Section:

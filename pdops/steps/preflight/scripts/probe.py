@@ -1,4 +1,4 @@
-# Runs on a host with its system python3 (stdlib only), sent by pdops.reads.preflight.pairing as `python3 -c`.
+# Runs on a host with its system python3 (stdlib only), sent by pdops.steps.preflight.pairing as `python3 -c`.
 import concurrent.futures as cf, json, socket, sys
 targets, src, timeout = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 def one(t):
