@@ -35,7 +35,7 @@ from pdops.lab.cgroups import (CgroupMount, cgroup_indexes, cgroup_mounts, host_
 from pdops.lab.host import BOOT_DEADLINE_S, STOP_DEADLINE_S
 from pdops.lab.hostfiles import LAB_TARGET, MASKS, SSHD_UNIT, inner_script, outer_script, sshd_config_text, unit_texts
 from pdops.lab.inventory import grown_fleet, inventory_doc, inventory_files, inventory_text, own_record
-from pdops.lab.lifecycle import down, status, up, wait_until
+from pdops.lab.lifecycle import down, status, up
 from pdops.lab.machine import REQUIRED_BINARIES, check_binaries
 from pdops.lab.paths import (ADDRESS_PREFIX, CGROUP_GROUP, DEFAULT_LAB_DIR, LAB_DIR_ENV, MAX_HOSTS, MAX_SLOTS,
                              PRIVATE_TMPFS, SLOT_ENV, SSH_PORT, WRITABLE_BINDS, address_prefix, cgroup_group,
@@ -47,7 +47,7 @@ from pdops.lab.ssh import SSH_OPTIONS, address_conflicts, parse_listeners
 
 __all__ = [
     # the verbs and what they return
-    "up", "down", "status", "HostStatus", "UpResult", "format_status", "summary_line", "wait_until",
+    "up", "down", "status", "HostStatus", "UpResult", "format_status", "summary_line",
     # where a lab lives
     "slot", "address_prefix", "cgroup_group", "default_lab_dir", "host_name", "host_address", "host_dir",
     "repo_root", "validate_host_count", "resolve_lab_dir", "inventory_path", "ssh_key_path", "needs_staging",

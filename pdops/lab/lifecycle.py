@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import time
 from pathlib import Path
 
 import yaml
@@ -160,11 +159,3 @@ def down(lab_dir=None, hosts: list[int] | None = None) -> list[HostStatus]:
         return results
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
-    """Poll `predicate` until true or the deadline passes (no sleeps standing in for readiness)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

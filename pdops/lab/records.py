@@ -8,8 +8,9 @@ import contextlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
+
+from pdops.sim.testing import poll
 
 
 def proc_start(pid: int) -> int | None:
@@ -63,9 +64,4 @@ def kill_record(rec: dict | None) -> bool:
 
 def wait_gone(rec: dict, timeout: float) -> bool:
     """Wait up to `timeout` for the recorded systemd to be gone; True when it is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc_start(rec["init_pid"]) != rec["init_start"]:
-            return True
-        time.sleep(0.1)
-    return proc_start(rec["init_pid"]) != rec["init_start"]
+    return poll(lambda: proc_start(rec["init_pid"]) != rec["init_start"], timeout)

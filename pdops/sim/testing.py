@@ -47,16 +47,26 @@ def http(method: str, url: str, body=None, timeout: float = 10.0, headers: dict 
         return status, raw.decode(errors="replace")
 
 
-def wait_until(pred, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``pred`` until it returns truthy; raise Unreachable after ``timeout`` seconds."""
+def poll(pred, timeout: float, interval: float = 0.1):
+    """Call ``pred`` until it returns something true, for up to ``timeout`` seconds: that value, or
+    the last (false) one at the deadline. The one polling loop of the tests and the lab: each wait
+    ends when what it waits for is seen, never after a sleep that stands in for it."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
-        if v:
+        if v or time.monotonic() >= deadline:
             return v
-        if time.monotonic() > deadline:
-            raise Unreachable(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.1):
+    """:func:`poll` that fails at the deadline: Unreachable naming ``what`` and the last value."""
+    v = poll(pred, timeout, interval)
+    if not v:
+        last = repr(v)
+        raise Unreachable(f"timed out after {timeout:g}s waiting for {what} (last: "
+                          f"{last if len(last) <= 300 else last[:300] + '...'})")
+    return v
 
 
 def _alive(pid: int) -> bool:

@@ -22,6 +22,7 @@ import yaml
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import single_file_doc
 from pdops.lab import own_record
+from pdops.sim.testing import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,19 +120,15 @@ def _wait_ssh_banner(addr: str, timeout: float) -> None:
     """Until sshd on `addr` answers with its banner: `systemctl start` can return before a
     simple-type sshd listens, and the next command would find the port closed."""
     import socket
-    import time
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def banner() -> bool:
         try:
             with socket.create_connection((addr, 22), timeout=2) as s:
-                if s.recv(64).startswith(b"SSH-"):
-                    return
+                return s.recv(64).startswith(b"SSH-")
         except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"sshd on {addr} did not answer within {timeout:g}s of its start")
-        time.sleep(0.1)
+            return False
+
+    wait_until(banner, timeout, f"sshd on {addr} to answer after its start")
 
 
 def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -230,7 +227,7 @@ def running_prometheus(inv_dir: Path, root: Path, port: int) -> Iterator[str]:
             return False
 
     try:
-        wait_for(ready, 60, "prometheus ready")
+        wait_until(ready, 60, "prometheus ready")
         yield base
     finally:
         proc.terminate()  # by its PID: the process this helper started
@@ -366,18 +363,6 @@ class Load:
         assert len(rids) == len(set(rids))
 
 
-def wait_for(pred, timeout: float, what: str, every: float = 0.2):
-    """Poll `pred` until it returns something true (returned), or fail naming `what` and the last value."""
-    t0 = time.monotonic()
-    v = None
-    while time.monotonic() - t0 < timeout:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {v!r})")
-
-
 def main_pids(inv_dir: Path) -> dict[str, int]:
     """Each instance's MainPID, as `inv status --json` reads it (the status must be 0)."""
     proc = cli(inv_dir, "status", "--json")
@@ -393,10 +378,10 @@ def set_bundle(inv_dir: Path, **bundle) -> None:
     p.write_text(yaml.safe_dump(prof))
 
 
-def waited(pred, timeout: float, what: str, every: float = 0.1) -> float:
-    """wait_for `pred`; the seconds it took (how long a recovery lasted, say)."""
+def waited(pred, timeout: float, what: str) -> float:
+    """wait_until `pred`; the seconds it took (how long a recovery lasted, say)."""
     t0 = time.monotonic()
-    wait_for(pred, timeout, what, every)
+    wait_until(pred, timeout, what)
     return time.monotonic() - t0
 
 

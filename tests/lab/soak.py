@@ -72,6 +72,7 @@ import yaml
 from pdops import lab as lab_api
 from pdops.model.inventory import load_inventory, single_file_doc
 from pdops.model.placement import Placement
+from pdops.sim.testing import poll
 from tests.lab.clusters import (Load, api_keys_file, derived_inventory, inv_cmd, record, stop_all,
                                 two_gateways_behind_haproxy)
 
@@ -163,12 +164,7 @@ class Soak:
         return out
 
     def serving(self, timeout: float = 120) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if inv_cmd("status", "-i", str(self.inv_dir), timeout=120).returncode == 0:
-                return True
-            time.sleep(2)
-        return False
+        return poll(lambda: inv_cmd("status", "-i", str(self.inv_dir), timeout=120).returncode == 0, timeout, interval=2)
 
     def set_profile(self, **changes) -> None:
         """The inventory's profile (and the gateway's health check interval, in hosts.yml) edited."""
@@ -281,9 +277,8 @@ class Soak:
         x = self.rng.choice(self.placement().instances)
         host, unit = x.units[0]
         pid = self.kill_main_pid(host, unit)
-        t = time.monotonic()
-        while time.monotonic() - t < 30 and inv_cmd("status", "-i", str(self.inv_dir), timeout=120).returncode == 0:
-            time.sleep(1)
+        # until `inv status` sees the kill (exit 1), or 30 s: the repair is planned from what it sees
+        poll(lambda: inv_cmd("status", "-i", str(self.inv_dir), timeout=120).returncode != 0, 30, interval=1)
         self.cli(cmds, "repair", "--instance", x.id)
         return f"SIGKILL {x.id} (MainPID {pid}), repaired"
 
@@ -320,9 +315,10 @@ class Soak:
                 return c.run("systemctl is-active pdops-etcd.service", hide=True, warn=True).stdout.strip()
             finally:
                 c.close()
-        deadline = time.monotonic() + 60  # systemd restarts it (Restart=on-failure, 2 s); active once ready
-        while (state := member_state()) != "active" and time.monotonic() < deadline:
-            time.sleep(1)
+        # systemd restarts it (Restart=on-failure, 2 s); active once ready
+        states = []
+        poll(lambda: states.append(member_state()) or states[-1] == "active", 60, interval=1)
+        state = states[-1]
         if state != "active":
             self.unexpected.append(f"the etcd member on {host} is {state} 60 s after its SIGKILL")
         return f"SIGKILL the etcd member on {host} (MainPID {pid}); {detail}; the member {state}"

@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.lab.clusters import REPO, deployed, inv_cmd, wait_for
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import REPO, deployed, inv_cmd
 
 from pdops.model.admission import KEYS_MAP_PATH, UNIT, key_id, parse_admission
 from pdops.record import open_record
@@ -87,7 +88,7 @@ def test_admission_runs_under_systemd_with_a_0600_key_map_and_the_request_id_in_
         def logged():
             out = c.run(f"journalctl -u {UNIT} --no-pager -o cat", hide=True).stdout
             return out if f"rid={rid}" in out else None
-        journal = wait_for(logged, 15, f"rid={rid} in the journal of {UNIT}")
+        journal = wait_until(logged, 15, f"rid={rid} in the journal of {UNIT}")
         line = next(ln for ln in journal.splitlines() if f"rid={rid}" in ln)
         assert f"key={key_id(KEY_A)}" in line and " 200 " in line, line
         assert KEY_A not in journal
@@ -184,7 +185,7 @@ def test_key_rotation_during_10_open_streams_drops_none(cluster):
         async with aiohttp.ClientSession() as session:
             tasks = [asyncio.create_task(stream(session, i, recs[i])) for i in range(10)]
             # all 10 sent and the first C streaming before the rotation starts
-            await asyncio.to_thread(wait_for, lambda: sum("first" in r for r in recs) >= CAP, 30, "C streams started")
+            await asyncio.to_thread(wait_until, lambda: sum("first" in r for r in recs) >= CAP, 30, "C streams started")
             write_keys(keys, KEY_B)
             t0 = time.monotonic()
             assert not any("end" in r for r in recs)  # all 10 open when the rotation starts
@@ -262,7 +263,7 @@ def test_a_rollback_records_every_file_it_runs_and_a_gateway_killed_after_it_is_
     revision before it recorded, the admission layer's included. The gateway is SIGKILLed and systemd starts it
     again: `inv verify` names it restarted (5), the runbook's `inv deploy` repairs it (`plan: repair
     revision`), `inv verify` 0. (Before the reboots at the end of this file.)"""
-    from tests.lab.clusters import host_run, record, wait_for
+    from tests.lab.clusters import host_run, record
 
     inv_dir, inv, _, _, _ = cluster
     before = record(inv_dir).current_revision()
@@ -289,7 +290,7 @@ def test_a_rollback_records_every_file_it_runs_and_a_gateway_killed_after_it_is_
 
     killed = main_pid()
     host_run(lab, gw, f"kill -KILL {killed}")
-    wait_for(lambda: main_pid() not in (0, killed), 60, "systemd to start the gateway again")
+    wait_until(lambda: main_pid() not in (0, killed), 60, "systemd to start the gateway again")
     v = inv_cmd("verify", "-i", str(inv_dir))
     assert v.returncode == 5 and f"gateway {unit} restarted: MainPID" in v.stderr, v.stdout + v.stderr
     d = inv_cmd("deploy", "--topology", "1p1d", "-i", str(inv_dir))

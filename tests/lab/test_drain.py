@@ -19,7 +19,8 @@ from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
 from pdops.remote.loadgen import send
 from pdops.model.placement import Placement
-from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd, wait_for
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import REPO, deployed, inv_cmd, record, sshd
 
 pytestmark = pytest.mark.lab
 
@@ -84,7 +85,7 @@ def test_drain_decode_with_20_streams_in_flight(lab, cluster):
         inv.gateway.first.url, requests=10, concurrency=10, max_new_tokens=150, stream_every=0, rid_prefix="drain-n")))
     t.start()
     t2.start()
-    wait_for(lambda: _running(d02.url) > 0, 30, "streams on d02", every=0.05)
+    wait_until(lambda: _running(d02.url) > 0, 30, "streams on d02", interval=0.05)
     in_flight_on_d02 = _running(d02.url)
     drain = _drain(cluster, "--instance", "d02", "--interval", "1")
     lines = []
@@ -132,8 +133,8 @@ def test_drain_prefill_with_kv_transfers_in_flight_and_a_stray(lab, cluster):
         inv.gateway.first.url, requests=6, concurrency=6, prompt=prompt, max_new_tokens=8, stream_every=2,
         rid_prefix="drain-p")))
     t.start()
-    wait_for(lambda: _running(p02.url, "prefill_inflight_queue_reqs") + _running(p02.url) > 0, 30,
-             "KV transfers from p02", every=0.05)
+    wait_until(lambda: _running(p02.url, "prefill_inflight_queue_reqs") + _running(p02.url) > 0, 30,
+               "KV transfers from p02", interval=0.05)
     drain = _drain(cluster, "--instance", "p02", "--interval", "1")
     out, _ = drain.communicate(timeout=300)
     t.join(timeout=120)

@@ -15,6 +15,7 @@ import pytest
 from pdops import lab as lab_api
 from pdops.lab import hostfiles, machine
 from pdops.errors import InvalidInput, Refused
+from pdops.sim.testing import wait_until
 
 pytestmark = pytest.mark.lab
 
@@ -191,7 +192,7 @@ def test_lifecycle_keeps_tmp_leaves_nothing_and_recovers_from_kill(lab):
         victim = min(2, lab.n)
         rec = lab_api.read_record(lab_api.host_dir(lab.lab_dir, victim))
         os.kill(rec["init_pid"], signal.SIGKILL)
-        assert lab_api.wait_until(lambda: not lab_api.record_alive(rec), 10)
+        wait_until(lambda: not lab_api.record_alive(rec), 10, f"host {victim}'s systemd gone after its SIGKILL")
         result = lab_api.up(lab.n)
         assert result.booted == [victim] and result.cleaned == [victim]
         assert all(s.up for s in result)

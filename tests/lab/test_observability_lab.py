@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pdops.sim.testing import free_port
-from tests.lab.clusters import deployed, inv_cmd, prometheus_api, queue, record, running_prometheus, wait_for
+from pdops.errors import Unreachable
+from pdops.sim.testing import free_port, wait_until
+from tests.lab.clusters import deployed, inv_cmd, prometheus_api, queue, record, running_prometheus
 
 from pdops.ops import prometheus as obs
 
@@ -68,8 +69,8 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     inv = load_inventory(inv_dir)
     pl = Placement.from_dict(record(inv_dir).current_revision().placement)
     want = {i.id for i in pl.instances} | {"gateway"}
-    wait_for(lambda: set(active(base)) == want and all(h == "up" for h in active(base).values()), 60,
-             "every target of the file up")
+    wait_until(lambda: set(active(base)) == want and all(h == "up" for h in active(base).values()), 60,
+               "every target of the file up")
     from pdops.sim.tokens import make_prompt
 
     # distinct prompts through the gateway; its policy may still send them all to one decode (seen
@@ -94,8 +95,8 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
                 out.append(f"{title}: {q}")
         return out
     try:
-        wait_for(lambda: not empty_panels(), 60, "data for every panel")
-    except AssertionError:
+        wait_until(lambda: not empty_panels(), 60, "data for every panel")
+    except Unreachable:
         raise AssertionError(f"panels without data: {empty_panels()}") from None
     prefills = {i.id for i in pl.role("prefill")}
     decodes = {i.id for i in pl.role("decode")}
@@ -103,8 +104,8 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     def with_tpm(rule: str) -> set[str]:
         return {s["metric"]["instance"] for s in query(base, f"{rule} > 0")}
     # each instance's rate turns positive once Prometheus has scraped it after its traffic
-    wait_for(lambda: with_tpm("pdops:input_tpm:instance") == prefills, 60, "input TPM of every prefill")
-    wait_for(lambda: with_tpm("pdops:output_tpm:instance") == decodes, 60, "output TPM of every decode")
+    wait_until(lambda: with_tpm("pdops:input_tpm:instance") == prefills, 60, "input TPM of every prefill")
+    wait_until(lambda: with_tpm("pdops:output_tpm:instance") == decodes, 60, "output TPM of every decode")
     assert {s["metric"]["instance"] for s in query(base, f'sglang:num_running_reqs{{cluster="{inv.cluster}"}}')} == \
         prefills | decodes
     assert query(base, "pdops:total_tpm:cluster > 0")
@@ -122,7 +123,7 @@ def test_a_drained_instance_leaves_the_targets_within_one_refresh(prometheus):
     doc = json.loads(targets_file.read_text())
     assert "d02" not in {t["labels"]["instance"] for t in doc}
     assert {t["labels"]["revision"] for t in doc} == {str(record(inv_dir).current())}
-    wait_for(lambda: "d02" not in active(base), 10, "d02's target gone")
+    wait_until(lambda: "d02" not in active(base), 10, "d02's target gone")
     print(f"d02's target gone from Prometheus {time.monotonic() - done:.1f}s after the drain's verdict")
 
 
@@ -140,7 +141,7 @@ def test_a_decode_killed_mid_stream_makes_its_instance_down_alert_go_pending(lab
     t = threading.Thread(target=lambda: rows.extend(send(inv.gateway.first.url, requests=4, concurrency=4,
                                                          max_new_tokens=2000, stream_every=1, timeout=60)))
     t.start()
-    wait_for(lambda: queue(d01.url) >= 1, 30, "streams running on d01 (the only decode now)")
+    wait_until(lambda: queue(d01.url) >= 1, 30, "streams running on d01 (the only decode now)")
     c = lab.connection(d01.head.host)
     c.run(f"kill -KILL {int(pid)}", hide=True)
     c.close()
@@ -149,7 +150,7 @@ def test_a_decode_killed_mid_stream_makes_its_instance_down_alert_go_pending(lab
         return [a for a in api(base, "/api/v1/alerts")["alerts"]
                 if a["labels"].get("alertname") == "PdopsInstanceDown" and a["labels"].get("instance") == "d01"
                 and a["state"] in ("pending", "firing")]
-    alert = wait_for(pending, 20, "PdopsInstanceDown pending for d01", every=0.1)
+    alert = wait_until(pending, 20, "PdopsInstanceDown pending for d01", interval=0.1)
     assert alert[0]["labels"]["role"] == "decode" and alert[0]["labels"]["cluster"] == inv.cluster
     t.join(90)
     assert not t.is_alive() and any(not r.ok for r in rows)  # the kill cut streams; none hung

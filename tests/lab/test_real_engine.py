@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import Load, cli, deployed, host_run, received_rids, record, wait_for
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import Load, cli, deployed, host_run, received_rids, record
 
 pytestmark = pytest.mark.lab
 
@@ -192,8 +193,8 @@ def test_a_decode_killed_mid_stream_takes_its_scheduler_with_it_and_the_repair_n
     # the decode is generating it (its own request log has it, not finished)
     from pdops.facts import requestlog
 
-    wait_for(lambda: rid in requestlog.parse(host_run(lab, host, requestlog.command(unit))).open, 60,
-             f"{rid} received by d01, not finished")
+    wait_until(lambda: rid in requestlog.parse(host_run(lab, host, requestlog.command(unit))).open, 60,
+               f"{rid} received by d01, not finished")
     main = _main_pid(lab, host, unit)
     assert main in before, (main, before)
     host_run(lab, host, f"kill -KILL {main}")
@@ -201,7 +202,7 @@ def test_a_decode_killed_mid_stream_takes_its_scheduler_with_it_and_the_repair_n
     assert "error" in result or not re.search(rf'"completion_tokens":\s*{LONG}\b', result["answer"][1]), \
         "the stream was not cut"
     # systemd restarts it (Restart=on-failure): a new MainPID, active
-    wait_for(lambda: _main_pid(lab, host, unit) not in (0, main), 60, f"{unit} restarted by systemd")
+    wait_until(lambda: _main_pid(lab, host, unit) not in (0, main), 60, f"{unit} restarted by systemd")
     alive = set(host_run(lab, host, "ps -eo pid=").split())
     assert not set(map(str, before)) & alive, f"the old cgroup's {before} outlived its main"
     # what was left when the main died, systemd ended by the unit's cgroup (the scheduler itself may go
@@ -247,7 +248,7 @@ def test_an_orphaned_prefill_half_is_named_by_status_and_ended_by_its_id(lab, re
         row = next(r for r in json.loads(st.stdout)["instances"] if r["instance"] == "p01")
         return (st, row) if row["orphaned"] else None
 
-    st, row = wait_for(orphaned, 90, "p01's orphaned half named by inv status")
+    st, row = wait_until(orphaned, 90, "p01's orphaned half named by inv status")
     assert st.returncode == 1 and [o["rid"] for o in row["orphaned"]] == [rid], row
     ended = cli(real.inv_dir, "end-orphans")
     assert ended.returncode == 0, ended.stdout + ended.stderr
@@ -272,7 +273,7 @@ def test_a_drain_under_streams_waits_for_each_request_by_its_id_then_stops_the_r
     assert sockets, f"no socket of SGLang in {tmp}"
     with Load(_gateway_url(real.inv_dir), prefix="real-drain", requests=4, concurrency=2,
               max_new_tokens=400) as load:
-        wait_for(lambda: len(load.rows) >= 4, 120, "the first streams served")
+        wait_until(lambda: len(load.rows) >= 4, 120, "the first streams served")
         r = cli(real.inv_dir, "drain", "--instance", "d01", "--force")
     assert r.returncode == 0, r.stdout + r.stderr
     load.assert_clean(at_least=4, allow_refused=True)
@@ -331,17 +332,17 @@ def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pai
     assert st.returncode == 1 and f"{host}:{script} is not revision" in st.stdout, st.stdout
     assert "nothing restarted" in st.stdout, st.stdout
     host_run(lab, host, f"systemctl restart {unit}")
-    main = wait_for(lambda: _health(d01.url) == 200 and _main_pid(lab, host, unit), REAL_START_S,
-                    "the edited decode's start")
+    main = wait_until(lambda: _health(d01.url) == 200 and _main_pid(lab, host, unit), REAL_START_S,
+                      "the edited decode's start")
     # smg took it out while it restarted (its health check): until it routes to it again a request is
     # answered 503 "no available decode workers" and never reaches the pair
     from pdops.model.inventory import load_inventory
     from pdops.remote.gateway import Gateways
 
     gateways = Gateways.of(load_inventory(real.inv_dir), timeout=3)
-    wait_for(lambda: any(w.url.rstrip("/") == d01.url.rstrip("/") and w.routable
+    wait_until(lambda: any(w.url.rstrip("/") == d01.url.rstrip("/") and w.routable
                          for _, c in gateways.items() for w in c.list_workers()), 120,
-             "the gateway routing to the edited decode")
+               "the gateway routing to the edited decode")
     rid = f"real-pagesize-{time.time_ns()}"
     try:
         status, body = _generate(_gateway_url(real.inv_dir), rid, timeout=120)
@@ -352,7 +353,7 @@ def test_a_decode_edited_on_its_host_to_another_page_size_exits_on_its_first_pai
     print(f"{rid}: HTTP {status} {body[:300]}")
     try:
         # the exit: no MainPID while systemd waits RestartSec before its next start
-        wait_for(lambda: _main_pid(lab, host, unit) != main, 120, "the decode's exit")
+        wait_until(lambda: _main_pid(lab, host, unit) != main, 120, "the decode's exit")
     finally:
         # the crash loop stopped, as an on-call would first (and before the next start, a minute of CPU)
         host_run(lab, host, f"systemctl stop {unit}")

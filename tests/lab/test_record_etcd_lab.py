@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from pdops.model.inventory import load_inventory
-from tests.lab.clusters import REPO, Load, deployed, inv_cmd, never_twice, wait_for
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import REPO, Load, deployed, inv_cmd, never_twice
 
 pytestmark = pytest.mark.lab
 
@@ -114,8 +115,8 @@ def test_a_drain_under_load_completes_while_an_etcd_member_is_sigkilled(lab, clu
     before = set(o["op_id"] for o in json.loads(ok(run(inv_dir, ops["alice"], "journal", "--json"))))
     with Load(url, prefix="etcd-drain") as load:
         drain = popen(inv_dir, ops["alice"], "drain", "--instance", "p02", "--interval", "2")
-        holder = wait_for(lambda: drain.poll() is not None or (alice_rec().lock_holder() or {}).get("etcd_endpoint"),
-                          120, "the drain's lock")
+        holder = wait_until(lambda: drain.poll() is not None or (alice_rec().lock_holder() or {}).get("etcd_endpoint"),
+                            120, "the drain's lock")
         assert drain.poll() is None, drain.communicate()
         host = MEMBERS[[f"http://{lab.address(m)}:2379" for m in MEMBERS].index(holder)]
         pid = member(lab, host, "systemctl show -p MainPID --value pdops-etcd.service")
@@ -124,8 +125,8 @@ def test_a_drain_under_load_completes_while_an_etcd_member_is_sigkilled(lab, clu
     assert drain.returncode == 0, out + err
     load.assert_clean()
     never_twice(lab, inv_dir, "etcd-drain")
-    wait_for(lambda: member(lab, host, "systemctl is-active pdops-etcd.service") == "active", 60,
-             f"systemd to restart the member on {host}")
+    wait_until(lambda: member(lab, host, "systemctl is-active pdops-etcd.service") == "active", 60,
+               f"systemd to restart the member on {host}")
     mine = json.loads(ok(run(inv_dir, ops["alice"], "journal", "--json")))
     theirs = json.loads(ok(run(inv_dir, ops["bob"], "journal", "--json")))
     assert mine == theirs
@@ -169,13 +170,13 @@ def test_a_sigkilled_holders_lease_expires_and_the_next_change_resumes_its_drain
                 if r["op_id"] not in earlier and r["step"] == "empty-check-1" and r["status"] == "ok"]
         return done[-1]["op_id"] if done else None
 
-    op = wait_for(passed_first_check, 180, "alice's drain to pass its first empty check")
+    op = wait_until(passed_first_check, 180, "alice's drain to pass its first empty check")
     alice.send_signal(signal.SIGKILL)
     alice.wait(30)
     killed = time.monotonic()
     refused = run(inv_dir, ops["bob"], "drain", "--instance", "p02", "--interval", "1")
     assert refused.returncode == 4 and "in etcd is alive" in refused.stderr, refused.stderr  # held until it expires
-    wait_for(lambda: bob_rec().lock_holder()["holder_alive"] is False, 45, "alice's lease to expire")
+    wait_until(lambda: bob_rec().lock_holder()["holder_alive"] is False, 45, "alice's lease to expire")
     assert time.monotonic() - killed < 40
     out = ok(run(inv_dir, ops["bob"], "drain", "--instance", "p02", "--interval", "1"))
     assert f"note: the previous operation {op} ('drain' by alice on" in out

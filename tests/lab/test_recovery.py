@@ -23,7 +23,8 @@ from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
 from pdops.remote.loadgen import send
 from pdops.model.placement import Placement
-from tests.lab.clusters import Load, derived_inventory, inv_cmd, main_pids, queue, record, set_bundle, stop_all, wait_for
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import Load, derived_inventory, inv_cmd, main_pids, queue, record, set_bundle, stop_all
 
 pytestmark = pytest.mark.lab
 
@@ -121,7 +122,7 @@ def test_orphaned_halves_are_named_by_status_and_ended_by_end_orphans_and_by_a_d
         row = next(r for r in json.loads(st.stdout)["instances"] if r["instance"] == "p01")
         return (st, row) if row["orphaned"] else None
 
-    st, row = wait_for(orphaned, 60, "p01's orphaned half named by inv status")
+    st, row = wait_until(orphaned, 60, "p01's orphaned half named by inv status")
     assert st.returncode == 1 and row["state"] == "degraded" and [o["rid"] for o in row["orphaned"]] == [rid]
     text = cli(inv_dir, "status").stdout
     assert f"waiting for a decode side that is gone (restarted, ended or failed them): {rid}; they end by timeout at" \
@@ -137,7 +138,7 @@ def test_orphaned_halves_are_named_by_status_and_ended_by_end_orphans_and_by_a_d
     rid2 = f"orphan-{uuid.uuid4().hex[:8]}"
     out2: dict = {}
     t2 = _half_on(p01, rid2, out2)
-    wait_for(orphaned, 60, "the second orphaned half named")
+    wait_until(orphaned, 60, "the second orphaned half named")
     drain = cli(inv_dir, "drain", "--instance", "p01", "--interval", "1")
     assert drain.returncode == 0, drain.stdout + drain.stderr
     assert f"ended 1 orphaned half(s) whose decode side is gone, the only work it still held (lost, not " \
@@ -180,7 +181,7 @@ def test_a_change_halted_at_a_drain_puts_back_what_it_took_out(lab, tmp_path):
     long_result: dict = {}
     t = threading.Thread(target=lambda: long_result.update(both_sides(p01, d01, body, rid, 120)))
     t.start()
-    wait_for(lambda: queue(d01.url) > 0, 30, "the long generation running on d01")
+    wait_until(lambda: queue(d01.url) > 0, 30, "the long generation running on d01")
     inv = load_inventory(inv_dir)
     with Load(inv.gateway.first.url) as load:
         bad = cli(inv_dir, "deploy", "--topology", "2p2d")

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.clusters import Load, cli, deployed, queue, record, wait_for
+from pdops.errors import Unreachable
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import Load, cli, deployed, queue, record
 
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
@@ -123,8 +125,8 @@ def test_a_decode_killed_mid_stream_is_named_restarted_repaired_and_its_lost_wor
     _, doc = status(live)
     pid = row(doc, "d01")["units"][0]["main_pid"]
     batch = Batch(inv.gateway.first.url, 16, 600, "kill-d01", prompt_words=20)
-    wait_for(lambda: queue(d01.url) >= 1, 30,
-             f"streams running on d01 (d02 runs {queue(inst(live, 'd02').url)})")
+    wait_until(lambda: queue(d01.url) >= 1, 30,
+               f"streams running on d01 (d02 runs {queue(inst(live, 'd02').url)})")
     c = lab.connection(d01.head.host)
     c.run(f"kill -KILL {int(pid)}", hide=True)
     c.close()
@@ -132,7 +134,7 @@ def test_a_decode_killed_mid_stream_is_named_restarted_repaired_and_its_lost_wor
     lost_by_client = batch.failed()
     assert lost_by_client, "the kill cut no stream: nothing was in flight on d01"
     # systemd restarted it behind pdops's back; status says so and names the command
-    wait_for(lambda: (row(status(live)[1], "d01")["units"][0]["main_pid"] or pid) != pid, 30, "systemd's restart")
+    wait_until(lambda: (row(status(live)[1], "d01")["units"][0]["main_pid"] or pid) != pid, 30, "systemd's restart")
     rc, doc = status(live)
     r = row(doc, "d01")
     assert rc == 1 and not doc["ok"]
@@ -161,11 +163,11 @@ def test_a_prefill_child_crash_with_kv_in_flight_is_repaired_on_its_other_bootst
     _, doc = status(live)
     pid = row(doc, "p01")["units"][0]["main_pid"]
     batch = Batch(inv.gateway.first.url, 8, 50, "crash-p01", prompt_words=2000)
-    wait_for(lambda: queue(p01.url, "prefill_inflight") >= 1, 30, "KV in flight from p01")
+    wait_until(lambda: queue(p01.url, "prefill_inflight") >= 1, 30, "KV in flight from p01")
     assert http_json("POST", f"{p01.url}/_sim/faults", {"crash_child": True}, timeout=5)[0] == 200
     batch.join()
-    wait_for(lambda: row(status(live)[1], "p01")["state"] == "restarted" and row(status(live)[1], "p01")["healthy"],
-             60, "p01 restarted and healthy in the gateway again")
+    wait_until(lambda: row(status(live)[1], "p01")["state"] == "restarted" and row(status(live)[1], "p01")["healthy"],
+               60, "p01 restarted and healthy in the gateway again")
     refused = cli(live, "repair", "--instance", "p01")
     assert refused.returncode == 4 and "last serving prefill" in refused.stderr and "--force" in refused.stderr
     port = p01.bootstrap_port
@@ -206,8 +208,8 @@ def test_a_decode_with_a_dead_transfer_session_is_named_degraded_and_repaired(li
 def test_a_stray_process_in_a_decode_cgroup_is_named_and_stopped_by_the_repair(lab, live):
     d01 = inst(live, "d01")
     assert http_json("POST", f"{d01.url}/_sim/faults", {"stray_grandchild": True}, timeout=5)[0] == 200
-    stray = wait_for(lambda: (http_json("GET", f"{d01.url}/_sim/state", timeout=5)[1].get("strays") or [None])[0],
-                     10, "the stray's pid")
+    stray = wait_until(lambda: (http_json("GET", f"{d01.url}/_sim/state", timeout=5)[1].get("strays") or [None])[0],
+                       10, "the stray's pid")
     rc, doc = status(live)
     r = row(doc, "d01")
     assert rc == 1 and r["state"] == "degraded" and any(f"PID {stray}" in x and "not under MainPID" in x
@@ -227,7 +229,7 @@ def test_requests_stuck_in_a_queue_are_shown_then_ended_by_a_repair_with_force_a
     p01 = inst(live, "p01")
     assert http_json("POST", f"{p01.url}/_sim/faults", {"hang_room": True}, timeout=5)[0] == 200
     batch = Batch(inv.gateway.first.url, 2, 8, "stuck")
-    wait_for(lambda: queue(p01.url, "prefill_inflight") >= 2, 30, "the stuck KV on p01")
+    wait_until(lambda: queue(p01.url, "prefill_inflight") >= 2, 30, "the stuck KV on p01")
     _, doc = status(live)
     assert row(doc, "p01")["queues"]["prefill_inflight"] == 2
     assert sum(row(doc, d)["queues"]["decode_transfer"] for d in ("d01", "d02")) == 2
@@ -265,13 +267,13 @@ def test_a_decode_killed_under_load_and_repaired_leaves_no_circuit_open(lab, liv
 
     with Load(inv.gateway.first.url, prefix="cb", requests=6, concurrency=3, max_new_tokens=8,
               distinct_prompts=True) as load:
-        wait_for(lambda: len(load.rows) >= 6, 30, "the loop served")
+        wait_until(lambda: len(load.rows) >= 6, 30, "the loop served")
         c = lab.connection(d02.head.host)
         c.run(f"kill -KILL {int(pid)}", hide=True)
         c.close()
-        wait_for(lambda: breakers().get(d02.url.rstrip("/")) == "open", 60, "d02's circuit open in the gateway")
-        wait_for(lambda: row(status(live)[1], "d02")["units"][0]["main_pid"] not in (None, pid), 60,
-                 "systemd's restart of d02")
+        wait_until(lambda: breakers().get(d02.url.rstrip("/")) == "open", 60, "d02's circuit open in the gateway")
+        wait_until(lambda: row(status(live)[1], "d02")["units"][0]["main_pid"] not in (None, pid), 60,
+                   "systemd's restart of d02")
         r = row(status(live)[1], "d02")
         assert r["state"] == "restarted" and not r["healthy"] and r["breakers"] == {"lab01": "open"}, r
         assert any(x.startswith("circuit not closed on gateway lab01 since ") for x in r["reasons"]), r
@@ -282,8 +284,8 @@ def test_a_decode_killed_under_load_and_repaired_leaves_no_circuit_open(lab, liv
         assert set(closed["evidence"]["breakers"]["lab01"].values()) == {"closed"}, closed
         drain = cli(live, "drain", "--instance", "d01")
         assert drain.returncode == 0, drain.stdout + drain.stderr
-        wait_for(lambda: sum(1 for x in load.rows if x.start > time.time() - 1 and x.ok) >= 3, 30,
-                 "the loop served by d02 alone")
+        wait_until(lambda: sum(1 for x in load.rows if x.start > time.time() - 1 and x.ok) >= 3, 30,
+                   "the loop served by d02 alone")
     after = [x for x in load.rows if x.start >= t_repaired]
     assert len(after) >= 6 and [x.to_dict() for x in after if not x.ok] == []
     j = record(live).journal()
@@ -311,7 +313,7 @@ def _kill_the_only_decode(lab, live, load):
     def breakers():
         return {w.url.rstrip("/"): w.breaker.state for ws in gws.workers().values() for w in ws}
 
-    wait_for(lambda: sum(1 for x in load.rows if x.ok) >= 6, 30, "the loop served")
+    wait_until(lambda: sum(1 for x in load.rows if x.ok) >= 6, 30, "the loop served")
     c = lab.connection(d02.head.host)
     c.run(f"kill -KILL {int(pid)}", hide=True)
     c.close()
@@ -323,12 +325,12 @@ def _kill_the_only_decode(lab, live, load):
         return seen.get(p01.url.rstrip("/"), ("",))[0] == "open" == seen.get(d02.url.rstrip("/"), ("",))[0]
 
     try:
-        wait_for(both_open, 60, "p01's and d02's circuits open")
-    except AssertionError as exc:
+        wait_until(both_open, 60, "p01's and d02's circuits open")
+    except Unreachable as exc:
         fails = [(round(x.start, 2), x.http_status, str(x.error)[:90]) for x in load.rows if not x.ok]
         raise AssertionError(f"{exc}; breakers {seen}; failed requests {fails[:14]}") from None
-    wait_for(lambda: row(status(live)[1], "d02")["units"][0]["main_pid"] not in (None, pid), 60,
-             "systemd's restart of d02")
+    wait_until(lambda: row(status(live)[1], "d02")["units"][0]["main_pid"] not in (None, pid), 60,
+               "systemd's restart of d02")
     r = row(status(live)[1], "p01")
     assert r["state"] == "degraded" and r["breakers"] == {"lab01": "open"} and "no restart" in r["action"], r
     return breakers
@@ -348,7 +350,7 @@ def test_the_only_decode_killed_opens_the_prefills_circuit_and_its_repair_closes
         closed = next(x for x in recs if x["step"] == "close-breakers")
         assert [x.split()[0] for x in closed["evidence"]["registered_again"]["lab01"]] == ["p01"], closed
         assert set(breakers().values()) == {"closed"}, breakers()
-        wait_for(lambda: sum(1 for x in load.rows if x.start > t_repaired and x.ok) >= 6, 30, "the loop served again")
+        wait_until(lambda: sum(1 for x in load.rows if x.start > t_repaired and x.ok) >= 6, 30, "the loop served again")
     assert [x.to_dict() for x in load.rows if x.start >= t_repaired and not x.ok] == []
 
 
@@ -365,7 +367,7 @@ def test_the_only_decode_killed_again_and_the_runbooks_deploy_closes_both(lab, l
         t_deployed = time.time()
         assert "removing it and adding it again" in proc.stdout, proc.stdout
         assert set(breakers().values()) == {"closed"}, breakers()
-        wait_for(lambda: sum(1 for x in load.rows if x.start > t_deployed and x.ok) >= 6, 30, "the loop served again")
+        wait_until(lambda: sum(1 for x in load.rows if x.start > t_deployed and x.ok) >= 6, 30, "the loop served again")
     assert [x.to_dict() for x in load.rows if x.start >= t_deployed and not x.ok] == []
     rc, doc = status(live)
     assert rc == 0, [(x["instance"], x["state"], x["reasons"]) for x in doc["instances"]]

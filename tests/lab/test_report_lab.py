@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdops.sim.testing import free_port
-from tests.lab.clusters import REPO, Load, deployed, inv_cmd, prometheus_api, record, running_prometheus, wait_for
+from pdops.sim.testing import free_port, wait_until
+from tests.lab.clusters import REPO, Load, deployed, inv_cmd, prometheus_api, record, running_prometheus
 
 from pdops.ops import prometheus as obs
 from pdops.ops.report import embedded_data
@@ -87,25 +87,25 @@ def test_a_rolling_change_under_load_is_one_page_with_every_step_and_what_was_se
 
     def targets() -> dict[str, str]:
         return {t["labels"]["instance"]: t["health"] for t in api(base, "/api/v1/targets")["activeTargets"]}
-    wait_for(lambda: set(targets()) == want and set(targets().values()) == {"up"}, 60, "every target scraped")
+    wait_until(lambda: set(targets()) == want and set(targets().values()) == {"up"}, 60, "every target scraped")
     set_bundle(inv_dir, max_running_requests=32)  # every instance restarted, one per role at a time
     c = f'cluster="{inv.cluster}"'
     with Load(inv.gateway.first.url) as load:
         began = time.time()
         # the page shows the cluster serving before the change, during it, and after it
-        wait_for(lambda: query(base, f'sum(rate(smg_http_responses_total{{{c},status_code="200"}}[1m])) > 0'), 60,
-                 "Prometheus seeing requests served before the change")
+        wait_until(lambda: query(base, f'sum(rate(smg_http_responses_total{{{c},status_code="200"}}[1m])) > 0'), 60,
+                   "Prometheus seeing requests served before the change")
         if WARMUP_S:
-            wait_for(lambda: query(base, f"min(timestamp(up{{{c}}})) >= {began + WARMUP_S}"), WARMUP_S + 60,
-                     f"{WARMUP_S:g}s of load scraped before the change")
+            wait_until(lambda: query(base, f"min(timestamp(up{{{c}}})) >= {began + WARMUP_S}"), WARMUP_S + 60,
+                       f"{WARMUP_S:g}s of load scraped before the change")
         proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(inv_dir))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         j = record(inv_dir).journal()
         op = j.operations()[-1]
         recs = j.read(op)
         ended = parse_ts(recs[-1]["ts"]).timestamp()
-        wait_for(lambda: query(base, f"min(timestamp(up{{{c}}})) >= {ended + AFTER_S}"), 60,
-                 f"Prometheus scraping {AFTER_S}s past the change's end")
+        wait_until(lambda: query(base, f"min(timestamp(up{{{c}}})) >= {ended + AFTER_S}"), 60,
+                   f"Prometheus scraping {AFTER_S}s past the change's end")
     load.assert_clean()
     plan = next(r["evidence"] for r in recs if r["step"] == "plan")
     assert plan["waves"] == [["p01", "d01"], ["p02", "d02"]], plan

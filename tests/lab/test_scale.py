@@ -13,10 +13,10 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
+from pdops.sim.testing import wait_until
 from tests.lab.clusters import assert_journal_walks_the_printed_plan, REPO, Load, deployed, record
 
 from pdops.remote.gateway import GatewayClient
@@ -138,14 +138,15 @@ def _squat(lab, addr: str, port: int):
             f"s.bind(({addr!r}, {port})); s.listen(8); time.sleep(3600)")
     c.run(f"systemd-run --unit {SQUATTER} --collect /usr/bin/python3 -c \"{code}\"", hide=True)
     c.close()
-    deadline = time.monotonic() + 30
-    while True:
+
+    def listens() -> bool:
         try:
             socket.create_connection((addr, port), timeout=1).close()
-            return
+            return True
         except OSError:
-            assert time.monotonic() < deadline, "squatter did not listen"
-            time.sleep(0.1)
+            return False
+
+    wait_until(listens, 30, f"the squatter to listen on {addr}:{port}")
 
 
 def _unsquat(lab):

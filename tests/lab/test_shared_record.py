@@ -15,7 +15,8 @@ import pytest
 
 from pdops.remote.gateway import GatewayClient
 from pdops.model.inventory import load_inventory
-from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, sshd, wait_for
+from pdops.sim.testing import wait_until
+from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, sshd
 
 PROFILE = {"env": {"PDOPS_SIM_SHUTDOWN_POLL_S": "1"}}
 
@@ -76,11 +77,11 @@ def test_a_holder_killed_mid_drain_frees_the_lock_and_the_next_operation_reports
         done = [r for r in recs if r["step"] == "empty-check-1" and r["status"] == "ok" and r["op_id"] not in earlier]
         return done[-1]["op_id"] if done else None
 
-    op = wait_for(alice_op, 60, "alice's drain to pass its first empty check")
+    op = wait_until(alice_op, 60, "alice's drain to pass its first empty check")
     alice.send_signal(signal.SIGKILL)  # her laptop dies mid-operation
     alice.wait(30)
-    wait_for(lambda: not (record(inv_dir).lock_holder() or {}).get("holder_alive"), 30,
-             "the lock process on lab01 to end with alice's SSH session")
+    wait_until(lambda: not (record(inv_dir).lock_holder() or {}).get("holder_alive"), 30,
+               "the lock process on lab01 to end with alice's SSH session")
     bob = inv_cmd("drain", "-i", str(inv_dir), "--instance", "d02", "--force", "--interval", "1", env=ops["bob"])
     assert bob.returncode == 0, bob.stdout + bob.stderr
     assert f"note: the previous operation {op} ('drain' by alice on {socket.gethostname()}" in bob.stdout

@@ -30,6 +30,7 @@ from pdops.remote.gateway import GatewayClient
 from pdops.remote.hosts import http_json
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
+from pdops.sim.testing import wait_until
 from tests.lab.clusters import REPO, deployed, derived_inventory, inv_cmd, record, stop_all
 
 pytestmark = pytest.mark.lab
@@ -249,7 +250,7 @@ def test_start_is_not_verified_when_another_process_answers_on_the_instances_por
     port), which cannot bind, and the stray answers /health. The start is not verified: the deploy stops,
     naming the stray's PID and command line, and registers nothing. Once the stray is stopped (by its unit),
     the same command starts the decode and verifies it."""
-    from tests.lab.clusters import host_run, wait_for
+    from tests.lab.clusters import host_run
 
     inv, _ = cluster
     d02 = [i for i in _placement(inv).instances if i.role == "decode"][-1]  # the earlier tests drained some
@@ -265,7 +266,7 @@ def test_start_is_not_verified_when_another_process_answers_on_the_instances_por
             return http_json("GET", f"{d02.url}/health", timeout=2)[0] == 200
         except Exception:  # noqa: BLE001 - not up yet
             return False
-    wait_for(stray_healthy, 30, f"the stray sim answering on {d02.id}'s port")
+    wait_until(stray_healthy, 30, f"the stray sim answering on {d02.id}'s port")
     pid = int(host_run(lab, host, f"systemctl show -p MainPID --value {stray}").strip())
     topology = record(inv).current_revision().topology
     proc = inv_cmd("deploy", "--topology", topology, "-i", str(inv))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pdops.facts import gateway as gw
 from pdops.remote.gateway import GatewayClient, deadline_in
-from pdops.sim.testing import free_port, http, start_gateway, start_sim
+from pdops.sim.testing import free_port, http, poll, start_gateway, start_sim, wait_until
 from pdops.sim.tokens import make_prompt
 
 
@@ -67,7 +67,6 @@ def test_a_stream_cut_after_its_head_counts_against_the_decode_alone():
     then stays closed with nothing routed to it (why the lab's kill tests send no streams)."""
     import signal
     import threading
-    import time
 
     from pdops.remote.loadgen import send
 
@@ -85,16 +84,11 @@ def test_a_stream_cut_after_its_head_counts_against_the_decode_alone():
         t = threading.Thread(target=lambda: rows.extend(send(g.url, requests=1, concurrency=1, max_new_tokens=2000,
                                                              stream_every=1, rid_prefix="cut", timeout=30)))
         t.start()
-        deadline = deadline_in(20)
-        while not _running(d):  # the stream is in the decode
-            assert time.monotonic() < deadline, "the decode never ran the stream"
-            time.sleep(0.05)
+        wait_until(lambda: _running(d), 20, "the stream in the decode", interval=0.05)
         d.proc.signal(signal.SIGKILL)
         t.join(30)
         assert rows and rows[0].http_status == 200 and not rows[0].ok, [r.to_dict() for r in rows]
-        deadline = deadline_in(10)
-        while failures()["decode"] == 0 and time.monotonic() < deadline:  # smg may count it after the stream ends
-            time.sleep(0.05)
+        poll(lambda: failures()["decode"], 10, interval=0.05)  # smg may count it after the stream ends
         assert failures() == {"decode": 1, "prefill": 0}
         assert [_generate(g, i) for i in range(3)] == [502] * 3
         assert failures() == {"decode": 4, "prefill": 3}

@@ -9,7 +9,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable
 from pdops.record import SCRIPT, HostStore, LocalTransport, SharedRecord, lock_line, operations, push_local, unlock
 from pdops.record.local import StateDir
+from pdops.sim.testing import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -121,10 +121,7 @@ time.sleep(600)
 
 
 def _wait_pid_gone(pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{pid}"), f"holder process {pid} still there"
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout, f"holder process {pid} gone", interval=0.05)
 
 
 def test_sigkill_of_the_holder_frees_the_lock_and_the_next_operation_reports_it(tmp_path, monkeypatch):

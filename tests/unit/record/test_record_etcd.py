@@ -20,6 +20,7 @@ import pytest
 from pdops.errors import InvalidInput, Refused, Unreachable, Unverified
 from pdops.model.inventory.schema import EtcdSetting
 from pdops.record import HostStore, LocalTransport, SharedRecord, operations, unlock
+from pdops.sim.testing import wait_until
 from pdops.record.etcdstore import EtcdSession, EtcdStore
 from pdops.remote import etcd as E
 
@@ -49,16 +50,15 @@ def running_etcd(d: Path, *, tls: dict | None = None):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         probe = E.Etcd([url], timeout=1.0, **({k: tls[k] for k in ("ca", "cert", "key")} if tls else {}))
-        deadline = time.monotonic() + 30
-        while True:  # ready: the member answers its status with a leader
-            try:
-                if probe.status(url).get("leader"):
-                    break
-            except Unreachable:
-                pass
+
+        def leader():  # ready: the member answers its status with a leader
             assert proc.poll() is None, (d / "etcd.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "etcd did not elect itself leader in 30 s"
-            time.sleep(0.1)
+            try:
+                return probe.status(url).get("leader")
+            except Unreachable:
+                return None
+
+        wait_until(leader, 30, "etcd to elect itself leader")
         probe.close()
         yield url
     finally:
@@ -207,10 +207,8 @@ def test_a_holder_whose_lease_expired_writes_nothing_and_the_next_change_reports
         n2 = sess.request({"op": "put-revision", "doc": {"topology": "2p1d", "outcome": "pending"}, "number": None})["number"]
         sess.request({"op": "journal", "line": json.dumps({"op_id": f"drain-{i + 1}", "step": "wait-empty",
                                                            "status": "running"})})
-        deadline = time.monotonic() + 15
-        while store.etcd.range(setting.prefix + "lock").kvs:  # no keepalive: the lease (2 s, etcd's minimum) runs out
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        # no keepalive: the lease (2 s, etcd's minimum) runs out
+        wait_until(lambda: not store.etcd.range(setting.prefix + "lock").kvs, 15, "the lock's lease to run out")
         with pytest.raises(Unreachable, match="lost the cluster lock"):
             sess.request(dict(after_expiry, number=n2) if after_expiry["op"] == "set-current" else after_expiry)
     bob = rec(tmp_path, "bob", setting)

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from pdops.errors import InvalidInput, Unreachable, Unverified
 from pdops.remote.gateway import GatewayClient, deadline_in
+from pdops.sim.testing import poll
 
 SMG = Path(sys.executable).parent / "smg"
 pytestmark = pytest.mark.contract
@@ -82,15 +82,18 @@ def gateway(tmp_path_factory):
             stdout=out, stderr=subprocess.STDOUT)
     try:
         client = GatewayClient(f"http://127.0.0.1:{port}", timeout=3, poll_interval=0.1)
-        deadline = time.monotonic() + 30
-        while True:
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                pytest.fail("smg exited:\n" + log.read_text()[-3000:])
             try:
                 client.health()
-                break
+                return True
             except Unreachable:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("smg did not come up:\n" + log.read_text()[-3000:])
-                time.sleep(0.1)
+                return False
+
+        if not poll(healthy, 30):
+            pytest.fail("smg did not come up:\n" + log.read_text()[-3000:])
         yield client
     finally:
         proc.terminate()
