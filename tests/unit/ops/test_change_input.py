@@ -12,11 +12,9 @@ import yaml
 from pdops.ops import scale as sc
 from pdops.errors import InvalidInput, Refused
 from pdops.model.inventory import load_inventory
-from pdops.model.placement import place
-from pdops.model.render import manifest, render_files
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
-from tests.unit.recorded import REPO, edited
+from tests.unit.recorded import REPO, deployed, edited
 
 
 
@@ -24,11 +22,7 @@ from tests.unit.recorded import REPO, edited
 def live(lab_inv, tmp_path):
     """A record whose current revision is 2p2d on the lab (no host behind it)."""
     state = StateDir("lab", tmp_path / "state")
-    pl = place(lab_inv, parse_topology("2p2d"))
-    rev = state.write_revision(topology="2p2d", inventory_hash=lab_inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(lab_inv, pl)),
-                               instances={i.id: {"role": i.role} for i in pl.instances}, outcome="deployed")
-    state.set_current(rev.number)
+    deployed(lab_inv, state, "2p2d")
     return state
 
 

@@ -12,10 +12,10 @@ import yaml
 from pdops.errors import Refused
 from pdops.model.inventory import load_inventory, single_file_doc
 from pdops.model.placement import place
-from pdops.model.render import manifest, render_files, snapshot_of
 from pdops.model.topology import parse_topology
 from pdops.ops import scale as sc
 from pdops.record.local import StateDir
+from tests.unit.recorded import deployed
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,25 +47,13 @@ def inventory(tmp_path: Path, name: str, *, gateways=("lab03", "lab04"), admissi
     return load_inventory(d)
 
 
-def recorded(inv, state: StateDir, topo: str):
-    """A revision as a deploy records it, its snapshot included (the generation is read from it)."""
-    pl = place(inv, parse_topology(topo))
-    files = render_files(inv, pl)
-    rev = state.write_revision(topology=topo, inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(files), instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"}
-                                                                    for i in pl.instances},
-                               outcome="deployed", snapshot=snapshot_of(inv, files))
-    state.set_current(rev.number)
-    return rev
-
-
 @pytest.fixture
 def state(tmp_path):
     return StateDir("lab", tmp_path / "state")
 
 
 def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, state):
-    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    deployed(inventory(tmp_path, "old"), state, "1p1d", snapshot=True)
     plan = sc.plan_scale(inventory(tmp_path, "new", page_size=32), parse_topology("1p1d"), state)
     assert plan.generation.changes and "page size unset -> 32" in plan.generation.diff
     assert plan.fence["gateway"] == "lab04" and plan.fence["others"] == ["lab03"]
@@ -109,7 +97,7 @@ def test_a_change_of_page_size_is_a_fenced_rollout_on_its_own_pool(tmp_path, sta
 
 
 def test_a_change_that_keeps_the_generation_rolls_in_waves_and_says_why(tmp_path, state):
-    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    deployed(inventory(tmp_path, "old"), state, "1p1d", snapshot=True)
     plan = sc.plan_scale(inventory(tmp_path, "new", mem=0.45), parse_topology("1p1d"), state)
     assert not plan.generation.changes and plan.fence is None
     assert plan.surge == [("p01", "p02"), ("d01", "d02")]  # a lone instance of its role surges, as before
@@ -118,7 +106,7 @@ def test_a_change_that_keeps_the_generation_rolls_in_waves_and_says_why(tmp_path
 
 
 def test_without_two_gateways_behind_the_admission_layer_it_is_refused_unless_unfenced(tmp_path, state):
-    recorded(inventory(tmp_path, "old", gateways=("lab01",)), state, "1p1d")
+    deployed(inventory(tmp_path, "old", gateways=("lab01",)), state, "1p1d", snapshot=True)
     new = inventory(tmp_path, "new", gateways=("lab01",), page_size=32)
     with pytest.raises(Refused) as e:
         sc.plan_scale(new, parse_topology("1p1d"), state)
@@ -130,7 +118,7 @@ def test_without_two_gateways_behind_the_admission_layer_it_is_refused_unless_un
 
 
 def test_too_few_free_slots_shrink_the_old_pool_only_with_a_capacity_dip(tmp_path, state):
-    recorded(inventory(tmp_path, "old", hosts=5), state, "2p1d")
+    deployed(inventory(tmp_path, "old", hosts=5), state, "2p1d", snapshot=True)
     new = inventory(tmp_path, "new", hosts=5, page_size=32)
     with pytest.raises(Refused) as e:
         sc.plan_scale(new, parse_topology("2p1d"), state)
@@ -149,7 +137,7 @@ def test_too_few_free_slots_shrink_the_old_pool_only_with_a_capacity_dip(tmp_pat
 
 
 def test_no_room_even_at_the_floor_is_refused(tmp_path, state):
-    recorded(inventory(tmp_path, "old"), state, "2p1d")
+    deployed(inventory(tmp_path, "old"), state, "2p1d", snapshot=True)
     with pytest.raises(Refused) as e:
         sc.plan_scale(inventory(tmp_path, "new", page_size=32), parse_topology("2p1d"), state, allow_capacity_dip=True)
     assert "frees too few" in e.value.message
@@ -160,7 +148,7 @@ def test_a_flag_sglang_rejects_is_refused_when_the_change_is_planned(tmp_path, s
     would refuse is refused before anything runs, not found when the first wave fails to start."""
     from pdops.errors import InvalidInput
 
-    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    deployed(inventory(tmp_path, "old"), state, "1p1d", snapshot=True)
     new = inventory(tmp_path, "new")
     prof = new.path / "profiles" / "p.yml"
     doc = yaml.safe_load(prof.read_text())
@@ -173,7 +161,7 @@ def test_a_flag_sglang_rejects_is_refused_when_the_change_is_planned(tmp_path, s
 
 def test_the_new_pool_never_lands_on_gpus_the_old_pool_holds(tmp_path, state):
     """TP 8 -> 4 is a change of layout (a generation): slots of the new shape overlap the old ones."""
-    recorded(inventory(tmp_path, "old"), state, "1p1d")
+    deployed(inventory(tmp_path, "old"), state, "1p1d", snapshot=True)
     new = inventory(tmp_path, "new")
     prof = new.path / "profiles" / "p.yml"
     doc = yaml.safe_load(prof.read_text())
@@ -193,7 +181,7 @@ def test_host_maintenance_refuses_a_pending_change_of_generation_naming_it_and_t
     and the fix line blamed the NICs). Now refused, nothing changed, the fields and `inv deploy` named."""
     from pdops.errors import Refused
 
-    rev = recorded(inventory(tmp_path, "old"), state, "2p1d")
+    rev = deployed(inventory(tmp_path, "old"), state, "2p1d", snapshot=True)
     new = inventory(tmp_path, "new", page_size=32)
     with pytest.raises(Refused) as e:
         sc.plan_drain_host(new, state, "lab02")
@@ -215,11 +203,7 @@ def test_a_role_with_no_instance_now_is_added_back_without_a_generation_change(t
     one = inventory(tmp_path, "one", gateways=("lab01",), admission=False)
     prefills = tuple(i for i in place(one, parse_topology("1p1d")).instances if i.role == "prefill")
     pl = Placement(Topology(1, 0), prefills)  # what `inv drain --instance d01 --force` records
-    files = render_files(one, pl)
-    rev = state.write_revision(topology="1p0d", inventory_hash=one.digest, placement=pl.to_dict(),
-                               manifest=manifest(files), instances={"p01": {"role": "prefill", "worker_id": "w-p01"}},
-                               outcome="deployed", snapshot=snapshot_of(one, files))
-    state.set_current(rev.number)
+    deployed(one, state, pl=pl, snapshot=True)
     plan = sc.plan_scale(one, parse_topology("1p1d"), state)
     assert not plan.generation.changes and [i.id for i in plan.added] == ["d01"], plan.render()
     with pytest.raises(Refused) as e:

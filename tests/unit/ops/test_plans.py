@@ -19,20 +19,16 @@ from pdops.ops import drain as dr
 from pdops.ops import scale as sc
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement, place
-from pdops.model.render import manifest, render_files
 from pdops.record.local import StateDir
 from pdops.model.topology import Topology, parse_topology
+from tests.unit.recorded import deployed
 
 REPO = Path(__file__).resolve().parents[3]
 CASES = sorted((REPO / "tests" / "data" / "plans").glob("*.yml"))
 
 
 def record(inv, state: StateDir, pl: Placement, cordoned=()) -> None:
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)),
-                               instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances},
-                               outcome="deployed", extra={"cordoned": list(cordoned)} if cordoned else None)
-    state.set_current(rev.number)
+    deployed(inv, state, pl=pl, extra={"cordoned": list(cordoned)} if cordoned else None)
 
 
 def status_doc(pl: Placement, observed: dict) -> dict:

@@ -470,11 +470,7 @@ def test_rollback_returns_to_the_recorded_files_even_after_the_inventory_was_edi
     from pdops.model.render import snapshot_of
 
     pl = place(lab_inv, parse_topology("2p2d"))
-    files = render_files(lab_inv, pl)
-    r1 = state.write_revision(topology="2p2d", inventory_hash=lab_inv.digest, placement=pl.to_dict(),
-                              manifest=manifest(files), instances={i.id: {"role": i.role} for i in pl.instances},
-                              outcome="deployed", snapshot=snapshot_of(lab_inv, files))
-    state.set_current(r1.number)
+    r1 = deployed(lab_inv, state, pl=pl, snapshot=True)
     edited = variant(repo, tmp_path, with_bundle(max_running_requests=16))
     change = sc.plan_apply(edited, parse_topology("2p2d"), state)
     r2 = state.write_revision(topology="2p2d", inventory_hash=edited.digest, placement=change.target.to_dict(),
@@ -711,7 +707,6 @@ def test_a_rollback_records_every_file_the_cluster_runs_the_admission_layers_too
     """A snapshot keeps no admission file (its key map holds keys). A rollback's files once came from the
     snapshot alone, so its revision's manifest lacked HAProxy's files and a later deploy compared against
     a record that was not the truth. Every file a deploy delivers is in the rollback's plan."""
-    from pdops.model.render import snapshot_of
 
     kf = tmp_path / "keys"
     kf.write_text("pdops-key-one-0123456789\n")
@@ -722,13 +717,8 @@ def test_a_rollback_records_every_file_the_cluster_runs_the_admission_layers_too
                                with_bundle(max_running_requests=bundle)(doc, d))
 
     def recorded(inv):
-        pl = place(inv, parse_topology("2p1d"))
-        files = render_files(inv, pl)
-        rev = state.write_revision(topology="2p1d", inventory_hash=inv.digest, placement=pl.to_dict(),
-                                   manifest=manifest(files), outcome="deployed", snapshot=snapshot_of(inv, files),
-                                   instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances})
-        state.set_current(rev.number)
-        return files
+        deployed(inv, state, "2p1d", snapshot=True)
+        return render_files(inv, place(inv, parse_topology("2p1d")))
 
     files = recorded(variant(repo, tmp_path, with_admission(64), name="old"))
     assert any(f.path.endswith("pdops-admission.cfg") for f in files)
@@ -747,17 +737,11 @@ def test_a_rollback_that_moves_an_instance_onto_the_slot_another_holds_now_is_re
     process answered d01's /health and canary, the canary timed out, and the undo could not prove d01
     stopped. Such a move is refused before anything runs, naming both and the way round."""
     from pdops.model.placement import gpu_slots, make_instance
-    from pdops.model.render import snapshot_of
 
     slots = gpu_slots(lab_inv)  # lab01..lab04, one TP8 slot each
 
     def recorded(pl):
-        files = render_files(lab_inv, pl)
-        rev = state.write_revision(topology=str(pl.topology), inventory_hash=lab_inv.digest, placement=pl.to_dict(),
-                                   manifest=manifest(files), outcome="deployed", snapshot=snapshot_of(lab_inv, files),
-                                   instances={i.id: {"role": i.role, "worker_id": f"w-{i.id}"} for i in pl.instances})
-        state.set_current(rev.number)
-        return rev
+        return deployed(lab_inv, state, pl=pl, snapshot=True)
 
     p01 = make_instance(lab_inv, "prefill", 1, slots[0])
     first = recorded(Placement(parse_topology("1p1d"), (p01, make_instance(lab_inv, "decode", 1, slots[1]))))

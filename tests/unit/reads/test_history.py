@@ -9,17 +9,14 @@ import pytest
 from pdops.reads import history as hist
 from pdops.errors import InvalidInput
 from pdops.model.placement import place
-from pdops.model.render import manifest, render_files
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
+from tests.unit.recorded import deployed
 
 
 def record(inv, state, pl, **extra):
-    rev = state.write_revision(topology=str(pl.topology), inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(render_files(inv, pl)), instances={}, outcome="deployed",
-                               operator="bob@ops", op_id=f"op-{len(state.revision_numbers()) + 1}", extra=extra)
-    state.set_current(rev.number)
-    return rev
+    return deployed(inv, state, pl=pl, instances={}, operator="bob@ops",
+                    op_id=f"op-{len(state.revision_numbers()) + 1}", extra=extra)
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from pdops.errors import PdopsError, Refused, Unreachable
 from pdops.facts.gateway import Worker
 from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
-from pdops.model.render import GATEWAY_UNIT, manifest, render_files
+from pdops.model.render import GATEWAY_UNIT
 from pdops.record.local import StateDir
 from pdops.model.topology import parse_topology
-from tests.unit.recorded import REPO
+from tests.unit.recorded import REPO, deployed
 
 
 def show(unit, active="active", sub="running", pid=100, restarts=0, started_us=0):
@@ -84,12 +84,8 @@ def live(tmp_path):
     pl = place(inv, parse_topology("1p2d"))
     state = StateDir("lab", tmp_path)
     pids = {i.id: {f"{h}:{u}": 100 + n for n, (h, u) in enumerate(i.units)} for i in pl.instances}
-    files = render_files(inv, pl)
-    rev = state.write_revision(topology="1p2d", inventory_hash=inv.digest, placement=pl.to_dict(),
-                               manifest=manifest(files), outcome="deployed",
-                               instances={i.id: {"url": i.url, "worker_id": f"w-{i.id}", "main_pids": pids[i.id]}
-                                          for i in pl.instances})
-    state.set_current(rev.number)
+    deployed(inv, state, pl=pl, instances={i.id: {"url": i.url, "worker_id": f"w-{i.id}", "main_pids": pids[i.id]}
+                                           for i in pl.instances})
     return inv, pl, state
 
 
