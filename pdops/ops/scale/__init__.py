@@ -32,7 +32,10 @@ The package, by concern (each module imports only those listed before it):
 - ``rescue``: the executors of the rescue's kinds;
 - ``fenced``: a change of generation planned as a fenced (blue/green) rollout, its steps and rescue;
 - ``fence_exec``: the executors of a fenced rollout's own kinds;
-- ``planner``: plan_change, the change planner; it hands a change of generation to ``fenced``;
+- ``decide``: the change planner's decisions, one each (files, generation, which instances are
+  replaced, shared files and retired gateways, ports, surge, ordering, floors);
+- ``planner``: plan_change, the change planner, composed of those decisions; it hands a change of
+  generation to ``fenced``;
 - ``operations``: the operations that are one change (scale, apply, rollback, ``drain --host``,
   uncordon), each planned by plan_change.
 """

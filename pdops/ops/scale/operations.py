@@ -15,7 +15,8 @@ from pdops.model.topology import Topology
 
 from pdops.ops.scale.change import (ROLES, ScalePlan, cordoned_hosts, current_revision_of, file_changes,
                                    instance_files, refuse_changed_inventory, slot_key)
-from pdops.ops.scale.planner import generation_change, plan_change
+from pdops.ops.scale.decide import generation_change
+from pdops.ops.scale.planner import plan_change
 
 if TYPE_CHECKING:
     from pdops.reads.observation import Seen
