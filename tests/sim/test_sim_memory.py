@@ -67,7 +67,9 @@ def test_the_reports_probes_replay_with_its_pattern(sims, probe):
     d = sims(["--disaggregation-mode", "decode", *_flags(bundle)], MEMORY_ENV)
     rows = send_pair(p.url, d.url, "127.0.0.1", bport, requests=4, concurrency=4, max_new_tokens=4,
                      prompt_for=lambda i: make_prompt(PROMPT, i), timeout=120)
-    assert [_kind(r) for r in rows] == want, [(r.status, r.error) for r in rows]
+    # the four are sent at once: which of them the scheduler admits first (the one that is served, or
+    # whose transfer fails) is its pick, so the pattern is what happened to the four, in any order
+    assert sorted(_kind(r) for r in rows) == sorted(want), [(r.status, r.error) for r in rows]
     log = p.proc.log()
     if "oom" in want:
         # SGLang's scheduler traceback, innermost frame the indexer's, PyTorch's message with the size
