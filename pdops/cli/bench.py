@@ -93,7 +93,6 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
         if res["plots_skipped"]:
             print(f"plots: {res['plots_skipped']}")
         return
-    from pdops.ops.bench import run_bench
     from pdops.model.inventory import load_inventory
     from pdops.record.local import new_op_id
 
@@ -112,26 +111,10 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
     print(plan.render())
     if dry_run:
         return
-
-    def run_cell(run: sw.CellRun):
-        return run_bench(inv, record, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
-                         run.run_dir, timeout=run.timeout_s, say=lambda s: None,
-                         lock_held=True, op=run.op)  # each cell its own operation, under the sweep's lock
-
-    m = sw.execute_sweep(plan, scale_to=_live_scale_to(inv, record), run_cell=run_cell, record=record, op=op, inv=inv)
+    m = sw.operate_sweep(plan, inv, record, op=op)
     print(sw.render_matrix(m))
     print(f"sweep folder: {folder} (matrix.txt, matrix.csv, matrix.json, runs/<cell>/ledger.*, plots); "
           f"journal: `inv journal --op {op}`; its page: `inv report --op {op}`")
-
-
-def _live_scale_to(inv, record):
-    """The seam to deploy/scale, for the sweep's walk: bring the cluster to a topology, verified, or
-    raise. It runs inside the sweep's `sweep-scale` steps, under the lock the sweep holds for its whole
-    walk, on that same record (`record`): it plans from the revision current then and walks the deploy
-    or the change without taking the lock (pdops.ops.sweep.scale_live)."""
-    from pdops.ops import sweep as sw
-
-    return sw.scale_live(inv, record)
 
 
 @task(auto_shortflags=False, help={"inventory": "inventory (profile, GPUs per instance, NICs per instance); optional",

@@ -26,7 +26,7 @@ The package, by concern (each module imports only those listed before it):
 - ``execute``: the executors of the plan's step kinds, the seams to the cluster, the walk.
 """
 
-from pdops.ops.sweep.execute import CellRun, SweepContext, execute_sweep, scale_live
+from pdops.ops.sweep.execute import CellRun, SweepContext, bench_cells, execute_sweep, operate_sweep, scale_live
 from pdops.ops.sweep.matrix import (Knee, Matrix, cell_text, find_knee, load_matrix, matrix_csv_rows, plot_matrix,
                                 render_matrix, write_matrix)
 from pdops.ops.sweep.plan import (DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED, PLANNED, Cell, Ratio, SweepPlan,
@@ -35,6 +35,6 @@ from pdops.ops.sweep.plan import (DEFAULT_MIN_GAIN, FAILED, MEASURED, NOT_TRIED,
 __all__ = [
     "Ratio", "parse_ratios", "parse_concurrencies", "parse_min_gain", "Cell", "SweepPlan", "topology_for_ratio", "plan_sweep",
     "Knee", "find_knee", "Matrix", "cell_text", "render_matrix", "matrix_csv_rows", "write_matrix", "load_matrix",
-    "plot_matrix", "execute_sweep", "scale_live", "CellRun", "SweepContext", "MEASURED", "FAILED", "NOT_TRIED",
+    "plot_matrix", "execute_sweep", "operate_sweep", "bench_cells", "scale_live", "CellRun", "SweepContext", "MEASURED", "FAILED", "NOT_TRIED",
     "PLANNED", "DEFAULT_MIN_GAIN",
 ]

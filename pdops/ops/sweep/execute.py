@@ -5,7 +5,8 @@ The plan (:attr:`pdops.ops.sweep.plan.SweepPlan.plan`) is `open-matrix`, then pe
 repeat, and the `always` step `write-matrix`. What passes between the steps is two declared
 outputs: `sweep_matrix` (the Matrix being filled) and `sweep_failed_rows` (ratio -> why its
 scale failed). The cluster is reached through the seams of :class:`SweepContext` (`scale_to`,
-`run_cell`, `verify`): the live ones (:func:`scale_live`, the CLI's bench run) or a test's fakes.
+`run_cell`, `verify`): the live ones (:func:`scale_live`, :func:`bench_cells`, both given by
+:func:`operate_sweep`) or a test's fakes.
 
 Which failures stop the walk: none of a row's scale or of a run. A scale that fails (raises any
 Exception) is recorded as the state of the row's cells, with the reason, and listed as not
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdops.ops.bench import Figures, describe_failures, fmt_int, fmt_s
+from pdops.ops.bench import Figures, describe_failures, fmt_int, fmt_s, run_bench
 from pdops.errors import PdopsError
 from pdops.model.topology import Topology, parse_topology
 from pdops.record.local import new_op_id
@@ -268,3 +269,23 @@ def scale_live(inv, record, say: Say = print) -> ScaleTo:
         return {"how": f"changed as {op}", "op": op, "revision": (v or {}).get("revision")}
 
     return scale_to
+
+
+def bench_cells(inv, record) -> RunCell:
+    """The live `run_cell` seam: each cell a bench run (pdops.ops.bench.run_bench) that is an operation
+    of its own in the journal, under the lock the sweep holds (which it does not take again)."""
+
+    def run_cell(run: CellRun):
+        return run_bench(inv, record, run.workload, run.concurrency, run.requests, run.duration, run.ignore_eos,
+                         run.run_dir, timeout=run.timeout_s, say=lambda s: None, lock_held=True, op=run.op)
+
+    return run_cell
+
+
+def operate_sweep(plan: SweepPlan, inv, record, *, op: str, say: Say = print) -> Matrix:
+    """`inv sweep` on the live cluster: its one plan walked under the lock (`op`, the id its folder is
+    named by), each row brought to its topology by a deploy or a change (:func:`scale_live`), each
+    cell a bench run (:func:`bench_cells`). Returns the matrix it filled."""
+    return execute_sweep(plan, scale_to=scale_live(inv, record, say), run_cell=bench_cells(inv, record),
+                         record=record, op=op, inv=inv, say=say)
+

@@ -378,7 +378,6 @@ def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without
     from pdops.ops import deploy as dep
     from pdops.ops import scale as scale_mod
     from pdops.ops.sweep import execute as sweep_exec
-    from pdops.cli import bench as cli_bench
     from pdops.model.topology import parse_topology
 
     calls = []
@@ -415,7 +414,7 @@ def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without
     # under the sweep's lock: each walk is an operation of its own id, its basis checked by run_operation
     monkeypatch.setattr(scale_mod, "execute_scale", lambda plan, st, say, op, **conns: calls.append(("execute_scale", op[:6]))
                         or {"revision": 2})
-    scale_to = cli_bench._live_scale_to(object(), state)
+    scale_to = sw.scale_live(object(), state)
     assert scale_to(parse_topology("3p1d"))["revision"] == 1
     state.current_value = 1
     got = scale_to(parse_topology("2p2d"))
