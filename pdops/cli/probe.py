@@ -83,10 +83,4 @@ def probe(c, inventory=DEFAULT_INVENTORY, bundle=None, instances=None, spare=Fal
         return
     with connections(inv) as conns:
         doc = pr.execute_probe(plan, **conns)
-    after = doc["after"]
-    v = {"verified": doc["verified"] + [after.get("how", "")],
-         "unverified": doc["unverified"] + [f"mixed window: {r}" for r in doc["mixed_reasons"]],
-         "notes": ["a bundle that works is a candidate for this workload; `inv probe --note "
-                   f"{doc['probe']} --reading \"...\"` adds your reading; `inv probe --list` shows the table"]}
-    print_verdict(f"probe {doc['probe']} of bundle {b.name!r} on {', '.join(doc['pair'])}: {doc['result']}"
-                  + (" [multi-variable]" if doc["multi_variable"] else "") + (" [mixed]" if doc["mixed"] else ""), v)
+    print_verdict(*pr.probe_verdict(doc))

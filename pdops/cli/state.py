@@ -152,30 +152,14 @@ def etcd_up(c, inventory=None, dry_run=False):
     """Run the record's etcd on the inventory's pdops_state.etcd.members: render each member's unit,
     deliver it with Ansible, start the members, check they elect one leader."""
     from pdops.cli import print_verdict
-    from pdops.errors import Unreachable
     from pdops.model.inventory import load_inventory
-    from pdops.ops.record_store import etcd_up as do_etcd_up, plan_etcd_up
-    from pdops.record.local import StateDir, local_dir
+    from pdops.ops.record_store import operate_etcd_up, plan_etcd_up
     from pdops.remote.hosts import connections
 
     inv = load_inventory(inventory or DEFAULT_INVENTORY)
     print(plan_etcd_up(inv).render())
     if dry_run:
         return
-    record = rec.open_record(inv)
     with connections(inv) as conns:
-        try:
-            lock = record.lock("state-etcd-up").acquire()
-        except Unreachable as e:
-            if record.store.kind != "etcd":
-                raise
-            # the record is in the etcd this brings up: no lock can be taken by anyone; journalled here
-            where = StateDir(inv.cluster, local_dir(inv) / "etcd-up")
-            print(f"note: {e.message}; journalled on this machine in {where.path}")
-            res = do_etcd_up(inv, pool=conns["pool"], journal_record=where)
-        else:
-            try:
-                res = do_etcd_up(inv, pool=conns["pool"], journal_record=record)
-            finally:
-                lock.release()
+        res = operate_etcd_up(inv, rec.open_record(inv), pool=conns["pool"])
     print_verdict(f"etcd members of {inv.cluster} up (op {res['op']})", res["verdict"])

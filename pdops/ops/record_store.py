@@ -10,12 +10,12 @@ import hashlib
 import json
 import time
 
-from pdops.errors import InvalidInput, PdopsError, Refused, Unverified
+from pdops.errors import InvalidInput, PdopsError, Refused, Unreachable, Unverified
 from pdops.facts import q
 from pdops.model.etcd_member import DATA_ROOT, UNIT, UNIT_PATH, member_units
 from pdops.record.etcdstore import TXN_BYTES
 from pdops.record.journal import now_iso, parse_lines
-from pdops.record.local import default_machine, default_operator, new_op_id
+from pdops.record.local import StateDir, default_machine, default_operator, local_dir, new_op_id
 from pdops.remote import ansible
 from pdops.remote import etcd as E
 from pdops.plans import Outcome, Plan, Step
@@ -435,5 +435,23 @@ def etcd_up(inv, say: Say = print, *, pool, journal_record) -> dict:
     return {"op": op, "plan": plan, "verdict": verdict}
 
 
-__all__ = ["digest", "etcd_up", "migrate", "plan_etcd_up", "plan_migrate", "plan_restore", "read_whole",
+def operate_etcd_up(inv, record, say: Say = print, *, pool) -> dict:
+    """`inv state.etcd-up` whole: under the cluster lock, journalled in `record`. When the record is in
+    the etcd this brings up, no lock can be taken by anyone: the operation is journalled on this
+    machine instead (said)."""
+    try:
+        lock = record.lock("state-etcd-up").acquire()
+    except Unreachable as e:
+        if record.store.kind != "etcd":
+            raise
+        where = StateDir(inv.cluster, local_dir(inv) / "etcd-up")
+        say(f"note: {e.message}; journalled on this machine in {where.path}")
+        return etcd_up(inv, say, pool=pool, journal_record=where)
+    try:
+        return etcd_up(inv, say, pool=pool, journal_record=record)
+    finally:
+        lock.release()
+
+
+__all__ = ["digest", "etcd_up", "migrate", "operate_etcd_up", "plan_etcd_up", "plan_migrate", "plan_restore", "read_whole",
            "restore_from_cache"]

@@ -30,12 +30,12 @@ The package, by concern (each module imports only those listed before it):
 """
 
 from pdops.ops.probe.bundle import Bundle, check_flags, load_bundle, parse_workload
-from pdops.ops.probe.execute import execute_probe, next_probe_id
+from pdops.ops.probe.execute import execute_probe, next_probe_id, probe_verdict
 from pdops.ops.probe.plan import ProbePlan, change_after, check_options, plan_probe, restore_steps
 from pdops.ops.probe.signatures import attribute_crash, classify, mixed_reasons, result_line, signatures
 from pdops.ops.probe.table import add_note, check_note, probe_table, render_table, table_csv
 
 __all__ = ["Bundle", "ProbePlan", "add_note", "attribute_crash", "change_after", "check_flags", "check_note",
            "check_options", "classify", "execute_probe", "load_bundle", "mixed_reasons", "next_probe_id",
-           "parse_workload", "plan_probe", "probe_table", "render_table", "restore_steps", "result_line",
+           "parse_workload", "plan_probe", "probe_table", "probe_verdict", "render_table", "restore_steps", "result_line",
            "signatures", "table_csv"]

@@ -220,3 +220,17 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
                                   f"{back_error.message}")
             raise back_error
         return doc
+
+
+def probe_verdict(doc: dict) -> tuple[str, dict]:
+    """(headline, verdict) of a probe's result record (:func:`execute_probe`'s), as `inv probe` prints it:
+    what was verified, with where the pair is now; the mixed windows as not verified; how to add a reading."""
+    after = doc["after"]
+    v = {"verified": doc["verified"] + [after.get("how", "")],
+         "unverified": doc["unverified"] + [f"mixed window: {r}" for r in doc["mixed_reasons"]],
+         "notes": ["a bundle that works is a candidate for this workload; `inv probe --note "
+                   f"{doc['probe']} --reading \"...\"` adds your reading; `inv probe --list` shows the table"]}
+    head = (f"probe {doc['probe']} of bundle {doc['bundle']['name']!r} on {', '.join(doc['pair'])}: {doc['result']}"
+            + (" [multi-variable]" if doc["multi_variable"] else "") + (" [mixed]" if doc["mixed"] else ""))
+    return head, v
+
