@@ -6,8 +6,7 @@ stop, every change and the undo of a halted one embed."""
 
 from __future__ import annotations
 
-
-
+from dataclasses import replace
 
 from pdops.model import membership
 from pdops.model.inventory import Inventory
@@ -27,18 +26,25 @@ def connect_step(hosts: list[str]) -> Step:
                 params={"hosts": list(hosts)})
 
 
-def preflight_step(skip_checks: set[str], pl: Placement, previous: Placement | None) -> Step:
+def preflight_step(skip_checks: set[str], pl: Placement, previous: Placement | None, note: str = "") -> Step:
+    """`note`: what the caller says of the hosts it leaves out (a fenced rollout's slots freed later)."""
     return Step("preflight", None, "host, limits, ports, versions and P x D pairing checks; refuse a failing host"
-                + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else ""), kind="preflight",
+                + (f" (skipping {', '.join(sorted(skip_checks))})" if skip_checks else "") + note, kind="preflight",
                 params={"skip": sorted(skip_checks), "placement": pl, "previous": previous})
 
 
-def delivery_steps(inv: Inventory, pl: Placement, files: list[RenderedFile], meta: dict | None = None) -> list[Step]:
+def delivery_steps(inv: Inventory, pl: Placement, files: list[RenderedFile], meta: dict | None = None, *,
+                   note: str = "", now: tuple[list[RenderedFile], Placement] | None = None,
+                   hold: list[str] | None = None) -> list[Step]:
+    """Render every file of `files` into the build, then deliver them with Ansible; `now` (files,
+    placement): only these go out at this step (a change's replaced instances, `hold`, get theirs in
+    their waves); `note` ends the deliver step's text with what the caller delivers or holds back."""
+    deliver_files, deliver_pl = now if now is not None else (files, pl)
     return [Step("render", None, f"{len(files)} files into the revision's build folder, with a manifest",
                  kind="render", params={"files": files, "meta": meta or {}}),
             Step("deliver", None, "ansible-playbook prepare.yml deploy.yml (directories, limits, engine environment; "
-                 "units, launch scripts, 0600 env files, daemon-reload, enable)", kind="deliver",
-                 params={"placement": pl, "files": files})]
+                 "units, launch scripts, 0600 env files, daemon-reload, enable)" + note, kind="deliver",
+                 params={"placement": deliver_pl, "files": deliver_files, **({"hold": hold} if hold else {})})]
 
 
 def start_steps(inv: Inventory, insts, *, restart: bool, group: str | None) -> list[Step]:
@@ -105,9 +111,10 @@ def front_door_step(inv: Inventory) -> list[Step]:
 
 
 def register_steps(inv: Inventory, insts, *, group: str | None, gateways: list[str] | None = None,
-                   prefix: str = "") -> list[Step]:
+                   prefix: str = "", when: tuple | None = None) -> list[Step]:
     """Register each instance with every gateway (or only `gateways`), then one update of the
-    start-up lists; `prefix` names the steps when a plan registers the same instances twice."""
+    start-up lists; `prefix` names the steps when a plan registers the same instances twice; `when`:
+    each step's condition (pdops.plans.Step.when), for a rescue."""
     reg_s = float(inv.vars.get("pdops_register_timeout_s", 60))
     out = []
     where = inv.gateway.on_each() if gateways is None else f" on gateway {', '.join(gateways)} only"
@@ -118,13 +125,13 @@ def register_steps(inv: Inventory, insts, *, group: str | None, gateways: list[s
         out.append(Step(f"{prefix}register {i.id}", host, f"{i.id}: POST /workers {i.url} ({i.role}{bp}){where}, "
                         "wait until /workers lists it healthy and ready" + (" on each" if where else ""),
                         reg_s, kind="register", params={"instance": i.id, **only},
-                        group=group))
+                        group=group, when=when))
     if insts:
         ids = [i.id for i in insts]
         out.append(Step(f"{prefix}gateway-list" + (f" {ids[0]}" if len(ids) == 1 else ""), host,
                         f"add {', '.join(ids)} to the gateway's start-up list ({membership.PATH}){where}: from now "
                         "on a gateway restart registers them by itself", 30, kind="gateway-list",
-                        params={"instances": ids, **only}))
+                        params={"instances": ids, **only}, when=when))
     return out
 
 
@@ -345,7 +352,5 @@ def side_by_side(drains: list[list[Step]], group: str) -> list[Step]:
     out = []
     for n, name in enumerate(order):
         row = [d[name] for d in by if name in d]
-        for st in row:
-            st.group = f"{group} {n}" if len(row) > 1 else None
-            out.append(st)
+        out += [replace(st, group=f"{group} {n}" if len(row) > 1 else None) for st in row]
     return out

@@ -182,14 +182,13 @@ def plan_reconcile(plan: DeployPlan, obs: Observation) -> DeployPlan:
         own |= {(h, p) for h in gw_files for p in gateway_paths()}
         files = [f for f in plan.files if (f.host, f.path) in own]
         insts = tuple(o.instance for o in edited)
+        whose = [o.id for o in edited] + [f"gateway {h}" for h in gw_files]
         steps += delivery_steps(inv, Placement(Topology(sum(i.role == "prefill" for i in insts),
                                                         sum(i.role == "decode" for i in insts)), insts),
-                                files, {"restore": [o.id for o in edited] + [f"gateway {h}" for h in gw_files],
-                                        "of": rev.number})
-        whose = [o.id for o in edited] + [f"gateway {h}" for h in gw_files]
-        steps[-1].description += (f" (only {', '.join(whose)}'s files, as revision {rev.number} rendered them, "
-                                  "before anything starts" + ("; a recorded process, started from them, is not "
-                                                              "restarted" if edited else "") + ")")
+                                files, {"restore": whose, "of": rev.number},
+                                note=f" (only {', '.join(whose)}'s files, as revision {rev.number} rendered them, "
+                                     "before anything starts" + ("; a recorded process, started from them, is not "
+                                                                 "restarted" if edited else "") + ")")
     down_gws = [g for g in obs.gateways if g.down]
     if down_gws:
         restart = {g.host: isinstance(g.unit, UnitState) and g.unit.active_state == "active" for g in down_gws}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from pdops.steps.serve import do_canary
@@ -157,8 +158,7 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
         pid = next_probe_id(j)
         say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
         union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
-        walked = plan.plan
-        walked.head["probe"] = pid
+        walked = dataclasses.replace(plan.plan, head={**plan.plan.head, "probe": pid})  # numbered under the lock
         ran: dict = {}
         failure: PdopsError | None = None
         interrupted = False

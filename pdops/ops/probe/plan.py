@@ -188,8 +188,8 @@ def plan_probe(inv: Inventory, record, bundle: Bundle, *, instances: str | None 
             subs = drain_steps(inv, x, wid, wait_s=float(inv.drain_budget_s), interval_s=interval,
                                prefix=f"probe-out {x.id}: ", in_change=True)
             steps += subs
-    steps += delivery_steps(probe_inv, pair_pl, files, {"probe": bundle.name, "from": rev.number})
-    steps[-1].description += f" (only {p.id}'s and {d.id}'s files, with the bundle's flags)"
+    steps += delivery_steps(probe_inv, pair_pl, files, {"probe": bundle.name, "from": rev.number},
+                            note=f" (only {p.id}'s and {d.id}'s files, with the bundle's flags)")
     steps += start_steps(probe_inv, [p, d], restart=False, group="probe-start")
     steps.append(canary_step("probe-canary", [(p.id, d.id)], retry_once=True, kind="probe-canary",
                              why="before the long requests: a pair that cannot serve a short one proves nothing"))
@@ -202,8 +202,7 @@ def plan_probe(inv: Inventory, record, bundle: Bundle, *, instances: str | None 
                               "timeout_s": tmo, "keep": keep}))
     plan = ProbePlan(inv, probe_inv, record, rev, bundle, "spare" if spare else "instances", (p, d), cur_pl, work,
                      requests, conc, tmo, keep, variables, steps, files)
-    plan.always = way_back_steps(plan)
-    return plan
+    return dataclasses.replace(plan, always=way_back_steps(plan))  # its way back is planned from the plan itself
 
 
 def way_back_steps(plan: ProbePlan) -> list[Step]:

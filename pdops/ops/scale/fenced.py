@@ -191,11 +191,11 @@ def fenced_steps(plan: ScalePlan) -> list[Step]:
     freed = {slot_key(i) for i in shrink}
     pre = tuple(i for i in tgt.instances if slot_key(i) not in freed)
     pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
-    out = [connect_step(plan.hosts), preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
-    if freed:
-        later = [i.id for i in tgt.instances if slot_key(i) in freed]
-        out[-1].description += (f"; not yet {', '.join(later)}: their slots are {', '.join(i.id for i in shrink)}'s "
-                                "until the shrink's verified stop (ports closed, GPUs free) frees them")
+    later = [i.id for i in tgt.instances if slot_key(i) in freed]
+    out = [connect_step(plan.hosts), preflight_step(
+        plan.skip_checks, pre_pl, plan.current_placement,
+        note=f"; not yet {', '.join(later)}: their slots are {', '.join(i.id for i in shrink)}'s until the shrink's "
+             "verified stop (ports closed, GPUs free) frees them" if freed else "")]
     out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number, "fenced": True})
     out += drains(shrink, "shrink")
     out.append(Step("fence", g, f"take gateway {g} out of the front door: HAProxy on {adm} sets its server to drain "
@@ -252,10 +252,9 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
                                                "drain": [g], "ready": others, "only_if_fenced": True},
                 when=("committed", False))]
     out += undo_group(plan, fenced=True)  # the new pool is kept only once committed (a shrink is no reason)
-    restore = restore_steps(plan, [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")])
-    if restore:
-        restore[0].when = ("committed", False)  # never the old generation back after commit; the rest follow its outputs
-        out += restore
+    # never the old generation back after commit; the restore's other steps follow restore-check's outputs
+    out += restore_steps(plan, [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")],
+                         when=("committed", False))
     out.append(Step("unfence", g, f"{g} gets the old pool's workers back (those serving: registered, in its start-up "
                     f"list), then HAProxy on {adm} sets it ready at weight 100", 120, kind="unfence-gateway",
                     params={"gateway": g, "admission_hosts": adms,
@@ -267,10 +266,8 @@ def fenced_rescue(plan: ScalePlan) -> list[Step]:
                     kind="leave-old-pool", params={"gateways": others,
                                                    "instances": [i.id for i in plan.current_placement.instances]},
                     when=("committed", True)))
-    joins = register_steps(inv, list(plan.target.instances), group=None, gateways=others, prefix="rescue join ")
-    for s in joins:
-        s.when = ("committed", True)
-    out += joins
+    out += register_steps(inv, list(plan.target.instances), group=None, gateways=others, prefix="rescue join ",
+                          when=("committed", True))
     out.append(Step("rescue front-door open", at, f"HAProxy on {adm}: every gateway ready at weight 100 (the new "
                     "generation serves through each)", 60, kind="front-door-set",
                     params={"admission_hosts": adms, "weights": {h: FULL_WEIGHT for h in inv.gateway.hosts},

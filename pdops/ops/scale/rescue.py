@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from pdops.model import membership
-from pdops.errors import PdopsError, Unverified
+from pdops.errors import PdopsError
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import config_ids, manifest, render_files
 from pdops.plans import Outcome, Step

@@ -39,7 +39,7 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
     pre = tuple(i for i in tgt.instances if i.id not in later)
     pre_pl = Placement(Topology(sum(i.role == "prefill" for i in pre), sum(i.role == "decode" for i in pre)), pre)
     out = [connect_step(plan.hosts)] + first + [preflight_step(plan.skip_checks, pre_pl, plan.current_placement)]
-    out += delivery_steps(inv, tgt, plan.files, {"topology": str(tgt.topology), "from": cur.number})
+    meta = {"topology": str(tgt.topology), "from": cur.number}
     if plan.replaced:
         # the build holds every file; the replaced instances' own files go out in their waves, so an
         # engine not yet replaced keeps running beside the files it was started from (the gateway's
@@ -50,12 +50,14 @@ def runner_steps(plan: ScalePlan) -> list[Step]:
         rest = [f for f in plan.files if f not in held]
         new_mf, old_mf = manifest(rest), cur.manifest or {}
         changed = {h for h, entries in new_mf.items() if any((old_mf.get(h) or {}).get(p) != e for p, e in entries.items())}
-        out[-1].params["files"] = [f for f in rest if f.host in changed]
         held_ids = {i.id for i in plan.replaced}  # nor are their units verified and enabled before their waves
-        out[-1].params["placement"] = Placement(tgt.topology, tuple(i for i in tgt.instances if i.id not in held_ids))
-        out[-1].params["hold"] = [i.id for i in plan.replaced]
-        out[-1].description += (f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
-                                "own files in its wave, after its old process stopped")
+        out += delivery_steps(inv, tgt, plan.files, meta, hold=[i.id for i in plan.replaced],
+                              now=([f for f in rest if f.host in changed],
+                                   Placement(tgt.topology, tuple(i for i in tgt.instances if i.id not in held_ids))),
+                              note=f"; not yet the files of {', '.join(i.id for i in plan.replaced)}: each gets its "
+                                   "own files in its wave, after its old process stopped")
+    else:
+        out += delivery_steps(inv, tgt, plan.files, meta)
     live = {i.id for i in plan.current_placement.instances} - set(plan.seen.not_serving if plan.seen else ())
     down = plan.seen.down if plan.seen else frozenset()
     interval = float(inv.vars.get("pdops_empty_check_interval_s", 5))
@@ -259,16 +261,18 @@ def undo_group(plan: ScalePlan, *, fenced: bool = False) -> list[Step]:
     return out
 
 
-def restore_steps(plan: ScalePlan, taken_out: list[str]) -> list[Step]:
+def restore_steps(plan: ScalePlan, taken_out: list[str], when: tuple | None = None) -> list[Step]:
     """R2 of a halted change (pure): what the change took out of the gateway and did not stop goes
     back in service, one decision a step: which of them run, a canary through those, each registered
-    again (only if its canary passed), then the start-up list."""
+    again (only if its canary passed), then the start-up list. `when`: restore-check's condition (a
+    fenced rollout's: not once committed); the other steps follow its outputs."""
     if not taken_out:
         return []
     at, ids = plan.inv.gateway.step_host, ", ".join(taken_out)
     out = [Step("restore-check", None, f"each of {ids} whose `leave-gateway` step ran and whose `stop` step did "
                 "not: running if its units are active and its /health answers (read now); otherwise named out "
-                "of service", 30 + 10 * len(taken_out), kind="restore-check", params={"instances": taken_out}),
+                "of service", 30 + 10 * len(taken_out), kind="restore-check", params={"instances": taken_out},
+                when=when),
            Step("restore-canary", None, "a canary through each one running and the instances the gateways route "
                 "to now (one retry per pair)", 120, kind="restore-canary", when=("restore", True))]
     out += [Step(f"restore register {i}", at, f"{i} registered again{plan.inv.gateway.on_each()} once the worker "
@@ -285,7 +289,6 @@ def rescue_steps(plan: ScalePlan) -> list[Step]:
     reads that from."""
     if plan.noop or not (plan.steps or plan.gateway_restart or plan.admission_reload):
         return []
-    inv = plan.inv
     out: list[Step] = undo_group(plan)
     taken_out = [s.instance.id for s in plan.steps if s.kind in ("drain", "replace-out")]
     out += restore_steps(plan, taken_out)

@@ -197,3 +197,26 @@ def test_every_module_an_import_contract_names_is_named_by_the_architecture_doc(
     missing = {n: sorted(m for m in mods if not re.search(rf"(?<![\w.]){re.escape(m)}(?![\w])", items[n]))
                for n, mods in wanted.items()}
     assert not any(missing.values()), missing
+
+
+def test_no_planner_changes_a_step_or_a_plan_after_making_it():
+    """Plans are values: a builder takes what its caller would add (a note, a condition, the files
+    delivered now) as arguments, and a planner that needs another plan makes a new one
+    (dataclasses.replace), never assigns to a step's or a plan's fields after making it."""
+    import ast
+
+    fields = {"group", "description", "params", "when", "always", "head", "rescue", "steps"}
+    found = []
+    for p in sorted((REPO / "pdops").rglob("*.py")):
+        rel = p.relative_to(REPO)
+        if rel.parts[1] in ("sim", "lab", "cli"):
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+            for t in targets:
+                while isinstance(t, ast.Subscript):
+                    t = t.value
+                if isinstance(t, ast.Attribute) and t.attr in fields and not (
+                        isinstance(t.value, ast.Name) and t.value.id == "self"):
+                    found.append(f"{rel}:{n.lineno} .{t.attr}")
+    assert not found, found
