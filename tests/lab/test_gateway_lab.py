@@ -20,6 +20,7 @@ from pdops.model.inventory import load_inventory
 from pdops.remote.loadgen import send
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
+from pdops.sim.testing import wait_until
 from tests.lab.clusters import deployed, host_run, inv_cmd, record, waited
 
 pytestmark = pytest.mark.lab
@@ -99,7 +100,7 @@ def test_gateway_sigkill_under_load_comes_back_with_every_worker_and_replays_not
         inv.gateway.first.url, duration=14, concurrency=6, max_new_tokens=100, stream_every=1, timeout=30,
         rid_prefix="gwkill")))
     t.start()  # rows arrive when the load ends: streams on the decodes say it is flowing
-    waited(lambda: sum(_running(d.url) for d in pl.role("decode")) >= 4, 20, "streams running at the decodes")
+    wait_until(lambda: sum(_running(d.url) for d in pl.role("decode")) >= 4, 20, "streams running at the decodes")
     pid = _gateway_pid(lab, inv)
     killed_at = time.time()
     host_run(lab, inv.gateway.first.host, f"kill -KILL {pid}")  # by the unit's MainPID, as a crash would
@@ -171,7 +172,7 @@ def test_verify_fails_and_deploy_repairs_what_it_observes(lab, cluster):
         pid = int(host_run(lab, ph, f"systemctl show -p MainPID --value {pu}").strip() or 0)
         return active == "active" and pid not in (0, old)
 
-    waited(restarted, 30, "p01 restarted by systemd (Restart=on-failure)", every=0.5)
+    wait_until(restarted, 30, "p01 restarted by systemd (Restart=on-failure)", interval=0.5)
     proc = inv_cmd("verify", "-i", str(cluster))
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert f"d01: unit {dh}:{du} inactive/dead" in proc.stderr
@@ -212,7 +213,7 @@ def test_a_gateway_restarted_from_files_no_revision_recorded_gets_the_revisions_
                       f"sed -i 's/^PDOPS_CONFIG=.*/PDOPS_CONFIG=unrecorded-change/' {env}")
     old = _gateway_pid(lab, inv)
     host_run(lab, gw, f"kill -KILL {old}")
-    waited(lambda: _gateway_pid(lab, inv) not in (0, old), 30, "systemd to start the gateway again", every=0.5)
+    wait_until(lambda: _gateway_pid(lab, inv) not in (0, old), 30, "systemd to start the gateway again", interval=0.5)
     st = inv_cmd("status", "-i", str(cluster))
     assert st.returncode == 1 and "runs files unrecorded-change, the revision's are" in st.stdout, st.stdout + st.stderr
     proc = inv_cmd("deploy", "--topology", "2p2d", "-i", str(cluster))
@@ -234,7 +235,7 @@ def test_a_drained_instance_stays_out_after_a_gateway_restart(lab, cluster):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     keep = {i.url for i in pl.instances if i.id != "d02"}
     host_run(lab, inv.gateway.first.host, f"systemctl restart {GATEWAY_UNIT}")
-    waited(lambda: _routable_urls(client) == keep, 30, "the three kept workers routable")
+    wait_until(lambda: _routable_urls(client) == keep, 30, "the three kept workers routable")
     assert {w.url for w in client.list_workers()} == keep
     wl = json.loads(host_run(lab, inv.gateway.first.host, "cat /etc/pdops/gateway-workers.json"))
     assert sorted(w["instance"] for w in wl["workers"]) == ["d01", "p01", "p02"]

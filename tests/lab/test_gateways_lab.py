@@ -21,6 +21,7 @@ from pdops.model.inventory import load_inventory
 from pdops.model.placement import Placement
 from pdops.model.render import GATEWAY_UNIT
 from pdops.remote.gateway import Gateways
+from pdops.sim.testing import wait_until
 from tests.lab.clusters import (Load, REPO, api_keys_file, cli, cpu_hog, deployed, host_run, never_twice, record,
                                 two_gateways_behind_haproxy, waited)
 
@@ -78,7 +79,7 @@ def _streams_running(inv_dir, at_least: int = 4) -> None:
             return http_json("GET", f"{d.url}/v1/loads", timeout=2)[1]["loads"][0]["num_running_reqs"]
         except Exception:  # noqa: BLE001 - not answering: nothing counted
             return 0
-    waited(lambda: running() >= at_least, 30, f"{at_least} streams running at the decode")
+    wait_until(lambda: running() >= at_least, 30, f"{at_least} streams running at the decode")
 
 
 def _sessions(lab, inv, host: str) -> int:
@@ -171,7 +172,7 @@ def test_sigkill_of_one_gateway_turns_away_at_most_what_was_in_flight_on_it(lab,
         t, rows = _load(inv.admission.url, 14, "gw-kill")
         _streams_running(inv_dir)
         # the kill lands on streams HAProxy has in flight on lab04 (the rows say which)
-        waited(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
+        wait_until(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
         pid = _main_pid(lab, "lab04")
         [node] = [n for n in inv.gateway.nodes if n.host == "lab04"]
         c = lab.connection("lab04")
@@ -220,7 +221,7 @@ def test_a_gateway_host_down_turns_away_at_most_what_was_in_flight_on_it(lab, cl
     with cpu_hog():
         t, rows = _load(inv.admission.url, 14, "gw-host")
         _streams_running(inv_dir)
-        waited(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
+        wait_until(lambda: _sessions(lab, inv, "lab04") >= 1, 30, "a request in flight on gateway lab04")
         down_at = time.time()
         lab_api.down(hosts=[4])
         gone_at = time.time()
