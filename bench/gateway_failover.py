@@ -55,6 +55,7 @@ from pdops.model.render import GATEWAY_UNIT  # noqa: E402
 from pdops.record import open_record  # noqa: E402
 from pdops.remote.gateway import Gateways  # noqa: E402
 from pdops.remote.hosts import HostPool  # noqa: E402
+from pdops.sim.testing import wait_until  # noqa: E402
 
 KEY = "pdops-bench-failover-" + "k" * 16
 DEPLOY_TIMEOUT_S = 1200
@@ -121,17 +122,6 @@ class ClosedLoop:
             raise RuntimeError(f"load {self.prefix} failed: {self._error!r}")
 
 
-def wait_for(pred, timeout: float, what: str, every: float = 0.1) -> float:
-    t0 = time.monotonic()
-    while True:
-        v = pred()
-        if v:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what} (last: {v!r})")
-        time.sleep(every)
-
-
 def figures(rows: list) -> dict:
     failed = [r for r in rows if not r.ok]
     away = [r for r in failed if r.first_token is None]
@@ -142,7 +132,7 @@ def figures(rows: list) -> dict:
 
 def warm(load: ClosedLoop, n: int = 10) -> None:
     """Until the loop has `n` requests served: load flows before the operation starts."""
-    wait_for(lambda: load.ok_count() >= n, 60, f"{n} requests served through the admission layer")
+    wait_until(lambda: load.ok_count() >= n, 60, f"{n} requests served through the admission layer")
 
 
 # -- the cluster ------------------------------------------------------------------------------------
@@ -265,14 +255,14 @@ def planned_restart(inv_dir: Path, pool: HostPool, gateways: list[str], topo: st
 def gateway_kill(inv_dir: Path, pool: HostPool, victim: str, topo: str, streams: int) -> dict:
     inv = load_inventory(inv_dir)
     urls = {i.url for i in live(inv_dir).instances}
-    wait_for(lambda: routable(inv)[victim] == urls, 60, f"{victim} routing to every worker")
+    wait_until(lambda: routable(inv)[victim] == urls, 60, f"{victim} routing to every worker")
     adm = inv.admission.host
     pid = main_pid(pool, victim)
     pool.run(adm, "true")
     pool.run(victim, "true")  # both connections open before the kill: the stat and the kill back to back
     with ClosedLoop(inv.admission.url, streams, "fo-kill") as load:
         warm(load)
-        wait_for(lambda: parse_gateway_stats(pool.run(adm, stat_command()).stdout)[victim].sessions >= 1, 30,
+        wait_until(lambda: parse_gateway_stats(pool.run(adm, stat_command()).stdout)[victim].sessions >= 1, 30,
                  f"a request in flight on gw-{victim}")
         stat = parse_gateway_stats(pool.run(adm, stat_command()).stdout)
         killed_at = time.time()
