@@ -3,48 +3,34 @@ asked (docs/changes.md "Generations"). Pure: the planner and its printed plan, n
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pdops.errors import Refused
-from pdops.model.inventory import load_inventory, single_file_doc
+from pdops.model.inventory import load_inventory
 from pdops.model.placement import place
 from pdops.model.topology import parse_topology
 from pdops.ops import scale as sc
 from pdops.record.local import StateDir
-from tests.unit.recorded import deployed
+from tests.unit.recorded import deployed, lab_variant
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def inventory(tmp_path: Path, name: str, *, gateways=("lab03", "lab04"), admission=True, page_size=None,
               hosts: int = 4, mem=None):
-    doc = single_file_doc(REPO / "inventory" / "lab")
-    v = doc["all"]["vars"]
-    v["pdops_gateway"].pop("host")
-    v["pdops_gateway"]["hosts"] = list(gateways)
-    hs = doc["all"]["children"]["gpu_hosts"]["hosts"]
-    for n in range(5, hosts + 1):
-        hs[f"lab{n:02d}"] = {**hs["lab01"], "ansible_host": f"127.0.10.{n}", "pdops_data_addr": f"127.0.10.{n}"}
-    if admission:
-        keys = tmp_path / "admission.keys"
-        keys.write_text("pdops-unit-case-key-" + "k" * 16 + "\n")
-        os.chmod(keys, 0o600)
-        v["pdops_admission"] = {"host": gateways[0], "api_keys_file": str(keys)}
-    prof = yaml.safe_load((REPO / "pdops" / "profiles" / "lab-sim.yml").read_text())
-    if page_size is not None:
-        prof["bundle"]["page_size"] = page_size
-    if mem is not None:
-        prof["bundle"]["mem_fraction_static"] = mem
-    d = tmp_path / name
-    (d / "profiles").mkdir(parents=True, exist_ok=True)
-    (d / "profiles" / "p.yml").write_text(yaml.safe_dump(prof))
-    v["pdops_profile"] = "profiles/p.yml"
-    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
-    return load_inventory(d)
+    """The lab with its gateways on `gateways` (the admission layer on the first), `hosts` GPU hosts and
+    the lab-sim bundle with `page_size` and `mem` (mem_fraction_static) where given."""
+    def more_hosts(doc):
+        hs = doc["all"]["children"]["gpu_hosts"]["hosts"]
+        for n in range(5, hosts + 1):
+            hs[f"lab{n:02d}"] = {**hs["lab01"], "ansible_host": f"127.0.10.{n}", "pdops_data_addr": f"127.0.10.{n}"}
+
+    bundle = {k: v for k, v in (("page_size", page_size), ("mem_fraction_static", mem)) if v is not None}
+    return load_inventory(lab_variant(tmp_path, name, gateway={"hosts": list(gateways)},
+                                      admission=gateways[0] if admission else False, edit=more_hosts, bundle=bundle))
 
 
 @pytest.fixture

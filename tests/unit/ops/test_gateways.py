@@ -24,26 +24,14 @@ from pdops.reads.observation import Seen
 from pdops.reads.observe import observe
 from pdops.reads.status import front_door_warnings
 from pdops.record.local import StateDir
+from tests.unit.recorded import lab_variant
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def lab_with(tmp_path: Path, name: str = "two", admission: bool = False, **gateway) -> Path:
-    import os
-
-    doc = single_file_doc(REPO / "inventory" / "lab")
-    gv = doc["all"]["vars"]["pdops_gateway"]
-    gv.pop("host", None)
-    gv.update(gateway)
-    if admission:
-        keys = tmp_path / f"{name}.keys"
-        keys.write_text("pdops-unit-case-key-" + "k" * 16 + "\n")
-        os.chmod(keys, 0o600)
-        doc["all"]["vars"]["pdops_admission"] = {"api_keys_file": str(keys)}
-    d = tmp_path / name
-    d.mkdir(exist_ok=True)
-    (d / "hosts.yml").write_text(yaml.safe_dump(doc))
-    return d
+    """The lab with pdops_gateway set to `gateway` (tests.unit.recorded.lab_variant)."""
+    return lab_variant(tmp_path, name, gateway=gateway, admission=admission)
 
 
 @pytest.fixture
