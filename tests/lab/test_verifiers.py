@@ -248,8 +248,8 @@ def test_start_is_not_verified_when_another_process_answers_on_the_instances_por
     canary). Here a stray sim holds a decode's address and port while the decode's unit is down: the deploy of the
     live topology starts the unit (a repair would stop it first, and its verified stop names the stray on the
     port), which cannot bind, and the stray answers /health. The start is not verified: the deploy stops,
-    naming the stray's PID and command line, and registers nothing. Once the stray is stopped (by its unit),
-    the same command starts the decode and verifies it."""
+    naming the stray's PID and command line, and registers nothing. Once the stray is stopped (by its unit), and
+    the decode's unit the failed start left restarting, the same command starts the decode and verifies it."""
     from tests.lab.clusters import host_run
 
     inv, _ = cluster
@@ -279,6 +279,9 @@ def test_start_is_not_verified_when_another_process_answers_on_the_instances_por
     j = record(inv).journal()
     steps = {r["step"]: r["status"] for r in j.read(j.operations()[-1])}
     assert steps.get(f"start {d02.id}") == "failed" and f"register {d02.id}" not in steps, steps  # nothing registered
+    # the failed start left the decode's unit restarting (Restart=on-failure): stopped here, so that the next
+    # deploy starts it itself, not finds it started again by systemd once the port is free (a fresh run did)
+    host_run(lab, host, f"systemctl stop {unit}")
     again = inv_cmd("deploy", "--topology", topology, "-i", str(inv))
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"port {d02.http_port} held by {unit} (PID" in again.stdout, again.stdout
