@@ -1,6 +1,6 @@
 """The `pdops_prometheus` inventory setting: where the fleet's Prometheus reads pdops's
 `file_sd` target file. Read and checked with the rest of the inventory, before any SSH; what
-goes into the file is :mod:`pdops.ops.prometheus`'s."""
+goes into the file is :mod:`pdops.steps.targets`'s."""
 
 from __future__ import annotations
 

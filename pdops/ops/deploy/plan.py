@@ -23,7 +23,7 @@ from pdops.steps.builders import (admission_steps, gateway_restart_steps, canary
                                   gateway_steps, preflight_step,
                                 register_steps, start_steps,
                                 undo_register_step, verify_running_step)
-from pdops.steps.preflight import validate_skip
+from pdops.steps.preflight.checks import validate_skip
 from pdops.ops import scale as sc
 from pdops.model.admission import FULL_WEIGHT
 

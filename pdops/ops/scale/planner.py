@@ -20,7 +20,7 @@ from pdops.ops.scale.decide import (check_max_unavailable, floors, generation_ch
                                    retired_gateways, shared_changes, surges, target_files, waves_why)
 from pdops.ops.scale.fenced import plan_fenced
 from pdops.ops.scale.steps import rescue_steps, runner_steps
-from pdops.steps.preflight import validate_skip
+from pdops.steps.preflight.checks import validate_skip
 
 if TYPE_CHECKING:
     from pdops.reads.observation import Seen

@@ -1,4 +1,4 @@
-"""The Prometheus side of pdops (pdops.ops.prometheus): target files that follow the revision, rules
+"""The Prometheus side of pdops (pdops.steps.targets, pdops.ops.prometheus): target files that follow the revision, rules
 checked by the real `promtool` (`check rules`, and `test rules` on series that show each alert
 firing and not firing), a dashboard whose queries are the recorded ones, nothing secret anywhere."""
 

@@ -231,3 +231,14 @@ def test_the_table_never_says_best_and_marks_multi_variable_and_mixed(tmp_path):
         pr.add_note(st, "T1", "  ")
     pr.add_note(st, "T2", "mixed: says nothing about --b")
     assert pr.probe_table(st.journal())[1]["notes"][-1]["note"] == "mixed: says nothing about --b"
+
+
+def test_the_verdict_of_a_probe_names_its_result_where_the_pair_is_and_its_mixed_windows():
+    doc = {"probe": "T3", "bundle": {"name": "big-chunk"}, "pair": ["p01", "d01"], "result": "2 ok, 2 oom",
+           "multi_variable": True, "mixed": True, "mixed_reasons": ["another request ran on d01"],
+           "verified": ["4 requests sent"], "unverified": [], "after": {"how": "the revision's files, as a new revision"}}
+    head, v = pr.probe_verdict(doc)
+    assert head == "probe T3 of bundle 'big-chunk' on p01, d01: 2 ok, 2 oom [multi-variable] [mixed]"
+    assert v["verified"] == ["4 requests sent", "the revision's files, as a new revision"]
+    assert v["unverified"] == ["mixed window: another request ran on d01"]
+    assert "inv probe --note T3" in v["notes"][0]
