@@ -50,13 +50,18 @@ def http(method: str, url: str, body=None, timeout: float = 10.0, headers: dict 
 def poll(pred, timeout: float, interval: float = 0.1):
     """Call ``pred`` until it returns something true, for up to ``timeout`` seconds: that value, or
     the last (false) one at the deadline. The one polling loop of the tests and the lab: each wait
-    ends when what it waits for is seen, never after a sleep that stands in for it."""
+    ends when what it waits for is seen, never after a sleep that stands in for it. A check that
+    costs (an SSH round trip, an `inv status`) is not repeated back to back: the pause before the next
+    one is at least as long as the last one took, so that a wait never keeps a core busier than half
+    the time (on a 2-core machine, four test workers waiting at once would otherwise slow each other)."""
     deadline = time.monotonic() + timeout
     while True:
+        t0 = time.monotonic()
         v = pred()
-        if v or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if v or now >= deadline:
             return v
-        time.sleep(interval)
+        time.sleep(min(max(interval, now - t0), max(0.0, deadline - now) + interval))
 
 
 def wait_until(pred, timeout: float, what: str, interval: float = 0.1):

@@ -187,15 +187,25 @@ class Soak:
                 prof[k] = v
         p.write_text(yaml.safe_dump(prof))
 
-    def kill_main_pid(self, host: str, unit: str) -> int:
+    def main_pid(self, host: str, unit: str) -> int:
+        """The unit's MainPID as systemd reads it now (0: none)."""
         c = self.lab.connection(host)
         try:
-            pid = int(c.run(f"systemctl show -p MainPID --value {unit}", hide=True).stdout.strip() or 0)
-            if pid > 1:
-                c.run(f"kill -KILL {pid}", hide=True)
-            return pid
+            return int(c.run(f"systemctl show -p MainPID --value {unit}", hide=True).stdout.strip() or 0)
         finally:
             c.close()
+
+    def kill_main_pid(self, host: str, unit: str) -> int:
+        """SIGKILL the unit's MainPID; returned once systemd no longer names it as the unit's MainPID."""
+        pid = self.main_pid(host, unit)
+        if pid > 1:
+            c = self.lab.connection(host)
+            try:
+                c.run(f"kill -KILL {pid}", hide=True)
+            finally:
+                c.close()
+            poll(lambda: self.main_pid(host, unit) != pid, 30, interval=0.2)
+        return pid
 
     # ---------------------------------------------------------------- operations
     def op_drain(self, cmds):
@@ -285,7 +295,6 @@ class Soak:
     def op_gateway_kill(self, cmds):
         host = self.rng.choice(self.gateways)
         pid = self.kill_main_pid(host, "pdops-gateway.service")
-        time.sleep(0.5)
         self.cli(cmds, "deploy", "--topology", self.topology())
         return f"SIGKILL the gateway on {host} (MainPID {pid}), one deploy"
 
