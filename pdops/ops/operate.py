@@ -7,6 +7,7 @@ the cluster lock, from the revision it was planned from, the walk, and one verdi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from pdops.errors import PdopsError, Refused
@@ -58,7 +59,8 @@ def run_operation(plan: Plan, inv, record, say: Say = print, *, pool, gateways, 
                   basis: int | None = None, context: dict | None = None, failed: Failed | None = None,
                   finish: Callable[[RunContext, dict], str | None] | None = None, op: str | None = None,
                   lock_held: bool = False, context_type: type = RunContext,
-                  started: Callable[[RunContext], None] | None = None) -> dict:
+                  head: Callable[[object], dict] | None = None,
+                  closing: Callable[[RunContext, dict | None, BaseException | None], None] | None = None) -> dict:
     """The one way a plan is carried out: the cluster lock taken for it (`kind`, default the plan's
     operation; the operation's id `op`, default a new one; `lock_held`: the caller holds the lock for
     `op` already: `inv sweep` between its rows, a migration holding two records' locks), the record's `current` checked to still be `basis` (the revision it was planned from; None:
@@ -66,33 +68,45 @@ def run_operation(plan: Plan, inv, record, say: Say = print, *, pool, gateways, 
     (pdops.runner.walk: steps, rescue, always), then one verdict in the journal: `ok`, with what
     `finish(ctx, verdict)` adds (the status it returns instead, if any: a probe whose way back failed), or on a failure the status and evidence `failed(ctx, exc)` returns
     (default: `failed`, the error and the steps completed), the error raised on; on Ctrl-C, `interrupted`.
-    `context_type`: a RunContext that carries more (a sweep's); `started(ctx)`: given the context before the
-    walk, for a caller that reads its outputs however the walk ends (a probe's result). No executor
-    writes a verdict."""
+    `context_type`: a RunContext that carries more (a sweep's). Under the lock, for an operation that
+    records more than its verdict: `head(journal)` gives fields added to the plan's head before the walk
+    (a probe's number, read from the journal, so that two probes never share one), and
+    `closing(ctx, verdict, exc)` runs after the verdict is journalled however the walk ended (`verdict`
+    on success; else `exc`, the error or KeyboardInterrupt, raised on after it): a probe's result record.
+    No executor writes a verdict."""
     kind = kind or plan.operation
     op = op or new_op_id(kind)
     if lock_held:
-        return _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
+        return _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, head,
+                    closing)
     with record.lock(kind, op_id=op):
-        return _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, started)
+        return _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, head,
+                    closing)
 
 
-def _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, started) -> dict:
+def _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, finish, context_type, head,
+         closing) -> dict:
     if basis is not None:
         record.check_basis(basis)
+    if head is not None:
+        plan = dataclasses.replace(plan, head={**plan.head, **head(record.journal())})
     ctx = context_type(inv, record, op, say, pool, gateways, **(context or {}))
-    if started is not None:
-        started(ctx)
     try:
         verdict = walk(plan, ctx)
     except PdopsError as exc:
         error = exc.render()  # as the step failed: the hook may add to the message the operator reads
         status, evidence = failed(ctx, exc) if failed else ("failed", {"completed": ctx.done})
         ctx.journal.step(op, "verdict", status, {"error": error, **evidence})
+        if closing is not None:
+            closing(ctx, None, exc)
         raise
-    except KeyboardInterrupt:  # the plan's always steps ran first where it asks for them (always_on_interrupt)
+    except KeyboardInterrupt as exc:  # the plan's always steps ran first where it asks for them (always_on_interrupt)
         ctx.journal.step(op, "verdict", "interrupted", {"error": "interrupted by the operator", "completed": ctx.done})
+        if closing is not None:
+            closing(ctx, None, exc)
         raise
     status = finish(ctx, verdict) if finish is not None else None
     ctx.journal.step(op, "verdict", status or "ok", verdict)
+    if closing is not None:
+        closing(ctx, verdict, None)
     return verdict

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from pdops.steps.serve import do_canary
@@ -147,50 +146,38 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
     """Walk a probe's one plan as every operation is walked (pdops.ops.operate.run_operation: under the
     cluster lock, from the revision it was planned from, one verdict in the journal): its steps, then its
     way back (the plan's `always` steps: they run whether the probe's own steps passed or not, and after
-    Ctrl-C). A step that fails is the probe's result, not the command's error: the probe-result record
-    (also in the journal, after the verdict) says what was measured and where the pair is now; only a
-    way back that did not complete is raised."""
-    record = plan.record
-    op = new_op_id("probe")
+    Ctrl-C). Its number (T1, T2, ...) is read from the journal under that lock, before the walk, so that
+    two probes never share one. A step that fails is the probe's result, not the command's error: the
+    probe-result record (journalled under the lock, after the verdict) says what was measured and where
+    the pair is now; only a way back that did not complete is raised."""
     p, d = plan.pair
-    with record.lock("probe", op_id=op):  # held before the probe is numbered: two probes never share a number
-        j = record.journal()
-        pid = next_probe_id(j)
-        say(f"probe {pid}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
-        union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
-        walked = dataclasses.replace(plan.plan, head={**plan.plan.head, "probe": pid})  # numbered under the lock
-        ran: dict = {}
-        failure: PdopsError | None = None
-        interrupted = False
-        proven: dict = {"verified": [], "unverified": []}
-        try:
-            v = run_operation(walked, plan.probe_inv, record, say, pool=pool, gateways=gateways, op=op, lock_held=True,
-                              basis=plan.rev.number, context={"placement": union, "old_placement": plan.baseline},
-                              started=lambda c: ran.update(ctx=c), finish=lambda c, v: _way_back_failed(plan, c, v))
-            proven["verified"] += v["verified"]
-            proven["unverified"] += v["unverified"]
-        except PdopsError as exc:
-            if "ctx" not in ran:  # refused before the walk (the basis moved): nothing ran, nothing to record
-                raise
-            failure = exc
-            say(f"probe {pid}: stopped at a step: {exc.message}")
-        except KeyboardInterrupt:  # the way back ran (always_on_interrupt): a candidate is never left behind
-            if "ctx" not in ran:
-                raise
-            interrupted = True
-            failure = PdopsError("interrupted by the operator")
+    union = Placement(plan.baseline.topology, plan.baseline.instances + ((p, d) if plan.mode == "spare" else ()))
+    op = new_op_id("probe")
+    out: dict = {}  # the probe's number, and once the walk has ended its result record
+
+    def number(journal) -> dict:
+        out["pid"] = next_probe_id(journal)
+        say(f"probe {out['pid']}: bundle {plan.bundle.name!r}, {len(plan.variables)} variable(s) changed")
+        return {"probe": out["pid"]}
+
+    def result(ctx: RunContext, verdict: dict | None, exc: BaseException | None) -> None:
+        pid = out["pid"]
+        if isinstance(exc, KeyboardInterrupt):  # the way back ran (always_on_interrupt): no candidate left behind
+            failure: PdopsError | None = PdopsError("interrupted by the operator")
             say(f"probe {pid}: interrupted; the requests in flight were abandoned (never sent again)")
-        ctx = ran["ctx"]
-        if failure is not None:  # the walk raised: what its way back (the always steps) proved still counts
-            proven["verified"] += ctx.always_outcome.get("verified", [])
-            proven["unverified"] += ctx.always_outcome.get("unverified", [])
-        result = ctx.output("probe_result")
+        else:
+            failure = exc
+            if failure is not None:
+                say(f"probe {pid}: stopped at a step: {failure.message}")
+        # what the way back (the always steps) proved counts however the walk ended
+        proven = verdict or {"verified": ctx.always_outcome.get("verified", []),
+                             "unverified": ctx.always_outcome.get("unverified", [])}
+        got = ctx.output("probe_result")
         kept = bool(ctx.output("probe_keep"))
         back_failed = _back_failures(plan, ctx)
-        back_error = PdopsError("; ".join(back_failed)) if back_failed else None
         verdicts = ctx.output("plan_verdicts", {})
-        if back_error is not None:
-            after = {"restored": False, "error": back_error.message}
+        if back_failed:
+            after = {"restored": False, "error": "; ".join(back_failed)}
         elif plan.mode == "spare":
             after = {"restored": True, "how": "spare pair stopped and removed; the revision verified untouched"}
         else:
@@ -206,20 +193,29 @@ def execute_probe(plan: ProbePlan, say=print, *, pool, gateways) -> dict:
                "requests": plan.requests, "concurrency": plan.concurrency,
                "variables": plan.variables, "n_variables": len(plan.variables),
                "multi_variable": len(plan.variables) > 1,
-               "result": (result or {}).get("result") or f"not run: {failure.message if failure else 'unknown'}",
-               "outcomes": (result or {}).get("outcomes", []), "signatures": (result or {}).get("signatures", []),
-               "mixed": bool((result or {}).get("mixed_reasons")) or (failure is not None and result is None),
-               "mixed_reasons": (result or {}).get("mixed_reasons", []) +
-               ([f"the probe stopped before its requests: {failure.message}"] if failure and result is None else []),
-               "after": after, "verified": proven["verified"], "unverified": proven["unverified"]}
-        j.step(op, "probe-result", "ok" if back_error is None else "failed", doc)
-        if interrupted and back_error is None:
-            raise KeyboardInterrupt
-        if back_error is not None:
-            back_error.message = (f"probe {pid} ({doc['result']}): the way back did not complete: "
-                                  f"{back_error.message}")
-            raise back_error
-        return doc
+               "result": (got or {}).get("result") or f"not run: {failure.message if failure else 'unknown'}",
+               "outcomes": (got or {}).get("outcomes", []), "signatures": (got or {}).get("signatures", []),
+               "mixed": bool((got or {}).get("mixed_reasons")) or (failure is not None and got is None),
+               "mixed_reasons": (got or {}).get("mixed_reasons", []) +
+               ([f"the probe stopped before its requests: {failure.message}"] if failure and got is None else []),
+               "after": after, "verified": list(proven["verified"]), "unverified": list(proven["unverified"])}
+        ctx.journal.step(op, "probe-result", "ok" if not back_failed else "failed", doc)
+        out.update(doc=doc, back_failed=back_failed)
+
+    try:
+        run_operation(plan.plan, plan.probe_inv, plan.record, say, pool=pool, gateways=gateways, op=op,
+                      basis=plan.rev.number, context={"placement": union, "old_placement": plan.baseline},
+                      head=number, closing=result, finish=lambda c, v: _way_back_failed(plan, c, v))
+    except (PdopsError, KeyboardInterrupt) as exc:
+        if "doc" not in out:  # refused before the walk (the basis moved): nothing ran, nothing to record
+            raise
+        if isinstance(exc, KeyboardInterrupt) and not out["back_failed"]:
+            raise
+    doc = out["doc"]
+    if out["back_failed"]:
+        raise PdopsError(f"probe {doc['probe']} ({doc['result']}): the way back did not complete: "
+                         + "; ".join(out["back_failed"]))
+    return doc
 
 
 def probe_verdict(doc: dict) -> tuple[str, dict]:

@@ -173,31 +173,59 @@ def test_an_operation_whose_lock_the_caller_holds_runs_under_it_with_its_own_id(
     assert _ran(state, "scale-2") == [("plan", "ok"), ("one", "ok"), ("verdict", "ok")]
 
 
-def test_a_caller_that_records_its_own_result_reads_the_context_however_the_walk_ends(tmp_path, registry):
-    """`inv probe`: a step that fails is the probe's result. The context reaches the caller before the walk
-    (`started`), so it reads the outputs a failed walk gave; the operation still has its one verdict."""
+def test_a_caller_that_records_its_own_result_numbers_it_and_records_it_under_the_lock_however_the_walk_ends(
+        tmp_path, registry):
+    """`inv probe`: its number is read from the journal under the cluster lock, before the walk (`head`),
+    and its result record is written under the lock after the verdict (`closing`), from the outputs the
+    walk gave, when a step failed too (a step that fails is the probe's result) and after Ctrl-C."""
     from pdops.errors import PdopsError
     from pdops.plans import Outcome, Plan, Step
     from pdops.record.local import StateDir
 
     state = StateDir("t", tmp_path / "state")
+    ending = {"requests": "fail"}
 
     def measure(ctx, s):
         ctx.give(s, "probe_result", {"result": "0/4 ok"})
-        raise PdopsError("the requests failed")
+        if ending["requests"] == "fail":
+            raise PdopsError("the requests failed")
+        if ending["requests"] == "ctrl-c":
+            raise KeyboardInterrupt
 
     registry.bind({"measure": measure, "back": lambda ctx, s: Outcome(verified=["the way back ran"])},
                   gives={"measure": ("probe_result",)})
     plan = Plan("probe", "plan: probe", [Step("requests", None, "requests", kind="measure")],
-                always=[Step("back", None, "back", kind="back")])
-    got = {}
+                always=[Step("back", None, "back", kind="back")], always_on_interrupt=True)
+    seen = []
+
+    def number(journal):
+        assert state.lock("x").holder().operation == "probe", "numbered outside the lock"
+        return {"probe": f"T{len(journal.tagged('step:probe-result')) + 1}"}
+
+    def result(ctx, verdict, exc):
+        assert state.lock("x").holder().operation == "probe", "recorded outside the lock"
+        seen.append((type(exc).__name__ if exc else None, ctx.output("probe_result"),
+                     ctx.always_outcome["verified"] if exc else verdict["verified"]))
+        ctx.journal.step(ctx.op, "probe-result", "ok", {"probe": ctx.journal.read(ctx.op)[0]["evidence"]["probe"]})
+
+    def run():
+        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None, head=number, closing=result)
+
     with pytest.raises(PdopsError):
-        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None,
-                         started=lambda ctx: got.update(ctx=ctx))
-    assert got["ctx"].output("probe_result") == {"result": "0/4 ok"}
-    assert got["ctx"].always_outcome["verified"] == ["the way back ran"]
-    op_id = state.journal().operations()[-1]
-    assert _ran(state, op_id)[-1] == ("verdict", "failed")
+        run()
+    ending["requests"] = "pass"
+    run()
+    ending["requests"] = "ctrl-c"
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert seen == [("PdopsError", {"result": "0/4 ok"}, ["the way back ran"]),
+                    (None, {"result": "0/4 ok"}, ["the way back ran"]),
+                    ("KeyboardInterrupt", {"result": "0/4 ok"}, ["the way back ran"])]
+    ops = state.journal().operations()
+    assert [[s for s, _ in _ran(state, o)][-2:] for o in ops] == [["verdict", "probe-result"]] * 3
+    assert [r["evidence"]["probe"] for r in state.journal().tagged("step:probe-result")] == ["T1", "T2", "T3"]
+    assert [_ran(state, o)[-2][1] for o in ops] == ["failed", "ok", "interrupted"]
+    assert state.lock("x").holder() is None
 
 
 def test_a_finish_hook_may_fail_the_verdict_of_a_walk_whose_steps_passed(tmp_path, registry):

@@ -1,0 +1,59 @@
+"""Starting one gateway (pdops.steps.actions.start_gateway) on recorded host answers (no host): a
+gateway that did not start is a failed deploy naming the unit's state and its journal, whichever way
+systemd reported it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pdops.errors import DeployFailed, RemoteCommandFailed, Unreachable
+from pdops.steps.actions import start_gateway
+
+NODE = SimpleNamespace(host="lab01", url="http://127.0.0.1:30000")
+JOURNAL = "smg: error: Address already in use (os error 98)\npdops-gateway.service: Main process exited, status=1/FAILURE"
+
+
+class Pool:
+    def __init__(self, *, job_fails: bool, unit: str):
+        self.job_fails, self.unit, self.commands = job_fails, unit, []
+
+    def run(self, host, command, timeout=60):
+        self.commands.append(command)
+        if "systemctl restart" in command and self.job_fails:
+            raise RemoteCommandFailed(host, command, 1, "Job for pdops-gateway.service failed because the control "
+                                                        "process exited with error code.")
+        return SimpleNamespace(stdout="{}")
+
+    def unit_states(self, host, units):
+        active, sub = self.unit.split("/")
+        return {u: SimpleNamespace(active_state=active, sub_state=sub, main_pid=None) for u in units}
+
+    def journal_tail(self, host, unit, lines=30):
+        return JOURNAL
+
+
+class Silent:
+    def client(self, host):
+        return self
+
+    def health(self):
+        raise Unreachable("connection refused")
+
+
+@pytest.mark.parametrize("job_fails, unit", [(True, "failed/failed"), (False, "failed/failed")],
+                         ids=["the start job failed (smg exited during ExecStartPost)",
+                              "the job passed, then the unit failed"])
+def test_a_gateway_that_exits_at_its_start_fails_the_deploy_with_its_journal(monkeypatch, job_fails, unit):
+    import pdops.steps.actions as actions
+
+    monkeypatch.setattr(actions.membership, "update_one", lambda *a, **k: {})
+    pool = Pool(job_fails=job_fails, unit=unit)
+    with pytest.raises(DeployFailed) as err:
+        start_gateway(None, pool, Silent(), NODE, lambda s: None, restart=True, deadline_s=30)
+    assert err.value.exit_code == 7
+    assert err.value.message.startswith("gateway pdops-gateway.service on lab01 did not answer "
+                                        "http://127.0.0.1:30000/health (unit failed/failed")
+    assert ("`systemctl restart` exited 1" in err.value.message) == job_fails
+    assert "Address already in use" in err.value.evidence
