@@ -56,7 +56,8 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 # the order tests/conftest.py sorts them (the longest lab modules first); each worker that reaches a
 # lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot). The suite keeps both
 # cores busy (vmstat: 0-1 % idle in its first half): a fourth worker took the run from 19 min 38 s
-# to 18 min 09 s on a fresh clone, every lab module a little longer (71 worker-min, was 58).
+# to 18 min 09 s on a fresh clone, every lab module a little longer (71 worker-min, was 58); a fifth
+# took 16 min 36 s to 18 min 01 s (the machine under 1 % idle throughout: docs/bench.md).
 TEST_WORKERS ?= 4
 test: $(STAMP) $(ENGINE_STAMP)
 	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not fleet" tests

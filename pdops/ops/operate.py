@@ -71,8 +71,9 @@ def run_operation(plan: Plan, inv, record, say: Say = print, *, pool, gateways, 
     `context_type`: a RunContext that carries more (a sweep's). Under the lock, for an operation that
     records more than its verdict: `head(journal)` gives fields added to the plan's head before the walk
     (a probe's number, read from the journal, so that two probes never share one), and
-    `closing(ctx, verdict, exc)` runs after the verdict is journalled however the walk ended (`verdict`
-    on success; else `exc`, the error or KeyboardInterrupt, raised on after it): a probe's result record.
+    `closing(ctx, verdict, exc)` runs after the verdict is journalled, whether the steps passed
+    (`verdict`), one failed (`exc`, the PdopsError) or the operator pressed Ctrl-C (`exc`, the
+    KeyboardInterrupt), which is raised on after it: a probe's result record.
     No executor writes a verdict."""
     kind = kind or plan.operation
     op = op or new_op_id(kind)

@@ -47,21 +47,29 @@ def http(method: str, url: str, body=None, timeout: float = 10.0, headers: dict 
         return status, raw.decode(errors="replace")
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process (all its threads) and the children it waited for have used."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def poll(pred, timeout: float, interval: float = 0.1):
     """Call ``pred`` until it returns something true, for up to ``timeout`` seconds: that value, or
     the last (false) one at the deadline. The one polling loop of the tests and the lab: each wait
     ends when what it waits for is seen, never after a sleep that stands in for it. A check that
-    costs (an SSH round trip, an `inv status`) is not repeated back to back: the pause before the next
-    one is at least as long as the last one took, so that a wait never keeps a core busier than half
-    the time (on a 2-core machine, four test workers waiting at once would otherwise slow each other)."""
+    costs CPU (an `inv status` subprocess, SSH with its crypto, parsing) is not repeated back to back:
+    the pause before the next one is at least the CPU it used (at most 2 s), so that a wait keeps a core
+    busy at most half the time (on a 2-core machine four test workers waiting at once would otherwise
+    slow each other). A check that only waits on the network (a timeout) pauses ``interval``, so a
+    recovery timed with :func:`waited` is not lengthened by the pause."""
     deadline = time.monotonic() + timeout
     while True:
-        t0 = time.monotonic()
+        cpu0 = _cpu_s()
         v = pred()
         now = time.monotonic()
         if v or now >= deadline:
             return v
-        time.sleep(min(max(interval, now - t0), max(0.0, deadline - now) + interval))
+        time.sleep(min(max(interval, min(_cpu_s() - cpu0, 2.0)), deadline - now + interval))
 
 
 def wait_until(pred, timeout: float, what: str, interval: float = 0.1):

@@ -79,13 +79,15 @@ def start_gateway(inv: Inventory, pool: HostPool, gateways: Gateways, node: Gate
     if restart if clear_list is None else clear_list:
         # a fresh cluster: a list left by an earlier life of it must not register anything
         membership.update_one(pool, node.host, clear=True)
-    deadline = deadline_in(deadline_s)
+    job = ""
     try:  # a unit that hit its start limit refuses `start` until reset: this start is the operator's
         pool.run(node.host, f"systemctl reset-failed {q(GATEWAY_UNIT)} || true; systemctl {verb} {q(GATEWAY_UNIT)}")
     except RemoteCommandFailed as exc:
-        # the start job failed: smg exited while its ExecStartPost ran (its port taken, say). Whether that
-        # happens before or after `systemctl` returns is a race; either way the gateway did not start
-        raise _no_gateway(pool, node, f"; `systemctl {verb}` exited {exc.returncode}") from None
+        # the start job failed: smg exited while its ExecStartPost ran (its port taken, say), where on
+        # another run it exits just after the job: a race. Either way systemd starts it again
+        # (Restart=on-failure) and the wait below decides, as for a unit that failed after its job
+        job = f"; `systemctl {verb}` exited {exc.returncode}"
+    deadline = deadline_in(deadline_s)
     client = gateways.client(node.host)
     while True:
         try:
@@ -94,18 +96,13 @@ def start_gateway(inv: Inventory, pool: HostPool, gateways: Gateways, node: Gate
         except (Unreachable, Unverified):
             st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
             if st.active_state == "failed" or time.monotonic() > deadline:
-                raise _no_gateway(pool, node, "", st) from None
+                raise DeployFailed(f"gateway {GATEWAY_UNIT} on {node.host} did not answer {node.url}/health "
+                                   f"(unit {st.active_state}/{st.sub_state}{job})",
+                                   evidence=pool.journal_tail(node.host, GATEWAY_UNIT)) from None
             time.sleep(0.3)
     st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
     say(f"  gateway up on {node.host}: {node.url} (MainPID {st.main_pid})")
     return {"url": node.url, "main_pid": st.main_pid, "unit": GATEWAY_UNIT, "host": node.host}
-
-
-def _no_gateway(pool: HostPool, node: GatewayNode, why: str, st=None) -> DeployFailed:
-    """A gateway that did not start: its unit's state and the last lines of its journal (why it exited)."""
-    st = st or pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
-    return DeployFailed(f"gateway {GATEWAY_UNIT} on {node.host} did not answer {node.url}/health "
-                        f"(unit {st.active_state}/{st.sub_state}{why})", evidence=pool.journal_tail(node.host, GATEWAY_UNIT))
 
 
 def start_admission(inv: Inventory, pool: HostPool, say: Say, restart: bool, deadline_s: float = 30,

@@ -195,8 +195,9 @@ class Soak:
         finally:
             c.close()
 
-    def kill_main_pid(self, host: str, unit: str) -> int:
-        """SIGKILL the unit's MainPID; returned once systemd no longer names it as the unit's MainPID."""
+    def kill_main_pid(self, host: str, unit: str, *, seen: bool = False) -> int:
+        """SIGKILL the unit's MainPID; `seen`: returned once systemd no longer names it as the unit's
+        MainPID (counted as unexpected when it still does after 30 s)."""
         pid = self.main_pid(host, unit)
         if pid > 1:
             c = self.lab.connection(host)
@@ -204,7 +205,8 @@ class Soak:
                 c.run(f"kill -KILL {pid}", hide=True)
             finally:
                 c.close()
-            poll(lambda: self.main_pid(host, unit) != pid, 30, interval=0.2)
+            if seen and not poll(lambda: self.main_pid(host, unit) != pid, 30, interval=0.2):
+                self.unexpected.append(f"{host}:{unit}: systemd still names the killed MainPID {pid} after 30 s")
         return pid
 
     # ---------------------------------------------------------------- operations
@@ -294,7 +296,7 @@ class Soak:
 
     def op_gateway_kill(self, cmds):
         host = self.rng.choice(self.gateways)
-        pid = self.kill_main_pid(host, "pdops-gateway.service")
+        pid = self.kill_main_pid(host, "pdops-gateway.service", seen=True)  # the deploy meets the restart
         self.cli(cmds, "deploy", "--topology", self.topology())
         return f"SIGKILL the gateway on {host} (MainPID {pid}), one deploy"
 

@@ -9,10 +9,11 @@ from pdops.sim import testing
 
 
 class Clock:
-    """time.monotonic and time.sleep of pdops.sim.testing, on a clock that moves only when told."""
+    """time.monotonic and time.sleep of pdops.sim.testing, on a clock that moves only when told, and the
+    CPU seconds its checks use (`cpu`)."""
 
     def __init__(self):
-        self.now, self.sleeps = 0.0, []
+        self.now, self.cpu, self.sleeps = 0.0, 0.0, []
 
     def monotonic(self):
         return self.now
@@ -26,6 +27,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(testing, "time", c)
+    monkeypatch.setattr(testing, "_cpu_s", lambda: c.cpu)
     return c
 
 
@@ -35,15 +37,25 @@ def test_a_cheap_check_is_repeated_at_the_interval_and_the_first_true_value_retu
     assert clock.sleeps == [0.1, 0.1, 0.1]
 
 
-def test_a_check_that_costs_waits_as_long_as_it_took_before_the_next(clock):
-    def ssh_check():  # two seconds of work each time, never true
+def test_a_check_that_costs_cpu_waits_as_long_as_the_cpu_it_used_before_the_next(clock):
+    def inv_status():  # two seconds of wall time each, 1.5 of them CPU (an `inv status`), never true
+        clock.now += 2.0
+        clock.cpu += 1.5
+        return False
+
+    assert testing.poll(inv_status, 9, interval=0.1) is False
+    # checks at 0-2, 3.5-5.5, 7-9: each followed by a pause as long as the CPU it used; the deadline ends it
+    assert clock.sleeps == [1.5, 1.5]
+    assert clock.now == pytest.approx(9.0)
+
+
+def test_a_check_that_only_waits_on_the_network_keeps_the_interval(clock):
+    def health_timeout():  # a 2 s connect timeout, no CPU to speak of
         clock.now += 2.0
         return False
 
-    assert testing.poll(ssh_check, 9, interval=0.1) is False
-    # checks at 0-2, 4-6, 8-10: each followed by a pause as long as itself, the deadline (9) ends it
-    assert clock.sleeps == [2.0, 2.0]
-    assert clock.now == pytest.approx(10.0)
+    assert testing.poll(health_timeout, 5, interval=0.1) is False
+    assert clock.sleeps == [0.1, 0.1]
 
 
 def test_wait_until_names_what_it_waited_for_and_the_last_value(clock):

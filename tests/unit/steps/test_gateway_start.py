@@ -28,18 +28,26 @@ class Pool:
 
     def unit_states(self, host, units):
         active, sub = self.unit.split("/")
-        return {u: SimpleNamespace(active_state=active, sub_state=sub, main_pid=None) for u in units}
+        return {u: SimpleNamespace(active_state=active, sub_state=sub, main_pid=4242 if active == "active" else None)
+                for u in units}
 
     def journal_tail(self, host, unit, lines=30):
         return JOURNAL
 
 
-class Silent:
+class Gateway:
+    """The gateway's /health: refused `refusals` times, then answering."""
+
+    def __init__(self, refusals: float = float("inf")):
+        self.refusals = refusals
+
     def client(self, host):
         return self
 
     def health(self):
-        raise Unreachable("connection refused")
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise Unreachable("connection refused")
 
 
 @pytest.mark.parametrize("job_fails, unit", [(True, "failed/failed"), (False, "failed/failed")],
@@ -51,9 +59,29 @@ def test_a_gateway_that_exits_at_its_start_fails_the_deploy_with_its_journal(mon
     monkeypatch.setattr(actions.membership, "update_one", lambda *a, **k: {})
     pool = Pool(job_fails=job_fails, unit=unit)
     with pytest.raises(DeployFailed) as err:
-        start_gateway(None, pool, Silent(), NODE, lambda s: None, restart=True, deadline_s=30)
+        start_gateway(None, pool, Gateway(), NODE, lambda s: None, restart=True, deadline_s=30)
     assert err.value.exit_code == 7
     assert err.value.message.startswith("gateway pdops-gateway.service on lab01 did not answer "
                                         "http://127.0.0.1:30000/health (unit failed/failed")
     assert ("`systemctl restart` exited 1" in err.value.message) == job_fails
     assert "Address already in use" in err.value.evidence
+
+
+def test_a_start_job_that_failed_once_is_waited_out_while_systemd_starts_it_again(monkeypatch):
+    """The cause was gone by systemd's next start (Restart=on-failure): the gateway answers within the
+    step's deadline, so the deploy goes on, as it does when the unit failed after its job."""
+    import pdops.steps.actions as actions
+
+    monkeypatch.setattr(actions.membership, "update_one", lambda *a, **k: {})
+    monkeypatch.setattr(actions.time, "sleep", lambda s: None)
+    pool = Pool(job_fails=True, unit="activating/auto-restart")
+    gw = Gateway(refusals=3)
+
+    def answered_after_restart(host, units):
+        return Pool(job_fails=False, unit="active/running" if gw.refusals == 0 else "activating/auto-restart"
+                    ).unit_states(host, units)
+
+    pool.unit_states = answered_after_restart
+    said = []
+    ev = start_gateway(None, pool, gw, NODE, said.append, restart=True, deadline_s=30)
+    assert ev["main_pid"] == 4242 and said == ["  gateway up on lab01: http://127.0.0.1:30000 (MainPID 4242)"]
