@@ -49,7 +49,7 @@ class RunContext:
     done: list[str] = field(default_factory=list)  # ids of the steps that completed (ok or noop)
     verdict: dict = field(default_factory=dict)  # what the record step adds to the verdict (the revision)
     timing: list = field(default_factory=list)  # the runner's own time per batch (bench/runner_overhead.py)
-    after_failed: list[str] = field(default_factory=list)  # rescue/always steps that failed: "<id>: <error>"
+    after_failed: list[str] = field(default_factory=list)  # rescue/always steps failed or cut short: "<id>: <why>"
     always_outcome: dict = field(default_factory=dict)  # what the plan's `always` steps verified and could not
     _outputs: dict = field(default_factory=dict, repr=False)
     _deadlines: dict = field(default_factory=dict, repr=False)
@@ -214,6 +214,9 @@ def run_rescue(steps: list[Step], ctx: RunContext, *, label: str = "rescue") -> 
             r = _run_step(ctx, step)
         except KeyboardInterrupt:
             ctx.journal.step(ctx.op, step.name, "interrupted", {**target, "error": "interrupted by the operator"})
+            # a way back cut short did not complete: this step and the ones after it, which never ran
+            ctx.after_failed += [f"{step.name}: interrupted by the operator"] + [
+                f"{s.name}: not run (interrupted before it)" for s in steps[n:]]
             raise
         except Exception as exc:  # noqa: BLE001 - journalled; the original failure is raised
             err = exc.render() if isinstance(exc, PdopsError) else f"{type(exc).__name__}: {exc}"

@@ -240,6 +240,29 @@ def test_always_steps_run_last_whatever_the_outcome_and_never_change_it(tmp_path
     assert any("last-a failed: " in u and "did not answer" in u for u in v["unverified"])
 
 
+def test_a_way_back_cut_short_by_a_second_ctrl_c_is_named_as_not_completed(tmp_path, registry):
+    """`inv probe` runs its way back (always steps) after Ctrl-C; a second Ctrl-C during it leaves the
+    pair as it was then: the interrupted step and those after it are what did not complete, so the
+    probe cannot say the baseline was restored."""
+    ran = []
+
+    def interrupt(c, s):
+        raise KeyboardInterrupt
+
+    registry.update({"ok": lambda c, s: ran.append(s.name) or Outcome(), "ctrl-c": interrupt})
+    plan = Plan("probe", "t", [Step("requests", None, "", kind="ctrl-c")],
+                always=[Step("probe-remove", None, "", kind="ctrl-c"), Step("restore", None, "", kind="ok")],
+                always_on_interrupt=True)
+    ctx = _ctx(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        walk(plan, ctx)
+    assert ran == []
+    assert ctx.after_failed == ["probe-remove: interrupted by the operator",
+                                "restore: not run (interrupted before it)"]
+    assert [(r["step"], r["status"]) for r in ctx.journal.read("op-1")][-1] == ("probe-remove", "interrupted")
+    assert "restore" not in [r["step"] for r in ctx.journal.read("op-1")]
+
+
 def test_a_step_reads_only_what_an_earlier_step_declared_it_gives_and_the_plan_is_checked_first(tmp_path, registry):
     """Outputs pass between steps only as declared: a plan whose step needs what no earlier step gives
     is refused before anything runs, and an executor that reads or gives an undeclared name fails."""
