@@ -242,3 +242,66 @@ def test_the_verdict_of_a_probe_names_its_result_where_the_pair_is_and_its_mixed
     assert v["verified"] == ["4 requests sent", "the revision's files, as a new revision"]
     assert v["unverified"] == ["mixed window: another request ran on d01"]
     assert "inv probe --note T3" in v["notes"][0]
+
+
+def test_a_probe_is_numbered_and_its_result_recorded_however_its_walk_and_its_way_back_end(tmp_path, registry):
+    """execute_probe on stand-in steps: a probe whose requests failed is a result (returned, exit 0); one
+    whose way back failed, or was cut short by a second Ctrl-C, is an error saying the pair may still run
+    the bundle; a Ctrl-C with the way back done is raised on. Every one is numbered (T1, T2, ...) and has
+    its probe-result record after its verdict."""
+    from types import SimpleNamespace
+
+    from pdops.errors import PdopsError
+    from pdops.model.placement import Placement
+    from pdops.ops.probe.execute import execute_probe
+    from pdops.ops.probe.plan import ProbePlan
+    from pdops.plans import Outcome, Step
+
+    record = StateDir("test", tmp_path / "state")
+    how = {}
+
+    def requests(ctx, s):
+        ctx.give(s, "probe_result", {"result": "0/4 ok", "outcomes": [], "signatures": [], "mixed_reasons": []})
+        if how["requests"] == "ctrl-c":
+            raise KeyboardInterrupt
+        if how["requests"] == "fail":
+            raise PdopsError("0 of 4 requests answered")
+        return Outcome(verified=["4 requests sent"])
+
+    def back(ctx, s):
+        if how["back"] == "fail":
+            raise PdopsError("the revision's files could not be put back")
+        if how["back"] == "ctrl-c":
+            raise KeyboardInterrupt
+        return Outcome(verified=["the pair's files are the revision's again"])
+
+    registry.bind({"measure": requests, "restore": back}, gives={"measure": ("probe_result",)})
+    p, d = SimpleNamespace(id="p01"), SimpleNamespace(id="d01")
+    plan = ProbePlan(inv=None, probe_inv=None, record=record, rev=SimpleNamespace(number=None),
+                     bundle=SimpleNamespace(name="T", as_dict=lambda: {"name": "T"}), mode="instances", pair=(p, d),
+                     baseline=Placement(SimpleNamespace(), ()), workload=(64, 32), requests=4, concurrency=2,
+                     timeout_s=60, keep=False, variables=[{"flag": "--chunked-prefill-size"}],
+                     steps=[Step("requests", None, "requests", kind="measure")],
+                     always=[Step("restore", None, "the way back", kind="restore")])
+
+    def probe(requests_end, back_end):
+        how.update(requests=requests_end, back=back_end)
+        return execute_probe(plan, lambda line: None, pool=None, gateways=None)
+
+    doc = probe("fail", "ok")
+    assert doc["probe"] == "T1" and doc["result"] == "0/4 ok" and doc["after"]["restored"] is True
+    assert doc["verified"] == ["the pair's files are the revision's again"]
+    with pytest.raises(PdopsError, match=r"probe T2 \(0/4 ok\): the way back did not complete: restore: "):
+        probe("pass", "fail")
+    with pytest.raises(KeyboardInterrupt):
+        probe("ctrl-c", "ok")
+    with pytest.raises(PdopsError, match=r"probe T4 .*the way back did not complete: restore: interrupted"):
+        probe("ctrl-c", "ctrl-c")
+    results = record.journal().tagged("step:probe-result")
+    assert [(r["evidence"]["probe"], r["status"], r["evidence"]["after"]["restored"]) for r in results] == [
+        ("T1", "ok", True), ("T2", "failed", False), ("T3", "ok", True), ("T4", "failed", False)]
+    for r in results:  # after its operation's verdict, under its lock
+        steps = [x["step"] for x in record.journal().read(r["op_id"])]
+        assert steps[-2:] == ["verdict", "probe-result"]
+    assert [record.journal().read(r["op_id"])[-2]["status"] for r in results] == \
+        ["failed", "failed", "interrupted", "interrupted"]
