@@ -86,7 +86,8 @@ def start_gateway(inv: Inventory, pool: HostPool, gateways: Gateways, node: Gate
         # the start job failed: smg exited while its ExecStartPost ran (its port taken, say), where on
         # another run it exits just after the job: a race. Either way systemd starts it again
         # (Restart=on-failure) and the wait below decides, as for a unit that failed after its job
-        job = f"; `systemctl {verb}` exited {exc.returncode}"
+        said = (exc.output or "").strip().splitlines()
+        job = f"; `systemctl {verb}` exited {exc.returncode}" + (f": {said[0][:160]}" if said else "")
     deadline = deadline_in(deadline_s)
     client = gateways.client(node.host)
     while True:
@@ -95,9 +96,12 @@ def start_gateway(inv: Inventory, pool: HostPool, gateways: Gateways, node: Gate
             break
         except (Unreachable, Unverified):
             st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]
-            if st.active_state == "failed" or time.monotonic() > deadline:
+            # after a failed job only a unit systemd is starting again is waited for (not one it cannot
+            # find or will not restart: that fails now)
+            gone = bool(job) and st.active_state not in ("activating", "active", "reloading")
+            if gone or st.active_state == "failed" or time.monotonic() > deadline:
                 raise DeployFailed(f"gateway {GATEWAY_UNIT} on {node.host} did not answer {node.url}/health "
-                                   f"(unit {st.active_state}/{st.sub_state}{job})",
+                                   f"(unit {st.load_state}/{st.active_state}/{st.sub_state}{job})",
                                    evidence=pool.journal_tail(node.host, GATEWAY_UNIT)) from None
             time.sleep(0.3)
     st = pool.unit_states(node.host, [GATEWAY_UNIT])[GATEWAY_UNIT]

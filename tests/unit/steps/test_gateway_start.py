@@ -27,8 +27,9 @@ class Pool:
         return SimpleNamespace(stdout="{}")
 
     def unit_states(self, host, units):
-        active, sub = self.unit.split("/")
-        return {u: SimpleNamespace(active_state=active, sub_state=sub, main_pid=4242 if active == "active" else None)
+        load, active, sub = self.unit.split("/") if self.unit.count("/") == 2 else ("loaded", *self.unit.split("/"))
+        return {u: SimpleNamespace(load_state=load, active_state=active, sub_state=sub,
+                                   main_pid=4242 if active == "active" else None)
                 for u in units}
 
     def journal_tail(self, host, unit, lines=30):
@@ -62,7 +63,7 @@ def test_a_gateway_that_exits_at_its_start_fails_the_deploy_with_its_journal(mon
         start_gateway(None, pool, Gateway(), NODE, lambda s: None, restart=True, deadline_s=30)
     assert err.value.exit_code == 7
     assert err.value.message.startswith("gateway pdops-gateway.service on lab01 did not answer "
-                                        "http://127.0.0.1:30000/health (unit failed/failed")
+                                        "http://127.0.0.1:30000/health (unit loaded/failed/failed")
     assert ("`systemctl restart` exited 1" in err.value.message) == job_fails
     assert "Address already in use" in err.value.evidence
 
@@ -85,3 +86,20 @@ def test_a_start_job_that_failed_once_is_waited_out_while_systemd_starts_it_agai
     said = []
     ev = start_gateway(None, pool, gw, NODE, said.append, restart=True, deadline_s=30)
     assert ev["main_pid"] == 4242 and said == ["  gateway up on lab01: http://127.0.0.1:30000 (MainPID 4242)"]
+
+
+def test_a_start_job_that_failed_on_a_unit_systemd_cannot_find_fails_at_once_with_what_systemctl_said(monkeypatch):
+    import pdops.steps.actions as actions
+
+    monkeypatch.setattr(actions.membership, "update_one", lambda *a, **k: {})
+    def waited(s):
+        raise AssertionError("waited for a unit systemd cannot find")
+
+    monkeypatch.setattr(actions.time, "sleep", waited)
+    pool = Pool(job_fails=True, unit="not-found/inactive/dead")
+    pool.run = lambda host, command, timeout=60: (_ for _ in ()).throw(
+        RemoteCommandFailed(host, command, 5, "Failed to restart pdops-gateway.service: Unit pdops-gateway.service "
+                                              "not found."))
+    with pytest.raises(DeployFailed, match=r"\(unit not-found/inactive/dead; `systemctl restart` exited 5: Failed to "
+                                           r"restart pdops-gateway.service: Unit pdops-gateway.service not found.\)"):
+        start_gateway(None, pool, Gateway(), NODE, lambda s: None, restart=True, deadline_s=30)
