@@ -13,6 +13,14 @@ def pytest_configure(config):
     """Under pytest-xdist each worker gets a lab of its own: worker gwK uses lab slot K (its own
     addresses, cgroup group and lab dir: pdops.lab.slot), so labs side by side never meet."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker and "PDOPS_INV_LOG" not in os.environ:
+        # the run's log of every `inv` a test runs (tests/lab/clusters.py: inv_cmd), read by the report
+        # below; set before the xdist workers start, so they inherit it
+        art = Path(os.environ.get("PDOPS_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
+        art.mkdir(parents=True, exist_ok=True)
+        log = art / "inv-commands.jsonl"
+        log.write_text("")
+        os.environ["PDOPS_INV_LOG"] = str(log)
     if worker.startswith("gw") and worker[2:].isdigit() and "PDOPS_LAB_SLOT" not in os.environ:
         os.environ["PDOPS_LAB_SLOT"] = worker[2:]
         if int(worker[2:]) and os.environ.get("PDOPS_LAB_DIR"):
@@ -130,6 +138,7 @@ def pytest_terminal_summary(terminalreporter):
         tr.section("lab worker-minutes per module (setup + call + teardown; the module's cluster included)")
         for module, sec in sorted(_lab_module_seconds.items(), key=lambda kv: -kv[1]):
             tr.write_line(f"{sec / 60:6.2f} min  {module}")
+    _report_inv_commands(tr)
     if len(_worker_modules) > 1:
         # where the run's tail is: each worker's lab modules, and when it finished its last test
         tr.section("each worker's lab modules (start-end, minutes into the run) and its last test")
@@ -137,3 +146,26 @@ def pytest_terminal_summary(terminalreporter):
             labs = [f"{m.rsplit('/', 1)[-1].removesuffix('.py')} {a / 60:.1f}-{b / 60:.1f}"
                     for m, a, b in ran if _area(m + "::") == "lab"]
             tr.write_line(f"{worker}: done at {ran[-1][2] / 60:.1f}; " + ", ".join(labs))
+
+
+def _report_inv_commands(tr) -> None:
+    """The `inv` commands the tests ran as an operator would, summed by task: how many, their wall
+    time and their CPU (theirs and their children's: ssh, Ansible), most wall time first."""
+    import json
+
+    path = os.environ.get("PDOPS_INV_LOG")
+    lines = Path(path).read_text().splitlines() if path and Path(path).exists() else []
+    if not lines:
+        return
+    by_task: dict[str, list[float]] = {}
+    for line in lines:
+        d = json.loads(line)
+        t = by_task.setdefault(d["task"], [0, 0.0, 0.0])
+        t[0] += 1
+        t[1] += d["wall_s"]
+        t[2] += d["cpu_s"]
+    tr.section(f"`inv` commands run by the tests, by task (wall and CPU minutes; log: {path})")
+    for task, (n, wall, cpu) in sorted(by_task.items(), key=lambda kv: -kv[1][1]):
+        tr.write_line(f"{task:<22} {n:>4} runs  wall {wall / 60:6.2f} min  CPU {cpu / 60:6.2f} min")
+    n, wall, cpu = (sum(t[i] for t in by_task.values()) for i in range(3))
+    tr.write_line(f"{'all':<22} {n:>4} runs  wall {wall / 60:6.2f} min  CPU {cpu / 60:6.2f} min")

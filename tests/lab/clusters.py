@@ -132,11 +132,39 @@ def _wait_ssh_banner(addr: str, timeout: float) -> None:
 
 
 def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `inv <args>` from the repository, as an operator would (`env`: added to the environment)."""
+    """Run `inv <args>` from the repository, as an operator would (`env`: added to the environment).
+    Its wall and CPU time (its own and its children's: ssh, Ansible) go to the run's command log,
+    which the end-of-run report sums by task (tests/conftest.py)."""
     import os
 
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    t0, cpu0 = time.monotonic(), _children_cpu()
+    try:
+        return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    finally:
+        log_command(args, time.monotonic() - t0, _children_cpu() - cpu0)
+
+
+def _children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def log_command(args: Sequence[str], wall_s: float, cpu_s: float) -> None:
+    """One line in the run's command log ($PDOPS_INV_LOG, set by tests/conftest.py; none: not logged):
+    the task (its first word that is not an option), its wall and CPU seconds, and the test."""
+    import os
+
+    path = os.environ.get("PDOPS_INV_LOG")
+    if not path:
+        return
+    task = next((a for a in args if not a.startswith("-")), "?")
+    line = {"task": task, "wall_s": round(wall_s, 2), "cpu_s": round(cpu_s, 2),
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+    with open(path, "a") as f:  # one short write per line: the workers' lines do not interleave
+        f.write(json.dumps(line) + "\n")
 
 
 def cli(inv_dir: Path, *args, timeout=600) -> subprocess.CompletedProcess:
