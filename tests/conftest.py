@@ -29,26 +29,30 @@ def pytest_configure(config):
 
 # `make test` hands whole test files to its xdist workers in collection order (--dist loadfile
 # --no-loadscope-reorder; xdist's own order is "most tests first", which put the one-test soak last
-# and made it the run's tail). The longest lab modules go first, measured on a fresh run (worker-
-# minutes, `make test`'s own report); the many short unit files come last and fill the gaps.
-LONGEST_FIRST = (
-    "tests/lab/test_soak_lab.py",
-    "tests/lab/test_real_engine.py",
-    "tests/lab/test_change.py",
-    "tests/lab/test_repair.py",
-    "tests/lab/test_generation_lab.py",
-    "tests/lab/test_probe_lab.py",
-    "tests/lab/test_sweep_lab.py",
-)
+# and made it the run's tail). Every lab module goes longest first, by its worker-minutes in a fresh
+# `make test` (its own report, 2026-12-07, a1da58c), so that the last ones handed out are the short
+# ones and the workers end together; a lab module not in the table goes before them all (its length
+# is unknown: early, it cannot become the tail). The many short unit files come last and fill the gaps.
+LAB_MODULE_MINUTES = {
+    "tests/lab/test_real_engine.py": 8.66, "tests/lab/test_change.py": 7.11, "tests/lab/test_soak_lab.py": 6.38,
+    "tests/lab/test_repair.py": 5.86, "tests/lab/test_generation_lab.py": 4.36, "tests/lab/test_probe_lab.py": 3.93,
+    "tests/lab/test_recovery.py": 3.02, "tests/lab/test_admission_lab.py": 2.92, "tests/lab/test_gateways_lab.py": 2.90,
+    "tests/lab/test_record_etcd_lab.py": 2.76, "tests/lab/test_verifiers.py": 2.53, "tests/lab/test_scale.py": 2.25,
+    "tests/lab/test_sweep_lab.py": 1.89, "tests/lab/test_gateway_lab.py": 1.71, "tests/lab/test_report_lab.py": 1.58,
+    "tests/lab/test_drain.py": 1.44, "tests/lab/test_deploy.py": 1.42, "tests/lab/test_runner_lab.py": 0.96,
+    "tests/lab/test_shared_record.py": 0.91, "tests/lab/test_observability_lab.py": 0.70, "tests/lab/test_lab.py": 0.57,
+    "tests/lab/test_preflight_lab.py": 0.38,
+}
 _AREA_ORDER = {"lab": 1, "sim": 2, "integration": 3, "contract": 4, "unit": 5}
 
 
 def pytest_collection_modifyitems(config, items):
-    def rank(item) -> tuple[int, int]:
+    def rank(item) -> tuple[int, float]:
         path = item.nodeid.split("::", 1)[0]
-        if path in LONGEST_FIRST:
-            return 0, LONGEST_FIRST.index(path)
-        return _AREA_ORDER.get(_area(item.nodeid), 6), 0
+        area = _area(item.nodeid)
+        if area == "lab":
+            return 1, -LAB_MODULE_MINUTES.get(path, float("inf"))
+        return _AREA_ORDER.get(area, 6), 0.0
 
     items.sort(key=rank)  # stable: each file keeps its own order
 
