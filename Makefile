@@ -52,19 +52,15 @@ $(STAMP): pyproject.toml requirements/contract.txt scripts/setup-system.sh
 	$(GATEWAY_VENV)/bin/python -m pip install -q $(SMG)
 	touch $(STAMP)
 
-# Four pytest-xdist workers for the lab, a test file each at a time (module fixtures stay whole), handed
-# out in the order tests/conftest.py sorts them (every lab module longest first); each boots a lab of its
-# own (lab slot = worker number: pdops.lab.slot). A fifth takes only the files that boot no lab (unit,
-# contract, integration, sim: tests/conftest.py LabWorkersFirst), from the start, not after the last lab
-# module. The suite keeps both cores busy (vmstat: 0-1 % idle in its first half): a fourth worker took
-# the run from 19 min 38 s to 18 min 09 s on a fresh clone, every lab module a little longer (71
-# worker-min, was 58); a fifth one for the lab took 16 min 36 s to 18 min 01 s (the machine under 1 %
-# idle throughout: docs/bench.md).
+# Four pytest-xdist workers, a test file each at a time (module fixtures stay whole), handed out in
+# the order tests/conftest.py sorts them (the longest lab modules first); each worker that reaches a
+# lab test boots a lab of its own (lab slot = worker number: pdops.lab.slot). The suite keeps both
+# cores busy (vmstat: 0-1 % idle in its first half): a fourth worker took the run from 19 min 38 s
+# to 18 min 09 s on a fresh clone, every lab module a little longer (71 worker-min, was 58); a fifth
+# took 16 min 36 s to 18 min 01 s (the machine under 1 % idle throughout: docs/bench.md).
 TEST_WORKERS ?= 4
-TEST_LIGHT_WORKERS ?= 1
 test: $(STAMP) $(ENGINE_STAMP)
-	PDOPS_TEST_LAB_WORKERS=$(TEST_WORKERS) $(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider \
-	  -n $$(($(TEST_WORKERS) + $(TEST_LIGHT_WORKERS))) --dist loadfile --no-loadscope-reorder -m "not fleet" tests
+	$(VENV)/bin/pytest -ra --durations=30 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not fleet" tests
 
 # The fleet-size lab tests (issue #35): deploy, status, verify and a drain on 32 lab hosts; about
 # 3 minutes, too long for `make test`'s time goal. Lab slot: $PDOPS_LAB_SLOT (default 0).

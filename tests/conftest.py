@@ -4,7 +4,6 @@ import time
 from pathlib import Path
 
 import pytest
-from xdist.scheduler import LoadFileScheduling
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -56,36 +55,6 @@ def pytest_collection_modifyitems(config, items):
         return _AREA_ORDER.get(area, 6), 0.0
 
     items.sort(key=rank)  # stable: each file keeps its own order
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`make test` ($PDOPS_TEST_LAB_WORKERS=K, -n K+1 or more): workers gw0..gw(K-1) take the files in
-    order, lab modules first; the others take only files that boot no lab, from the start of the run
-    (not at its end, where they were the tail after the last lab module)."""
-    lab_workers = int(os.environ.get("PDOPS_TEST_LAB_WORKERS") or 0)
-    if lab_workers and config.getvalue("dist") == "loadfile":
-        return LabWorkersFirst(config, log, lab_workers)
-    return None
-
-
-class LabWorkersFirst(LoadFileScheduling):
-    """xdist's file-at-a-time scheduling, but a worker numbered `lab_workers` or above never gets a
-    lab file (it boots no lab): it takes the first file of another area still waiting."""
-
-    def __init__(self, config, log, lab_workers: int):
-        super().__init__(config, log)
-        self.lab_workers = lab_workers
-
-    def _assign_work_unit(self, node) -> None:
-        wid = node.gateway.id
-        if wid.startswith("gw") and int(wid[2:]) >= self.lab_workers:
-            scope = next((s for s in self.workqueue if _area(s) != "lab"), None)
-            if scope is None:  # only lab files are left: they are the lab workers'
-                node.shutdown()
-                return
-            self.workqueue.move_to_end(scope, last=False)
-        super()._assign_work_unit(node)
 
 
 @pytest.fixture
@@ -180,7 +149,7 @@ def pytest_terminal_summary(terminalreporter):
         for worker, ran in sorted(_worker_modules.items()):
             labs = [f"{m.rsplit('/', 1)[-1].removesuffix('.py')} {a / 60:.1f}-{b / 60:.1f}"
                     for m, a, b in ran if _area(m + "::") == "lab"]
-            tr.write_line(f"{worker}: done at {ran[-1][2] / 60:.1f}; " + (", ".join(labs) or "no lab module"))
+            tr.write_line(f"{worker}: done at {ran[-1][2] / 60:.1f}; " + ", ".join(labs))
 
 
 def _report_inv_commands(tr) -> None:
