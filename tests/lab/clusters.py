@@ -8,6 +8,8 @@ import re
 
 import contextlib
 import json
+import os
+import resource
 import urllib.parse
 import urllib.request
 import subprocess
@@ -135,8 +137,6 @@ def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.Completed
     """Run `inv <args>` from the repository, as an operator would (`env`: added to the environment).
     Its wall and CPU time (its own and its children's: ssh, Ansible) go to the run's command log,
     which the end-of-run report sums by task (tests/conftest.py)."""
-    import os
-
     t0, cpu0 = time.monotonic(), _children_cpu()
     try:
         return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
@@ -146,8 +146,6 @@ def inv_cmd(*args, timeout=600, env: dict | None = None) -> subprocess.Completed
 
 
 def _children_cpu() -> float:
-    import resource
-
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
@@ -155,8 +153,6 @@ def _children_cpu() -> float:
 def log_command(args: Sequence[str], wall_s: float, cpu_s: float) -> None:
     """One line in the run's command log ($PDOPS_INV_LOG, set by tests/conftest.py; none: not logged):
     the task (its first word that is not an option), its wall and CPU seconds, and the test."""
-    import os
-
     path = os.environ.get("PDOPS_INV_LOG")
     if not path:
         return

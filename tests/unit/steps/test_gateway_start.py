@@ -92,14 +92,17 @@ def test_a_start_job_that_failed_on_a_unit_systemd_cannot_find_fails_at_once_wit
     import pdops.steps.actions as actions
 
     monkeypatch.setattr(actions.membership, "update_one", lambda *a, **k: {})
+
     def waited(s):
         raise AssertionError("waited for a unit systemd cannot find")
 
+    def systemctl(host, command, timeout=60):
+        raise RemoteCommandFailed(host, command, 5, "Failed to restart pdops-gateway.service: Unit "
+                                                    "pdops-gateway.service not found.")
+
     monkeypatch.setattr(actions.time, "sleep", waited)
     pool = Pool(job_fails=True, unit="not-found/inactive/dead")
-    pool.run = lambda host, command, timeout=60: (_ for _ in ()).throw(
-        RemoteCommandFailed(host, command, 5, "Failed to restart pdops-gateway.service: Unit pdops-gateway.service "
-                                              "not found."))
+    pool.run = systemctl
     with pytest.raises(DeployFailed, match=r"\(unit not-found/inactive/dead; `systemctl restart` exited 5: Failed to "
                                            r"restart pdops-gateway.service: Unit pdops-gateway.service not found.\)"):
         start_gateway(None, pool, Gateway(), NODE, lambda s: None, restart=True, deadline_s=30)
