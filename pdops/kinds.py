@@ -55,8 +55,8 @@ KINDS: dict[str, Kind] = {
     "kill-survivors": Kind("pdops.steps.stop:do_kill_survivors"),
     "verify-gone": Kind("pdops.steps.stop:do_verify_gone"),
     # pdops.steps.record
-    "record-deploy": Kind("pdops.steps.record:do_record_deploy", needs=("workers", "build", "running", "main_pids?")),
-    "record-repair": Kind("pdops.steps.record:do_record_repair", needs=("workers?", "running?")),
+    "record-deploy": Kind("pdops.steps.record:do_record_deploy", gives=("revision",), needs=("workers", "build", "running", "main_pids?")),
+    "record-repair": Kind("pdops.steps.record:do_record_repair", gives=("revision",), needs=("workers?", "running?")),
     "record-drain": Kind("pdops.steps.record:do_record_drain"),
     "lost-work": Kind("pdops.steps.record:do_lost_work", gives=("lost_work",)),
     "status-baseline": Kind("pdops.steps.record:do_status_baseline"),
@@ -81,7 +81,7 @@ KINDS: dict[str, Kind] = {
     "etcd-member-start": Kind("pdops.ops.record_store:do_etcd_member_start"),
     # pdops.ops.scale.execute
     "retire-gateway": Kind("pdops.ops.scale.execute:do_retire_gateway"),
-    "record-scale": Kind("pdops.ops.scale.execute:do_record_scale", needs=("workers?", "build?", "main_pids?", "running?", "lost_work?")),
+    "record-scale": Kind("pdops.ops.scale.execute:do_record_scale", gives=("revision", "topology", "lost"), needs=("workers?", "build?", "main_pids?", "running?", "lost_work?")),
     "deliver-wave": Kind("pdops.ops.scale.execute:do_deliver_wave", needs=("build",)),
     "gateway-restart": Kind("pdops.ops.scale.execute:do_gateway_restart"),
     # pdops.ops.scale.fence_exec

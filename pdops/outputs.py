@@ -29,6 +29,9 @@ OUTPUTS: dict[str, str] = {
     "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
     "halt_record": "what a halted change's failed verdict records (current, partial, live, replaced, out of service, ...)",
     "failure": "the error of the step that failed, for the rescue steps that answer it (given by the runner itself)",
+    "revision": "the number of the revision this operation recorded and made current (its verdict reports it)",
+    "topology": "the topology of the revision a change recorded (its verdict reports it)",
+    "lost": "a repair: the request ids the repaired instance's ended process lost (its verdict reports them)",
     "admission_keys": "admission host -> what its check read: {main_pid, added, revoked} (a key rotation)",
     "canary_evidence": "what a probe's canary saw (its first attempt failed or not)",
     "bench_mark": "the record's mark when a bench starts (pdops.ops.bench.run.RevisionMark): current, newest, pointer",
@@ -47,3 +50,7 @@ OUTPUTS: dict[str, str] = {
     "source_record": "the whole record a migration copies: revisions, snapshots, current, journal lines (a dict)",
     "etcd_running": "the etcd members already running the unit pdops renders (a list of hosts)",
 }
+
+# The outputs an operation's verdict reports, as its steps gave them (pdops.runner.walk_body): what
+# the operator reads after it (`inv deploy` prints the revision), never written by an executor itself.
+REPORTED: tuple[str, ...] = ("revision", "topology", "lost")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from pdops.errors import PdopsError, Unverified
 from pdops.fanout import run_parallel
 from pdops import kinds
-from pdops.outputs import OUTPUTS
+from pdops.outputs import OUTPUTS, REPORTED
 from pdops.plans import Outcome, Plan, Step
 
 
@@ -47,7 +47,6 @@ class RunContext:
     old_placement: Any = None
     replacing: frozenset = frozenset()
     done: list[str] = field(default_factory=list)  # ids of the steps that completed (ok or noop)
-    verdict: dict = field(default_factory=dict)  # what the record step adds to the verdict (the revision)
     timing: list = field(default_factory=list)  # the runner's own time per batch (bench/runner_overhead.py)
     after_failed: list[str] = field(default_factory=list)  # rescue/always steps failed or cut short: "<id>: <why>"
     always_outcome: dict = field(default_factory=dict)  # what the plan's `always` steps verified and could not
@@ -199,7 +198,14 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]
     verdict["unverified"] += last["unverified"]
-    return verdict
+    return {**verdict, **reported(ctx)}
+
+
+def reported(ctx: RunContext) -> dict:
+    """What the walk's verdict reports from its steps' outputs (pdops.outputs.REPORTED: the revision
+    recorded, ...), as they gave them: no executor writes the verdict."""
+    with ctx._lock:
+        return {name: ctx._outputs[name] for name in REPORTED if name in ctx._outputs}
 
 
 def run_rescue(steps: list[Step], ctx: RunContext, *, label: str = "rescue") -> dict:
@@ -281,7 +287,7 @@ def run_steps(steps: list[Step], ctx: RunContext, *, progress: bool = True) -> d
                 first.message = f"{len(failed)} of {len(batch)} steps failed ({', '.join(failed)}); first: " \
                                 + first.message
             raise first
-    return {"verified": verified, "unverified": unverified, "noops": noops, **ctx.verdict}
+    return {"verified": verified, "unverified": unverified, "noops": noops}
 
 
 def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
@@ -302,8 +308,8 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
         if note and isinstance(exc, PdopsError):
             exc.message += "\n" + note
         raise
-    ctx.give(step, "plan_verdicts", {step.name: dict(child.verdict)})
-    return Outcome(evidence={"walked": sub.operation, "steps": len(sub.steps), **child.verdict},
+    ctx.give(step, "plan_verdicts", {step.name: reported(child)})
+    return Outcome(evidence={"walked": sub.operation, "steps": len(sub.steps), **reported(child)},
                    verified=got["verified"], unverified=got["unverified"])
 
 

@@ -69,7 +69,7 @@ def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
                                           "last_bootstrap": last_bootstrap_ports({}, pl)},
                                    snapshot=snapshot_of(ctx.inv, files))
     ctx.record.set_current(rev.number)
-    ctx.verdict["revision"] = rev.number
+    ctx.give(step, "revision", rev.number)
     return Outcome(evidence={"revision": rev.number}, verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
 
 
@@ -101,7 +101,7 @@ def do_record_repair(ctx: RunContext, step: Step) -> Outcome:
                                    snapshot=ctx.record.revision_snapshot(live.number) if same_inventory
                                    else snapshot_of(ctx.inv, files))
     ctx.record.set_current(rev.number)
-    ctx.verdict["revision"] = rev.number
+    ctx.give(step, "revision", rev.number)
     return Outcome(evidence={"revision": rev.number, "main_pids": seen, "inventory_hash": ctx.inv.digest},
                    verified=[f"revision {rev.number} records the repair of revision {live.number}: every unit "
                              "active, MainPIDs as read from systemd now"])

@@ -300,9 +300,10 @@ def do_record_scale(ctx: RunContext, step: Step) -> Outcome:
     rev = record_change(plan, ctx.record, ctx.op, ctx.get(step, "workers", {}), ctx.get(step, "build"),
                         ctx.get(step, "main_pids"), ctx.get(step, "running"), ctx.get(step, "lost_work", {}))
     ctx.record.set_current(rev.number)
-    ctx.verdict.update(revision=rev.number, topology=str(plan.target.topology))
+    ctx.give(step, "revision", rev.number)
+    ctx.give(step, "topology", str(plan.target.topology))
     if plan.repair:  # what the repaired instance's ended process lost (its lost-work step named it)
-        ctx.verdict["lost"] = (rev.extra.get("repair") or {}).get("lost") or []
+        ctx.give(step, "lost", (rev.extra.get("repair") or {}).get("lost") or [])
     return Outcome(evidence={"revision": rev.number},
                    verified=[f"revision {rev.number} ({plan.target.topology}) recorded and current; kept "
                              f"{', '.join(i.id for i in plan.kept) or 'none'} untouched "

@@ -360,3 +360,22 @@ def test_a_step_keyed_on_an_instance_runs_only_for_the_instances_an_earlier_step
     assert recs["undo p02"]["status"] == "ok" and recs["undo p03"]["status"] == "noop"
     assert "only if p03 in undo_drain" in recs["undo p03"]["evidence"]["reason"]
     assert Step("x", None, "", kind="note", when=("undo_drain", False, "p03")).holds({"p02"})
+
+
+def test_the_verdict_reports_the_revision_a_step_gave_and_a_walked_plan_keeps_its_own(tmp_path, registry):
+    """The revision in a verdict is the output the record step gave (pdops.outputs.REPORTED), not a
+    field an executor writes: the operation's verdict reports its own record step's revision, a
+    walk-plan step's plan_verdicts the one its plan recorded, and neither leaks into the other."""
+    import pdops.runner as runner
+
+    registry.bind({"walk-plan": runner.do_walk_plan,
+                   "record": lambda c, s: c.give(s, "revision", s.params["n"]) or Outcome(verified=["recorded"]),
+                   "note": lambda c, s: Outcome()},
+                  gives={"walk-plan": ("plan_verdicts",), "record": ("revision",)})
+    inner = Plan("inner", "inner", [Step("inner: record", None, "", kind="record", params={"n": 8})])
+    plan = Plan("demo", "t", [Step("walk", None, "", kind="walk-plan", params={"plan": inner}),
+                              Step("record", None, "", kind="record", params={"n": 7})])
+    ctx = _ctx(tmp_path)
+    v = walk(plan, ctx)
+    assert v["revision"] == 7 and ctx.output("plan_verdicts") == {"walk": {"revision": 8}}
+    assert "revision" not in walk(Plan("demo", "t", [Step("only", None, "", kind="note")]), _ctx(tmp_path))
