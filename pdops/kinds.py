@@ -96,7 +96,7 @@ KINDS: dict[str, Kind] = {
     "restore-canary": Kind("pdops.ops.scale.rescue:do_restore_canary", gives=("restore_canaried", "not_restored"), needs=("restore?",)),
     "restore-register": Kind("pdops.ops.scale.rescue:do_restore_register", gives=("workers", "restored", "not_restored")),
     "restore-list": Kind("pdops.ops.scale.rescue:do_restore_list", needs=("restored?",)),
-    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_verdict", "halt_record"), needs=("failure?", "drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?", "plan_verdicts?", "undo_drain?", "undo_stop?", "restored?", "not_restored?")),
+    "record-halt": Kind("pdops.ops.scale.rescue:do_record_halt", gives=("halt_record",), needs=("drained?", "replaced_out?", "left_gateway?", "halt?", "workers?", "main_pids?", "plan_verdicts?", "undo_drain?", "undo_stop?", "restored?", "not_restored?")),
     # pdops.ops.bench.run
     "bench-mark": Kind("pdops.ops.bench.run:do_bench_mark", gives=("bench_mark",)),
     "bench-load": Kind("pdops.ops.bench.run:do_bench_load", gives=("bench_rows",)),
@@ -113,4 +113,13 @@ KINDS: dict[str, Kind] = {
     "end-orphans": Kind("pdops.steps.orphans:do_end_orphans", gives=("orphans_ended",)),
     # pdops.runner
     "walk-plan": Kind("pdops.runner:do_walk_plan", gives=("plan_verdicts",)),
+}
+
+
+# What a failed walk adds to its error once its rescue has run, by the name a plan gives it
+# (pdops.plans.Plan.failure_line): "module:function" (a test may bind a function itself) of the walk's context, read once the walk is over
+# (its outputs), imported when needed (pdops.runner.failure_line), and what the dry run says it writes.
+FAILURE_LINES: dict[str, tuple[str, str]] = {
+    "halted-change": ("pdops.ops.scale.rescue:halted_change_line",
+                      "the verdict line of a halted change (what is current, what runs, what was undone)"),
 }

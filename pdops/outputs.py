@@ -26,9 +26,8 @@ OUTPUTS: dict[str, str] = {
     "not_restored": "why each instance to restore was not: its canary or its registration failed (a list)",
     "undo_drain": "the ids of the instances a halted change started and registered, which its rescue drains (a set)",
     "undo_stop": "the ids of the instances a halted change started, never registered, which its rescue stops (a set)",
-    "halt_verdict": "the verdict line of a halted change (what is current, what runs)",
-    "halt_record": "what a halted change's failed verdict records (current, partial, live, replaced, out of service, ...)",
-    "failure": "the error of the step that failed, for the rescue steps that answer it (given by the runner itself)",
+    "halt_record": "what a halted change's failed verdict records (current, partial, live, replaced, out of service, "
+                   "...), and its verdict line is written from (pdops.kinds.FAILURE_LINES)",
     "revision": "the number of the revision this operation recorded and made current (its verdict reports it)",
     "topology": "the topology of the revision a change recorded (its verdict reports it)",
     "lost": "a repair: the request ids the repaired instance's ended process lost (its verdict reports them)",

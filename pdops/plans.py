@@ -125,6 +125,9 @@ class Plan:
     # behind); other plans stop at once on Ctrl-C
     always_on_interrupt: bool = False
     suffix: dict = field(default_factory=dict)  # step id -> text printed after its line (a change's capacity)
+    # what a failed walk adds to its error after the rescue, written from the outputs the rescue gave
+    # (a name in pdops.kinds.FAILURE_LINES: a halted change's verdict line); None: the error alone
+    failure_line: str | None = None
 
     def step_ids(self) -> list[str]:
         return [s.name for s in self.steps]
@@ -173,6 +176,8 @@ class Plan:
                 elif not need.endswith("?") and name not in before:
                     errors.append(f"step {num} ({s.name}) needs {name!r} ({OUTPUTS[name]}), which no step before it gives")
             given |= set(s.gives)
+        if self.failure_line is not None and self.failure_line not in kinds.FAILURE_LINES:
+            errors.append(f"the plan's failure line {self.failure_line!r} is not in pdops.kinds.FAILURE_LINES")
         if errors:
             raise PdopsError(f"the {self.operation} plan's steps do not fit together: " + "; ".join(errors)
                              + ": nothing was run", fix="a pdops bug to report")
@@ -192,7 +197,9 @@ class Plan:
 
         for num, s in self._numbered():
             if num == "R1":
-                lines.append("  if a step fails, then (rescue), and the failure is reported:")
+                line = kinds.FAILURE_LINES.get(self.failure_line or "", ("", ""))[1]
+                lines.append("  if a step fails, then (rescue), and the failure is reported"
+                             + (f" with {line}" if line else "") + ":")
             if num == "A1":
                 lines.append("  whatever the outcome, last (always):")
             lines.append((f"  {num:>2}. " if num[0] not in "RA" else f"  {num}. ") + s.line() + self.suffix.get(s.name, ""))

@@ -125,6 +125,22 @@ def executor(kind: str) -> Executor | None:
     return fn
 
 
+def failure_line(name: str) -> Callable[[RunContext], str]:
+    """The function that writes the line a failed walk adds to its error (pdops.kinds.FAILURE_LINES),
+    imported the first time a walk needs it."""
+    target = kinds.FAILURE_LINES[name][0]
+    if callable(target):  # a test may bind a function itself
+        return target
+    fn = _LINES.get(name)
+    if fn is None:
+        module, attr = target.split(":")
+        fn = _LINES[name] = getattr(importlib.import_module(module), attr)
+    return fn
+
+
+_LINES: dict[str, Callable[[RunContext], str]] = {}
+
+
 def operator_cpu_s() -> float:
     """CPU seconds spent by this machine for the operation so far: this process (every thread) and
     the children it has waited for (ansible-playbook with its forks, ssh). Journalled per batch of
@@ -180,7 +196,9 @@ def walk(plan: Plan, ctx: RunContext) -> dict:
 def walk_body(plan: Plan, ctx: RunContext) -> dict:
     """A plan's steps, then on a failure its rescue, then (either way) its always steps: the one walk
     of a plan, whether it is the operation's or a plan one of its steps walks (:func:`do_walk_plan`).
-    Returns what the steps and the always steps verified and could not; re-raises the first failure."""
+    Returns what the steps and the always steps verified and could not, and what the verdict reports
+    (:func:`reported`); re-raises the first failure, with the plan's failure line added (written from
+    what its rescue gave: a halted change's verdict line, :func:`failure_line`)."""
     try:
         verdict = run_steps(plan.steps, ctx)
     except KeyboardInterrupt:
@@ -190,10 +208,10 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
         raise
     except Exception as exc:
         if plan.rescue:
-            with ctx._lock:  # the one output no step gives: what the rescue answers (pdops.outputs)
-                ctx._outputs["failure"] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             run_rescue(plan.rescue, ctx)
         ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
+        if plan.failure_line is not None and isinstance(exc, PdopsError):
+            exc.message += "\n" + failure_line(plan.failure_line)(ctx)
         raise
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]
@@ -294,20 +312,15 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
     """A step that walks a whole plan declared in its params (printed under it by the dry run and
     listed in the journal's `plan` record): its steps, its rescue on a failure, its always steps,
     in a context of its own (`inv`, `placement`, `old_placement`, `replacing` from the params;
-    outputs of its own), under the lock and journal of the operation. A failure is raised with
-    the rescue's verdict line (`halt_verdict`) added. Gives its verdict in `plan_verdicts`."""
+    outputs of its own), under the lock and journal of the operation. A failure is raised as the walk
+    raised it (with the plan's failure line added: :func:`walk_body`). Gives its verdict in
+    `plan_verdicts`."""
     sub: Plan = step.params["plan"]
     child = RunContext(step.params.get("inv", ctx.inv), ctx.record, ctx.op, ctx.say, ctx.pool, ctx.gateways,
                        placement=step.params.get("placement", ctx.placement),
                        old_placement=step.params.get("old_placement", ctx.old_placement),
                        replacing=frozenset(step.params.get("replacing", ())))
-    try:
-        got = walk_body(sub, child)
-    except Exception as exc:
-        note = child.output("halt_verdict")
-        if note and isinstance(exc, PdopsError):
-            exc.message += "\n" + note
-        raise
+    got = walk_body(sub, child)
     ctx.give(step, "plan_verdicts", {step.name: reported(child)})
     return Outcome(evidence={"walked": sub.operation, "steps": len(sub.steps), **reported(child)},
                    verified=got["verified"], unverified=got["unverified"])

@@ -24,7 +24,7 @@ def _note(rev: Revision) -> str:
         return " ".join(parts)
     if x.get("drained"):
         return f"drain -{x['drained']}"
-    if x.get("scale_failed"):
+    if x.get("halted") or x.get("scale_failed"):  # scale_failed: the error's text, in records before 2026-12
         return f"stopped midway from {x.get('from_revision')} towards {x.get('target')}"
     return "deploy"
 

@@ -139,7 +139,8 @@ class ScalePlan:
                           **({"fence": self.fence} if self.fence else {}),
                           **({"observed": {"not_serving": self.seen.not_serving, "gateway": self.seen.gateway}}
                              if self.seen is not None else {})},
-                    rescue=self.rescue, always=always_steps(), suffix=self._capacity_after())
+                    rescue=self.rescue, always=always_steps(), suffix=self._capacity_after(),
+                    failure_line="halted-change")
 
     def _capacity_after(self) -> dict[str, str]:
         """Step id -> the serving capacity after it, for the steps that change it."""

@@ -315,13 +315,12 @@ def execute_scale(plan: ScalePlan, record: StateDir, say: Say = print, *, pool: 
     """Walk a change plan (scale, rollback, repair, a deploy's change) under the cluster lock
     (pdops.ops.operate.run_operation; `op`: an operation whose lock the caller holds, `inv sweep`
     between its rows); returns the verdict (with the new revision). Raises ScaleFailed, its message
-    ending with the verdict line the plan's rescue wrote, after undoing what it can."""
+    ending with the verdict line written from what the plan's rescue recorded (its failure line,
+    pdops.ops.scale.rescue.halted_change_line), after undoing what it can."""
     if plan.noop:
         raise Refused(f"nothing to do: {plan.noop}")
 
     def failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
-        exc.message += "\n" + ctx.output("halt_verdict", "verdict: the rescue did not finish (see the journal: "
-                                                          f"`inv history --op {ctx.op}`); read `inv status`")
         return "failed", ctx.output("halt_record") or {"completed": ctx.done}
 
     try:

@@ -142,10 +142,11 @@ def do_restore_list(ctx: RunContext, step: Step) -> Outcome:
 
 def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     """R3: what runs after the rescue, recorded (a `partial` revision when something was stopped or
-    replaced, naming the failure the runner gave the rescue), and the verdict line and the evidence of the
-    failed verdict given to the operation (pdops.ops.operate.run_operation journals it)."""
+    replaced), and what the failed verdict records (`halt_record`: what is current, what runs, what was
+    undone and what was not). The journal holds the failure itself, under the step that failed; the
+    line the operator reads is written from `halt_record` once the walk is over (:func:`halted_change_line`,
+    the plan's `failure_line`)."""
     plan: ChangeFacts = step.params["change"]
-    why = ctx.get(step, "failure", "the walk stopped")
     halt = {**ctx.get(step, "halt", {}), **undo_outcome(step, ctx)}
     workers, main_pids = dict(ctx.get(step, "workers", {})), ctx.get(step, "main_pids", {})
     removed_ids = {i.id for i in plan.removed} | {i.id for i in plan.replaced}
@@ -156,39 +157,65 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
     out_of_gateway = [i for i in ctx.get(step, "left_gateway", []) if i not in drained and i not in replaced_out
                       and i not in down and i not in restored]
     if replaced_out:
-        verdict, rev = _halt_rolling(plan, ctx, why, drained + down, replaced_out, halt, workers, main_pids)
+        how, rev, live = "rolling", *_halt_rolling(plan, ctx, drained + down, replaced_out, halt, workers, main_pids)
     elif drained or down:
-        verdict, rev = _halt_partial(plan, ctx, why, drained + down, halt, workers)
+        how, rev, live = "partial", *_halt_partial(plan, ctx, drained + down, halt, workers)
     else:
-        live = [i.id for i in plan.current_placement.instances]
-        verdict, rev = (f"verdict: the change stopped; current revision unchanged: {plan.current.number} "
-                        f"({plan.current.topology}); live now: {', '.join(live)}"), None
-    verdict += f"; undone: {', '.join(halt.get('undone', [])) or 'nothing was started'}"
-    if restored:
-        verdict += f"; back in service (were out of the gateway, never stopped): {', '.join(restored)}"
-    if down:
-        verdict += f"; out of service (left the gateway, not running now): {', '.join(down)}"
-    why_not = list(ctx.get(step, "not_restored", []))
-    if out_of_gateway:
-        verdict += (f"; OUT OF THE GATEWAY but running, not restored: {', '.join(out_of_gateway)} "
-                    + (f"({'; '.join(why_not)}) " if why_not else "") + "(`inv deploy` puts them back)")
-    if halt.get("left"):
-        verdict += "; NOT undone: " + "; ".join(halt["left"])
-    ctx.give(step, "halt_verdict", verdict)
+        how, rev, live = "unchanged", None, [i.id for i in plan.current_placement.instances]
     ctx.give(step, "halt_record", {  # the failed verdict's evidence (pdops.ops.operate.run_operation journals it)
-        "current": rev.number if rev else plan.current.number, "partial": rev is not None,
-        "live": sorted(rev.instances) if rev else [i.id for i in plan.current_placement.instances],
-        "replaced": halt.get("replaced", []), "out_of_service": halt.get("out_of_service", []) + down,
-        "restored": restored, "not_restored": why_not, "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []),
-        "left": halt.get("left", [])})
+        "how": how, "current": rev.number if rev else plan.current.number, "partial": rev is not None,
+        "from_revision": plan.current.number, "topology": rev.topology if rev else plan.current.topology,
+        "live": live, "drained": drained + down, "replaced": halt.get("replaced", []),
+        "replaced_not_serving": halt.get("out_of_service", []),
+        "untouched": [i.id for i in plan.replaced if i.id not in replaced_out],
+        "out_of_service": halt.get("out_of_service", []) + down, "down": down,
+        "restored": restored, "not_restored": list(ctx.get(step, "not_restored", [])),
+        "out_of_gateway": out_of_gateway, "undone": halt.get("undone", []), "left": halt.get("left", [])})
     if rev is None:
         return Outcome.noop(f"nothing was stopped or replaced: revision {plan.current.number} stays current")
     return Outcome(evidence={"revision": rev.number, "partial": True},
                    verified=[f"revision {rev.number} (partial) recorded and current"])
 
 
-def _halt_partial(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[str], halt: dict, workers: dict):
-    """Something was drained (or is down): the old revision no longer describes the hosts."""
+def halted_change_line(ctx: RunContext) -> str:
+    """The verdict line a halted change adds to its error, written from what its rescue recorded
+    (`halt_record`, read once the walk is over): what is current, what runs, what was undone and what
+    was not (pdops.kinds.FAILURE_LINES "halted-change"). A rescue that did not get as far says so."""
+    r = ctx.output("halt_record")
+    if not r:
+        return (f"verdict: the rescue did not finish (see the journal: `inv history --op {ctx.op}`); "
+                "read `inv status`")
+    if r["how"] == "rolling":
+        line = (f"verdict: the rollout halted; replaced with the new files: {', '.join(r['replaced']) or 'none'}; "
+                f"out of service (old process stopped, new one not serving): "
+                f"{', '.join(r['replaced_not_serving']) or 'none'}; still serving revision {r['from_revision']}'s "
+                f"files, untouched: {', '.join(r['untouched']) or 'none'}; `current` moved to revision "
+                f"{r['current']} (partial, {r['topology']}) to describe what is live; `inv rollback` returns to "
+                f"revision {r['from_revision']}")
+    elif r["how"] == "partial":
+        line = (f"verdict: the change stopped after draining {', '.join(r['drained'])}; `current` moved to revision "
+                f"{r['current']} (partial, {r['topology']}) to describe what is live: {', '.join(r['live'])}; "
+                f"`inv rollback` returns to revision {r['from_revision']}")
+    else:
+        line = (f"verdict: the change stopped; current revision unchanged: {r['current']} ({r['topology']}); "
+                f"live now: {', '.join(r['live'])}")
+    line += f"; undone: {', '.join(r['undone']) or 'nothing was started'}"
+    if r["restored"]:
+        line += f"; back in service (were out of the gateway, never stopped): {', '.join(r['restored'])}"
+    if r["down"]:
+        line += f"; out of service (left the gateway, not running now): {', '.join(r['down'])}"
+    if r["out_of_gateway"]:
+        why_not = r["not_restored"]
+        line += (f"; OUT OF THE GATEWAY but running, not restored: {', '.join(r['out_of_gateway'])} "
+                 + (f"({'; '.join(why_not)}) " if why_not else "") + "(`inv deploy` puts them back)")
+    if r["left"]:
+        line += "; NOT undone: " + "; ".join(r["left"])
+    return line
+
+
+def _halt_partial(plan: ChangeFacts, ctx: RunContext, drained: list[str], halt: dict, workers: dict):
+    """Something was drained (or is down): the old revision no longer describes the hosts. Returns the
+    `partial` revision recorded and the ids of what is live, in its placement's order."""
     kept_added = set(halt.get("kept_added", []))
     cur = plan.current
     live_insts = [i for i in plan.current_placement.instances if i.id not in drained]
@@ -201,16 +228,14 @@ def _halt_partial(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[st
     rev = ctx.record.write_revision(topology=str(pl.topology), inventory_hash=plan.inv.digest, placement=pl.to_dict(),
                                    manifest=all_mf, instances=instances_doc(plan, pl, workers),
                                    outcome="partial", op_id=ctx.op,
-                                   extra={"scale_failed": why, "from_revision": cur.number,
+                                   extra={"halted": True, "from_revision": cur.number,
                                           "target": str(plan.target.topology), "drained": drained,
                                           "gateways": plan.inv.gateway.urls, "rollback": {"to_revision": cur.number}})
     ctx.record.set_current(rev.number)
-    return (f"verdict: the change stopped after draining {', '.join(drained)}; `current` moved to revision "
-            f"{rev.number} (partial, {pl.topology}) to describe what is live: {', '.join(i.id for i in live_insts)}; "
-            f"`inv rollback` returns to revision {cur.number}"), rev
+    return rev, [i.id for i in live_insts]
 
 
-def _halt_rolling(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[str], replaced_out: list[str],
+def _halt_rolling(plan: ChangeFacts, ctx: RunContext, drained: list[str], replaced_out: list[str],
                   halt: dict, workers: dict, main_pids: dict):
     """The rollout halted after replacing (or taking out) some instances: record what is live as a
     `partial` revision whose every instance is described by the files its process runs: the ones not
@@ -247,16 +272,11 @@ def _halt_rolling(plan: ChangeFacts, ctx: RunContext, why: str, drained: list[st
         manifest={h: dict(sorted(v.items())) for h, v in sorted(mf.items())},
         instances=instances_doc(plan, pl, workers, main_pids),
         outcome="partial", op_id=ctx.op,
-        extra={"scale_failed": why, "from_revision": cur.number, "target": str(plan.target.topology),
+        extra={"halted": True, "from_revision": cur.number, "target": str(plan.target.topology),
                "drained": drained, "replaced": done, "out_of_service": out_now, "gateways": plan.inv.gateway.urls,
                "configs": dict(sorted(cfg.items())), "cordoned": cordoned_hosts(cur),
                "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
                                                       last_bootstrap_ports({}, cur_pl), pl),
                "rollback": {"to_revision": cur.number}})
     ctx.record.set_current(rev.number)
-    not_yet = [i.id for i in plan.replaced if i.id not in replaced_out]
-    return (f"verdict: the rollout halted; replaced with the new files: {', '.join(done) or 'none'}; "
-            f"out of service (old process stopped, new one not serving): {', '.join(out_now) or 'none'}; "
-            f"still serving revision {cur.number}'s files, untouched: {', '.join(not_yet) or 'none'}; `current` "
-            f"moved to revision {rev.number} (partial, {pl.topology}) to describe what is live; `inv rollback` "
-            f"returns to revision {cur.number}"), rev
+    return rev, [i.id for i in live_insts]

@@ -379,3 +379,33 @@ def test_the_verdict_reports_the_revision_a_step_gave_and_a_walked_plan_keeps_it
     v = walk(plan, ctx)
     assert v["revision"] == 7 and ctx.output("plan_verdicts") == {"walk": {"revision": 8}}
     assert "revision" not in walk(Plan("demo", "t", [Step("only", None, "", kind="note")]), _ctx(tmp_path))
+
+
+def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue_gave(tmp_path, registry, monkeypatch):
+    """A plan's failure line (pdops.kinds.FAILURE_LINES, a halted change's verdict line) is written once
+    its rescue has run, from what the rescue gave, and added to the error the operator reads, whether
+    the plan is the operation's or one a walk-plan step walks; the dry run names it; a plan naming a
+    line that is not in the table is refused before anything runs. No executor writes it."""
+    import pdops.kinds
+    import pdops.runner as runner
+
+    monkeypatch.setattr(pdops.kinds, "FAILURE_LINES", {
+        "test": (lambda c: f"verdict: kept {c.output('halt_record')}", "what the test rescue kept")})
+    registry.bind({"walk-plan": runner.do_walk_plan,
+                   "boom": lambda c, s: (_ for _ in ()).throw(Unverified("step broke")),
+                   "keep": lambda c, s: c.give(s, "halt_record", {"kept": "p01"}) or Outcome()},
+                  gives={"walk-plan": ("plan_verdicts",), "keep": ("halt_record",)})
+    inner = Plan("inner", "inner", [Step("boom", None, "", kind="boom")],
+                 rescue=[Step("keep", None, "keep what serves", kind="keep")], failure_line="test")
+    assert "if a step fails, then (rescue), and the failure is reported with what the test rescue kept:" in inner.render()
+    with pytest.raises(Unverified) as got:
+        walk(inner, _ctx(tmp_path))
+    assert got.value.message == "step broke\nverdict: kept {'kept': 'p01'}"
+    outer = Plan("demo", "t", [Step("walk", None, "", kind="walk-plan", params={"plan": inner})])
+    ctx = _ctx(tmp_path)
+    with pytest.raises(Unverified) as got:
+        walk(outer, ctx)
+    assert got.value.message.endswith("\nverdict: kept {'kept': 'p01'}")
+    assert "verdict: kept" in {r["step"]: r for r in ctx.journal.read("op-1")}["walk"]["evidence"]["error"]
+    with pytest.raises(PdopsError, match="failure line 'nope' is not in pdops.kinds.FAILURE_LINES"):
+        walk(Plan("demo", "t", [Step("boom", None, "", kind="boom")], failure_line="nope"), _ctx(tmp_path))

@@ -226,12 +226,13 @@ def test_every_step_kind_has_an_executor(tmp_path, monkeypatch):
 
 def test_the_table_of_kinds_binds_each_kind_to_a_function_and_declares_only_known_outputs():
     """pdops.kinds.KINDS, the one place kinds meet executors: each names a function that exists (resolved
-    as a walk would), with the runner's signature, and gives and reads only names of pdops.outputs."""
+    as a walk would), with the runner's signature, and gives and reads only names of pdops.outputs; each
+    failure line a plan may name (pdops.kinds.FAILURE_LINES) is a function of the walk's context."""
     import inspect
 
-    from pdops.kinds import KINDS
-    from pdops.outputs import OUTPUTS
-    from pdops.runner import executor
+    from pdops.kinds import FAILURE_LINES, KINDS
+    from pdops.outputs import OUTPUTS, REPORTED
+    from pdops.runner import executor, failure_line
 
     for kind, k in KINDS.items():
         fn = executor(kind)
@@ -239,6 +240,9 @@ def test_the_table_of_kinds_binds_each_kind_to_a_function_and_declares_only_know
         assert list(inspect.signature(fn).parameters)[:2] == ["ctx", "step"], (kind, k.executor)
         assert all(n.rstrip("?") in OUTPUTS for n in k.gives + k.needs), kind
     assert executor("no-such-kind") is None
+    for name in FAILURE_LINES:
+        assert list(inspect.signature(failure_line(name)).parameters) == ["ctx"], name
+    assert set(REPORTED) <= set(OUTPUTS)
 
 
 def test_no_module_is_imported_for_its_side_effect_of_binding_kinds():

@@ -94,3 +94,15 @@ def test_a_revision_from_before_the_shared_record_shows_its_operator_and_machine
     old = Revision.from_dict({"number": 1, "topology": "1p1d", "inventory_hash": "h", "placement": {},
                               "manifest": {}, "instances": {}, "operator": "alice@laptop-a", "created": "t"})
     assert hist._who(old) == ("alice", "laptop-a")
+
+
+def test_history_names_a_halted_change_as_it_is_recorded_now_and_as_older_records_wrote_it(lab_inv, tmp_path):
+    """A halted change's `partial` revision says it halted (`halted`); a record written before that says
+    so with the error's text (`scale_failed`): `inv history` names both the same way."""
+    state = StateDir("lab", tmp_path / "s")
+    p1 = place(lab_inv, parse_topology("2p1d"))
+    record(lab_inv, state, p1)
+    record(lab_inv, state, p1, halted=True, from_revision=1, target="3p1d")
+    record(lab_inv, state, p1, scale_failed="p03: not healthy", from_revision=2, target="3p1d")
+    assert [r["change"] for r in hist.history_rows(state)][1:] == [
+        "stopped midway from 1 towards 3p1d", "stopped midway from 2 towards 3p1d"]

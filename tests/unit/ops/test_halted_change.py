@@ -1,0 +1,49 @@
+"""A halted change's verdict line (pdops.ops.scale.rescue.halted_change_line): written once the walk is
+over from what its rescue recorded (`halt_record`), never by an executor."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pdops.ops.scale.rescue import halted_change_line
+
+
+def _ctx(record):
+    return SimpleNamespace(op="op-7", output=lambda name, default=None: record if name == "halt_record" else default)
+
+
+BASE = {"current": 4, "partial": True, "from_revision": 3, "topology": "2p1d", "live": ["p01", "p02", "d01"],
+        "drained": [], "replaced": [], "replaced_not_serving": [], "untouched": [], "out_of_service": [],
+        "down": [], "restored": [], "not_restored": [], "out_of_gateway": [], "undone": [], "left": []}
+
+
+def test_a_rollout_halted_midway_names_what_was_replaced_what_is_out_and_what_is_untouched():
+    line = halted_change_line(_ctx({**BASE, "how": "rolling", "replaced": ["p01"], "replaced_not_serving": ["p02"],
+                                    "untouched": ["d01"], "undone": ["p02 (never registered; stopped, verified)"]}))
+    assert line == ("verdict: the rollout halted; replaced with the new files: p01; out of service (old process "
+                    "stopped, new one not serving): p02; still serving revision 3's files, untouched: d01; `current` "
+                    "moved to revision 4 (partial, 2p1d) to describe what is live; `inv rollback` returns to "
+                    "revision 3; undone: p02 (never registered; stopped, verified)")
+
+
+def test_a_change_halted_after_a_drain_names_the_partial_revision_and_what_is_live():
+    line = halted_change_line(_ctx({**BASE, "how": "partial", "topology": "1p1d", "live": ["p01", "d01"],
+                                    "drained": ["p02"], "down": ["p02"]}))
+    assert line.startswith("verdict: the change stopped after draining p02; `current` moved to revision 4 "
+                           "(partial, 1p1d) to describe what is live: p01, d01; `inv rollback` returns to revision 3; "
+                           "undone: nothing was started; out of service (left the gateway, not running now): p02")
+
+
+def test_a_change_halted_before_it_stopped_anything_says_what_is_not_back_and_not_undone():
+    line = halted_change_line(_ctx({**BASE, "how": "unchanged", "current": 3, "partial": False, "restored": ["d01"],
+                                    "out_of_gateway": ["p02"], "not_restored": ["p02: canary failed: timeout"],
+                                    "left": ["p03: undo failed (journal: step `undo p03`)"]}))
+    assert line == ("verdict: the change stopped; current revision unchanged: 3 (2p1d); live now: p01, p02, d01; "
+                    "undone: nothing was started; back in service (were out of the gateway, never stopped): d01; "
+                    "OUT OF THE GATEWAY but running, not restored: p02 (p02: canary failed: timeout) (`inv deploy` "
+                    "puts them back); NOT undone: p03: undo failed (journal: step `undo p03`)")
+
+
+def test_a_rescue_that_recorded_nothing_points_at_the_journal_of_the_operation():
+    assert halted_change_line(_ctx(None)) == ("verdict: the rescue did not finish (see the journal: "
+                                              "`inv history --op op-7`); read `inv status`")
