@@ -130,7 +130,7 @@ def build_word_tokenizer(folder: Path) -> Path:
     """A word-level tokenizer over the sim's vocabulary, saved as a HF folder (no download)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-    from pdops.sim.tokens import VOCAB
+    from pdops.model.prompts import VOCAB
 
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

@@ -18,7 +18,7 @@ import aiohttp
 import psutil
 
 from pdops.sim.testing import start_sim
-from pdops.sim.tokens import make_prompt
+from pdops.model.prompts import make_prompt
 
 
 def cpu_seconds(pid: int) -> float:

@@ -2,7 +2,8 @@
 
 Each row: (option, dest, kind, type, choices, default); kind is
 value|flag|flag_false|multi|optional. Product data: `inv probe` checks a bundle's flags
-against it, and the sim (`pdops.sim.args`) builds its parser from it. Extract it again from
+against it with the parser pdops.model.generation builds from it, which the sim (`pdops.sim.args`)
+parses its own command line with. Extract it again from
 the new SGLang when the pin moves (pdops/model/versions.py)."""
 
 SGLANG_VERSION = "0.5.23"

@@ -2,6 +2,5 @@
 
 Started exactly like ``python -m sglang.launch_server`` (same flags), it serves SGLang's
 HTTP surface and PD bootstrap protocol with a configurable timing model. See docs/sim.md.
+The SGLang version whose surface it reproduces: pdops.model.versions.SIM_VERSION.
 """
-
-SIM_VERSION = "0.5.23"  # the SGLang version whose surface the sim reproduces

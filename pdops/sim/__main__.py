@@ -12,7 +12,7 @@ import sys
 
 from pdops.sim import procs
 from pdops.sim.args import parse_args
-from pdops.sim.faults import parse_faults
+from pdops.model.sim_faults import parse_faults
 from pdops.sim.memory import MemoryModel
 from pdops.sim.timing import TimingModel
 

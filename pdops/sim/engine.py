@@ -27,7 +27,7 @@ from collections import deque
 import aiohttp
 
 from pdops.model.generation import digest, fields_from_parsed, versions_from_env
-from pdops.sim.faults import Faults
+from pdops.model.sim_faults import Faults
 from pdops.sim.memory import MemoryModel, oom_message, oom_traceback
 from pdops.sim.metrics import Histogram, LoadReport
 from pdops.sim.pd import KVConn, PdHandOff, PdTimeouts

@@ -7,7 +7,7 @@ import sys
 
 from aiohttp import web
 
-from pdops.sim import SIM_VERSION
+from pdops.model.versions import SIM_VERSION
 from pdops.sim.metrics import prometheus_text
 
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from pdops.sim import procs
 from pdops.sim.bootstrap import BootstrapServer
 from pdops.sim.engine import Engine
-from pdops.sim.faults import Faults
+from pdops.model.sim_faults import Faults
 from pdops.sim.generate_routes import GenerateRoutes, read_body
 from pdops.sim.info_routes import InfoRoutes
 from pdops.sim.timing import TimingModel

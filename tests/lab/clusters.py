@@ -324,7 +324,7 @@ class Load:
         # distinct prompts: a cache-aware policy spreads them over the workers instead of keeping one
         self.prompt_for = None
         if distinct_prompts:
-            from pdops.sim.tokens import make_prompt
+            from pdops.model.prompts import make_prompt
 
             self.prompt_for = lambda i: make_prompt(20, i + 1000 * len(self.rows))
         self.headers = headers

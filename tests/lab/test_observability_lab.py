@@ -71,7 +71,7 @@ def test_dashboard_queries_and_recording_rules_return_series_for_every_instance(
     want = {i.id for i in pl.instances} | {"gateway"}
     wait_until(lambda: set(active(base)) == want and all(h == "up" for h in active(base).values()), 60,
                "every target of the file up")
-    from pdops.sim.tokens import make_prompt
+    from pdops.model.prompts import make_prompt
 
     # distinct prompts through the gateway; its policy may still send them all to one decode (seen
     # once in a run beside a soak), so every prefill x decode pair also gets generations of its own,

@@ -65,7 +65,7 @@ class Batch:
 
     def __init__(self, url: str, n: int, tokens: int, prefix: str, prompt_words: int = 0):
         from pdops.remote.loadgen import send
-        from pdops.sim.tokens import make_prompt
+        from pdops.model.prompts import make_prompt
 
         self.rows: list = []
         prompt_for = (lambda i: make_prompt(prompt_words, i)) if prompt_words else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pdops.facts import gateway as gw
 from pdops.remote.gateway import GatewayClient, deadline_in
 from pdops.sim.testing import free_port, http, poll, start_gateway, start_sim, wait_until
-from pdops.sim.tokens import make_prompt
+from pdops.model.prompts import make_prompt
 
 
 def _generate(g, i):

@@ -9,7 +9,7 @@ import threading
 import time
 
 from pdops.sim.testing import http, metric, wait_until
-from pdops.sim.tokens import make_prompt
+from pdops.model.prompts import make_prompt
 
 
 def _total(handles, name, **labels):

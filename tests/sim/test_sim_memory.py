@@ -12,7 +12,7 @@ import yaml
 from pdops.remote.loadgen import send_pair
 from pdops.sim.memory import GIB, MemoryModel
 from pdops.sim.testing import free_port
-from pdops.sim.tokens import make_prompt
+from pdops.model.prompts import make_prompt
 from tests.sim.conftest import FAST
 
 from pathlib import Path

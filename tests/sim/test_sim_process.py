@@ -11,7 +11,6 @@ import psutil
 import pytest
 
 from pdops.sim.testing import free_port, http, metric, wait_until
-from pdops.sim.tokens import make_prompt
 
 
 def _titles(pid):

@@ -14,6 +14,7 @@ from typing import Any
 from pdops.model.admission import parse_admission
 from pdops.errors import InvalidInput, one_of
 from pdops.model.prometheus_setting import parse_prometheus
+from pdops.model.sim_faults import parse_faults
 
 from pdops.model.inventory.schema import (DEFAULT_STATE_DIR, ENGINES, ETCD_CLIENT_PORT, EtcdSetting, Gateway, GatewayNode, Host, Inventory, MOONCAKE_RPC_PORTS, Ports,
                                    Profile, StateLocation, max_slots)
@@ -256,7 +257,6 @@ def _sim_faults(val: Any, engine: str) -> dict[str, str]:
                            fix="remove pdops_sim_faults (it is for lab tests with pdops_engine: sim)")
     if not isinstance(val, dict):
         raise InvalidInput("pdops_sim_faults", f"{val!r} is not a mapping", fix="e.g. {p02: fail_transfer}")
-    from pdops.sim.faults import parse_faults  # lazy: only the lab-only pdops_sim_faults loads the sim (debt)
 
     out = {}
     for k, v in val.items():

@@ -14,8 +14,9 @@ from pdops.remote.loadgen import LedgerRow, send
 from pdops.ops.bench.figures import Figures, compute_figures, format_table
 from pdops.ops.bench.ledger import LEDGER_CSV, LEDGER_JSONL, MANIFEST, write_ledger
 from pdops.ops.bench.workload import Workload, parse_concurrency, parse_workload, stop_condition
+from pdops.model.prompts import make_prompt
 from pdops import __version__
-from pdops.model.versions import SGLANG_VERSION, SMG_VERSION
+from pdops.model.versions import SGLANG_VERSION, SIM_VERSION, SMG_VERSION
 from pdops.model.topology import parse_topology
 from pdops.record.journal import now_iso
 from pdops.record.local import new_op_id
@@ -71,7 +72,6 @@ def prompt_maker(workload: Workload, seed: int = 0) -> Callable[[int], str]:
     A shared body plus a 4-token lead that differs per request, so the engine's prefix
     cache cannot serve one request from another's KV (the lead comes first).
     """
-    from pdops.sim.tokens import make_prompt  # lazy: the sim's word scheme, layering debt (architecture.md)
 
     n = workload.input_tokens
     lead = min(4, n)
@@ -110,8 +110,6 @@ def _read_key(path: str | None) -> dict:
 def _versions(inv) -> dict:
     engine = {"engine": inv.engine, "sglang": SGLANG_VERSION}
     if inv.engine == "sim":
-        from pdops.sim import SIM_VERSION  # lazy: only a sim cluster records the sim's version
-
         engine = {"engine": "sim", "sim_of_sglang": SIM_VERSION}
     return {"pdops": __version__, **engine, "smg": SMG_VERSION}
 

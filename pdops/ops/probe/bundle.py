@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from pdops.errors import InvalidInput
+from pdops.model.generation import sglang_parser
 from pdops.model.sglang_flags import FLAGS
 
 # Flags pdops renders from the inventory and the placement: a bundle does not set them.
@@ -46,8 +47,6 @@ def _flag_table() -> dict[str, tuple]:
 def check_flags(flags: dict, where: str) -> tuple[tuple[str, object], ...]:
     """Each flag against SGLang 0.5.23's own flag table (its names, types, choices): an unknown
     name, an abbreviation, a flag pdops owns, or a value the table rejects is InvalidInput."""
-    from pdops.sim.args import build_parser  # lazy: SGLang's flag table as the sim parses it (debt)
-
     if not isinstance(flags, dict) or not flags:
         raise InvalidInput(where, "must be a non-empty mapping of SGLang flags to values",
                            fix="flags: {chunked-prefill-size: 16384, mem-fraction-static: 0.5}")
@@ -80,7 +79,7 @@ def check_flags(flags: dict, where: str) -> tuple[tuple[str, object], ...]:
         sval = " ".join(map(str, value)) if isinstance(value, list) else str(value)
         out.append((flag, sval))
         argv += [flag, *(map(str, value) if isinstance(value, list) else [sval])]
-    parser = build_parser()
+    parser = sglang_parser(prog="pdops probe bundle")
     parser.exit_on_error = False
     try:
         ns, rest = parser.parse_known_args(["--model-path", "x", *argv])

@@ -19,6 +19,7 @@ from pdops.ops.probe.signatures import attribute_crash, classify, merge_signatur
 from pdops.facts import q
 from pdops.remote.loadgen import send_pair
 from pdops.model.render import files_of, render_files
+from pdops.model.prompts import make_prompt
 
 
 # ---------------------------------------------------------------- doing
@@ -28,7 +29,6 @@ def _journal_command(unit: str, since: float) -> str:
 
 
 def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
-    from pdops.sim.tokens import make_prompt  # lazy: the sim's word scheme, layering debt (architecture.md)
 
     par = step.params
     p, d = par["pair"]

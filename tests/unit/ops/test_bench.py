@@ -329,7 +329,7 @@ def test_run_bench_refuses_without_a_current_revision_and_checks_its_inputs(tmp_
 
 
 def test_prompt_maker_gives_exact_lengths_and_distinct_heads():
-    from pdops.sim.tokens import count_tokens
+    from pdops.model.prompts import count_tokens
 
     make = b.prompt_maker(b.parse_workload("2000/64"))
     ps = [make(i) for i in range(50)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pdops.sim.args import parse_args
-from pdops.sim.faults import parse_faults
+from pdops.model.sim_faults import parse_faults
 from pdops.sim.procs import scheduler_titles
 from pdops.sim.timing import TimingModel
-from pdops.sim.tokens import count_tokens, make_prompt
+from pdops.model.prompts import count_tokens, make_prompt
 
 RENDERED = (
     "--model-path /models/m --served-model-name m --host 10.0.0.5 --port 30000 --tp-size 8 --pp-size 1 "

@@ -1,4 +1,7 @@
-"""Fault injection, off by default: PDOPS_SIM_FAULTS and POST /_sim/faults.
+"""The sim engine's faults (pdops.sim; off by default): what PDOPS_SIM_FAULTS, POST /_sim/faults and
+the lab-only inventory setting `pdops_sim_faults` may name, parsed to the settings the sim runs with.
+In the model because the inventory checks `pdops_sim_faults` with it before anything runs; the sim
+imports it from here (product code never imports the sim).
 
 PDOPS_SIM_FAULTS is a comma list of ``name`` or ``name=value``:
 
