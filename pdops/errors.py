@@ -10,6 +10,15 @@ class PdopsError(Exception):
     exit_code = 1
     kind = "error"
     journal_evidence: dict | None = None  # structured evidence the runner journals with the failed step
+    # the line the failed plan's failure line wrote after its rescue (pdops.runner.walk_body), added to
+    # the message once the failure itself is journalled (:meth:`add_verdict_line`)
+    verdict_line: str | None = None
+
+    def add_verdict_line(self) -> None:
+        """The failed plan's verdict line, added to the message the operator reads (once)."""
+        if self.verdict_line:
+            self.message += "\n" + self.verdict_line
+            self.verdict_line = None
 
     def __init__(self, message: str, *, fix: str | None = None, evidence: str | None = None):
         super().__init__(message)

@@ -197,8 +197,9 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
     """A plan's steps, then on a failure its rescue, then (either way) its always steps: the one walk
     of a plan, whether it is the operation's or a plan one of its steps walks (:func:`do_walk_plan`).
     Returns what the steps and the always steps verified and could not, and what the verdict reports
-    (:func:`reported`); re-raises the first failure, with the plan's failure line added (written from
-    what its rescue gave: a halted change's verdict line, :func:`failure_line`)."""
+    (:func:`reported`); re-raises the first failure, carrying the line the plan's failure line wrote
+    from what its rescue gave (`verdict_line`: a halted change's verdict line, :func:`failure_line`),
+    which the caller adds to the message once it has journalled the failure itself."""
     try:
         verdict = run_steps(plan.steps, ctx)
     except KeyboardInterrupt:
@@ -211,7 +212,7 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
             run_rescue(plan.rescue, ctx)
         ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
         if plan.failure_line is not None and isinstance(exc, PdopsError):
-            exc.message += "\n" + failure_line(plan.failure_line)(ctx)
+            exc.verdict_line = failure_line(plan.failure_line)(ctx)
         raise
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]
@@ -312,15 +313,19 @@ def do_walk_plan(ctx: RunContext, step: Step) -> Outcome:
     """A step that walks a whole plan declared in its params (printed under it by the dry run and
     listed in the journal's `plan` record): its steps, its rescue on a failure, its always steps,
     in a context of its own (`inv`, `placement`, `old_placement`, `replacing` from the params;
-    outputs of its own), under the lock and journal of the operation. A failure is raised as the walk
-    raised it (with the plan's failure line added: :func:`walk_body`). Gives its verdict in
-    `plan_verdicts`."""
+    outputs of its own), under the lock and journal of the operation. A failure is raised with the
+    walked plan's verdict line added (:func:`walk_body`), so that the step's journalled error has it.
+    Gives its verdict in `plan_verdicts`."""
     sub: Plan = step.params["plan"]
     child = RunContext(step.params.get("inv", ctx.inv), ctx.record, ctx.op, ctx.say, ctx.pool, ctx.gateways,
                        placement=step.params.get("placement", ctx.placement),
                        old_placement=step.params.get("old_placement", ctx.old_placement),
                        replacing=frozenset(step.params.get("replacing", ())))
-    got = walk_body(sub, child)
+    try:
+        got = walk_body(sub, child)
+    except PdopsError as exc:
+        exc.add_verdict_line()
+        raise
     ctx.give(step, "plan_verdicts", {step.name: reported(child)})
     return Outcome(evidence={"walked": sub.operation, "steps": len(sub.steps), **reported(child)},
                    verified=got["verified"], unverified=got["unverified"])

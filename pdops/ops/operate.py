@@ -95,7 +95,8 @@ def _run(plan, inv, record, say, op, pool, gateways, basis, context, failed, fin
     try:
         verdict = walk(plan, ctx)
     except PdopsError as exc:
-        error = exc.render()  # as the step failed: the hook may add to the message the operator reads
+        error = exc.render()  # as the step failed: the plan's verdict line and the hook add to what the operator reads
+        exc.add_verdict_line()
         status, evidence = failed(ctx, exc) if failed else ("failed", {"completed": ctx.done})
         ctx.journal.step(op, "verdict", status, {"error": error, **evidence})
         if closing is not None:

@@ -22,10 +22,10 @@ def _note(rev: Revision) -> str:
         if s.get("removed"):
             parts.append("-" + ",".join(s["removed"]))
         return " ".join(parts)
-    if x.get("drained"):
-        return f"drain -{x['drained']}"
     if x.get("halted") or x.get("scale_failed"):  # scale_failed: the error's text, in records before 2026-12
         return f"stopped midway from {x.get('from_revision')} towards {x.get('target')}"
+    if x.get("drained"):
+        return f"drain -{x['drained']}"
     return "deploy"
 
 

@@ -72,7 +72,6 @@ def prompt_maker(workload: Workload, seed: int = 0) -> Callable[[int], str]:
     A shared body plus a 4-token lead that differs per request, so the engine's prefix
     cache cannot serve one request from another's KV (the lead comes first).
     """
-
     n = workload.input_tokens
     lead = min(4, n)
     body = make_prompt(n - lead, seed)

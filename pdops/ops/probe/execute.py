@@ -29,7 +29,6 @@ def _journal_command(unit: str, since: float) -> str:
 
 
 def do_probe_requests(ctx: RunContext, step: Step) -> Outcome:
-
     par = step.params
     p, d = par["pair"]
     pool = ctx.pool

@@ -383,9 +383,10 @@ def test_the_verdict_reports_the_revision_a_step_gave_and_a_walked_plan_keeps_it
 
 def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue_gave(tmp_path, registry, monkeypatch):
     """A plan's failure line (pdops.kinds.FAILURE_LINES, a halted change's verdict line) is written once
-    its rescue has run, from what the rescue gave, and added to the error the operator reads, whether
-    the plan is the operation's or one a walk-plan step walks; the dry run names it; a plan naming a
-    line that is not in the table is refused before anything runs. No executor writes it."""
+    its rescue has run, from what the rescue gave, and carried by the error: the operation adds it to
+    what the operator reads after journalling the failure (pdops.ops.operate), a walk-plan step at
+    once (its journalled error has it); Ctrl-C writes none; the dry run names it; a plan naming a line
+    that is not in the table is refused before anything runs. No executor writes it."""
     import pdops.kinds
     import pdops.runner as runner
 
@@ -400,12 +401,16 @@ def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue
     assert "if a step fails, then (rescue), and the failure is reported with what the test rescue kept:" in inner.render()
     with pytest.raises(Unverified) as got:
         walk(inner, _ctx(tmp_path))
-    assert got.value.message == "step broke\nverdict: kept {'kept': 'p01'}"
+    assert got.value.message == "step broke" and got.value.verdict_line == "verdict: kept {'kept': 'p01'}"
     outer = Plan("demo", "t", [Step("walk", None, "", kind="walk-plan", params={"plan": inner})])
     ctx = _ctx(tmp_path)
     with pytest.raises(Unverified) as got:
         walk(outer, ctx)
-    assert got.value.message.endswith("\nverdict: kept {'kept': 'p01'}")
+    assert got.value.message == "step broke\nverdict: kept {'kept': 'p01'}" and got.value.verdict_line is None
     assert "verdict: kept" in {r["step"]: r for r in ctx.journal.read("op-1")}["walk"]["evidence"]["error"]
+    registry.bind({"stop": lambda c, s: (_ for _ in ()).throw(KeyboardInterrupt())})
+    with pytest.raises(KeyboardInterrupt):
+        walk(Plan("demo", "t", [Step("stop", None, "", kind="stop")],
+                  rescue=[Step("keep", None, "", kind="keep")], failure_line="test"), _ctx(tmp_path))
     with pytest.raises(PdopsError, match="failure line 'nope' is not in pdops.kinds.FAILURE_LINES"):
         walk(Plan("demo", "t", [Step("boom", None, "", kind="boom")], failure_line="nope"), _ctx(tmp_path))

@@ -47,3 +47,55 @@ def test_a_change_halted_before_it_stopped_anything_says_what_is_not_back_and_no
 def test_a_rescue_that_recorded_nothing_points_at_the_journal_of_the_operation():
     assert halted_change_line(_ctx(None)) == ("verdict: the rescue did not finish (see the journal: "
                                               "`inv history --op op-7`); read `inv status`")
+
+
+def _record_halt(plan, state, outputs: dict):
+    """Run the change plan's own `record-halt` step, as its rescue would, on what the walk left."""
+    from pdops.ops.scale.rescue import do_record_halt
+    from pdops.runner import RunContext
+
+    ctx = RunContext(plan.inv, state, "scale-1", lambda s: None)
+    ctx._outputs.update(outputs)
+    step = next(s for s in plan.plan.rescue if s.kind == "record-halt")
+    do_record_halt(ctx, step)
+    return ctx
+
+
+def test_a_change_plan_says_its_failure_is_reported_with_the_halted_change_line(lab_inv, tmp_path):
+    from pdops.ops import scale as sc
+    from pdops.model.topology import parse_topology
+    from pdops.record.local import StateDir
+    from tests.unit.recorded import deployed
+
+    state = StateDir("lab", tmp_path / "s")
+    deployed(lab_inv, state, "2p1d")
+    plan = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
+    assert plan.plan.failure_line == "halted-change"
+    assert ("if a step fails, then (rescue), and the failure is reported with the verdict line of a halted change"
+            in plan.render())
+
+
+def test_what_record_halt_records_writes_the_line_when_nothing_was_stopped_and_when_a_drain_happened(
+        lab_inv, tmp_path):
+    """From the rescue's own step to the operator's line: nothing stopped leaves the revision current;
+    a drained instance moves `current` to a partial revision that says it halted, named in the line."""
+    from pdops.ops import scale as sc
+    from pdops.model.topology import parse_topology
+    from pdops.record.local import StateDir
+    from tests.unit.recorded import deployed
+
+    state = StateDir("lab", tmp_path / "s")
+    deployed(lab_inv, state, "2p1d")
+    grow = sc.plan_scale(lab_inv, parse_topology("3p1d"), state)
+    ctx = _record_halt(grow, state, {"left_gateway": ["p01"], "restored": {"p01"}})
+    assert halted_change_line(ctx) == ("verdict: the change stopped; current revision unchanged: 1 (2p1d); live now: "
+                                       "p01, p02, d01; undone: nothing was started; back in service (were out of the "
+                                       "gateway, never stopped): p01")
+    assert state.current() == 1
+    shrink = sc.plan_scale(lab_inv, parse_topology("1p1d"), state)
+    ctx = _record_halt(shrink, state, {"drained": ["p02"], "left_gateway": ["p02"]})
+    cur = state.current_revision()
+    assert cur.number == 2 and cur.outcome == "partial" and cur.extra["halted"] is True
+    assert halted_change_line(ctx) == ("verdict: the change stopped after draining p02; `current` moved to revision 2 "
+                                       "(partial, 1p1d) to describe what is live: p01, d01; `inv rollback` returns to "
+                                       "revision 1; undone: nothing was started")

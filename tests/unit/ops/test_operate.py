@@ -160,6 +160,29 @@ def test_a_basis_that_moved_refuses_before_any_step_and_a_failure_is_one_verdict
     assert state.lock("x").holder() is None
 
 
+def test_a_failed_plans_verdict_line_is_in_what_the_operator_reads_not_in_the_journalled_error(tmp_path, registry,
+                                                                                               monkeypatch):
+    """The line a plan's failure line writes after its rescue (a halted change's verdict line) ends the
+    error the operator reads; the journal's failed verdict keeps the failed step's error alone, beside
+    the evidence the hook returns."""
+    import pdops.kinds
+    from pdops.errors import PdopsError
+    from pdops.plans import Plan, Step
+    from pdops.record.local import StateDir
+
+    monkeypatch.setattr(pdops.kinds, "FAILURE_LINES", {"t": (lambda c: "verdict: nothing changed", "a test line")})
+    state = StateDir("t", tmp_path / "state")
+    registry["boom"] = lambda ctx, s: (_ for _ in ()).throw(PdopsError("the step failed"))
+    registry["undo"] = lambda ctx, s: None
+    plan = Plan("demo", "plan: demo", [Step("one", None, "one", kind="boom")],
+                rescue=[Step("undo", None, "undo", kind="undo")], failure_line="t")
+    with pytest.raises(PdopsError) as ei:
+        op.run_operation(plan, None, state, lambda s: None, pool=None, gateways=None)
+    assert ei.value.message == "the step failed\nverdict: nothing changed"
+    verdict = state.journal().read(state.journal().operations()[-1])[-1]
+    assert verdict["step"] == "verdict" and verdict["evidence"]["error"] == "error: the step failed"
+
+
 def test_an_operation_whose_lock_the_caller_holds_runs_under_it_with_its_own_id(tmp_path, registry):
     from pdops.plans import Plan, Step
     from pdops.record.local import StateDir

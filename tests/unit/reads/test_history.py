@@ -102,7 +102,7 @@ def test_history_names_a_halted_change_as_it_is_recorded_now_and_as_older_record
     state = StateDir("lab", tmp_path / "s")
     p1 = place(lab_inv, parse_topology("2p1d"))
     record(lab_inv, state, p1)
-    record(lab_inv, state, p1, halted=True, from_revision=1, target="3p1d")
-    record(lab_inv, state, p1, scale_failed="p03: not healthy", from_revision=2, target="3p1d")
+    record(lab_inv, state, p1, halted=True, from_revision=1, target="3p1d", drained=["p02"])
+    record(lab_inv, state, p1, scale_failed="p03: not healthy", from_revision=2, target="3p1d", drained=["p02"])
     assert [r["change"] for r in hist.history_rows(state)][1:] == [
         "stopped midway from 1 towards 3p1d", "stopped midway from 2 towards 3p1d"]
