@@ -117,9 +117,14 @@ KINDS: dict[str, Kind] = {
 
 
 # What a failed walk adds to its error once its rescue has run, by the name a plan gives it
-# (pdops.plans.Plan.failure_line): "module:function" (a test may bind a function itself) of the walk's context, read once the walk is over
-# (its outputs), imported when needed (pdops.runner.failure_line), and what the dry run says it writes.
+# (pdops.plans.Plan.failure_line): "module:function" (a test may bind a function itself) of the walk's
+# context, read once the walk is over (its outputs, the record), and the plan; imported when needed
+# (pdops.runner.failure_line); and what the dry run says it writes.
 FAILURE_LINES: dict[str, tuple[str, str]] = {
     "halted-change": ("pdops.ops.scale.rescue:halted_change_line",
                       "the verdict line of a halted change (what is current, what runs, what was undone)"),
+    "deploy-failed": ("pdops.ops.deploy.execute:deploy_failed_line",
+                      "the revision current and the units this deploy started (left for inspection)"),
+    "drain-interrupted": ("pdops.ops.drain.execute:drain_interrupted_line",
+                          "that the instance is not recorded as stopped, the last step completed and how to resume"),
 }

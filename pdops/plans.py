@@ -195,17 +195,21 @@ class Plan:
                     if not n.endswith("?") and any(m in before for m in made.get(n, []))]
             return [f"        uses: {'; '.join(have)}"] if have else []
 
+        reported = kinds.FAILURE_LINES.get(self.failure_line or "", ("", ""))[1]
         for num, s in self._numbered():
             if num == "R1":
-                line = kinds.FAILURE_LINES.get(self.failure_line or "", ("", ""))[1]
                 lines.append("  if a step fails, then (rescue), and the failure is reported"
-                             + (f" with {line}" if line else "") + ":")
+                             + (f" with {reported}" if reported else "") + ":")
             if num == "A1":
+                if reported and not self.rescue:
+                    lines.append(f"  if a step fails, the failure is reported with {reported}")
                 lines.append("  whatever the outcome, last (always):")
             lines.append((f"  {num:>2}. " if num[0] not in "RA" else f"  {num}. ") + s.line() + self.suffix.get(s.name, ""))
             lines += uses(num, s)
             if s.kind == "walk-plan":  # the plan it walks, step by step
                 lines += ["      " + ln for ln in s.params["plan"].render().splitlines()[1:]]
+        if reported and not self.rescue and not self.always:
+            lines.append(f"  if a step fails, the failure is reported with {reported}")
         lines += self.footer
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

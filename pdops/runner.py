@@ -125,7 +125,7 @@ def executor(kind: str) -> Executor | None:
     return fn
 
 
-def failure_line(name: str) -> Callable[[RunContext], str]:
+def failure_line(name: str) -> Callable[[RunContext, Plan], str]:
     """The function that writes the line a failed walk adds to its error (pdops.kinds.FAILURE_LINES),
     imported the first time a walk needs it."""
     target = kinds.FAILURE_LINES[name][0]
@@ -138,7 +138,7 @@ def failure_line(name: str) -> Callable[[RunContext], str]:
     return fn
 
 
-_LINES: dict[str, Callable[[RunContext], str]] = {}
+_LINES: dict[str, Callable[[RunContext, Plan], str]] = {}
 
 
 def operator_cpu_s() -> float:
@@ -212,7 +212,7 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
             run_rescue(plan.rescue, ctx)
         ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
         if plan.failure_line is not None and isinstance(exc, PdopsError):
-            exc.verdict_line = failure_line(plan.failure_line)(ctx)
+            exc.verdict_line = failure_line(plan.failure_line)(ctx, plan)
         raise
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]

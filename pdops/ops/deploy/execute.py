@@ -6,6 +6,7 @@ from __future__ import annotations
 from pdops.errors import PdopsError, Refused
 from pdops.remote.gateway import Gateways
 from pdops.remote.hosts import HostPool, connections
+from pdops.plans import Plan
 from pdops.runner import RunContext, Say
 from pdops.ops.deploy.plan import DeployPlan, plan_reconcile
 from pdops.ops.operate import operate, run_operation
@@ -36,12 +37,16 @@ def execute_deploy(plan: DeployPlan, say: Say = print, *, pool: HostPool, gatewa
 
 
 def _deploy_failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
-    """The failure verdict (after the plan's rescue ran): what runs, what is current."""
-    started = ctx.output("started", [])
+    """The failure verdict's evidence (after the plan's rescue ran): what runs, what is current."""
+    return "failed", {"left_running": ctx.output("started", []), "current": ctx.record.current(), "completed": ctx.done}
+
+
+def deploy_failed_line(ctx: RunContext, plan: Plan) -> str:
+    """A failed deploy's line (pdops.kinds.FAILURE_LINES "deploy-failed"), once its rescue ran: what is
+    current, and the units it started, left running for inspection."""
     current = ctx.record.current()
-    exc.message += (f"\n  current revision unchanged: {current if current is not None else 'none'}; "
-                    f"units started by this deploy (left for inspection): {', '.join(started) or 'nothing'}")
-    return "failed", {"left_running": started, "current": current, "completed": ctx.done}
+    return (f"  current revision unchanged: {current if current is not None else 'none'}; "
+            f"units started by this deploy (left for inspection): {', '.join(ctx.output('started', [])) or 'nothing'}")
 
 
 def operate_deploy(inv, record, make_plan, *, dry_run: bool, say: Say = print) -> tuple[str, object, dict | None]:

@@ -74,10 +74,11 @@ class DeployPlan:
                                                                 "repair_of": self.live.number,
                                                                 "findings": self.findings},
                         footer=["verified at the end: what each repair step proved"], rescue=rescue,
-                        always=[targets_step()])
+                        always=[targets_step()], failure_line="deploy-failed")
         return Plan("deploy", self.title, self.steps, head={"topology": str(self.placement.topology)},
                     footer=["verified at the end: what each step above proved; anything it could not check is "
-                            "listed as not verified"], rescue=rescue, always=[targets_step()])
+                            "listed as not verified"], rescue=rescue, always=[targets_step()],
+                    failure_line="deploy-failed")
 
     def render(self) -> str:
         if self.change is not None:

@@ -11,6 +11,7 @@ from pdops.runner import RunContext, Say
 from pdops.ops.operate import run_operation
 from pdops.record.local import StateDir
 from pdops.ops.drain.plan import DrainPlan, KillPlan
+from pdops.plans import Plan
 
 
 def execute_kill_survivors(plan: KillPlan, record: StateDir, say: Say = print, *, pool: HostPool,
@@ -26,6 +27,14 @@ def execute_kill_survivors(plan: KillPlan, record: StateDir, say: Say = print, *
                          finish=finish)
 
 
+def drain_interrupted_line(ctx: RunContext, plan: Plan) -> str:
+    """An interrupted drain's line (pdops.kinds.FAILURE_LINES "drain-interrupted"): the instance is not
+    recorded as stopped; the last step completed; the same command resumes it."""
+    last = ctx.done[-1] if ctx.done else "none"
+    return (f"  {plan.head['instance']} is NOT recorded as stopped; last completed step: {last}; current revision: "
+            f"{ctx.record.current()}. Re-run the same command to resume (each step re-checks what is already done).")
+
+
 # ---------------------------------------------------------------- doing: one executor per step kind
 
 
@@ -37,12 +46,8 @@ def execute_drain(plan: DrainPlan, record: StateDir, say: Say = print, *, pool: 
     a worker already removed is a no-op, an instance already stopped is only accepted when an
     earlier drain of it passed both empty checks."""
     def failed(ctx: RunContext, exc: PdopsError) -> tuple[str, dict]:
-        last = ctx.done[-1] if ctx.done else "none"
-        current = record.current()
-        exc.message += (f"\n  {plan.instance.id} is NOT recorded as stopped; last completed step: {last}; "
-                        f"current revision: {current}. Re-run the same command to resume "
-                        "(each step re-checks what is already done).")
-        return "interrupted", {"last_completed_step": last, "current": current}
+        return "interrupted", {"last_completed_step": ctx.done[-1] if ctx.done else "none",
+                               "current": record.current()}
 
     return run_operation(plan.plan, plan.inv, record, say, pool=pool, gateways=gateways, basis=plan.rev.number,
                          context={"placement": plan.placement}, failed=failed,

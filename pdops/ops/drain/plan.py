@@ -36,7 +36,7 @@ class DrainPlan:
         title = (f"plan: {verb} {i.id} ({i.role}, {', '.join(f'{h}:{u}' for h, u in i.units)}) from revision "
                  f"{self.rev.number} ({self.rev.topology}), under the cluster lock")
         return Plan(verb, title, self.steps, self.notes, head={"instance": i.id, "revision": self.rev.number},
-                    always=[targets_step()])
+                    always=[targets_step()], failure_line="drain-interrupted")
 
     def render(self) -> str:
         return self.plan.render()

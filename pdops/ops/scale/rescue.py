@@ -8,7 +8,7 @@ from pdops.model import membership
 from pdops.errors import PdopsError
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import config_ids, manifest, render_files
-from pdops.plans import Outcome, Step
+from pdops.plans import Outcome, Plan, Step
 from pdops.runner import RunContext
 from pdops.model.topology import Topology
 
@@ -177,7 +177,7 @@ def do_record_halt(ctx: RunContext, step: Step) -> Outcome:
                    verified=[f"revision {rev.number} (partial) recorded and current"])
 
 
-def halted_change_line(ctx: RunContext) -> str:
+def halted_change_line(ctx: RunContext, plan: Plan) -> str:
     """The verdict line a halted change adds to its error, written from what its rescue recorded
     (`halt_record`, read once the walk is over): what is current, what runs, what was undone and what
     was not (pdops.kinds.FAILURE_LINES "halted-change"). A rescue that did not get as far says so."""

@@ -391,7 +391,7 @@ def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue
     import pdops.runner as runner
 
     monkeypatch.setattr(pdops.kinds, "FAILURE_LINES", {
-        "test": (lambda c: f"verdict: kept {c.output('halt_record')}", "what the test rescue kept")})
+        "test": (lambda c, p: f"verdict: kept {c.output('halt_record')} ({p.operation})", "what the test rescue kept")})
     registry.bind({"walk-plan": runner.do_walk_plan,
                    "boom": lambda c, s: (_ for _ in ()).throw(Unverified("step broke")),
                    "keep": lambda c, s: c.give(s, "halt_record", {"kept": "p01"}) or Outcome()},
@@ -401,12 +401,12 @@ def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue
     assert "if a step fails, then (rescue), and the failure is reported with what the test rescue kept:" in inner.render()
     with pytest.raises(Unverified) as got:
         walk(inner, _ctx(tmp_path))
-    assert got.value.message == "step broke" and got.value.verdict_line == "verdict: kept {'kept': 'p01'}"
+    assert got.value.message == "step broke" and got.value.verdict_line == "verdict: kept {'kept': 'p01'} (inner)"
     outer = Plan("demo", "t", [Step("walk", None, "", kind="walk-plan", params={"plan": inner})])
     ctx = _ctx(tmp_path)
     with pytest.raises(Unverified) as got:
         walk(outer, ctx)
-    assert got.value.message == "step broke\nverdict: kept {'kept': 'p01'}" and got.value.verdict_line is None
+    assert got.value.message == "step broke\nverdict: kept {'kept': 'p01'} (inner)" and got.value.verdict_line is None
     assert "verdict: kept" in {r["step"]: r for r in ctx.journal.read("op-1")}["walk"]["evidence"]["error"]
     registry.bind({"stop": lambda c, s: (_ for _ in ()).throw(KeyboardInterrupt())})
     with pytest.raises(KeyboardInterrupt):

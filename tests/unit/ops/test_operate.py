@@ -170,7 +170,7 @@ def test_a_failed_plans_verdict_line_is_in_what_the_operator_reads_not_in_the_jo
     from pdops.plans import Plan, Step
     from pdops.record.local import StateDir
 
-    monkeypatch.setattr(pdops.kinds, "FAILURE_LINES", {"t": (lambda c: "verdict: nothing changed", "a test line")})
+    monkeypatch.setattr(pdops.kinds, "FAILURE_LINES", {"t": (lambda c, p: "verdict: nothing changed", "a test line")})
     state = StateDir("t", tmp_path / "state")
     registry["boom"] = lambda ctx, s: (_ for _ in ()).throw(PdopsError("the step failed"))
     registry["undo"] = lambda ctx, s: None

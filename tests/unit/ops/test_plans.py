@@ -241,7 +241,7 @@ def test_the_table_of_kinds_binds_each_kind_to_a_function_and_declares_only_know
         assert all(n.rstrip("?") in OUTPUTS for n in k.gives + k.needs), kind
     assert executor("no-such-kind") is None
     for name in FAILURE_LINES:
-        assert list(inspect.signature(failure_line(name)).parameters) == ["ctx"], name
+        assert list(inspect.signature(failure_line(name)).parameters) == ["ctx", "plan"], name
     assert set(REPORTED) <= set(OUTPUTS)
 
 
