@@ -125,8 +125,9 @@ class Plan:
     # behind); other plans stop at once on Ctrl-C
     always_on_interrupt: bool = False
     suffix: dict = field(default_factory=dict)  # step id -> text printed after its line (a change's capacity)
-    # what a failed walk adds to its error after the rescue, written from the outputs the rescue gave
-    # (a name in pdops.kinds.FAILURE_LINES: a halted change's verdict line); None: the error alone
+    # what a failed walk adds to its error after its rescue and always steps, written from what the walk
+    # did (a name in pdops.kinds.FAILURE_LINES: a halted change's verdict line, a deploy's, a drain's);
+    # None: the error alone
     failure_line: str | None = None
 
     def step_ids(self) -> list[str]:

@@ -107,38 +107,32 @@ class DeadlineExceeded(Unverified):
     """A step ran past the deadline its plan printed."""
 
 
-_RESOLVED: dict[str, Executor] = {}
+_RESOLVED: dict[str, Callable] = {}
+
+
+def _resolve(target: Any) -> Callable:
+    """A function named in one of pdops.kinds' tables as "module:function" (a test may bind the function
+    itself), imported the first time it is needed."""
+    if callable(target):
+        return target
+    fn = _RESOLVED.get(target)
+    if fn is None:
+        module, name = target.split(":")
+        fn = _RESOLVED[target] = getattr(importlib.import_module(module), name)
+    return fn
 
 
 def executor(kind: str) -> Executor | None:
     """The function that carries out steps of `kind` (pdops.kinds.KINDS, the one table), imported the
     first time a walk needs it; None for a kind that is not in the table."""
     k = kinds.KINDS.get(kind)
-    if k is None:
-        return None
-    if callable(k.executor):
-        return k.executor
-    fn = _RESOLVED.get(kind)
-    if fn is None:
-        module, name = k.executor.split(":")
-        fn = _RESOLVED[kind] = getattr(importlib.import_module(module), name)
-    return fn
+    return None if k is None else _resolve(k.executor)
 
 
 def failure_line(name: str) -> Callable[[RunContext, Plan], str]:
     """The function that writes the line a failed walk adds to its error (pdops.kinds.FAILURE_LINES),
     imported the first time a walk needs it."""
-    target = kinds.FAILURE_LINES[name][0]
-    if callable(target):  # a test may bind a function itself
-        return target
-    fn = _LINES.get(name)
-    if fn is None:
-        module, attr = target.split(":")
-        fn = _LINES[name] = getattr(importlib.import_module(module), attr)
-    return fn
-
-
-_LINES: dict[str, Callable[[RunContext, Plan], str]] = {}
+    return _resolve(kinds.FAILURE_LINES[name][0])
 
 
 def operator_cpu_s() -> float:
@@ -212,7 +206,11 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
             run_rescue(plan.rescue, ctx)
         ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
         if plan.failure_line is not None and isinstance(exc, PdopsError):
-            exc.verdict_line = failure_line(plan.failure_line)(ctx, plan)
+            try:
+                exc.verdict_line = failure_line(plan.failure_line)(ctx, plan)
+            except Exception as bug:  # noqa: BLE001 - the walk's own failure is what is raised, never hidden
+                exc.verdict_line = (f"verdict: its line ({plan.failure_line}) could not be written "
+                                    f"({type(bug).__name__}: {bug}): see the journal, `inv history --op {ctx.op}`")
         raise
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]

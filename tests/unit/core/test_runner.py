@@ -386,7 +386,8 @@ def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue
     its rescue has run, from what the rescue gave, and carried by the error: the operation adds it to
     what the operator reads after journalling the failure (pdops.ops.operate), a walk-plan step at
     once (its journalled error has it); Ctrl-C writes none; the dry run names it; a plan naming a line
-    that is not in the table is refused before anything runs. No executor writes it."""
+    that is not in the table is refused before anything runs; one that fails to be written is said, and
+    the walk's own failure raised. No executor writes it."""
     import pdops.kinds
     import pdops.runner as runner
 
@@ -408,6 +409,12 @@ def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue
         walk(outer, ctx)
     assert got.value.message == "step broke\nverdict: kept {'kept': 'p01'} (inner)" and got.value.verdict_line is None
     assert "verdict: kept" in {r["step"]: r for r in ctx.journal.read("op-1")}["walk"]["evidence"]["error"]
+    # a line that cannot be written never hides the walk's own failure: it says so instead
+    pdops.kinds.FAILURE_LINES["broken"] = (lambda c, p: c.output("halt_record")["missing"], "a broken line")
+    with pytest.raises(Unverified) as got:
+        walk(Plan("inner", "inner", [Step("boom", None, "", kind="boom")], failure_line="broken"), _ctx(tmp_path))
+    assert got.value.message == "step broke" and got.value.verdict_line.startswith(
+        "verdict: its line (broken) could not be written (TypeError: ")
     registry.bind({"stop": lambda c, s: (_ for _ in ()).throw(KeyboardInterrupt())})
     with pytest.raises(KeyboardInterrupt):
         walk(Plan("demo", "t", [Step("stop", None, "", kind="stop")],
