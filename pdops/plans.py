@@ -207,7 +207,7 @@ class Plan:
                 lines.append("  whatever the outcome, last (always):")
             lines.append((f"  {num:>2}. " if num[0] not in "RA" else f"  {num}. ") + s.line() + self.suffix.get(s.name, ""))
             lines += uses(num, s)
-            if s.kind == "walk-plan":  # the plan it walks, step by step
+            if s.params.get("plan") is not None:  # the plan it walks (a walk-plan step, a sweep's row), in full
                 lines += ["      " + ln for ln in s.params["plan"].render().splitlines()[1:]]
         if reported and not self.rescue and not self.always:
             lines.append(f"  if a step fails, the failure is reported with {reported}")

@@ -9,6 +9,42 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def _loopback_only():
+    """No test reaches past loopback (only 127.0.0.0/8 and ::1 may carry test traffic): a connection
+    this process opens to any other address fails at once, naming it. The shipped fleet inventory's
+    addresses are real hosts' (10.x): a test that plans against it and would contact its record or
+    its hosts fails here instead of trying."""
+    import errno
+    import ipaddress
+    import socket
+
+    real = socket.socket.connect, socket.socket.connect_ex
+
+    def refuse(sock, address):
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        host = address[0]
+        try:
+            addrs = [ipaddress.ip_address(host.split("%", 1)[0])]
+        except ValueError:  # a name: what it resolves to
+            addrs = [ipaddress.ip_address(a[4][0].split("%", 1)[0]) for a in socket.getaddrinfo(host, None)]
+        if not all(a.is_loopback for a in addrs):
+            raise OSError(errno.ENETUNREACH, f"tests reach loopback only, not {host} (tests/conftest.py)")
+
+    def connect(sock, address):
+        refuse(sock, address)
+        return real[0](sock, address)
+
+    def connect_ex(sock, address):
+        refuse(sock, address)
+        return real[1](sock, address)
+
+    socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+
+
+_loopback_only()
+
+
 def pytest_configure(config):
     """Under pytest-xdist each worker gets a lab of its own: worker gwK uses lab slot K (its own
     addresses, cgroup group and lab dir: pdops.lab.slot), so labs side by side never meet."""

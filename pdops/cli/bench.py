@@ -105,7 +105,7 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
     op = new_op_id("sweep")  # the sweep's operation in the journal, and its folder's name
     folder = Path(out) if out else record.path / "sweeps" / op
     plan = sw.plan_sweep(budget, ratios, concurrency, wl, gpus_per_instance=inv.profile.gpus_per_instance, inv=inv,
-                         repeats=repeats, allow_partial=allow_partial, out_dir=folder,
+                         record=record, repeats=repeats, allow_partial=allow_partial, out_dir=folder,
                          min_gain=sw.DEFAULT_MIN_GAIN if min_gain is None else min_gain, requests=requests,
                          duration=duration, ignore_eos=ignore_eos, timeout_s=_num(timeout, "--timeout"))
     print(plan.render())

@@ -7,11 +7,12 @@ from __future__ import annotations
 from pdops.errors import PdopsError, Unverified
 from pdops.facts import q, requestlog
 from pdops.model.placement import Placement, last_bootstrap_ports
-from pdops.model.render import SLICE_UNIT, UNIT_DIR, manifest, snapshot_of, snapshot_subset
+from pdops.model.render import SLICE_UNIT, UNIT_DIR, snapshot_of, snapshot_subset
 from pdops.plans import Outcome, Step
 from pdops.reads.looks import move_baseline
 from pdops.runner import RunContext
 from pdops.steps.actions import configs_of, processes_of
+from pdops.steps.revisions import record_deploy
 
 
 def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
@@ -56,19 +57,10 @@ def do_record_drain(ctx: RunContext, step: Step) -> Outcome:
 
 
 def do_record_deploy(ctx: RunContext, step: Step) -> Outcome:
-    pl, files, workers = step.params["placement"], step.params["files"], ctx.get(step, "workers")
-    running, main_pids = ctx.get(step, "running"), ctx.get(step, "main_pids", {})
-    instances = {i.id: {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
-                        "worker_id": workers[i.id], "url": i.url,
-                        "main_pids": main_pids.get(i.id)} for i in pl.instances}
-    rev = ctx.record.write_revision(topology=str(pl.topology), inventory_hash=ctx.inv.digest,
-                                   placement=pl.to_dict(), manifest=manifest(files), instances=instances,
-                                   outcome="deployed", op_id=ctx.op,
-                                   extra={"gateways": ctx.inv.gateway.urls, "build": str(ctx.get(step, "build")),
-                                          "configs": configs_of(running), **processes_of(running, ctx.inv),
-                                          "last_bootstrap": last_bootstrap_ports({}, pl)},
-                                   snapshot=snapshot_of(ctx.inv, files))
-    ctx.record.set_current(rev.number)
+    pl = step.params["placement"]
+    rev = record_deploy(ctx.record, ctx.inv, pl, step.params["files"], ctx.op, workers=ctx.get(step, "workers"),
+                        build=ctx.get(step, "build"), running=ctx.get(step, "running"),
+                        main_pids=ctx.get(step, "main_pids", {}))
     ctx.give(step, "revision", rev.number)
     return Outcome(evidence={"revision": rev.number}, verified=[f"revision {rev.number} ({pl.topology}) recorded and current"])
 

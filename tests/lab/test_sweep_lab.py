@@ -126,6 +126,16 @@ def test_the_sweep_is_one_plan_in_the_journal_each_step_by_its_id(swept):
     scaled = {r["step"]: r["evidence"] for r in walked if r["step"].startswith("sweep-scale")}
     assert scaled["sweep-scale 3p1d"]["op"].startswith("deploy-") and scaled["sweep-scale 3p1d"]["revision"] == 1
     assert scaled["sweep-scale 2p2d"]["op"].startswith("scale-") and scaled["sweep-scale 2p2d"]["revision"] == 2
+    # the change of the second row was printed in full before the sweep began, forecast from the revision the
+    # first row was to record; planned again when its row started, it was that one: the steps its own
+    # operation journalled are the ones printed
+    printed = proc.stdout.split("[1/", 1)[0]
+    block = printed.split("      plan: scale: lab from revision 1 (3p1d) to 2p2d\n", 1)[1].split("\n   7. ", 1)[0]
+    change_ids = [m[1] for m in re.findall(r"^ {10}( \d|\d\d)\. (.+?) — ", block, re.M)]
+    inner_plan = next(r for r in record(root / "c").journal().read(scaled["sweep-scale 2p2d"]["op"])
+                      if r["step"] == "plan")["evidence"]
+    assert change_ids == inner_plan["steps"] and "record" in change_ids, (change_ids, inner_plan["steps"])
+    assert "[1:1] the change planned again from revision 1 is the one printed, step for step" in proc.stdout
     # and each cell's bench too: its plan's four steps and its verdict, by the op its sweep-run step names
     benched = [r["evidence"] for r in walked if r["step"].startswith("sweep-run")]
     assert all(ev["op"].startswith("bench-") for ev in benched), benched

@@ -28,7 +28,9 @@ The package, by concern (each module imports only those listed before it):
   steps carry); comparing two revisions' files;
 - ``steps``: a plan compiled into the runner's steps (adds, waves, drains, the gateway first,
   the rescue: R1 undo-decide and each started instance's undo plan, R2 the restore steps, R3 record-halt);
-- ``execute``: the executors of a change's own kinds, the walk under the lock, the record;
+- ``revision``: the revision a change records (by its `record-scale` step; a sweep's plan writes it to a
+  forecast to plan the rows after it);
+- ``execute``: the executors of a change's own kinds, the walk under the lock;
 - ``rescue``: the executors of the rescue's kinds;
 - ``fenced``: a change of generation planned as a fenced (blue/green) rollout, its steps and rescue;
 - ``fence_exec``: the executors of a fenced rollout's own kinds;

@@ -1,5 +1,5 @@
-"""Carrying a change out: the executors of its own step kinds, the walk under the lock, and the
-revision it records."""
+"""Carrying a change out: the executors of its own step kinds and the walk under the lock (the
+revision it records: pdops.ops.scale.revision)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from pdops.errors import DeployFailed, PdopsError, Refused, ScaleFailed, Unreach
 from pdops.remote.gateway import GatewayClient, Gateways, deadline_in
 from pdops.remote.haproxy import gateway_stats, require_another_up, runtime, wait_gateways_up
 from pdops.remote.hosts import HostPool
-from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.commands import gateway_grace_s
-from pdops.model.render import (BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR, manifest, snapshot_of)
+from pdops.model.render import BIN_DIR, ENV_DIR, GATEWAY_UNIT, SLICE_UNIT, STANDBY_UNIT, UNIT_DIR
 from pdops.plans import Outcome, Step
 from pdops.runner import RunContext, Say
-from pdops.record.local import Revision, StateDir
+from pdops.record.local import StateDir
 from pdops.ops.operate import run_operation
 
-from pdops.ops.scale.change import ChangeFacts, ScalePlan, instance_files, union_placement
+from pdops.ops.scale.change import ChangeFacts, ScalePlan, union_placement
+from pdops.ops.scale.revision import record_change
 from pdops.facts import q
 from pdops.model.admission import UNIT, server_state_command, standby_server
-from pdops.steps.actions import configs_of, deliver, processes_of, register_one
+from pdops.steps.actions import deliver, register_one
 from pdops.model import membership
 
 
@@ -330,64 +330,3 @@ def execute_scale(plan: ScalePlan, record: StateDir, say: Say = print, *, pool: 
                              lock_held=op is not None)
     except DeployFailed as exc:  # a shared step (start, canary, register) failed in a change
         raise ScaleFailed(exc.message, evidence=exc.evidence, fix=exc.fix) from None
-
-
-def instances_doc(plan: ChangeFacts, pl: Placement, workers: dict[str, str | None],
-                   main_pids: dict | None = None) -> dict:
-    """Each instance's record: kept ones as recorded, added ones new; the MainPIDs of what this
-    change started (pdops.reads.observe compares them with what systemd reports later)."""
-    out = {}
-    main_pids = main_pids or {}
-    for i in pl.instances:
-        if i.id in plan.current.instances and i.id not in plan.why:
-            out[i.id] = dict(plan.current.instances[i.id])
-            if i.id in workers:
-                out[i.id]["worker_id"] = workers[i.id]
-        else:
-            out[i.id] = {"role": i.role, "hosts": list(i.hosts), "units": [list(u) for u in i.units],
-                         "worker_id": workers.get(i.id), "url": i.url}
-        if i.id in main_pids:
-            out[i.id]["main_pids"] = main_pids[i.id]
-    return out
-
-
-def record_change(plan: ChangeFacts, record: StateDir, op: str, workers: dict, build, main_pids: dict | None = None,
-                  running: dict | None = None, lost_work: dict | None = None) -> Revision:
-
-    cur, tgt = plan.current, plan.target
-    new_mf = manifest(plan.files)
-    rollback = {
-        "to_revision": cur.number, "to_topology": cur.topology,
-        "restore": [i.id for i in plan.removed], "drain": [i.id for i in plan.added],
-        "replace": [i.id for i in plan.replaced],
-        "how": "`inv rollback`: add back what was removed (start, health-gate, canary, register), then drain what "
-               "was added",
-        "holds_while": f"the inventory digest is {cur.inventory_hash[:12]} and the rendered files of the restored "
-                       f"instances match revision {cur.number}'s manifest",
-        "inventory_hash": cur.inventory_hash,
-        "files": {f"{h}:{p}": m for i in plan.removed for (h, p), m in instance_files(cur.manifest, i.id).items()},
-    }
-    extra = {"gateways": plan.inv.gateway.urls, "build": str(build) if build else None, "rollback": rollback,
-             "configs": configs_of(running or {}), **processes_of(running or {}, plan.inv),
-             "cordoned": list(plan.cordoned),
-             "last_bootstrap": last_bootstrap_ports((cur.extra or {}).get("last_bootstrap") or
-                                                    last_bootstrap_ports({}, plan.current_placement), tgt),
-             "scale": {"from_revision": cur.number, "from_topology": cur.topology,
-                       "added": [i.id for i in plan.added], "removed": [i.id for i in plan.removed],
-                       "replaced": {i.id: plan.why[i.id] for i in plan.replaced}, "surge": plan.surge,
-                       "kept": [i.id for i in plan.kept], "capacity_dip": plan.dip}}
-    if plan.rollback_of:
-        extra["rollback_of"] = plan.rollback_of
-    if plan.repair:
-        lost = (lost_work or {}).get(plan.repair["instance"], {})
-        extra["repair"] = {**{k: plan.repair.get(k) for k in ("instance", "state", "reasons")},
-                           "lost": lost.get("lost"), "failed": lost.get("failed")}
-    if plan.base_snapshot is not None:  # a rollback: what runs is the target's rendering
-        snap = {**plan.base_snapshot, "files": snapshot_of(plan.inv, plan.files)["files"]}
-        inv_hash = plan.rollback_inventory_hash or plan.inv.digest
-    else:
-        snap, inv_hash = snapshot_of(plan.inv, plan.files), plan.inv.digest
-    return record.write_revision(topology=str(tgt.topology), inventory_hash=inv_hash,
-                                placement=tgt.to_dict(), manifest=new_mf,
-                                instances=instances_doc(plan, tgt, workers, main_pids), outcome="deployed", op_id=op,
-                                extra=extra, snapshot=snap)

@@ -13,7 +13,7 @@ from pdops.runner import RunContext
 from pdops.model.topology import Topology
 
 from pdops.ops.scale.change import ROLES, ChangeFacts, cordoned_hosts, instance_files, shared_files
-from pdops.ops.scale.execute import instances_doc
+from pdops.ops.scale.revision import instances_doc
 from pdops.facts.engine import failed_session_wait_s
 from pdops.steps.actions import register
 from pdops.steps.canary import canary_pairs

@@ -7,11 +7,15 @@ allowed: only reporting TPM per GPU keeps "more GPUs" from passing for "better r
 A topology that the inventory cannot place is "not tried" too. A budget that leaves no
 cell to run is refused as invalid input.
 
+Each row's way to its topology is planned with the sweep and printed in full under its step
+(``rows``): a deploy if nothing is live, else the change planner's change, the first row from the
+record, each later one from the revision the row before it is to record (a forecast). When the row
+starts, it is planned again from the record and walked only if it is the printed one.
+
 Do (`execute_sweep`): one runner plan (`SweepPlan.plan`, what `--dry-run` prints), walked under
 the cluster lock: `open-matrix`; per topology a `sweep-scale` step (through the injected
-`scale_to`, and an optional `verify`: a deploy if nothing is live, else the change planned from
-the revision current then) and one `sweep-run` step per concurrency x repeat (the injected
-`run_cell`); last, whatever happened, `write-matrix`. Every cell ends as one of:
+`scale_to`, given the row as printed, and an optional `verify`) and one `sweep-run` step per
+concurrency x repeat (the injected `run_cell`); last, whatever happened, `write-matrix`. Every cell ends as one of:
 - measured: figures of each repeat, the median and the range/median spread; a run with
   failed requests is still measured but carries its mark everywhere it is shown;
 - tried and failed: the failure (scale failed, HTTP 503 on every request, run invalid...);
@@ -21,7 +25,9 @@ The knee of a ratio is the last concurrency whose next step adds less than `min_
 (default 2%) total TPM: past it, added concurrency only adds latency.
 
 The package, by concern (each module imports only those listed before it):
-- ``plan``: parsing, the cells, the plan (pure);
+- ``rows``: each row's deploy or change, forecast from the revision the row before is to record, and
+  planned again (and compared) when it starts;
+- ``plan``: parsing, the cells, the plan (pure but for reading the record);
 - ``matrix``: the knee, the table, the CSV, the plots;
 - ``execute``: the executors of the plan's step kinds, the seams to the cluster, the walk.
 """

@@ -10,8 +10,9 @@ scale failed). The cluster is reached through the seams of :class:`SweepContext`
 
 Which failures stop the walk: none of a row's scale or of a run. A scale that fails (raises any
 Exception) is recorded as the state of the row's cells, with the reason, and listed as not
-verified; the row's runs are journalled as not run; the sweep goes on with the next row, planned
-from whatever revision is current then. A run that fails is recorded in its cell. What stops the
+verified; the row's runs are journalled as not run; the sweep goes on with the next row, which
+runs only if, planned again from the record as it is then, it is the change printed for it
+(pdops.ops.sweep.rows.replan: after a failed row it is not, and it fails naming why). A run that fails is recorded in its cell. What stops the
 walk is what is no measurement failure: Ctrl-C (the `always` step still writes the matrix and the
 plots), a step the runner itself refuses (a pdops bug: the plan's check, an unknown kind), and
 a matrix that cannot be written (`open-matrix`; a later write raises from its step: a sweep
@@ -37,6 +38,7 @@ from pdops.ops.operate import run_operation
 
 from pdops.ops.sweep.plan import FAILED, MEASURED, NOT_TRIED, PLANNED, SweepPlan, parse_min_gain
 from pdops.ops.sweep.matrix import Matrix, write_matrix
+from pdops.ops.sweep.rows import DEPLOY, NOTHING, Row, replan
 from pdops.ops import deploy as dep, scale as scale_mod
 from pdops.remote.hosts import connections
 
@@ -59,8 +61,9 @@ class CellRun:
     op: str | None = None  # the bench's operation id, named in the sweep-run step however the run ends
 
 
-# brings the cluster to a topology (verified) or raises; may return what it walked (evidence)
-ScaleTo = Callable[[Topology], "dict | None"]
+# brings the cluster to a topology (verified) as the row printed (None: planned without the record),
+# or raises; may return what it walked (evidence)
+ScaleTo = Callable[[Topology, "Row | None"], "dict | None"]
 # one bench run: Figures, or a BenchResult (with .figures and .run_dir)
 RunCell = Callable[[CellRun], object]
 
@@ -121,7 +124,7 @@ def do_sweep_scale(ctx: SweepContext, step: Step) -> Outcome:
     ratio, topo = step.params["ratio"], parse_topology(step.params["topology"])
     ctx.say(f"[{ratio}] scaling to {topo}")
     try:
-        walked = ctx.scale_to(topo) or {}
+        walked = ctx.scale_to(topo, step.params.get("plan")) or {}
         if ctx.verify is not None:
             ctx.verify(topo)
     except Exception as exc:  # noqa: BLE001 - the row failed: recorded, and the sweep goes on (module docstring)
@@ -245,28 +248,28 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, reco
 
 def scale_live(inv, record, say: Say = print) -> ScaleTo:
     """The live `scale_to` seam, for a sweep walked under `record`'s lock (which it does not take):
-    a deploy when nothing is live, else the change planner's plan from the revision current now,
-    allowing the capacity dip (the sweep owns the cluster: no traffic to protect, and 3p1d -> 2p2d
-    on four hosts must free a host before placing its new instance). The plan is printed, then
-    walked with `execute_scale` (or `execute_deploy`) as an operation of its own in the journal, on
-    connections opened for it. Returns what it walked: {how, op, revision}."""
+    the row's deploy (nothing live) or change (allowed to dip capacity: the sweep owns the cluster, no
+    traffic to protect, and 3p1d -> 2p2d on four hosts must free a host before placing its new
+    instance), planned again from the record as it is now and walked only if it is the printed one
+    (pdops.ops.sweep.rows.replan; else Refused, nothing run), with `execute_deploy` or `execute_scale`
+    as an operation of its own in the journal, on connections opened for it. Returns what it walked:
+    {how, op, revision}."""
 
-    def scale_to(topo: Topology) -> dict:
-        if record.current() is None:  # nothing live yet: deploy
-            plan = dep.plan_deploy(inv, topo, record)
-            say(plan.render())
-            op = new_op_id("deploy")
-            with connections(inv) as conns:
-                v = dep.execute_deploy(plan, say, op=op, **conns)
-            return {"how": f"deployed as {op}", "op": op, "revision": (v or {}).get("revision")}
-        plan = scale_mod.plan_scale(inv, topo, record, allow_capacity_dip=True)
-        say(plan.render())
-        if plan.noop:
-            return {"how": f"nothing to change: {plan.noop}", "op": None, "revision": record.current()}
-        op = new_op_id(plan.operation)
+    def scale_to(topo: Topology, printed: Row | None) -> dict:
+        row = replan(inv, printed, topo, record)
+        if row.how == NOTHING:
+            say(f"[{row.ratio}] nothing to change: {row.plan.noop}")
+            return {"how": f"nothing to change: {row.plan.noop}", "op": None, "revision": record.current()}
+        op = new_op_id("deploy" if row.how == DEPLOY else row.plan.operation)
+        say(f"[{row.ratio}] the {row.how} planned again from {row.origin()} is the one printed, step for step: "
+            f"walked as {op}")
         with connections(inv) as conns:
-            v = scale_mod.execute_scale(plan, record, say, op=op, **conns)
-        return {"how": f"changed as {op}", "op": op, "revision": (v or {}).get("revision")}
+            if row.how == DEPLOY:
+                v = dep.execute_deploy(row.plan, say, op=op, **conns)
+            else:
+                v = scale_mod.execute_scale(row.plan, record, say, op=op, **conns)
+        how = "deployed" if row.how == DEPLOY else "changed"
+        return {"how": f"{how} as {op}", "op": op, "revision": (v or {}).get("revision")}
 
     return scale_to
 

@@ -1,19 +1,23 @@
-"""The sweep's plan (pure): ratios x concurrencies on a fixed GPU budget, each cell planned,
-measured, failed or not tried with its reason; and the one runner plan that carries it out
-(:attr:`SweepPlan.plan`): `open-matrix`, then per row a `sweep-scale` step and one `sweep-run`
-step per concurrency x repeat, and last, whatever happened, `write-matrix`."""
+"""The sweep's plan (pure but for reading the record): ratios x concurrencies on a fixed GPU budget,
+each cell planned, measured, failed or not tried with its reason; each row's deploy or change
+(pdops.ops.sweep.rows: the first from the record, each later one from the revision the row before
+it is to record); and the one runner plan that carries it out (:attr:`SweepPlan.plan`):
+`open-matrix`, then per row a `sweep-scale` step (its deploy or change printed under it in full) and
+one `sweep-run` step per concurrency x repeat, and last, whatever happened, `write-matrix`."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 from pdops.ops.bench.workload import Workload, parse_concurrency, parse_positive_int, parse_workload, stop_condition
-from pdops.errors import InvalidInput
-from pdops.model.topology import Topology
+from pdops.errors import InvalidInput, Refused
+from pdops.model.topology import Topology, parse_topology
 from pdops.plans import Plan, Step
 from pdops.model.placement import place
+from pdops.ops.sweep.rows import forecast_rows
 
 
 MEASURED = "measured"
@@ -177,6 +181,9 @@ class SweepPlan:
     ignore_eos: bool = False
     timeout_s: float | None = None  # per request (None: the bench's default)
     plots: bool = True
+    # ratio -> its row's deploy or change (pdops.ops.sweep.rows.Row), planned before the sweep starts;
+    # empty when planned without the inventory and the record (a walk with stand-in seams, in tests)
+    rows: dict = field(default_factory=dict)
 
     def runnable(self) -> list[Cell]:
         return [c for c in self.cells if c.state == PLANNED]
@@ -194,34 +201,31 @@ class SweepPlan:
 
     @property
     def plan(self) -> Plan:
-        """The sweep as one runner plan. Every row's scale is planned when its step runs (from the
-        revision current then), so the step names its dependency, not a plan made now."""
+        """The sweep as one runner plan: each row's `sweep-scale` step carries its deploy or change
+        (printed under it), which the step plans again when it starts and walks only as printed."""
         out = self.folder
         skip = len(self.cells) - len(self.runnable())
         steps = [Step("open-matrix", None, f"the matrix of {len(self.cells)} cells ({len(self.runnable())} to run"
                       + (f", {skip} not tried with the reason" if skip else "") + "), in matrix.json now and again "
                       "after every run (an interrupted sweep keeps what it measured)",
                       kind="open-matrix", params={"out_dir": out, "matrix": self._matrix_doc()})]
-        first = True
         for ratio in self.ratios:
             topo = self.topologies.get(ratio)
             cells = [c for c in self.cells if c.ratio == ratio and c.state == PLANNED]
             if topo is None or not cells:
                 continue
             runs = len(cells) * self.repeats
-            if first:
-                how = (f"deploy {topo} if nothing is live, else the change to {topo} planned from the revision "
-                       "current when this step starts")
-            else:
-                how = (f"the change to {topo}, planned from the revision current after the previous row (a deploy "
-                       "if nothing is live then)")
+            row = self.rows.get(ratio)
+            how = (f"{row.summary()}: the steps below, planned again from the record when this step starts and "
+                   "walked only if they are the ones printed (else none of them runs)" if row is not None
+                   else f"deploy or change to {topo} (not planned: the sweep was planned without the record)")
             steps.append(Step(
                 f"sweep-scale {topo}", None,
-                f"{ratio}: {how}, printed when made; if it fails, the row's {runs} run(s) are not made, its cells "
-                "are recorded failed with the reason, and the sweep goes on",
-                kind="sweep-scale", params={"ratio": ratio, "topology": topo, "out_dir": out},
+                f"{ratio}: {how}; if it fails, the row's {runs} run(s) are not made, its cells are recorded failed "
+                "with the reason, and the sweep goes on",
+                kind="sweep-scale", params={"ratio": ratio, "topology": topo, "out_dir": out,
+                                            **({"plan": row} if row is not None else {})},
                 verifies=f"the cluster runs {topo}"))
-            first = False
             for c in cells:
                 n = self.requests_for(c.concurrency)
                 load = f"{n} requests" if n is not None else f"for {self.duration:g}s"
@@ -245,8 +249,11 @@ class SweepPlan:
                        kind="write-matrix", params={"out_dir": out, "plots": self.plots})]
         n = self.budget // self.gpus_per_instance
         notes = list(self.notes) + [
-            "each row's scale is walked inside its step, under the sweep's lock, as an operation of its own in the "
-            "journal (its own plan record, steps and verdict), allowed to dip capacity: the sweep owns the cluster"]
+            "each row's deploy or change is walked inside its step, under the sweep's lock, as an operation of its "
+            "own in the journal (its own plan record, steps and verdict), allowed to dip capacity: the sweep owns the "
+            "cluster",
+            "a row planned from a forecast revision names each worker by its URL (its id is known once the row before "
+            "it has registered it) and numbers revisions as the next free ones"]
         return Plan("sweep", f"plan: sweep {self.workload} on a fixed budget of {self.budget} GPUs under the cluster "
                     "lock", steps, notes=notes, always=always, always_on_interrupt=True,
                     head={"budget": self.budget, "instances": n, "workload": self.workload, "ratios": self.ratios,
@@ -301,10 +308,12 @@ def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: 
                workload: Workload | str, *, gpus_per_instance: int, inv=None, repeats: int | str = 1,
                allow_partial: bool = False, out_dir=None, min_gain: float = DEFAULT_MIN_GAIN,
                requests: int | str | None = None, duration: float | str | None = None, ignore_eos: bool = False,
-               timeout_s: float | None = None, plots: bool = True) -> SweepPlan:
+               timeout_s: float | None = None, plots: bool = True, record=None) -> SweepPlan:
     """Every (ratio, concurrency) cell, planned or not tried with its reason, and how each run is
-    made (`requests` per run, default 4 x C, or `duration` seconds; not both). Pure but for the
-    inventory's placement check. Raises InvalidInput if no cell can run."""
+    made (`requests` per run, default 4 x C, or `duration` seconds; not both). With the inventory and
+    the `record`, each row's deploy or change too (pdops.ops.sweep.rows.forecast_rows: a row that
+    cannot be planned is not tried, with the reason). Pure but for the inventory's placement check and
+    reading the record. Raises InvalidInput if no cell can run."""
     budget = parse_positive_int(budget, "--budget", "GPU budget")
     repeats = parse_positive_int(repeats, "--repeats", "number of repeats")
     rs = parse_ratios(ratios) if isinstance(ratios, str) else list(ratios)
@@ -341,4 +350,16 @@ def plan_sweep(budget: int | str, ratios: Sequence[Ratio] | str, concurrencies: 
         raise InvalidInput("--budget", f"a budget of {budget} GPUs fits no topology of the requested ratios ({reasons})",
                            fix="choose a budget that holds a whole number of every ratio's instances and fits the "
                                "inventory, e.g. 96 GPUs for 2:1, 3:1 and 5:1 with 8-GPU instances")
-    return plan
+    if inv is None or record is None:
+        return plan
+    # every input is valid: only now is the record read (a row's plan starts from it)
+    rows, refused = forecast_rows(inv, [(r, parse_topology(plan.topologies[r])) for r in plan.ratios
+                                        if any(c.ratio == r for c in plan.runnable())], record)
+    for c in cells:
+        if c.ratio in refused:
+            c.state, c.reason = NOT_TRIED, refused[c.ratio]
+    if not plan.runnable():
+        raise Refused("no row of the sweep can be planned from the record: "
+                      + "; ".join(f"{r}: {why}" for r, why in refused.items()) + "; nothing was run",
+                      fix="`inv status` shows what runs; a sweep deploys or changes to each row's topology in turn")
+    return dataclasses.replace(plan, rows=rows)

@@ -139,7 +139,7 @@ def test_knee_on_the_report_numbers():
 # ---------------------------------------------------------------- execute_sweep with fakes
 
 
-def sweep(plan, tmp_path, *, run_cell, scale_to=lambda t: None, out=None, **kw):
+def sweep(plan, tmp_path, *, run_cell, scale_to=lambda t, row: None, out=None, **kw):
     """execute_sweep with fakes for the cluster, its record (lock, journal) in tmp_path/state."""
     return sw.execute_sweep(plan, scale_to=scale_to, run_cell=run_cell, out_dir=tmp_path if out is None else out,
                             record=StateDir("lab", tmp_path / "state"), say=lambda s: None, **kw)
@@ -149,7 +149,7 @@ def _run_report_sweep(tmp_path, *, scale_fail=None, cell_fail=None, plots=True):
     plan = sw.plan_sweep(96, "2:1,5:1,3:1,13:1", "8,16,32,64", "160k/1300", gpus_per_instance=8)
     scaled, ran = [], []
 
-    def scale_to(topo):
+    def scale_to(topo, row):
         scaled.append(str(topo))
         if str(topo) == scale_fail:
             raise Unverified("p09 did not become healthy")
@@ -286,14 +286,13 @@ def test_the_sweep_is_one_declared_plan_with_its_step_ids_and_kinds():
     assert run.needs == ("sweep_matrix", "sweep_failed_rows?")
     scale = plan.steps[6]
     assert scale.params == {"ratio": "5:1", "topology": "10p2d", "out_dir": "/srv/x/sweep"}
-    # the second row's change depends on what the first left: its step says so, it is not planned now
-    assert "planned from the revision current after the previous row" in scale.description
-    assert "deploy 8p4d if nothing is live" in plan.steps[1].description
+    # planned without the inventory and the record (stand-in seams): no row's change, and the step says so
+    assert "not planned: the sweep was planned without the record" in scale.description
     # no executor reads the SweepPlan: the first step carries the whole matrix as planned
     assert len(plan.steps[0].params["matrix"]["cells"]) == 6
 
 
-def test_the_dry_run_lists_every_step_and_the_always_step(capsys, tmp_path):
+def test_the_dry_run_lists_every_step_and_the_always_step(capsys, tmp_path, monkeypatch):
     from invoke import Context
 
     from pdops.cli import bench as cli_bench
@@ -305,6 +304,7 @@ def test_the_dry_run_lists_every_step_and_the_always_step(capsys, tmp_path):
     assert "whatever the outcome, last (always):\n  A1. write-matrix — " in text
     assert "13:1: not tried: 13:1 needs at least 14 instances" in text and "uses: sweep_matrix (step 1)" in text
     # the CLI prints the same plan and runs nothing with --dry-run
+    monkeypatch.setattr(cli_bench.rec, "open_record", lambda inv: StateDir(inv.cluster, tmp_path / "state"))
     cli_bench.sweep(Context(), budget=32, ratios="3:1,1:1", concurrency="1,16", duration=6, dry_run=True,
                     inventory=str(Path(__file__).resolve().parents[3] / "inventory" / "lab"), out=str(tmp_path / "s"))
     out = capsys.readouterr().out
@@ -313,14 +313,16 @@ def test_the_dry_run_lists_every_step_and_the_always_step(capsys, tmp_path):
         "open-matrix", "sweep-scale 3p1d", "sweep-run 3p1d C1 r1", "sweep-run 3p1d C16 r1",
         "sweep-scale 2p2d", "sweep-run 2p2d C1 r1", "sweep-run 2p2d C16 r1"]
     assert "A1. write-matrix" in out and f"into {tmp_path / 's'}" in out
-    assert not (tmp_path / "s").exists()
+    # each row's deploy or change is printed under its step, the second forecast from the first's revision
+    assert "      plan: deploy 3p1d on lab (4 hosts" in out and "      plan: scale: lab from revision 1 (3p1d) to 2p2d" in out
+    assert not (tmp_path / "s").exists() and not (tmp_path / "state").exists()  # nothing run, nothing recorded
 
 
 def test_the_journal_has_the_plan_and_every_step_by_id_and_a_failed_scale_is_a_row_not_a_stop(tmp_path):
     state = StateDir("lab", tmp_path / "state")
     held = []
 
-    def scale_to(topo):
+    def scale_to(topo, row):
         held.append(state.lock("other").holder().operation)  # the sweep holds the lock while it scales
         with pytest.raises(Refused, match="locked by"):  # and nobody else can take it meanwhile
             state.lock("scale").acquire()
@@ -361,7 +363,7 @@ def test_an_interrupted_sweep_keeps_what_it_measured_and_still_writes_the_matrix
 
     state = StateDir("lab", tmp_path / "state")
     with pytest.raises(KeyboardInterrupt):
-        sw.execute_sweep(small_plan(), scale_to=lambda t: None, run_cell=run_cell, record=state,
+        sw.execute_sweep(small_plan(), scale_to=lambda t, row: None, run_cell=run_cell, record=state,
                          out_dir=tmp_path / "out", say=lambda s: None, op="sweep-int")
     back = sw.load_matrix(tmp_path / "out")
     assert back.cell("2:1", 16).state == sw.MEASURED and len(back.cell("2:1", 16).runs) == 2
@@ -372,55 +374,106 @@ def test_an_interrupted_sweep_keeps_what_it_measured_and_still_writes_the_matrix
     assert recs[-1]["step"] == "verdict" and recs[-1]["status"] == "interrupted"
 
 
-def test_live_scale_deploys_first_then_walks_the_change_allowing_the_dip_without_taking_the_lock(monkeypatch):
+def test_the_dry_run_prints_each_rows_deploy_and_change_in_full_forecast_from_the_row_before(fleet, tmp_path):
+    """Every row's way to its topology is planned with the sweep: the first from the record (nothing
+    live: a deploy), each later one from the revision the row before is to record. Nothing is written."""
+    state = StateDir("fleet", tmp_path / "state")
+    plan = sw.plan_sweep(96, "2:1,3:1,5:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    text = plan.render()
+    rows = [s for s in plan.plan.steps if s.kind == "sweep-scale"]
+    assert [(r.params["plan"].how, r.params["plan"].basis, r.params["plan"].forecast) for r in rows] == [
+        ("deploy", None, False), ("change", 1, True), ("change", 2, True)]
+    assert "2:1: deploy 8p4d, planned from nothing live: the steps below" in rows[0].description
+    assert "3:1: the change to 9p3d, planned from revision 1, the one the row before is to record (forecast)" in text
+    # each row's plan is printed under its step, step by step, with its rescue
+    assert "      plan: deploy 8p4d on rtx6000d" in text and "        33. record — write the revision" in text
+    assert "      plan: scale: rtx6000d from revision 1 (8p4d) to 9p3d" in text
+    assert "      plan: scale: rtx6000d from revision 2 (9p3d) to 10p2d" in text
+    assert "          9. drain d04: leave-gateway" in text and "DELETE /workers/<its id, found by its URL>" in text
+    assert "          R8. record-halt" in text
+    assert state.current() is None and state.revision_numbers() == []  # the forecast wrote nothing
+
+
+def _record_row(state, how, plan, fleet):
+    """What the walk of a row's plan records, with the ids and PIDs a forecast cannot know."""
+    from pdops.ops.scale.change import change_facts
+    from pdops.ops.scale.revision import record_change
+    from pdops.steps.revisions import record_deploy
+
+    if how == "deploy":
+        pl = plan.placement
+        return record_deploy(state, fleet, pl, plan.files, "deploy-1", workers={i.id: f"w-{i.id}" for i in pl.instances},
+                             build="/b", running={}, main_pids={i.id: {"gpu01:u": 4242} for i in pl.instances}).number
+    facts = change_facts(plan)
+    rev = record_change(facts, state, "scale-1", {i.id: f"w-{i.id}" for i in facts.added}, "/b")
+    state.set_current(rev.number)
+    return rev.number
+
+
+def test_each_row_is_planned_again_when_it_starts_and_walked_only_as_printed(fleet, tmp_path, monkeypatch):
+    """Live, each row is planned again from the record (with the worker ids the row before registered)
+    and walked when it is the printed one; a row forecast from a revision never recorded (the row before
+    it failed) is refused, naming how it differs, and nothing of it runs. The seam never takes the lock."""
     import contextlib
 
     from pdops.ops import deploy as dep
     from pdops.ops import scale as scale_mod
     from pdops.ops.sweep import execute as sweep_exec
-    from pdops.model.topology import parse_topology
 
-    calls = []
+    state = StateDir("fleet", tmp_path / "state")
+    plan = sw.plan_sweep(96, "2:1,3:1,5:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    printed = {s.params["ratio"]: s.params["plan"] for s in plan.plan.steps if s.kind == "sweep-scale"}
+    walked = []
 
-    class FakeState:
-        current_value = None
+    def deploy(p, say, op, **conns):
+        walked.append(("deploy", str(p.placement.topology), op[:7]))
+        return {"revision": _record_row(state, "deploy", p, fleet)}
 
-        def current(self):
-            return self.current_value
+    def change(p, st, say, op, **conns):
+        walked.append(("scale", p.headline(), op[:6]))
+        # the change walked has the facts of the record: the worker id row 1 registered, not the forecast's
+        assert [i.id for i in p.removed] == [{"9p3d": "d04", "10p2d": "d03"}[str(p.target.topology)]]
+        assert f"DELETE /workers/w-{p.removed[0].id}" in p.render()
+        return {"revision": _record_row(state, "change", p, fleet) if str(p.target.topology) == "9p3d" else None}
 
-        def check_basis(self, n):
-            calls.append(("check_basis", n))
-
-        def lock(self, *a, **kw):  # the sweep holds it around its whole walk: the seam never takes it
-            raise AssertionError("the scale seam took the cluster lock")
-
-    state = FakeState()
-
-    class Plan:
-        noop = None
-        operation = "scale"
-        current = type("Rev", (), {"number": 1})
-
-        def render(self):
-            return "plan"
-
-    monkeypatch.setattr(dep, "plan_deploy", lambda inv, topo, st: calls.append(("plan_deploy", str(topo), st is state))
-                        or Plan())
     monkeypatch.setattr(sweep_exec, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
-    monkeypatch.setattr(dep, "execute_deploy", lambda plan, say, op, **conns: calls.append(("deploy", op[:7]))
-                        or {"revision": 1})
-    monkeypatch.setattr(scale_mod, "plan_scale", lambda inv, topo, st, **kw: calls.append(("plan_scale", str(topo), kw))
-                        or Plan())
-    # under the sweep's lock: each walk is an operation of its own id, its basis checked by run_operation
-    monkeypatch.setattr(scale_mod, "execute_scale", lambda plan, st, say, op, **conns: calls.append(("execute_scale", op[:6]))
-                        or {"revision": 2})
-    scale_to = sw.scale_live(object(), state)
-    assert scale_to(parse_topology("3p1d"))["revision"] == 1
-    state.current_value = 1
-    got = scale_to(parse_topology("2p2d"))
+    monkeypatch.setattr(dep, "execute_deploy", deploy)
+    monkeypatch.setattr(scale_mod, "execute_scale", change)
+    monkeypatch.setattr(state, "lock", lambda *a, **kw: pytest.fail("the scale seam took the cluster lock"))
+    said = []
+    scale_to = sw.scale_live(fleet, state, said.append)
+    topo = {r: printed[r].topology for r in printed}
+    got = scale_to(topo["2:1"], printed["2:1"])
+    assert got["revision"] == 1 and got["how"] == f"deployed as {got['op']}" and got["op"].startswith("deploy-")
+    got = scale_to(topo["3:1"], printed["3:1"])
     assert got["revision"] == 2 and got["how"] == f"changed as {got['op']}" and got["op"].startswith("scale-")
-    assert calls[:2] == [("plan_deploy", "3p1d", True), ("deploy", "deploy-")]
-    assert calls[2:] == [("plan_scale", "2p2d", {"allow_capacity_dip": True}), ("execute_scale", "scale-")]
+    assert [w[:2] for w in walked] == [("deploy", "8p4d"), ("scale", "plan: scale: rtx6000d from revision 1 (8p4d) to 9p3d")]
+    assert any("the change planned again from revision 1 is the one printed, step for step" in ln for ln in said)
+    # the third row's change fails: the record stays at revision 2 (its rescue undid it)
+    scale_to(topo["5:1"], printed["5:1"])
+    assert len(walked) == 3 and state.current() == 2
+
+
+def test_a_row_forecast_from_a_revision_that_was_never_recorded_is_not_walked(fleet, tmp_path, monkeypatch):
+    """The row before failed and its change was undone: the next row was forecast from a revision that
+    never came, so planned again it differs; it is refused, naming how, and nothing of it runs."""
+    from pdops.ops import scale as scale_mod
+
+    state = StateDir("fleet", tmp_path / "state")
+    plan = sw.plan_sweep(96, "2:1,3:1,5:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    printed = {s.params["ratio"]: s.params["plan"] for s in plan.plan.steps if s.kind == "sweep-scale"}
+    _record_row(state, "deploy", printed["2:1"].plan, fleet)  # row 1 deployed; row 2 (9p3d) failed, undone
+    monkeypatch.setattr(scale_mod, "execute_scale", lambda *a, **kw: pytest.fail("a row not as printed was walked"))
+    with pytest.raises(Refused) as e:
+        sw.scale_live(fleet, state, lambda s: None)(printed["5:1"].topology, printed["5:1"])
+    msg = e.value.message
+    assert ("the row's change planned now, from revision 1, is not the one printed (planned from revision 2, the one "
+            "the row before is to record (forecast))") in msg
+    assert "nothing of it was run" in msg and "the steps differ" in msg and "printed only: " in msg
+    assert state.current() == 1
+    # and a row whose record is the forecast one differs in nothing
+    from pdops.ops.sweep.rows import differences, plan_row
+    assert differences(printed["3:1"], plan_row(fleet, "3:1", printed["3:1"].topology, state)) == []
 
 
 def test_each_cells_bench_is_named_by_its_step_before_it_runs_even_when_it_fails(tmp_path):
@@ -435,7 +488,7 @@ def test_each_cells_bench_is_named_by_its_step_before_it_runs_even_when_it_fails
             raise RuntimeError("the gateway refused every request")
         return figs(1e6, run.concurrency)
 
-    sw.execute_sweep(small_plan(), scale_to=lambda t: None, run_cell=run_cell, record=state,
+    sw.execute_sweep(small_plan(), scale_to=lambda t, row: None, run_cell=run_cell, record=state,
                      out_dir=tmp_path / "out", say=lambda s: None, plots=False, op="sweep-ops")
     runs = [r for r in state.journal().read("sweep-ops") if r["step"].startswith("sweep-run")]
     assert [r["evidence"]["op"] for r in runs] == given and len(set(given)) == len(given)
