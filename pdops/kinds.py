@@ -104,7 +104,8 @@ KINDS: dict[str, Kind] = {
     "bench-write": Kind("pdops.ops.bench.run:do_bench_write", gives=("bench_result",), needs=("bench_rows", "bench_check")),
     # pdops.ops.sweep.execute
     "open-matrix": Kind("pdops.ops.sweep.execute:do_open_matrix", gives=("sweep_matrix",)),
-    "sweep-scale": Kind("pdops.ops.sweep.execute:do_sweep_scale", gives=("sweep_failed_rows",), needs=("sweep_matrix",)),
+    "sweep-scale": Kind("pdops.ops.sweep.execute:do_sweep_scale", gives=("sweep_failed_rows",),
+                        needs=("sweep_matrix", "sweep_failed_rows?")),
     "sweep-run": Kind("pdops.ops.sweep.execute:do_sweep_run", needs=("sweep_matrix", "sweep_failed_rows?")),
     "write-matrix": Kind("pdops.ops.sweep.execute:do_write_matrix", needs=("sweep_matrix?",)),
     # pdops.steps.targets

@@ -101,7 +101,8 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
             raise InvalidInput(name, "missing", fix="e.g. inv sweep --budget 96 --ratios 2:1,3:1,5:1 --concurrency 8,16,32")
     inv = load_inventory(inventory)
     wl = _workload(inv.profile, workload)
-    record = rec.open_record(inv)
+    # a dry run may plan from this machine's cached copy of the record when its store is unreachable
+    record = rec.open_record(inv, cached_ok=bool(dry_run))
     op = new_op_id("sweep")  # the sweep's operation in the journal, and its folder's name
     folder = Path(out) if out else record.path / "sweeps" / op
     plan = sw.plan_sweep(budget, ratios, concurrency, wl, gpus_per_instance=inv.profile.gpus_per_instance, inv=inv,
@@ -109,6 +110,9 @@ def sweep(c, budget=None, ratios=None, concurrency=None, inventory=DEFAULT_INVEN
                          min_gain=sw.DEFAULT_MIN_GAIN if min_gain is None else min_gain, requests=requests,
                          duration=duration, ignore_eos=ignore_eos, timeout_s=_num(timeout, "--timeout"))
     print(plan.render())
+    banner = getattr(record, "cache_banner", lambda: None)()
+    if banner:  # the rows were planned from this machine's cached copy (a dry run only)
+        print(banner)
     if dry_run:
         return
     m = sw.operate_sweep(plan, inv, record, op=op)

@@ -9,10 +9,11 @@ scale failed). The cluster is reached through the seams of :class:`SweepContext`
 :func:`operate_sweep`) or a test's fakes.
 
 Which failures stop the walk: none of a row's scale or of a run. A scale that fails (raises any
-Exception) is recorded as the state of the row's cells, with the reason, and listed as not
-verified; the row's runs are journalled as not run; the sweep goes on with the next row, which
-runs only if, planned again from the record as it is then, it is the change printed for it
-(pdops.ops.sweep.rows.replan: after a failed row it is not, and it fails naming why). A run that fails is recorded in its cell. What stops the
+Exception, a row planned again that is not the printed one included: pdops.ops.sweep.rows.replan)
+is recorded as the state of the row's cells, with the reason, and listed as not verified; the
+row's runs are journalled as not run. The rows after it were planned from the revision it was to
+record, which never came: each is journalled as not run, its cells not tried, with the reason (the
+matrix keeps what the rows before measured). A run that fails is recorded in its cell. What stops the
 walk is what is no measurement failure: Ctrl-C (the `always` step still writes the matrix and the
 plots), a step the runner itself refuses (a pdops bug: the plan's check, an unknown kind), and
 a matrix that cannot be written (`open-matrix`; a later write raises from its step: a sweep
@@ -119,9 +120,24 @@ def do_open_matrix(ctx: SweepContext, step: Step) -> Outcome:
 def do_sweep_scale(ctx: SweepContext, step: Step) -> Outcome:
     """Bring the cluster to the row's topology through the `scale_to` seam (and `verify`, if given).
     A failure is the row's outcome, not the walk's: its cells are recorded failed with the reason,
-    the failure is listed as not verified, and the ratio is given in `sweep_failed_rows`."""
+    the failure is listed as not verified, and the ratio is given in `sweep_failed_rows`. A row
+    planned from a forecast revision is not run once an earlier row failed (that revision never
+    came): its cells are recorded not tried, with the reason, and its ratio given too."""
     m: Matrix = ctx.get(step, "sweep_matrix")
     ratio, topo = step.params["ratio"], parse_topology(step.params["topology"])
+    row, failed = step.params.get("plan"), ctx.get(step, "sweep_failed_rows") or {}
+    if failed and row is not None and row.forecast:
+        why = (f"not run: its {row.how} was planned from revision {row.basis}, which the rows before it were to "
+               f"record, and row {', '.join(failed)} failed; run the sweep again for the rows left")
+        ctx.say(f"[{ratio}] {why}")
+        cells = [c for c in m.cells if c.ratio == ratio and c.state == PLANNED]
+        for c in cells:
+            c.state, c.reason = NOT_TRIED, why
+        ctx.give(step, "sweep_failed_rows", {ratio: why})
+        write_matrix(m, Path(step.params["out_dir"]), plots=False)
+        return Outcome("noop", evidence={"topology": str(topo), "scaled": False, "reason": why,
+                                         "cells_not_tried": [f"{c.ratio}/C{c.concurrency}" for c in cells]},
+                       unverified=[f"{ratio} ({topo}) not measured: {why}"], reason=why)
     ctx.say(f"[{ratio}] scaling to {topo}")
     try:
         walked = ctx.scale_to(topo, step.params.get("plan")) or {}
@@ -212,14 +228,14 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, reco
     of `record` (its lock, its journal), and return the matrix it filled. `out_dir`,
     `plots` and `min_gain` given here replace the plan's own before its steps are made.
 
-    The seams: `scale_to(topology)` brings the cluster to a topology (verified) or raises, and may
-    return what it walked; `verify(topology)` proves it; `run_cell(CellRun)` returns Figures or a
+    The seams: `scale_to(topology, row)` brings the cluster to a topology as the row printed it
+    (verified) or raises, and may return what it walked; `verify(topology)` proves it; `run_cell(CellRun)` returns Figures or a
     BenchResult. They run inside the steps, under this lock, so they must not take it themselves
     (:func:`scale_live` does not).
 
     The lock is held for the whole walk, not per row: a bench run measures the cluster the sweep
     scaled, so no other operator's change may land between a row's scale and its last run, nor
-    between rows (the next row is planned from the revision the previous one left). The shared
+    between rows (the next row was planned from the revision the previous one is to record). The shared
     record also journals only through the lock's session: every step of the walk needs it held."""
     changes: dict = {}
     if out_dir is not None:

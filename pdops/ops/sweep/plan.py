@@ -209,20 +209,22 @@ class SweepPlan:
                       + (f", {skip} not tried with the reason" if skip else "") + "), in matrix.json now and again "
                       "after every run (an interrupted sweep keeps what it measured)",
                       kind="open-matrix", params={"out_dir": out, "matrix": self._matrix_doc()})]
-        for ratio in self.ratios:
-            topo = self.topologies.get(ratio)
+        todo = [r for r in self.ratios if self.topologies.get(r) is not None
+                and any(c.ratio == r and c.state == PLANNED for c in self.cells)]
+        for ratio in todo:
+            topo = self.topologies[ratio]
             cells = [c for c in self.cells if c.ratio == ratio and c.state == PLANNED]
-            if topo is None or not cells:
-                continue
             runs = len(cells) * self.repeats
+            later = ratio != todo[-1] and bool(self.rows)
             row = self.rows.get(ratio)
             how = (f"{row.summary()}: the steps below, planned again from the record when this step starts and "
                    "walked only if they are the ones printed (else none of them runs)" if row is not None
                    else f"deploy or change to {topo} (not planned: the sweep was planned without the record)")
             steps.append(Step(
                 f"sweep-scale {topo}", None,
-                f"{ratio}: {how}; if it fails, the row's {runs} run(s) are not made, its cells are recorded failed "
-                "with the reason, and the sweep goes on",
+                f"{ratio}: {how}; if it fails, the row's {runs} run(s) are not made and its cells are recorded failed "
+                "with the reason" + ("; the rows after it, planned from the revision it was to record, are then not "
+                                     "run (their cells not tried, with the reason)" if later else ""),
                 kind="sweep-scale", params={"ratio": ratio, "topology": topo, "out_dir": out,
                                             **({"plan": row} if row is not None else {})},
                 verifies=f"the cluster runs {topo}"))
@@ -251,9 +253,10 @@ class SweepPlan:
         notes = list(self.notes) + [
             "each row's deploy or change is walked inside its step, under the sweep's lock, as an operation of its "
             "own in the journal (its own plan record, steps and verdict), allowed to dip capacity: the sweep owns the "
-            "cluster",
+            "cluster"] + ([
             "a row planned from a forecast revision names each worker by its URL (its id is known once the row before "
-            "it has registered it) and numbers revisions as the next free ones"]
+            "it has registered it); its revision numbers are the next after the record's last (the record may give "
+            "others)"] if any(r.forecast for r in self.rows.values()) else [])
         return Plan("sweep", f"plan: sweep {self.workload} on a fixed budget of {self.budget} GPUs under the cluster "
                     "lock", steps, notes=notes, always=always, always_on_interrupt=True,
                     head={"budget": self.budget, "instances": n, "workload": self.workload, "ratios": self.ratios,

@@ -6,14 +6,14 @@ change (allowed to dip capacity: the sweep owns the cluster). The first row is p
 record as it is; each later row from the revision the row before it is to record, forecast by that
 row's own record function writing to a :class:`pdops.record.forecast.Forecast` (never to the record).
 A forecast cannot know what only running gives (worker ids, MainPIDs): its plans name a worker by
-its URL, and their revision numbers are the next free ones.
+its URL, and their revision numbers follow the record's last (the record may give others).
 
 When a row starts, it is planned again from the record as it is then (:func:`plan_row`, the same
 function) and walked only if its decisions are the printed ones (:func:`differences`: the deploy or
 change, the target placement, every rendered file, every step by id, kind and host, rescue and
-always steps included). Otherwise nothing of it runs: the row fails with the differences named, as
-after a row that failed (its change undone or halted: the next row was forecast from a revision
-that was never recorded).
+always steps included). Otherwise nothing of it runs: the row fails with the differences named.
+After a row that failed, the rows planned from the revision it was to record are not tried at all
+(pdops.ops.sweep.execute.do_sweep_scale).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def test_sweep_and_bench_tasks_refuse_bad_input_with_exit_2(capsys, monkeypatch,
     from pdops.record.local import StateDir
 
     # the fleet's record is on a host off this machine: the sweep's plan reads a local one instead
-    monkeypatch.setattr(cli.rec, "open_record", lambda inv: StateDir(inv.cluster, tmp_path / "state"))
+    monkeypatch.setattr(cli.rec, "open_record", lambda inv, **kw: StateDir(inv.cluster, tmp_path / "state"))
 
     with pytest.raises(Exit) as e:
         cli.sweep(Context(), budget="96", ratios="2:1", concurrency="0", inventory="inventory/rtx6000d", dry_run=True)

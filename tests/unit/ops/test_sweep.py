@@ -304,7 +304,7 @@ def test_the_dry_run_lists_every_step_and_the_always_step(capsys, tmp_path, monk
     assert "whatever the outcome, last (always):\n  A1. write-matrix — " in text
     assert "13:1: not tried: 13:1 needs at least 14 instances" in text and "uses: sweep_matrix (step 1)" in text
     # the CLI prints the same plan and runs nothing with --dry-run
-    monkeypatch.setattr(cli_bench.rec, "open_record", lambda inv: StateDir(inv.cluster, tmp_path / "state"))
+    monkeypatch.setattr(cli_bench.rec, "open_record", lambda inv, **kw: StateDir(inv.cluster, tmp_path / "state"))
     cli_bench.sweep(Context(), budget=32, ratios="3:1,1:1", concurrency="1,16", duration=6, dry_run=True,
                     inventory=str(Path(__file__).resolve().parents[3] / "inventory" / "lab"), out=str(tmp_path / "s"))
     out = capsys.readouterr().out
@@ -449,9 +449,9 @@ def test_each_row_is_planned_again_when_it_starts_and_walked_only_as_printed(fle
     assert got["revision"] == 2 and got["how"] == f"changed as {got['op']}" and got["op"].startswith("scale-")
     assert [w[:2] for w in walked] == [("deploy", "8p4d"), ("scale", "plan: scale: rtx6000d from revision 1 (8p4d) to 9p3d")]
     assert any("the change planned again from revision 1 is the one printed, step for step" in ln for ln in said)
-    # the third row's change fails: the record stays at revision 2 (its rescue undid it)
+    # the third row, forecast from revision 2, is planned again from the recorded revision 2 and walked
     scale_to(topo["5:1"], printed["5:1"])
-    assert len(walked) == 3 and state.current() == 2
+    assert walked[2][:2] == ("scale", "plan: scale: rtx6000d from revision 2 (9p3d) to 10p2d")
 
 
 def test_a_row_forecast_from_a_revision_that_was_never_recorded_is_not_walked(fleet, tmp_path, monkeypatch):
@@ -494,3 +494,90 @@ def test_each_cells_bench_is_named_by_its_step_before_it_runs_even_when_it_fails
     assert [r["evidence"]["op"] for r in runs] == given and len(set(given)) == len(given)
     assert all(op.startswith("bench-") for op in given)
     assert any(r["evidence"].get("error") and r["evidence"]["op"] for r in runs)
+
+
+def test_after_a_failed_row_the_rows_planned_from_it_are_not_run_and_their_cells_say_why(fleet, tmp_path):
+    """Row 2's change fails: row 3 was planned from the revision row 2 was to record, which never came.
+    It is not run (no scale, no bench), its cells are not tried with the reason, and the matrix keeps
+    what row 1 measured."""
+    state = StateDir("fleet", tmp_path / "state")
+    plan = sw.plan_sweep(96, "2:1,3:1,5:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    assert "the rows after it, planned from the revision it was to record, are then not run" in \
+        plan.plan.steps[1].description
+    assert "are then not run" not in plan.plan.steps[5].description  # the last row has none after it
+    scaled = []
+
+    def scale_to(topo, row):
+        scaled.append((str(topo), row.how, row.basis))
+        if str(topo) == "9p3d":
+            raise Unverified("p09 did not become healthy")
+
+    m = sw.execute_sweep(plan, scale_to=scale_to, run_cell=lambda r: figs(1e6, r.concurrency), record=state,
+                         out_dir=tmp_path / "out", say=lambda s: None, plots=False, op="sweep-cascade")
+    assert scaled == [("8p4d", "deploy", None), ("9p3d", "change", 1)]
+    assert m.cell("2:1", 8).state == sw.MEASURED and m.cell("3:1", 8).state == sw.FAILED
+    last = m.cell("5:1", 8)
+    assert last.state == sw.NOT_TRIED and last.runs == []
+    assert last.reason.startswith("not run: its change was planned from revision 2, which the rows before it were "
+                                  "to record, and row 3:1 failed")
+    st = {r["step"]: r for r in state.journal().read("sweep-cascade")}
+    assert st["sweep-scale 10p2d"]["status"] == "noop" and st["sweep-run 10p2d C8 r1"]["status"] == "noop"
+    assert st["sweep-scale 10p2d"]["evidence"]["cells_not_tried"] == ["5:1/C8"]
+    assert st["verdict"]["evidence"]["cells"] == {"measured": 1, "failed": 1, "not_tried": 1, "planned": 0}
+    assert sw.load_matrix(tmp_path / "out").cell("5:1", 8).state == sw.NOT_TRIED
+
+
+def test_a_row_already_running_is_nothing_to_change_and_the_next_is_planned_from_the_real_revision(
+        fleet, tmp_path, monkeypatch):
+    from pdops.ops import scale as scale_mod
+
+    state = StateDir("fleet", tmp_path / "state")
+    first = sw.plan_sweep(96, "2:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    _record_row(state, "deploy", first.plan.steps[1].params["plan"].plan, fleet)  # 8p4d runs, revision 1
+    plan = sw.plan_sweep(96, "2:1,3:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    rows = [s.params["plan"] for s in plan.plan.steps if s.kind == "sweep-scale"]
+    assert [(r.how, r.basis, r.forecast) for r in rows] == [("nothing", 1, False), ("change", 1, False)]
+    text = plan.render()
+    assert "2:1: nothing to change (8p4d runs), planned from revision 1" in text
+    assert not any("forecast revision" in n for n in plan.plan.notes)  # no row is planned from a forecast
+    monkeypatch.setattr(scale_mod, "execute_scale", lambda *a, **kw: pytest.fail("nothing to change was walked"))
+    got = sw.scale_live(fleet, state, lambda s: None)(rows[0].topology, rows[0])
+    assert got["op"] is None and got["how"].startswith("nothing to change") and got["revision"] == 1
+
+
+def test_a_sweep_no_row_of_which_can_be_planned_from_the_record_is_refused(fleet, tmp_path):
+    """6p6d runs with every host cordoned: no change to another topology can place its new instances.
+    The sweep is refused before anything runs, naming each row's reason; nothing is recorded."""
+    import json
+
+    from pdops.ops.sweep.rows import plan_row
+
+    state = StateDir("fleet", tmp_path / "state")
+    row = plan_row(fleet, "1:1", sw.topology_for_ratio(96, 8, sw.parse_ratios("1:1")[0])[0], state)
+    n = _record_row(state, "deploy", row.plan, fleet)
+    doc = json.loads(state.revision_file(n).read_text())
+    doc["extra"]["cordoned"] = [h.name for h in fleet.hosts]
+    state.revision_file(n).write_text(json.dumps(doc))
+    with pytest.raises(Refused) as e:
+        sw.plan_sweep(96, "2:1,3:1", "8", "160k/1300", gpus_per_instance=8, inv=fleet, record=state)
+    assert e.value.message.startswith("no row of the sweep can be planned from the record: 2:1: its change cannot "
+                                      "be planned: --topology: 8p4d needs 12 instances")
+    assert "; 3:1: its change cannot be planned: " in e.value.message and e.value.message.endswith("nothing was run")
+    assert state.revision_numbers() == [1] and state.current() == 1
+
+
+def test_differences_name_what_is_not_as_printed(fleet, tmp_path):
+    import dataclasses
+
+    from pdops.ops.sweep.rows import differences, plan_row
+
+    state = StateDir("fleet", tmp_path / "state")
+    row = plan_row(fleet, "2:1", sw.topology_for_ratio(96, 8, sw.parse_ratios("2:1")[0])[0], state)
+    assert differences(row, row) == []
+    f0 = row.plan.files[0]
+    edited = dataclasses.replace(row, plan=dataclasses.replace(
+        row.plan, files=[dataclasses.replace(f0, content=f0.content + "#")] + row.plan.files[1:]))
+    assert differences(row, edited) == [f"1 rendered file(s) differ: {f0.host}:{f0.path}"]
+    other = plan_row(fleet, "1:1", sw.topology_for_ratio(96, 8, sw.parse_ratios("1:1")[0])[0], state)
+    diff = differences(row, other)
+    assert diff[0] == "the target placement differs" and any(d.startswith("the steps differ") for d in diff)
