@@ -365,19 +365,3 @@ def running_evidence(pool: HostPool, inv: Inventory, pl: Placement, files: list[
         raise Unverified("not every process runs this revision's files: " + "; ".join(bad),
                          fix="nothing was recorded; `inv deploy` again plans a replace of what runs other files")
     return out
-
-
-def configs_of(running: dict) -> dict[str, str]:
-    return {k: v["config"] for k, v in sorted(running.items()) if v.get("config")}
-
-
-def processes_of(running: dict, inv: Inventory) -> dict:
-    """What a revision records of the processes verify-running read: {"gateway_main_pids": {host: N}}
-    (a gateway MainPID that differs later means systemd, or someone, restarted it) and
-    {"main_starts": {"host:unit": [MainPID, start]}}: when each unit's main process started (systemd's
-    ExecMainStartTimestampMonotonic, µs), so that a process started again with the same PID (PIDs are
-    small and repeat after a reboot) is not taken for the recorded one (pdops.reads.observe)."""
-    pids = {h: (running.get(f"{h}:{GATEWAY_UNIT}") or {}).get("main_pid") for h in inv.gateway.hosts}
-    pids = {h: p for h, p in pids.items() if p}
-    starts = {k: [v["main_pid"], v["started_us"]] for k, v in sorted(running.items()) if v.get("started_us")}
-    return {**({"gateway_main_pids": pids} if pids else {}), **({"main_starts": starts} if starts else {})}

@@ -11,8 +11,7 @@ from pdops.model.render import SLICE_UNIT, UNIT_DIR, snapshot_of, snapshot_subse
 from pdops.plans import Outcome, Step
 from pdops.reads.looks import move_baseline
 from pdops.runner import RunContext
-from pdops.steps.actions import configs_of, processes_of
-from pdops.steps.revisions import record_deploy
+from pdops.steps.revisions import configs_of, processes_of, record_deploy
 
 
 def do_record_drain(ctx: RunContext, step: Step) -> Outcome:

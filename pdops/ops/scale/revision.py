@@ -8,7 +8,7 @@ from __future__ import annotations
 from pdops.model.placement import Placement, last_bootstrap_ports
 from pdops.model.render import manifest, snapshot_of
 from pdops.record.local import Revision, StateDir
-from pdops.steps.actions import configs_of, processes_of
+from pdops.steps.revisions import configs_of, processes_of
 
 from pdops.ops.scale.change import ChangeFacts, instance_files
 

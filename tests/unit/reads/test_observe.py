@@ -9,7 +9,7 @@ import pytest
 
 from pdops.reads.observe import observe
 from pdops.ops import deploy as dep
-from pdops.steps.actions import processes_of
+from pdops.steps.revisions import processes_of
 from pdops.model import membership
 from pdops.errors import PdopsError, Refused, Unreachable
 from pdops.facts.gateway import Worker
