@@ -127,35 +127,36 @@ def do_sweep_scale(ctx: SweepContext, step: Step) -> Outcome:
     ratio, topo = step.params["ratio"], parse_topology(step.params["topology"])
     row, failed = step.params.get("plan"), ctx.get(step, "sweep_failed_rows") or {}
     if failed and row is not None and row.forecast:
-        why = (f"not run: its {row.how} was planned from revision {row.basis}, which the rows before it were to "
-               f"record, and row {', '.join(failed)} failed; run the sweep again for the rows left")
-        ctx.say(f"[{ratio}] {why}")
-        cells = [c for c in m.cells if c.ratio == ratio and c.state == PLANNED]
-        for c in cells:
-            c.state, c.reason = NOT_TRIED, why
-        ctx.give(step, "sweep_failed_rows", {ratio: why})
-        write_matrix(m, Path(step.params["out_dir"]), plots=False)
-        return Outcome("noop", evidence={"topology": str(topo), "scaled": False, "reason": why,
-                                         "cells_not_tried": [f"{c.ratio}/C{c.concurrency}" for c in cells]},
-                       unverified=[f"{ratio} ({topo}) not measured: {why}"], reason=why)
+        return _row_not_measured(ctx, step, m, NOT_TRIED, (
+            f"not run: its {row.how} was planned from revision {row.basis}, which the rows before it were to "
+            f"record, and row {', '.join(failed)} failed; run the sweep again for the rows left"))
     ctx.say(f"[{ratio}] scaling to {topo}")
     try:
-        walked = ctx.scale_to(topo, step.params.get("plan")) or {}
+        walked = ctx.scale_to(topo, row) or {}
         if ctx.verify is not None:
             ctx.verify(topo)
     except Exception as exc:  # noqa: BLE001 - the row failed: recorded, and the sweep goes on (module docstring)
-        why = f"scale to {topo} failed: {_error_text(exc)}"
-        ctx.say(f"[{ratio}] {why}")
-        cells = [c for c in m.cells if c.ratio == ratio and c.state == PLANNED]
-        for c in cells:
-            c.state, c.reason = FAILED, why
-        ctx.give(step, "sweep_failed_rows", {ratio: why})
-        write_matrix(m, Path(step.params["out_dir"]), plots=False)
-        return Outcome("failed", evidence={"topology": str(topo), "scaled": False, "error": why,
-                                 "cells_failed": [f"{c.ratio}/C{c.concurrency}" for c in cells]},
-                       unverified=[f"{ratio} ({topo}) not measured: {why}"])
+        return _row_not_measured(ctx, step, m, FAILED, f"scale to {topo} failed: {_error_text(exc)}")
     return Outcome(evidence={"topology": str(topo), "scaled": True, **walked},
                    verified=[f"the cluster runs {topo}" + (f" ({walked['how']})" if walked.get("how") else "")])
+
+
+def _row_not_measured(ctx: SweepContext, step: Step, m: Matrix, state: str, why: str) -> Outcome:
+    """The row's planned cells recorded `state` (FAILED: its scale failed; NOT_TRIED: not run) with
+    `why`, its ratio given in `sweep_failed_rows` (its runs are then not made), matrix.json written."""
+    ratio, topo = step.params["ratio"], step.params["topology"]
+    ctx.say(f"[{ratio}] {why}")
+    cells = [c for c in m.cells if c.ratio == ratio and c.state == PLANNED]
+    for c in cells:
+        c.state, c.reason = state, why
+    ctx.give(step, "sweep_failed_rows", {ratio: why})
+    write_matrix(m, Path(step.params["out_dir"]), plots=False)
+    named = [f"{c.ratio}/C{c.concurrency}" for c in cells]
+    if state == FAILED:
+        return Outcome("failed", evidence={"topology": topo, "scaled": False, "error": why, "cells_failed": named},
+                       unverified=[f"{ratio} ({topo}) not measured: {why}"])
+    return Outcome("noop", evidence={"topology": topo, "scaled": False, "reason": why, "cells_not_tried": named},
+                   unverified=[f"{ratio} ({topo}) not measured: {why}"], reason=why)
 
 
 def do_sweep_run(ctx: SweepContext, step: Step) -> Outcome:
