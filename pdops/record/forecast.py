@@ -9,9 +9,9 @@ what it will write to the real one. Nothing is ever written to the real record t
 What a forecast revision cannot know is what only running gives: the gateway's worker ids, the
 processes' MainPIDs, the build folder. They are left out (None), so a plan made from it names a
 worker "by its URL" where the real one will name its id. Its revision numbers follow the record's
-last complete one; the record may give another (a crash's leftover folder takes a number). A forecast plan is printed, never walked: when its row
-starts, the row is planned again from the real record and walked only if it is the printed one
-(pdops.ops.sweep.rows).
+last complete one; the record may give another (a crash's leftover folder takes a number). A
+forecast plan is printed, never walked: when its row starts, the row is planned again from the real
+record and walked only if it is the printed one (pdops.ops.sweep.rows).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Exception, a row planned again that is not the printed one included: pdops.ops.s
 is recorded as the state of the row's cells, with the reason, and listed as not verified; the
 row's runs are journalled as not run. The rows after it were planned from the revision it was to
 record, which never came: each is journalled as not run, its cells not tried, with the reason (the
-matrix keeps what the rows before measured). A run that fails is recorded in its cell. What stops the
-walk is what is no measurement failure: Ctrl-C (the `always` step still writes the matrix and the
+matrix keeps what the rows before measured). A run that fails is recorded in its cell. What stops
+the walk is what is no measurement failure: Ctrl-C (the `always` step still writes the matrix and the
 plots), a step the runner itself refuses (a pdops bug: the plan's check, an unknown kind), and
 a matrix that cannot be written (`open-matrix`; a later write raises from its step: a sweep
 whose figures cannot be kept is not worth going on with).
@@ -230,14 +230,14 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, reco
     `plots` and `min_gain` given here replace the plan's own before its steps are made.
 
     The seams: `scale_to(topology, row)` brings the cluster to a topology as the row printed it
-    (verified) or raises, and may return what it walked; `verify(topology)` proves it; `run_cell(CellRun)` returns Figures or a
-    BenchResult. They run inside the steps, under this lock, so they must not take it themselves
-    (:func:`scale_live` does not).
+    (verified) or raises, and may return what it walked; `verify(topology)` proves it;
+    `run_cell(CellRun)` returns Figures or a BenchResult. They run inside the steps, under this lock,
+    so they must not take it themselves (:func:`scale_live` does not).
 
     The lock is held for the whole walk, not per row: a bench run measures the cluster the sweep
     scaled, so no other operator's change may land between a row's scale and its last run, nor
-    between rows (the next row was planned from the revision the previous one is to record). The shared
-    record also journals only through the lock's session: every step of the walk needs it held."""
+    between rows (the next row was planned from the revision the previous one is to record). The
+    shared record also journals only through the lock's session: every step of the walk needs it held."""
     changes: dict = {}
     if out_dir is not None:
         changes["out_dir"] = str(out_dir)

@@ -88,7 +88,8 @@ def forecast_rows(inv, rows: list[tuple[str, Topology]], record) -> tuple[dict[s
         try:
             row = plan_row(inv, ratio, topo, fc)
         except (InvalidInput, Refused) as exc:
-            refused[ratio] = f"its {'change' if fc.current() is not None else 'deploy'} cannot be planned: {exc.message}"
+            what = "change" if fc.current() is not None else "deploy"
+            refused[ratio] = f"its {what} cannot be planned: {exc.message}"
             continue
         out[ratio] = row
         if row.how == DEPLOY:
@@ -112,7 +113,8 @@ def differences(printed: Row, now: Row) -> list[str]:
                     for p in set(a["files"].get(h, {})) | set(b["files"].get(h, {}))
                     if a["files"].get(h, {}).get(p) != b["files"].get(h, {}).get(p)})
     if files:
-        out.append(f"{len(files)} rendered file(s) differ: {', '.join(files[:3])}" + (", ..." if len(files) > 3 else ""))
+        out.append(f"{len(files)} rendered file(s) differ: {', '.join(files[:3])}"
+                   + (", ..." if len(files) > 3 else ""))
     if a["steps"] != b["steps"]:
         gone = [s[0] for s in a["steps"] if s not in b["steps"]]
         new = [s[0] for s in b["steps"] if s not in a["steps"]]
