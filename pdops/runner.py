@@ -210,7 +210,7 @@ def walk_body(plan: Plan, ctx: RunContext) -> dict:
                 exc.verdict_line = failure_line(plan.failure_line)(ctx, plan)
             except Exception as bug:  # noqa: BLE001 - the walk's own failure is what is raised, never hidden
                 exc.verdict_line = (f"verdict: its line ({plan.failure_line}) could not be written "
-                                    f"({type(bug).__name__}: {bug}): see the journal, `inv history --op {ctx.op}`")
+                                    f"({type(bug).__name__}: {bug}): see the journal, `inv journal --op {ctx.op}`")
         raise
     last = ctx.always_outcome = run_rescue(plan.always, ctx, label="always")
     verdict["verified"] += last["verified"]

@@ -183,7 +183,7 @@ def halted_change_line(ctx: RunContext, plan: Plan) -> str:
     was not (pdops.kinds.FAILURE_LINES "halted-change"). A rescue that did not get as far says so."""
     r = ctx.output("halt_record")
     if not r:
-        return (f"verdict: the rescue did not finish (see the journal: `inv history --op {ctx.op}`); "
+        return (f"verdict: the rescue did not finish (see the journal: `inv journal --op {ctx.op}`); "
                 "read `inv status`")
     if r["how"] == "rolling":
         line = (f"verdict: the rollout halted; replaced with the new files: {', '.join(r['replaced']) or 'none'}; "

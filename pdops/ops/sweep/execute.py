@@ -42,6 +42,8 @@ from pdops.ops.sweep.matrix import Matrix, write_matrix
 from pdops.ops.sweep.rows import DEPLOY, NOTHING, Row, replan
 from pdops.ops import deploy as dep, scale as scale_mod
 from pdops.remote.hosts import connections
+from pdops.reads.observation import Seen
+from pdops.reads.observe import observe
 
 
 @dataclass(frozen=True)
@@ -263,24 +265,37 @@ def execute_sweep(plan: SweepPlan, *, scale_to: ScaleTo, run_cell: RunCell, reco
     return got["matrix"]
 
 
+def serving_now(inv, rev, conns: dict) -> Seen:
+    """Which instances of revision `rev` serve now and which gateways answer, read from the hosts and the
+    gateways (pdops.reads.observe)."""
+    return Seen.of(observe(inv, rev, **conns))
+
+
 def scale_live(inv, record, say: Say = print) -> ScaleTo:
     """The live `scale_to` seam, for a sweep walked under `record`'s lock (which it does not take):
     the row's deploy (nothing live) or change (allowed to dip capacity: the sweep owns the cluster, no
     traffic to protect, and 3p1d -> 2p2d on four hosts must free a host before placing its new
-    instance), planned again from the record as it is now and walked only if it is the printed one
+    instance), planned again from the record and what serves now (:func:`serving_now`) and walked only
+    if it is the printed one
     (pdops.ops.sweep.rows.replan; else Refused, nothing run), with `execute_deploy` or `execute_scale`
     as an operation of its own in the journal, on connections opened for it. Returns what it walked:
     {how, op, revision}."""
 
     def scale_to(topo: Topology, printed: Row | None) -> dict:
-        row = replan(inv, printed, topo, record)
-        if row.how == NOTHING:
-            say(f"[{row.ratio}] nothing to change: {row.plan.noop}")
-            return {"how": f"nothing to change: {row.plan.noop}", "op": None, "revision": record.current()}
-        op = new_op_id("deploy" if row.how == DEPLOY else row.plan.operation)
-        say(f"[{row.ratio}] the {row.how} planned again from {row.origin()} is the one printed, step for step: "
-            f"walked as {op}")
         with connections(inv) as conns:
+            rev = record.current_revision()
+            # what serves now, read from the hosts and the gateway: a row is "nothing to change" only when
+            # every instance of the revision serves, and one that does not makes the row another change
+            seen = None if rev is None else serving_now(inv, rev, conns)
+            row = replan(inv, printed, topo, record, seen)
+            if row.how == NOTHING:
+                say(f"[{row.ratio}] nothing to change: {row.plan.noop}; every instance of revision {rev.number} "
+                    "serves (read now)")
+                return {"how": f"nothing to change: {row.plan.noop}; every instance serves (read now)", "op": None,
+                        "revision": rev.number}
+            op = new_op_id("deploy" if row.how == DEPLOY else row.plan.operation)
+            say(f"[{row.ratio}] the {row.how} planned again from {row.origin()} is the one printed, step for step: "
+                f"walked as {op}")
             if row.how == DEPLOY:
                 v = dep.execute_deploy(row.plan, say, op=op, **conns)
             else:

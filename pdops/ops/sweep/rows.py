@@ -8,8 +8,9 @@ row's own record function writing to a :class:`pdops.record.forecast.Forecast` (
 A forecast cannot know what only running gives (worker ids, MainPIDs): its plans name a worker by
 its URL, and their revision numbers follow the record's last (the record may give others).
 
-When a row starts, it is planned again from the record as it is then (:func:`plan_row`, the same
-function) and walked only if its decisions are the printed ones (:func:`differences`: the deploy or
+When a row starts, it is planned again from the record and what serves as they are then
+(:func:`plan_row`, the same function: an instance that does not serve now is replaced, so the row
+differs) and walked only if its decisions are the printed ones (:func:`differences`: the deploy or
 change, the target placement, every rendered file, every step by id, kind and host, rescue and
 always steps included). Otherwise nothing of it runs: the row fails with the differences named.
 After a row that failed, the rows planned from the revision it was to record are not tried at all
@@ -27,6 +28,7 @@ from pdops.ops.deploy.plan import plan_deploy
 from pdops.ops.scale.change import change_facts
 from pdops.ops.scale.operations import plan_scale
 from pdops.ops.scale.revision import record_change
+from pdops.reads.observation import Seen
 from pdops.record.forecast import Forecast
 from pdops.steps.revisions import record_deploy
 
@@ -68,13 +70,14 @@ class Row:
         return {"how": self.how, "placement": target.to_dict(), "files": manifest(self.plan.files), "steps": steps}
 
 
-def plan_row(inv, ratio: str, topology: Topology, record) -> Row:
-    """The row's deploy (nothing live) or change, from what `record` holds now (a forecast or the real one)."""
+def plan_row(inv, ratio: str, topology: Topology, record, seen: Seen | None = None) -> Row:
+    """The row's deploy (nothing live) or change, from what `record` holds now (a forecast or the real one)
+    and, when the row starts, what serves now (`seen`: an instance that does not serve is replaced)."""
     cur = record.current_revision()
     forecast = isinstance(record, Forecast) and record.is_forecast(record.current())
     if cur is None:
         return Row(ratio, topology, DEPLOY, plan_deploy(inv, topology, record), None, forecast)
-    plan = plan_scale(inv, topology, record, allow_capacity_dip=True)
+    plan = plan_scale(inv, topology, record, allow_capacity_dip=True, seen=seen)
     return Row(ratio, topology, NOTHING if plan.noop else CHANGE, plan, cur.number, forecast)
 
 
@@ -123,15 +126,20 @@ def differences(printed: Row, now: Row) -> list[str]:
     return out
 
 
-def replan(inv, printed: Row | None, topology: Topology, record) -> Row:
-    """The row planned again from the record as it is now; Refused, naming how, unless it is the printed one."""
+def replan(inv, printed: Row | None, topology: Topology, record, seen: Seen | None = None) -> Row:
+    """The row planned again from the record and what serves as it is now (`seen`); Refused, naming how,
+    unless it is the printed one."""
     if printed is None:
         raise PdopsError(f"a sweep row to {topology} without its printed plan: nothing was run",
                          fix="a pdops bug to report")
-    now = plan_row(inv, printed.ratio, topology, record)
+    now = plan_row(inv, printed.ratio, topology, record, seen)
     diff = differences(printed, now)
     if diff:
+        seen = seen or Seen()
+        observed = [f"{i} does not serve ({why})" for i, why in sorted(seen.not_serving.items())]
+        observed += [f"gateway {g} does not answer ({why})" for g, why in sorted(seen.gateways_down.items())]
         raise Refused(f"the row's {now.how} planned now, from {now.origin()}, is not the one printed (planned from "
-                      f"{printed.origin()}): {'; '.join(diff)}; nothing of it was run",
+                      f"{printed.origin()}): {'; '.join(diff)}"
+                      + (f"; observed now: {'; '.join(observed)}" if observed else "") + "; nothing of it was run",
                       fix="see the journal for the row before it; run the sweep again for the rows left")
     return now

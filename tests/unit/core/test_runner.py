@@ -414,7 +414,8 @@ def test_a_failed_walk_adds_the_line_its_plan_names_written_from_what_its_rescue
     with pytest.raises(Unverified) as got:
         walk(Plan("inner", "inner", [Step("boom", None, "", kind="boom")], failure_line="broken"), _ctx(tmp_path))
     assert got.value.message == "step broke" and got.value.verdict_line.startswith(
-        "verdict: its line (broken) could not be written (TypeError: ")
+        "verdict: its line (broken) could not be written (TypeError: ") and got.value.verdict_line.endswith(
+        "see the journal, `inv journal --op op-1`")  # a command that exists: `inv history` takes no --op
     registry.bind({"stop": lambda c, s: (_ for _ in ()).throw(KeyboardInterrupt())})
     with pytest.raises(KeyboardInterrupt):
         walk(Plan("demo", "t", [Step("stop", None, "", kind="stop")],

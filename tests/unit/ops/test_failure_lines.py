@@ -52,7 +52,7 @@ def test_a_change_halted_before_it_stopped_anything_says_what_is_not_back_and_no
 
 def test_a_rescue_that_recorded_nothing_points_at_the_journal_of_the_operation():
     assert halted_change_line(*_plan_ctx(None)) == ("verdict: the rescue did not finish (see the journal: "
-                                              "`inv history --op op-7`); read `inv status`")
+                                              "`inv journal --op op-7`); read `inv status`")
 
 
 def _record_halt(plan, state, outputs: dict):

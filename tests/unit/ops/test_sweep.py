@@ -14,6 +14,7 @@ import pytest
 from pdops.ops import sweep as sw
 from pdops.ops.bench import Figures
 from pdops.errors import InvalidInput, Refused, Unverified
+from pdops.reads.observation import Seen
 from pdops.record.local import StateDir
 
 # Field report 000, section 4.3: DS model, 160K/1300, 96 GPUs (12 instances of TP8), total TPM and TTFT p99.
@@ -437,6 +438,8 @@ def test_each_row_is_planned_again_when_it_starts_and_walked_only_as_printed(fle
         return {"revision": _record_row(state, "change", p, fleet) if str(p.target.topology) == "9p3d" else None}
 
     monkeypatch.setattr(sweep_exec, "connections", lambda inv: contextlib.nullcontext({}))  # no hosts here
+    read = []  # what serves is read before each row that starts from a live revision: here, all of it
+    monkeypatch.setattr(sweep_exec, "serving_now", lambda inv, rev, conns: read.append(rev.number) or Seen())
     monkeypatch.setattr(dep, "execute_deploy", deploy)
     monkeypatch.setattr(scale_mod, "execute_scale", change)
     monkeypatch.setattr(state, "lock", lambda *a, **kw: pytest.fail("the scale seam took the cluster lock"))
@@ -448,6 +451,7 @@ def test_each_row_is_planned_again_when_it_starts_and_walked_only_as_printed(fle
     got = scale_to(topo["3:1"], printed["3:1"])
     assert got["revision"] == 2 and got["how"] == f"changed as {got['op']}" and got["op"].startswith("scale-")
     assert [w[:2] for w in walked] == [("deploy", "8p4d"), ("scale", "plan: scale: rtx6000d from revision 1 (8p4d) to 9p3d")]
+    assert read == [1]  # nothing was live before the deploy
     assert any("the change planned again from revision 1 is the one printed, step for step" in ln for ln in said)
     # the third row, forecast from revision 2, is planned again from the recorded revision 2 and walked
     scale_to(topo["5:1"], printed["5:1"])
@@ -464,6 +468,7 @@ def test_a_row_forecast_from_a_revision_that_was_never_recorded_is_not_walked(fl
     printed = {s.params["ratio"]: s.params["plan"] for s in plan.plan.steps if s.kind == "sweep-scale"}
     _record_row(state, "deploy", printed["2:1"].plan, fleet)  # row 1 deployed; row 2 (9p3d) failed, undone
     monkeypatch.setattr(scale_mod, "execute_scale", lambda *a, **kw: pytest.fail("a row not as printed was walked"))
+    _no_hosts(monkeypatch, Seen())
     with pytest.raises(Refused) as e:
         sw.scale_live(fleet, state, lambda s: None)(printed["5:1"].topology, printed["5:1"])
     msg = e.value.message
@@ -541,8 +546,29 @@ def test_a_row_already_running_is_nothing_to_change_and_the_next_is_planned_from
     assert "2:1: nothing to change (8p4d runs), planned from revision 1" in text
     assert not any("forecast revision" in n for n in plan.plan.notes)  # no row is planned from a forecast
     monkeypatch.setattr(scale_mod, "execute_scale", lambda *a, **kw: pytest.fail("nothing to change was walked"))
+    _no_hosts(monkeypatch, Seen())  # every instance serves, read now
     got = sw.scale_live(fleet, state, lambda s: None)(rows[0].topology, rows[0])
     assert got["op"] is None and got["how"].startswith("nothing to change") and got["revision"] == 1
+    assert got["how"].endswith("every instance serves (read now)")
+    # the record says 8p4d runs, but d02's units are not running now: not "nothing to change", and not the
+    # row printed (its change would replace d02): refused, naming what was observed, nothing walked
+    _no_hosts(monkeypatch, Seen(not_serving={"d02": "units not running: gpu10:pdops-d02.service failed"},
+                                down=frozenset({"d02"})))
+    with pytest.raises(Refused) as e:
+        sw.scale_live(fleet, state, lambda s: None)(rows[0].topology, rows[0])
+    assert "the row's change planned now, from revision 1, is not the one printed" in e.value.message
+    assert "observed now: d02 does not serve (units not running: gpu10:pdops-d02.service failed)" in e.value.message
+    assert state.current() == 1
+
+
+def _no_hosts(monkeypatch, seen):
+    """The live seam's connections and its reading of what serves, for a cluster no test can reach."""
+    import contextlib
+
+    from pdops.ops.sweep import execute as sweep_exec
+
+    monkeypatch.setattr(sweep_exec, "connections", lambda inv: contextlib.nullcontext({}))
+    monkeypatch.setattr(sweep_exec, "serving_now", lambda inv, rev, conns: seen)
 
 
 def test_a_sweep_no_row_of_which_can_be_planned_from_the_record_is_refused(fleet, tmp_path):
